@@ -1,0 +1,231 @@
+"""Global prefill and the EventKV store: the second arrow of the data path.
+
+Global prefill runs the header and all events through the model once, causally, with the
+log's position ids (Study 1, "Setting"). Every layer's K/V rows are kept — sliding-window
+layers included, so that any event can later be served — together with their position ids
+and the event span index. An EventKV saves to disk (safetensors + a JSON manifest) so one
+prefill can answer many later queries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import DynamicCache
+
+from eventkv.errors import EventKVError
+from eventkv.log import HEADER_ID, TokenizedLog
+
+MANIFEST = "eventkv.json"
+TENSORS = "kv.safetensors"
+FORMAT_VERSION = 1
+
+
+def cache_kwarg(model) -> str:
+    """Name of the cache keyword of ``model.forward``: ``cache`` (transformers >= 5.2x) or
+    ``past_key_values`` (older 5.x)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def model_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: DynamicCache,
+                  attention_mask: torch.Tensor | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+    """One forward pass that appends rows to ``cache`` and returns logits.
+
+    Args:
+        input_ids: ``[batch, q]`` token ids.
+        position_ids: ``[batch, q]`` RoPE position ids (always explicit: the model's default,
+            ``arange(q) + rows``, is wrong once rows have been dropped).
+        cache: a config-less ``DynamicCache`` (every layer keeps all its rows; sliding-window
+            layers get their window from the attention mask, counted in cache rows).
+        attention_mask: ``[batch, rows + q]`` bool, indexed by cache row, or None (all visible).
+        logits_to_keep: 0 = logits for every query token, k = the last k only.
+
+    Returns:
+        logits ``[batch, q or k, vocab]`` (float32).
+    """
+    kwargs = {cache_kwarg(model): cache}
+    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
+    return out.logits.float()
+
+
+def cache_from_rows(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> DynamicCache:
+    """A fresh config-less ``DynamicCache`` holding the given per-layer rows
+    (``[batch, kv_heads, rows, head_dim]`` each). Tensors are shared, never written in place."""
+    return DynamicCache(ddp_cache_data=list(zip(keys, values)))
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass
+class EventKV:
+    """The K/V rows of a globally prefilled event log.
+
+    Attributes:
+        log: the TokenizedLog that was prefilled (spans, token ids, position ids).
+        keys, values: one tensor per layer, ``[1, kv_heads, rows, head_dim]``; rows follow the
+            log's row order (header, then events).
+        positions: ``[rows]`` int64, the RoPE position id each row was computed at.
+        weights_digest: digest of the model weights that produced the rows.
+        dtype: dtype name of the stored rows.
+    """
+
+    log: TokenizedLog
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    positions: torch.Tensor
+    weights_digest: str = "unhashed"
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def dtype(self) -> str:
+        return str(self.keys[0].dtype).removeprefix("torch.")
+
+    def rows_of(self, event_ids: Sequence[str], include_header: bool = True) -> torch.Tensor:
+        """Row indices ``[n]`` (int64, ascending = log order) of the header and the given events.
+
+        Raises:
+            EventKVError: an unknown event id.
+        """
+        spans = [self.log.span(e) for e in event_ids]
+        if include_header:
+            spans.append(self.log.span(HEADER_ID))
+        spans.sort(key=lambda s: s.row_start)
+        idx = [r for s in spans for r in range(s.row_start, s.row_end)]
+        return torch.tensor(sorted(set(idx)), dtype=torch.long)
+
+    def nbytes(self) -> int:
+        """Bytes held by the K/V tensors (keys + values, all layers)."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    # ---------------------------------------------------------------- persistence
+    def save(self, directory: str | Path) -> Path:
+        """Write ``kv.safetensors`` and the ``eventkv.json`` manifest (model digest, token ids,
+        spans, dtype, sha256 of the tensor file). Both are written to temporary names and moved
+        into place, manifest last, so a killed save never leaves a directory that loads."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        tensors = {"positions": self.positions.contiguous()}
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            tensors[f"keys.{i}"] = k[0].contiguous()
+            tensors[f"values.{i}"] = v[0].contiguous()
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=".kv-", suffix=".tmp")
+        os.close(fd)
+        save_file(tensors, tmp)
+        digest = _sha256_file(Path(tmp))
+        os.replace(tmp, d / TENSORS)
+        manifest = {
+            "format": FORMAT_VERSION, "weights_digest": self.weights_digest, "dtype": self.dtype,
+            "n_layers": self.n_layers, "n_rows": self.n_rows, "history_end": self.log.history_end,
+            "tensors_sha256": digest, "log": self.log.to_dict(),
+            "spans": [s.__dict__ for s in self.log.spans], "meta": self.meta,
+        }
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=".manifest-", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(manifest, f)
+        os.replace(tmp, d / MANIFEST)
+        return d
+
+    @classmethod
+    def load(cls, directory: str | Path, expect_digest: str | None = None, verify: bool = True) -> "EventKV":
+        """Read an EventKV written by :meth:`save`.
+
+        Args:
+            expect_digest: if given, the stored weights digest must equal it.
+            verify: check the tensor file's sha256 against the manifest.
+
+        Raises:
+            EventKVError: missing/partial directory, checksum mismatch, or a different model.
+        """
+        d = Path(directory)
+        if not (d / MANIFEST).is_file() or not (d / TENSORS).is_file():
+            raise EventKVError(f"{str(d)!r} holds no complete EventKV (missing {MANIFEST} or {TENSORS}): prefill again.")
+        manifest = json.loads((d / MANIFEST).read_text())
+        if verify and _sha256_file(d / TENSORS) != manifest["tensors_sha256"]:
+            raise EventKVError(f"{str(d / TENSORS)!r} does not match its manifest checksum (corrupted): delete it and prefill again.")
+        if expect_digest is not None and manifest["weights_digest"] != expect_digest:
+            raise EventKVError(
+                f"the EventKV in {str(d)!r} was made by weights {manifest['weights_digest'][:16]}, not by the model "
+                f"given ({expect_digest[:16]}): prefill again with this model.")
+        t = load_file(d / TENSORS)
+        n = manifest["n_layers"]
+        return cls(TokenizedLog.from_dict(manifest["log"]),
+                   [t[f"keys.{i}"].unsqueeze(0) for i in range(n)],
+                   [t[f"values.{i}"].unsqueeze(0) for i in range(n)],
+                   t["positions"], manifest["weights_digest"], manifest.get("meta", {}))
+
+
+def check_context(n_positions: int, max_context: int | None, what: str = "history") -> None:
+    """Raise EventKVError when ``n_positions`` exceeds the model's context (tokens)."""
+    if max_context is not None and n_positions > max_context:
+        raise EventKVError(
+            f"the {what} needs {n_positions} positions but the model's context is {max_context} tokens: "
+            f"shorten the log (fewer or shorter events) or use a model with a longer context.")
+
+
+@torch.inference_mode()
+def prefill(model, log: TokenizedLog, *, chunk_size: int | None = None, prefix: EventKV | None = None,
+            max_context: int | None = None, weights_digest: str = "unhashed") -> EventKV:
+    """Global prefill of a tokenized log (Study 1, "Setting": header + all events, causally,
+    at the log's positions).
+
+    Args:
+        model: a Hugging Face causal LM (eval mode).
+        log: the TokenizedLog.
+        chunk_size: feed at most this many tokens per forward (bounds activation memory on long
+            logs; the rows are identical up to float rounding).
+        prefix: an EventKV whose rows are the first rows of ``log`` (same token ids and positions),
+            e.g. a header-only prefill or the shared part of a donor pair; only the remaining
+            rows are computed.
+        max_context: the model's context in tokens; a longer history raises.
+
+    Returns:
+        EventKV with ``log.n_rows`` rows per layer.
+
+    Raises:
+        EventKVError: history longer than the context; a prefix that is not a prefix of the log.
+    """
+    check_context(log.history_end, max_context)
+    ids = torch.tensor([log.input_ids], dtype=torch.long)
+    pos = torch.tensor([log.position_ids], dtype=torch.long)
+    device = next(model.parameters()).device
+    start = 0
+    if prefix is not None:
+        p = prefix.n_rows
+        if p > log.n_rows or prefix.log.input_ids[:p] != log.input_ids[:p] or not torch.equal(prefix.positions, pos[0, :p]):
+            raise EventKVError("the prefix EventKV's rows are not the first rows of this log (token ids or positions differ).")
+        cache = cache_from_rows(prefix.keys, prefix.values)
+        start = p
+    else:
+        cache = DynamicCache()
+    step = chunk_size or log.n_rows
+    for a in range(start, log.n_rows, step):
+        b = min(a + step, log.n_rows)
+        model_forward(model, ids[:, a:b].to(device), pos[:, a:b].to(device), cache, logits_to_keep=1)
+    keys = [layer.keys for layer in cache.layers]
+    values = [layer.values for layer in cache.layers]
+    return EventKV(log, keys, values, pos[0].clone(), weights_digest)

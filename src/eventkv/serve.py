@@ -1,0 +1,163 @@
+"""Sparse serving: build the cache a query is answered from (Study 1, "Setting").
+
+A query is answered from the header rows plus the rows of a **served set** of events.
+Modes:
+
+* ``compact`` — only the kept rows are in the cache, at their original position ids
+  (slot index != position id). On sliding-window layers (Gemma 3) the window is counted in
+  rows of this compact cache: a sliding layer sees the last ``window - 1`` *served* rows.
+  This is what a system that physically evicts rows presents.
+* ``native`` — every row of the full history stays in the cache and the dropped rows are
+  masked out of attention. On sliding-window layers the window is counted in rows of the
+  full history, so a served row older than ``window - 1`` rows is invisible to those layers
+  (it still reaches the full-attention layers). This is what an eviction-by-masking system
+  presents. For models without sliding layers compact and native give the same logits.
+* ``isolated`` — control: each served event is encoded alone after the header, at its
+  original positions, so its rows never saw the rest of the history (what chunked or
+  streaming encoding produces). Compact layout.
+* ``text`` — control: the header and the served events re-prefilled as plain text at
+  contiguous positions; the query follows right after (the comprehension arm).
+
+In compact, native and isolated modes the query starts at the first position after the
+*full* history (``log.history_end``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache
+
+from eventkv.errors import EventKVError
+from eventkv.log import HEADER_ID
+from eventkv.prefill import EventKV, cache_from_rows, model_forward
+
+SERVE_MODES = ("compact", "native", "isolated", "text")
+ALL = "all"
+
+
+@dataclass
+class ServedCache:
+    """The rows a query is answered from.
+
+    Attributes:
+        keys, values: per layer ``[1, kv_heads, rows, head_dim]``.
+        positions: ``[rows]`` int64 position ids of the rows.
+        visible: ``[rows]`` bool attention visibility (native mode), or None when all rows are visible.
+        next_position: position id of the first query token.
+        mode: the serving mode; served: the served event ids, in log order.
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    positions: torch.Tensor
+    visible: torch.Tensor | None
+    next_position: int
+    mode: str
+    served: tuple[str, ...]
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def n_visible(self) -> int:
+        return self.n_rows if self.visible is None else int(self.visible.sum())
+
+    def to_cache(self, batch: int = 1) -> DynamicCache:
+        """A fresh ``DynamicCache`` over these rows (tensors shared, never modified), expanded to ``batch``."""
+        if batch == 1:
+            return cache_from_rows(self.keys, self.values)
+        return cache_from_rows([k.expand(batch, -1, -1, -1) for k in self.keys],
+                               [v.expand(batch, -1, -1, -1) for v in self.values])
+
+    def attention_mask(self, n_new: int, batch: int = 1) -> torch.Tensor | None:
+        """``[batch, rows + n_new]`` bool mask by cache row for a forward of ``n_new`` tokens, or None."""
+        if self.visible is None:
+            return None
+        m = torch.cat([self.visible, torch.ones(n_new, dtype=torch.bool, device=self.visible.device)])
+        return m.unsqueeze(0).expand(batch, -1)
+
+
+def resolve_served(ekv: EventKV, served: str | Sequence[str]) -> tuple[str, ...]:
+    """Validate a served set and return it in log order. ``"all"`` means every event.
+
+    Raises:
+        EventKVError: empty served set, or an unknown event id.
+    """
+    if isinstance(served, str):
+        served = ekv.log.event_ids if served == ALL else [s for s in served.split(",") if s.strip()]
+    served = [s.strip() for s in served]
+    if not served:
+        raise EventKVError("the served set is empty: serve at least one event id (or 'all').")
+    for s in served:
+        if s == HEADER_ID:
+            raise EventKVError(f"{HEADER_ID!r} is always served: list only event ids.")
+        ekv.log.span(s)  # raises on unknown ids
+    wanted = set(served)
+    return tuple(e for e in ekv.log.event_ids if e in wanted)
+
+
+def _select(tensors: list[torch.Tensor], rows: torch.Tensor) -> list[torch.Tensor]:
+    return [t.index_select(2, rows.to(t.device)) for t in tensors]
+
+
+@torch.inference_mode()
+def serve(ekv: EventKV, served: str | Sequence[str], mode: str = "compact", model=None) -> ServedCache:
+    """Build the served cache for a served set (Study 1, "Setting": sparse serving and controls).
+
+    Args:
+        ekv: the globally prefilled log.
+        served: event ids (any order; duplicates ignored) or ``"all"``.
+        mode: ``compact`` | ``native`` | ``isolated`` | ``text`` (see the module docstring).
+        model: required for ``isolated`` and ``text`` (they run new forwards).
+
+    Returns:
+        ServedCache with header + served rows (compact/isolated/text) or all rows (native).
+
+    Raises:
+        EventKVError: unknown mode, empty served set, unknown event id, or a missing model.
+    """
+    if mode not in SERVE_MODES:
+        raise EventKVError(f"unknown serving mode {mode!r}: use one of {', '.join(SERVE_MODES)}.")
+    ids = resolve_served(ekv, served)
+    log = ekv.log
+    if mode == "compact":
+        rows = ekv.rows_of(ids)
+        return ServedCache(_select(ekv.keys, rows), _select(ekv.values, rows), ekv.positions[rows],
+                           None, log.history_end, mode, ids)
+    if mode == "native":
+        visible = torch.zeros(ekv.n_rows, dtype=torch.bool)
+        visible[ekv.rows_of(ids)] = True
+        return ServedCache(list(ekv.keys), list(ekv.values), ekv.positions, visible.to(ekv.keys[0].device),
+                           log.history_end, mode, ids)
+    if model is None:
+        raise EventKVError(f"serving mode {mode!r} re-encodes events and needs the model: pass model=...")
+    device = next(model.parameters()).device
+    header = log.span(HEADER_ID)
+    hrows = torch.arange(header.row_start, header.row_end)
+    if mode == "isolated":
+        keys, values = _select(ekv.keys, hrows), _select(ekv.values, hrows)
+        positions = [ekv.positions[hrows]]
+        for eid in ids:
+            span = log.span(eid)
+            cache = cache_from_rows(_select(ekv.keys, hrows), _select(ekv.values, hrows))
+            toks = torch.tensor([log.event_tokens[log.event_ids.index(eid)]], device=device)
+            pos = torch.arange(span.pos_start, span.pos_start + span.n_tokens, device=device).unsqueeze(0)
+            model_forward(model, toks, pos, cache, logits_to_keep=1)
+            h = header.n_tokens
+            keys = [torch.cat([k, layer.keys[:, :, h:]], dim=2) for k, layer in zip(keys, cache.layers)]
+            values = [torch.cat([v, layer.values[:, :, h:]], dim=2) for v, layer in zip(values, cache.layers)]
+            positions.append(pos[0].cpu())
+        return ServedCache(keys, values, torch.cat(positions), None, log.history_end, mode, ids)
+    # text: header + served events re-prefilled at contiguous positions
+    toks = list(log.header_ids)
+    for eid in ids:
+        toks.extend(log.event_tokens[log.event_ids.index(eid)])
+    cache = DynamicCache()
+    pos = torch.arange(len(toks), device=device).unsqueeze(0)
+    model_forward(model, torch.tensor([toks], device=device), pos, cache, logits_to_keep=1)
+    return ServedCache([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers],
+                       pos[0].cpu(), None, len(toks), mode, ids)
