@@ -1,0 +1,123 @@
+"""Statistics for probes, all computed with ``scipy.stats`` (Study 1, "Donor pair": the exact
+sign test of follow vs anti, prevalence with a Wilson interval, and tests on the continuous
+donor statistic d).
+
+Every result keeps the counts it was computed from, so a printed table always says what a
+p-value was run on. A test with nothing to run on (no sensitive pairs, all d equal to zero)
+returns ``p_value = nan`` and says so in ``note``; it never invents a value.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from scipy import stats as _st
+
+CONFIDENCE = 0.95
+
+
+@dataclass(frozen=True)
+class Proportion:
+    """``k`` successes out of ``n`` with a Wilson score interval at ``confidence``.
+    ``rate``, ``low`` and ``high`` are nan when ``n == 0``."""
+
+    k: int
+    n: int
+    rate: float
+    low: float
+    high: float
+    confidence: float = CONFIDENCE
+
+    def describe(self, digits: int = 3) -> str:
+        """E.g. ``"0.625 [0.386, 0.815] (10/16)"``."""
+        if self.n == 0:
+            return "n/a (0/0)"
+        f = f"{{:.{digits}f}}"
+        return f"{f.format(self.rate)} [{f.format(self.low)}, {f.format(self.high)}] ({self.k}/{self.n})"
+
+
+@dataclass(frozen=True)
+class TestResult:
+    """One hypothesis test: its name, statistic, two-sided p-value, and the counts it ran on."""
+
+    name: str
+    p_value: float
+    statistic: float = math.nan
+    counts: dict = field(default_factory=dict)
+    note: str = ""
+
+    def describe(self) -> str:
+        """E.g. ``"exact two-sided sign test, follow 9 vs anti 1 (n=10): p = 0.0215"``."""
+        c = ", ".join(f"{k} {v}" for k, v in self.counts.items())
+        p = "not run" if math.isnan(self.p_value) else f"p = {format_p(self.p_value)}"
+        extra = f" ({self.note})" if self.note else ""
+        return f"{self.name}, {c}: {p}{extra}"
+
+
+def format_p(p: float) -> str:
+    """A p-value for tables: 4 significant digits, scientific below 1e-3, ``n/a`` for nan."""
+    if math.isnan(p):
+        return "n/a"
+    return f"{p:.2e}" if p < 1e-3 else f"{p:.4f}"
+
+
+def wilson(k: int, n: int, confidence: float = CONFIDENCE) -> Proportion:
+    """The proportion ``k/n`` with its Wilson score interval (``scipy.stats.binomtest(...)
+    .proportion_ci(method="wilson")``).
+
+    Raises:
+        ValueError: ``k < 0``, ``n < 0`` or ``k > n``.
+    """
+    if n < 0 or k < 0 or k > n:
+        raise ValueError(f"a proportion needs 0 <= k <= n, got k={k}, n={n}")
+    if n == 0:
+        return Proportion(0, 0, math.nan, math.nan, math.nan, confidence)
+    ci = _st.binomtest(k, n).proportion_ci(confidence_level=confidence, method="wilson")
+    return Proportion(k, n, k / n, float(ci.low), float(ci.high), confidence)
+
+
+def sign_test(positive: int, negative: int, labels: tuple[str, str] = ("positive", "negative"),
+              name: str = "exact two-sided sign test") -> TestResult:
+    """Exact two-sided sign test of ``positive`` vs ``negative`` (ties already excluded):
+    ``scipy.stats.binomtest(positive, positive + negative, 0.5)``. The statistic is ``positive``.
+    With no observations the p-value is nan."""
+    n = positive + negative
+    counts = {labels[0]: positive, labels[1]: negative, "n": n}
+    if n == 0:
+        return TestResult(name, math.nan, math.nan, counts, "no observations")
+    p = _st.binomtest(positive, n, 0.5, alternative="two-sided").pvalue
+    return TestResult(name, float(p), float(positive), counts)
+
+
+def sign_test_d(d: Sequence[float]) -> TestResult:
+    """Sign test on the continuous donor statistic: count of ``d > 0`` against ``d < 0`` among the
+    pairs with ``d != 0`` (zeros are ties and dropped; their count is reported)."""
+    pos = sum(1 for x in d if x > 0)
+    neg = sum(1 for x in d if x < 0)
+    r = sign_test(pos, neg, ("d>0", "d<0"), name="exact two-sided sign test on d")
+    zeros = len(d) - pos - neg
+    return TestResult(r.name, r.p_value, r.statistic, {**r.counts, "d=0 dropped": zeros}, r.note)
+
+
+def wilcoxon_d(d: Sequence[float]) -> TestResult:
+    """Two-sided Wilcoxon signed-rank test of ``d`` against 0 (``scipy.stats.wilcoxon``, zero
+    differences dropped — ``zero_method="wilcox"``). The statistic is scipy's (the smaller rank
+    sum for two-sided). Needs at least one non-zero d; else the p-value is nan."""
+    nz = [float(x) for x in d if x != 0]
+    counts = {"n": len(nz), "d=0 dropped": len(d) - len(nz)}
+    name = "Wilcoxon signed-rank test on d"
+    if not nz:
+        return TestResult(name, math.nan, math.nan, counts, "no non-zero d")
+    res = _st.wilcoxon(nz, zero_method="wilcox", alternative="two-sided")
+    return TestResult(name, float(res.pvalue), float(res.statistic), counts)
+
+
+def median(xs: Sequence[float]) -> float:
+    """Median of ``xs`` (nan when empty)."""
+    s = sorted(float(x) for x in xs)
+    if not s:
+        return math.nan
+    m = len(s) // 2
+    return s[m] if len(s) % 2 else 0.5 * (s[m - 1] + s[m])
