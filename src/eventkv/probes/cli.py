@@ -1,0 +1,110 @@
+"""CLI of the probes: ``eventkv run donor-pair ...`` and ``eventkv report DIR``.
+
+Mounted into the main app as ``app.add_typer(run_app, name="run")`` and
+``app.command("report")(report)``. User errors print one line (no traceback) and exit 2.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.markdown import Markdown
+
+from eventkv.errors import EventKVError
+
+run_app = typer.Typer(help="Run a probe on a model: writes manifest.json, records.jsonl and summary.md "
+                           "into --out, and resumes an interrupted run.", no_args_is_help=True)
+_err = Console(stderr=True)
+
+
+@contextmanager
+def _user_errors():
+    try:
+        yield
+    except EventKVError as exc:
+        _err.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
+        raise typer.Exit(2) from None
+
+
+def _slots(text: str) -> tuple[int, int]:
+    parts = text.replace(" ", "").split("-")
+    try:
+        if len(parts) == 1:
+            return int(parts[0]), int(parts[0])
+        if len(parts) == 2:
+            return int(parts[0]), int(parts[1])
+    except ValueError:
+        pass
+    raise EventKVError(f"--source-slots {text!r}: give a slot range like 8-11 (0-based slots, inclusive) or one slot.")
+
+
+def _list(text: str, what: str) -> tuple[str, ...]:
+    items = tuple(s.strip() for s in text.split(",") if s.strip())
+    if not items:
+        raise EventKVError(f"{what} {text!r}: give a comma-separated list.")
+    return items
+
+
+@run_app.command("donor-pair")
+def donor_pair(
+    model: str = typer.Option("smollm2-135m", "--model", help="packaged alias, local HF directory, hub id or GGUF file"),
+    items: int = typer.Option(16, "--items", help="number of donor pairs"),
+    seed: int = typer.Option(0, "--seed", help="item seed (item i depends only on seed and i)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="run directory [default: runs/donor-pair/MODEL-seedS]"),
+    readout: str = typer.Option("both", "--readout", help="generate | logits | both"),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
+    n_events: int = typer.Option(24, "--n-events", help="events per history"),
+    decoy_slot: int = typer.Option(0, "--decoy-slot", help="slot of the decoy (0-based; slot i is <step i+1>)"),
+    source_slots: str = typer.Option("8-11", "--source-slots", help="range the source slot is drawn from (inclusive)"),
+    root_slot: int = typer.Option(13, "--root-slot", help="slot of the root 'register M mirrors register S'"),
+    decoy: str = typer.Option("independent", "--decoy", help="independent | opposite | none"),
+    states: str = typer.Option("ONLINE,OFFLINE", "--states", help="state words, comma-separated"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="greedy generation length limit"),
+    arms: str = typer.Option("kv,isolated,text-all,kv-all", "--arms", help="arms to run (kv is required)"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads [default: torch's]"),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
+) -> None:
+    """Donor pairs (Study 1): does the answer follow an omitted source through the served rows?"""
+    with _user_errors():
+        from eventkv.probes.donor_pair import DonorPair
+
+        probe = DonorPair(n_events=n_events, decoy_slot=decoy_slot, source_slots=_slots(source_slots),
+                          root_slot=root_slot, decoy=decoy, states=_list(states, "--states"), readout=readout,
+                          max_new_tokens=max_new_tokens, arm_names=_list(arms, "--arms"))
+        _run(probe, model, items, seed, out, dtype, threads, progress)
+
+
+def _run(probe, model: str, items: int, seed: int, out: Path | None, dtype: str, threads: int | None,
+         progress: bool) -> None:
+    import torch
+
+    from eventkv.probes.base import Runtime
+    from eventkv.probes.runner import run_probe
+
+    if threads:
+        torch.set_num_threads(threads)
+    if out is None:
+        out = Path("runs") / probe.name / f"{Path(model).name}-{dtype}-seed{seed}"
+    from eventkv.models import load
+
+    console = Console()
+    with console.status(f"loading {model} ({dtype})"):
+        lm = load(model, dtype=dtype)
+    rt = Runtime(lm.model, lm.tokenizer, lm.profile)
+    summary = run_probe(probe, rt, model=model, items=items, seed=seed, out=out, progress=progress, console=console)
+    console.print(Markdown(summary.data["markdown"]))
+    console.print(f"records: {out / 'records.jsonl'}  summary: {out / 'summary.md'}  figure: {out / 'figure.png'}")
+
+
+def report(directory: Path = typer.Argument(..., help="a run directory written by 'eventkv run'")) -> None:
+    """Re-render summary.md and figure.png of a run directory from its records alone, and print the summary."""
+    with _user_errors():
+        from eventkv.probes.runner import render
+
+        summary = render(directory)
+        Console().print(Markdown(summary.data["markdown"]))
+        Console().print(f"summary: {Path(directory) / 'summary.md'}  figure: {Path(directory) / 'figure.png'}")

@@ -1,0 +1,242 @@
+"""Running a probe into a directory, resumably, and reporting from its records.
+
+A run directory holds
+
+* ``manifest.json`` — the run's **identity** (probe, record version, every option, seed, model,
+  weights digest, dtype) plus provenance (eventkv version and git commit, package versions,
+  the model profile, the item count, and per-invocation timing);
+* ``records.jsonl`` — one JSON line per item, appended and fsynced as each item finishes;
+* ``summary.md`` (and ``figure.png``) — rendered from ``records.jsonl`` alone.
+
+Re-running into the same directory resumes: items already in ``records.jsonl`` are not
+recomputed; a line cut short by a kill is dropped (only the item in flight is lost). A directory
+whose identity differs from the new run's is refused with :class:`EventKVError`. The item count
+is not part of the identity: asking for more items extends a run (item ``i`` depends only on the
+seed and ``i``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import tempfile
+import time
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Sequence
+
+from eventkv.errors import EventKVError
+from eventkv.probes.base import Probe, Runtime, Summary, get_probe
+
+MANIFEST = "manifest.json"
+RECORDS = "records.jsonl"
+SUMMARY = "summary.md"
+FIGURE = "figure.png"
+PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "gguf", "scipy", "numpy", "typer", "rich", "matplotlib")
+
+
+def identity(probe: Probe, model: str, rt: Runtime, seed: int) -> dict:
+    """What must match for two invocations to write into the same directory."""
+    return {"probe": probe.name, "record_version": probe.record_version, "options": probe.options(),
+            "seed": seed, "model": model, "weights_digest": rt.weights_digest,
+            "dtype": str(getattr(rt.profile, "dtype", "")).removeprefix("torch.")}
+
+
+def environment() -> dict:
+    """eventkv version and git commit, package versions, Python and platform."""
+    from eventkv import __version__
+
+    versions = {}
+    for p in PACKAGES:
+        try:
+            versions[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            versions[p] = None
+    commit, dirty = None, None
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+        if commit:
+            dirty = bool(subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                                        capture_output=True, text=True, timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"eventkv": __version__, "git_commit": commit, "git_dirty": dirty, "packages": versions,
+            "python": platform.python_version(), "platform": platform.platform()}
+
+
+def _write_json_atomic(path: Path, obj: dict) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def load_records(directory: str | Path, repair: bool = False) -> list[dict]:
+    """The records of a run, in file order. A last line cut short by a kill (no newline, or not
+    JSON) is ignored, and removed from the file when ``repair``.
+
+    Raises:
+        EventKVError: a broken line before the last one, or two records with the same index.
+    """
+    path = Path(directory) / RECORDS
+    if not path.is_file():
+        return []
+    raw = path.read_bytes()
+    lines = raw.split(b"\n")
+    complete, tail = lines[:-1], lines[-1]  # tail: bytes after the last newline (partial line or b"")
+    records, good_bytes = [], 0
+    for n, line in enumerate(complete, start=1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if n == len(complete) and not tail:
+                tail = line  # the last newline-terminated line is broken: treat as cut short
+                break
+            raise EventKVError(f"{path}:{n} is not a JSON record: the file is damaged; delete that line "
+                               "(the item will be recomputed) and run again.") from None
+        good_bytes += len(line) + 1
+    if tail and repair:
+        with open(path, "r+b") as f:
+            f.truncate(good_bytes)
+    seen: set[int] = set()
+    for r in records:
+        if r["index"] in seen:
+            raise EventKVError(f"{path} holds item {r['index']} twice: delete one of the two lines and run again.")
+        seen.add(r["index"])
+    return records
+
+
+def _append(path: Path, record: dict) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def check_or_create(directory: Path, ident: dict) -> dict:
+    """Read the directory's manifest (creating the directory if needed) and refuse a different
+    identity. Returns the existing manifest or ``{}``.
+
+    Raises:
+        EventKVError: the directory was made by a run with other options, seed or model.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / MANIFEST
+    if not path.is_file():
+        if (directory / RECORDS).is_file():
+            raise EventKVError(f"{str(directory)!r} has {RECORDS} but no {MANIFEST}: it was not made by eventkv run; "
+                               "choose another --out directory.")
+        return {}
+    old = json.loads(path.read_text())
+    prev = old.get("identity", {})
+    if prev != ident:
+        diffs = []
+        for k in sorted(set(prev) | set(ident)):
+            if k == "options":
+                po, no = prev.get(k, {}), ident.get(k, {})
+                diffs += [f"{o}: {po.get(o)!r} -> {no.get(o)!r}" for o in sorted(set(po) | set(no)) if po.get(o) != no.get(o)]
+            elif prev.get(k) != ident.get(k):
+                diffs.append(f"{k}: {prev.get(k)!r} -> {ident.get(k)!r}")
+        raise EventKVError(f"{str(directory)!r} holds a run made with different settings ({'; '.join(diffs)}): "
+                           "give a new --out directory, or repeat the original settings to resume it.")
+    return old
+
+
+def run_probe(probe: Probe, rt: Runtime, *, model: str, items: int, seed: int, out: str | Path,
+              progress: bool = True, console=None, figure: bool = True) -> Summary:
+    """Run ``probe`` on ``items`` items into ``out`` (resuming), then write summary.md and the figure.
+
+    Returns:
+        the Summary of every record in the directory.
+
+    Raises:
+        EventKVError: a directory made with other settings, ``items < 1``, or a probe/model error.
+    """
+    if items < 1:
+        raise EventKVError(f"--items {items}: run at least one item.")
+    probe.validate()
+    out = Path(out)
+    ident = identity(probe, model, rt, seed)
+    old = check_or_create(out, ident)
+    done = {r["index"] for r in load_records(out, repair=True)}
+    todo = [i for i in range(items) if i not in done]
+    profile = rt.profile.to_dict() if hasattr(rt.profile, "to_dict") else dict(vars(rt.profile))
+    manifest = {"identity": ident, "items": max(items, old.get("items", 0)), "profile": profile,
+                "environment": environment(), "created": old.get("created") or _now(),
+                "invocations": old.get("invocations", [])}
+    _write_json_atomic(out / MANIFEST, manifest)
+
+    t0 = time.perf_counter()
+    path = out / RECORDS
+    with _progress(progress, console) as bar:
+        task = bar.add_task(f"{probe.name}", total=items, completed=items - len(todo)) if bar else None
+        for i in todo:
+            record = probe.run_item(rt, probe.items(seed, [i])[0])
+            _append(path, record)
+            if bar:
+                bar.advance(task)
+    manifest["invocations"].append({"started": _now(), "items_computed": len(todo),
+                                    "seconds": round(time.perf_counter() - t0, 3)})
+    _write_json_atomic(out / MANIFEST, manifest)
+    return render(out, figure=figure)
+
+
+def render(directory: str | Path, figure: bool = True) -> Summary:
+    """Re-render summary.md (and figure.png) of a run directory from its manifest's options and
+    ``records.jsonl`` alone. Returns the Summary.
+
+    Raises:
+        EventKVError: not a run directory, or no records yet.
+    """
+    d = Path(directory)
+    if not (d / MANIFEST).is_file():
+        raise EventKVError(f"{str(d)!r} is not a run directory (no {MANIFEST}): give the --out directory of an "
+                           "'eventkv run' invocation.")
+    manifest = json.loads((d / MANIFEST).read_text())
+    ident = manifest["identity"]
+    probe = get_probe(ident["probe"])(**ident["options"])
+    records = sorted(load_records(d), key=lambda r: r["index"])
+    if not records:
+        raise EventKVError(f"{str(d)!r} has no records yet: run the probe into it first.")
+    summary = probe.summarize(records)
+    head = (f"model: {ident['model']} ({ident['dtype']}, weights {str(ident['weights_digest'])[:12]}), "
+            f"seed {ident['seed']}, {len(records)} items; eventkv {manifest['environment'].get('eventkv')} "
+            f"@ {str(manifest['environment'].get('git_commit'))[:10]}")
+    text = summary.to_markdown().replace("\n", f"\n\n{head}\n", 1)
+    (d / SUMMARY).write_text(text)
+    if figure:
+        probe.figure(records, d / FIGURE)
+    summary.data["markdown"] = text
+    return summary
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+class _NoBar:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def _progress(enabled: bool, console):
+    if not enabled:
+        return _NoBar()
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TimeRemainingColumn(), console=console)
+
+
+def records_equal(a: Sequence[dict], b: Sequence[dict]) -> bool:
+    """Two record lists hold the same items with the same contents (order ignored)."""
+    return sorted(map(json.dumps, a)) == sorted(map(json.dumps, b))

@@ -1,0 +1,192 @@
+"""Probe framework, registry and the donor-pair probe on tiny random models (seconds each)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from probe_fixtures import tiny_runtime
+
+from eventkv.errors import EventKVError
+from eventkv.log import TokenizedLog, tokenize_query
+from eventkv.probes import PROBES, DonorPair, get_probe
+from eventkv.probes.batched import read_out
+from eventkv.probes.donor_pair import donor_d, last_state, log_odds, outcome, summarize_donor_pairs
+from eventkv.readout import candidate_logprobs, generate
+from eventkv.serve import serve
+
+
+# ---------------------------------------------------------------- registry: every probe, tiny models
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("name", sorted(PROBES))
+def test_every_registered_probe_runs_on_a_tiny_model(name, family):
+    cls = get_probe(name)
+    probe = cls(**cls.smoke_options)
+    rt = tiny_runtime(family)
+    items = probe.items(0, [0, 1])
+    records = [json.loads(json.dumps(probe.run_item(rt, it))) for it in items]
+    assert [r["index"] for r in records] == [0, 1]
+    summary = probe.summarize(records)
+    md = summary.to_markdown()
+    assert md.startswith(f"# {name}")
+    assert summary.tables and all(len(row) == len(t.columns) for t in summary.tables for row in t.rows)
+    # deterministic: the same item gives the same record
+    assert json.dumps(probe.run_item(rt, items[0])) == json.dumps(records[0])
+
+
+def test_unknown_probe_is_a_user_error():
+    with pytest.raises(EventKVError, match="donor-pair"):
+        get_probe("donor-pairs")
+
+
+# ---------------------------------------------------------------- batched readouts == one at a time
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_batched_readout_equals_single_readouts(family):
+    rt = tiny_runtime(family)
+    probe = DonorPair()
+    item = probe.items(3, [0])[0]
+    toks = [rt.encode(t) for t in item["events"][0]]
+    log = TokenizedLog(rt.header_ids(probe.instruction), [probe.event_id(i) for i in range(24)], toks)
+    ekv = rt.prefill(log)
+    served = [serve(ekv, ["e00", "e13"], "compact"), serve(ekv, ["e05", "e13", "e20"], "native"),
+              serve(ekv, "all", "compact"), serve(ekv, ["e00", "e13"], "isolated", model=rt.model)]
+    query = tokenize_query(rt.tokenizer, rt.profile, item["question"])
+    cands = [rt.encode(" ONLINE"), rt.encode(" OFFLINE"), rt.encode(" X")]
+    prefix = rt.encode("Answer:")
+    batched = read_out(rt.model, served, query, generate=[True] * 4, score=[True] * 4, candidates=cands,
+                       candidate_texts=["ONLINE", "OFFLINE", "X"], answer_prefix_ids=prefix, max_new_tokens=12,
+                       stop_token_ids=rt.stop_token_ids + [rt.encode("[")[0]])
+    for s, b in zip(served, batched):
+        g = generate(rt.model, s, query, max_new_tokens=12, stop_token_ids=rt.stop_token_ids + [rt.encode("[")[0]])
+        assert b.generation.tokens == g.tokens and b.generation.stopped == g.stopped
+        single = candidate_logprobs(rt.model, s, query + prefix, cands)
+        for x, y in zip(b.candidates, single):
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+            assert x.prob == pytest.approx(y.prob, abs=1e-5)
+
+
+# ---------------------------------------------------------------- donor-pair layout (Study 1 defaults)
+def test_donor_pair_items_follow_the_study_layout():
+    probe = DonorPair()
+    items = probe.items(7, range(40))
+    assert items == probe.items(7, range(40))            # same seed, same items
+    assert items[5] == probe.items(7, [5])[0]            # item i depends on (seed, i) only
+    assert items != probe.items(8, range(40))
+    for it in items:
+        a, b = it["events"]
+        assert len(a) == len(b) == 24
+        regs = it["registers"]
+        m = it["source_slot"]
+        assert 8 <= m <= 11
+        assert sorted(it["values"]) == ["OFFLINE", "ONLINE"]
+        assert a[m] == f"<step {m + 1}>\naction: reg_op()\nobservation: register {regs['source']} set to state {it['values'][0]}\n"
+        assert b[m].endswith(f"set to state {it['values'][1]}\n")
+        assert a[13].endswith(f"register {regs['root']} mirrors register {regs['source']}\n")
+        assert a[0] == b[0] and a[0].endswith(f"register {regs['decoy']} set to state {it['decoy_values'][0]}\n")
+        diff = [i for i in range(24) if a[i] != b[i]]
+        assert diff == [m]                               # the pair differs in the source only
+        for i in set(range(24)) - {0, m, 13}:
+            assert "refreshed to" in a[i]
+    # independent decoy: the decoy value equals the first variant's value about half the time
+    eq = sum(it["decoy_values"][0] == it["values"][0] for it in items)
+    assert 0 < eq < 40
+    assert {it["source_slot"] for it in items} == {8, 9, 10, 11}
+
+
+def test_donor_pair_decoy_variants():
+    opp = DonorPair(decoy="opposite").items(1, range(10))
+    assert all(it["decoy_values"] == it["values"][::-1] for it in opp)
+    none = DonorPair(decoy="none").items(1, range(10))
+    assert all("self-test" in it["events"][0][0] and "state" not in it["events"][0][0] for it in none)
+
+
+def test_donor_pair_positions_and_served_rows_on_tiny_model():
+    rt = tiny_runtime("qwen2")
+    probe = DonorPair(max_new_tokens=4, states=("ONLINE", "OFFLINE", "STANDBY"))
+    rec = probe.run_item(rt, probe.items(0, [2])[0])
+    m = rec["source_slot"]
+    toks = [[rt.encode(t) for t in rec["events"][v]] for v in "AB"]
+    budget = max(len(toks[0][m]), len(toks[1][m]))
+    assert rec["budgets"] == {f"e{m:02d}": budget}
+    logs = [TokenizedLog(rt.header_ids(probe.instruction), [f"e{i:02d}" for i in range(24)], t,
+                         [budget if i == m else None for i in range(24)]) for t in toks]
+    assert logs[0].history_end == logs[1].history_end == rec["history_end"]
+    for i in range(m + 1, 24):                           # every later event at the same positions
+        assert logs[0].span(f"e{i:02d}").pos_start == logs[1].span(f"e{i:02d}").pos_start
+    assert rec["served_positions"]["e13"][0] == logs[0].span("e13").pos_start
+    assert rec["served"]["kv"]["events"] == ["e00", "e13"]
+    assert rec["served_identical"] is True
+    # the isolated arm is one cache for both variants: identical scores, d exactly 0
+    assert rec["arms"]["isolated"]["A"] == rec["arms"]["isolated"]["B"]
+    assert rec["d"]["isolated"] == 0.0
+    # kv-all is the same computation as text-all
+    assert rec["kv_all_vs_text_all"]["max_abs_dlogprob"] <= 1e-4
+    assert rec["kv_all_vs_text_all"]["same_choice"] is True
+    # the donor reaches the served root's rows: kv scores differ between the variants
+    assert rec["arms"]["kv"]["A"]["logprobs"] != rec["arms"]["kv"]["B"]["logprobs"]
+
+
+def test_donor_pair_option_errors_name_the_value():
+    with pytest.raises(EventKVError, match="root_slot 5"):
+        DonorPair(root_slot=5)
+    with pytest.raises(EventKVError, match="decoy variant 'opposit'"):
+        DonorPair(decoy="opposit")
+    with pytest.raises(EventKVError, match="states ONLINE"):
+        DonorPair(states=("ONLINE",))
+    with pytest.raises(EventKVError, match="source slot 30"):
+        DonorPair(source_slots=(8, 30), root_slot=13)
+
+
+# ---------------------------------------------------------------- readout parsing and statistics
+def test_last_state_and_outcome():
+    states = ("ONLINE", "OFFLINE")
+    assert last_state("It was ONLINE, then offline.", states) == "OFFLINE"
+    assert last_state("Register M is ONLINE", states) == "ONLINE"
+    assert last_state("ONLINEX NOTOFFLINE", states) is None
+    assert last_state("", states) is None
+    assert outcome("ONLINE", "OFFLINE", "ONLINE", "OFFLINE") == "follow"
+    assert outcome("OFFLINE", "ONLINE", "ONLINE", "OFFLINE") == "anti"
+    assert outcome("ONLINE", "ONLINE", "ONLINE", "OFFLINE") == "constant"
+    assert outcome(None, None, "ONLINE", "OFFLINE") == "other"
+    assert outcome("ONLINE", None, "ONLINE", "OFFLINE") == "other"
+
+
+def test_log_odds_and_d_hand_values():
+    lp_a = {"ONLINE": math.log(0.8), "OFFLINE": math.log(0.2)}
+    lp_b = {"ONLINE": math.log(0.4), "OFFLINE": math.log(0.6)}
+    assert log_odds(lp_a, "ONLINE") == pytest.approx(math.log(4))
+    # d = lo(ON|A) - lo(ON|B) = log 4 - log(2/3); both brackets equal for two states
+    assert donor_d(lp_a, lp_b, "ONLINE", "OFFLINE") == pytest.approx(math.log(4) - math.log(2 / 3))
+    assert donor_d(lp_a, lp_a, "ONLINE", "OFFLINE") == 0.0
+
+
+def _record(i, kv_gen, kv_logit, d, text="follow"):
+    return {"index": i, "outcomes": {"kv": {"generate": kv_gen, "logits": kv_logit},
+                                     "isolated": {"generate": "constant", "logits": "constant"},
+                                     "text-all": {"generate": text, "logits": text}},
+            "d": {"kv": d, "isolated": 0.0, "text-all": 5.0}, "kv_all_vs_text_all": {"max_abs_dlogprob": 0.0, "same_choice": True}}
+
+
+def test_summary_counts_and_p_values_on_known_records():
+    from scipy import stats as st
+
+    gen = ["follow"] * 9 + ["anti"] + ["constant"] * 4 + ["other"] * 2
+    logit = ["follow"] * 6 + ["anti"] * 2 + ["constant"] * 8
+    ds = [1.0, 2.0, 0.5, -0.25, 3.0, 0.0, 1.5, -1.0, 0.75, 2.5, 0.1, 0.2, 0.3, 0.4, -0.6, 0.9]
+    records = [_record(i, g, l, d, "follow" if i < 12 else "anti") for i, (g, l, d) in enumerate(zip(gen, logit, ds))]
+    s = summarize_donor_pairs(records, DonorPair())
+    kv = s.data["outcomes"]["kv/generate"]
+    assert (kv["follow"], kv["anti"], kv["constant"], kv["other"]) == (9, 1, 4, 2)
+    assert kv["p"] == pytest.approx(22 / 1024)
+    assert kv["prevalence"]["k"] == 10 and kv["prevalence"]["n"] == 16
+    assert s.data["outcomes"]["kv/logits"]["p"] == pytest.approx(st.binomtest(6, 8).pvalue)
+    d = s.data["d"]["kv"]
+    assert (d["pos"], d["neg"], d["zero"]) == (12, 3, 1)
+    assert d["sign_p"] == pytest.approx(st.binomtest(12, 15).pvalue)
+    assert d["wilcoxon_p"] == pytest.approx(st.wilcoxon([x for x in ds if x != 0]).pvalue)
+    assert math.isnan(s.data["d"]["isolated"]["sign_p"])
+    assert s.data["comprehension/generate"]["k"] == 12
+    md = s.to_markdown()
+    assert "follow 9, anti 1, n 10: p = 0.0215" in md
+    assert "| kv | generate | 16 | 9 | 1 | 4 | 2 | 0.625 [0.386, 0.815] (10/16) | 0.0215 |" in md
