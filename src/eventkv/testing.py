@@ -11,7 +11,7 @@ import torch
 TINY_FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
 
 
-def tiny_config(family: str, vocab_size: int = 256, sliding_window: int = 16):
+def tiny_config(family: str, vocab_size: int = 320, sliding_window: int = 16):
     """A 2-to-6-layer config of ``family`` with hidden size 64 (float32, sdpa attention)."""
     from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
@@ -39,3 +39,31 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, *
     cfg._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     return model.eval()
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tiny_tokenizer():
+    """A byte-level tokenizer (ids 0..255 are the 256 byte symbols; 256 ``<|endoftext|>``, 257 ``<|im_start|>``,
+    258 ``<|im_end|>``) with a ChatML chat template. Fits the tiny models' 320-token vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    fast.chat_template = CHATML
+    return fast
+
+
+def tiny_lm(family: str = "llama", seed: int = 0):
+    """A ``LoadedModel`` of a tiny random ``family`` model with :func:`tiny_tokenizer` (for tests)."""
+    from eventkv.models import LoadedModel, profile_for
+
+    model, tok = tiny_model(family, seed=seed), tiny_tokenizer()
+    return LoadedModel(model, tok, profile_for(model, tok, f"tiny-{family}", weights_digest=f"tiny-{family}-{seed}"))

