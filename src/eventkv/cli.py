@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from eventkv.errors import EventKVError
@@ -93,7 +94,7 @@ def main() -> None:
     try:
         app()
     except EventKVError as exc:
-        Console(stderr=True).print(f"[red]error:[/red] {exc}", highlight=False)
+        Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
         sys.exit(2)
 
 
