@@ -1,0 +1,160 @@
+"""The on-disk model cache: where it lives, its manifest, and how a cached directory is verified.
+
+Layout::
+
+    $EVENTKV_CACHE (else ~/.cache/eventkv)/
+        models/<alias>/                 one converted model (config, safetensors, tokenizer, ...)
+            eventkv-cache.json          the manifest, written last; lists every other file
+        models/.staging-<alias>-*/      a pull in progress (removed when it ends)
+
+A directory counts as cached only when its manifest exists and every file it lists has the
+recorded size and sha256, and no other file is present. Everything here is plain file handling
+with no model code, so it can be tested without torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+CACHE_ENV = "EVENTKV_CACHE"
+MANIFEST_NAME = "eventkv-cache.json"
+MANIFEST_FORMAT = 1
+
+_CHUNK = 8 * 1024 * 1024  # bytes read per hashing step
+
+
+def cache_root() -> Path:
+    """The cache root: ``$EVENTKV_CACHE`` if set and non-empty, else ``~/.cache/eventkv``."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "eventkv"
+
+
+def model_dir(alias: str) -> Path:
+    """The directory that holds (or will hold) the converted model of ``alias``."""
+    return cache_root() / "models" / alias
+
+
+def sha256_file(path: Path) -> str:
+    """Full sha256 (hex) of one file, read in 8 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def hash_files(directory: Path, names: list[str], workers: int | None = None) -> dict[str, str]:
+    """sha256 of several files of ``directory`` in parallel threads (hashlib releases the GIL).
+
+    Returns ``{name: sha256 hex}``. Raises ``OSError`` when a file cannot be read.
+    """
+    workers = workers or max(1, min(len(names), os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        digests = pool.map(lambda n: sha256_file(directory / n), names)
+        return dict(zip(names, digests))
+
+
+def dir_files(directory: Path) -> list[str]:
+    """Relative paths (POSIX style, sorted) of all regular files under ``directory``, manifest excluded."""
+    out = []
+    for p in directory.rglob("*"):
+        if p.is_file():
+            rel = p.relative_to(directory).as_posix()
+            if rel != MANIFEST_NAME and not rel.startswith(MANIFEST_NAME + "."):
+                out.append(rel)
+    return sorted(out)
+
+
+def dir_size(directory: Path) -> int:
+    """Total size in bytes of the regular files under ``directory`` (0 if it does not exist)."""
+    if not directory.exists():
+        return 0
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
+def write_manifest(directory: Path, info: dict[str, Any]) -> dict[str, Any]:
+    """Hash every file of ``directory`` and write the manifest atomically (tmp file, then ``os.replace``).
+
+    ``info`` holds the caller's provenance fields (alias, source, weights digest, ...); this adds
+    ``format`` and ``files: {relative path: {"size": bytes, "sha256": hex}}``. Call it after every
+    other file is in place: a directory without a manifest is treated as a partial download.
+    Returns the manifest written.
+    """
+    names = dir_files(directory)
+    digests = hash_files(directory, names)
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        **info,
+        "files": {n: {"size": (directory / n).stat().st_size, "sha256": digests[n]} for n in names},
+    }
+    tmp = directory / f"{MANIFEST_NAME}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / MANIFEST_NAME)
+    return manifest
+
+
+@dataclass(frozen=True)
+class CacheCheck:
+    """Outcome of checking one cached directory.
+
+    ``ok`` is True only if the directory may be used; otherwise ``reason`` says what is wrong
+    (missing, partial, corrupted) in words fit for a warning. ``manifest`` is the parsed manifest
+    when it could be read.
+    """
+
+    ok: bool
+    reason: str
+    manifest: dict[str, Any] | None = None
+
+
+def read_manifest(directory: Path) -> dict[str, Any] | None:
+    """The parsed manifest of ``directory``, or None if it is absent or unreadable."""
+    try:
+        with open(directory / MANIFEST_NAME) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return None
+    return manifest
+
+
+def check_dir(directory: Path, full: bool = True) -> CacheCheck:
+    """Check a cached directory against its manifest.
+
+    Always compares the set of files and their sizes (bytes). With ``full=True`` it also
+    re-hashes every file (sha256, in parallel threads), which reads the whole directory; with
+    ``full=False`` it is a quick check (no file contents read) for listings.
+    """
+    if not directory.is_dir():
+        return CacheCheck(False, f"{directory} does not exist")
+    manifest = read_manifest(directory)
+    if manifest is None:
+        return CacheCheck(False, f"{directory} has no readable {MANIFEST_NAME} (partial download or conversion)")
+    if manifest.get("format") != MANIFEST_FORMAT:
+        return CacheCheck(False, f"{directory}/{MANIFEST_NAME} has format {manifest.get('format')!r}, expected {MANIFEST_FORMAT}", manifest)
+    files: dict[str, dict] = manifest["files"]
+    present = dir_files(directory)
+    missing = sorted(set(files) - set(present))
+    extra = sorted(set(present) - set(files))
+    if missing or extra:
+        return CacheCheck(False, f"{directory}: files missing {missing}, unexpected {extra}", manifest)
+    for name, rec in files.items():
+        size = (directory / name).stat().st_size
+        if size != rec.get("size"):
+            return CacheCheck(False, f"{directory / name}: size {size} bytes, manifest says {rec.get('size')}", manifest)
+    if full:
+        digests = hash_files(directory, list(files))
+        for name, rec in files.items():
+            if digests[name] != rec.get("sha256"):
+                return CacheCheck(False, f"{directory / name}: sha256 {digests[name][:16]}… differs from the manifest's {str(rec.get('sha256'))[:16]}…", manifest)
+    return CacheCheck(True, "ok", manifest)
