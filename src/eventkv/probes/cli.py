@@ -26,7 +26,7 @@ def _user_errors():
     try:
         yield
     except EventKVError as exc:
-        _err.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
+        _err.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
 
 

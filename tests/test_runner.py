@@ -1,0 +1,130 @@
+"""Run directories: manifest, records, resume after a kill, identity checks, report."""
+
+import json
+
+import pytest
+
+from probe_fixtures import tiny_runtime
+
+from eventkv.errors import EventKVError
+from eventkv.probes import DonorPair
+from eventkv.probes.runner import FIGURE, MANIFEST, RECORDS, SUMMARY, load_records, render, run_probe
+
+
+@pytest.fixture(scope="module")
+def rt():
+    return tiny_runtime("llama")
+
+
+def _run(rt, out, items=3, seed=0, **opts):
+    probe = DonorPair(max_new_tokens=4, **opts)
+    return run_probe(probe, rt, model="tiny", items=items, seed=seed, out=out, progress=False, figure=False)
+
+
+@pytest.fixture(scope="module")
+def reference(rt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref")
+    _run(rt, out)
+    return out
+
+
+def test_run_writes_manifest_records_summary(reference):
+    m = json.loads((reference / MANIFEST).read_text())
+    assert m["identity"]["probe"] == "donor-pair" and m["identity"]["seed"] == 0
+    assert m["identity"]["options"]["source_slots"] == [8, 11]
+    assert m["identity"]["weights_digest"] == "tiny-random" and m["identity"]["dtype"] == "float32"
+    assert m["items"] == 3 and "torch" in m["environment"]["packages"]
+    assert m["environment"]["eventkv"]
+    recs = load_records(reference)
+    assert [r["index"] for r in recs] == [0, 1, 2]
+    assert (reference / SUMMARY).read_text().startswith("# donor-pair: 3 pairs")
+
+
+def test_same_seed_gives_identical_records(rt, reference, tmp_path):
+    _run(rt, tmp_path)
+    assert (tmp_path / RECORDS).read_bytes() == (reference / RECORDS).read_bytes()
+
+
+def test_resume_after_a_kill_mid_write(rt, reference, tmp_path):
+    lines = (reference / RECORDS).read_bytes().split(b"\n")
+    (tmp_path / MANIFEST).write_bytes((reference / MANIFEST).read_bytes())
+    # one complete record and half of the next: what a kill during the second write leaves
+    (tmp_path / RECORDS).write_bytes(lines[0] + b"\n" + lines[1][: len(lines[1]) // 2])
+    _run(rt, tmp_path)
+    assert (tmp_path / RECORDS).read_bytes() == (reference / RECORDS).read_bytes()
+    m = json.loads((tmp_path / MANIFEST).read_text())
+    assert m["invocations"][-1]["items_computed"] == 2
+
+
+def test_resume_after_a_crash_recomputes_nothing_finished(rt, reference, tmp_path, monkeypatch):
+    calls = []
+    real = DonorPair.run_item
+
+    def crashing(self, rt_, item):
+        calls.append(item["index"])
+        if item["index"] == 2:
+            raise KeyboardInterrupt
+        return real(self, rt_, item)
+
+    monkeypatch.setattr(DonorPair, "run_item", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        _run(rt, tmp_path)
+    assert [r["index"] for r in load_records(tmp_path)] == [0, 1]
+    monkeypatch.setattr(DonorPair, "run_item", lambda self, rt_, item: calls.append(item["index"]) or real(self, rt_, item))
+    _run(rt, tmp_path)
+    assert calls == [0, 1, 2, 2]                     # item 2 only is recomputed
+    assert (tmp_path / RECORDS).read_bytes() == (reference / RECORDS).read_bytes()
+
+
+def test_more_items_extend_a_run(rt, reference, tmp_path):
+    _run(rt, tmp_path, items=2)
+    _run(rt, tmp_path, items=3)
+    assert (tmp_path / RECORDS).read_bytes() == (reference / RECORDS).read_bytes()
+
+
+def test_different_options_into_the_same_directory_are_refused(rt, reference, tmp_path):
+    (tmp_path / MANIFEST).write_bytes((reference / MANIFEST).read_bytes())
+    with pytest.raises(EventKVError, match=r"root_slot: 13 -> 14"):
+        _run(rt, tmp_path, root_slot=14)
+    with pytest.raises(EventKVError, match=r"seed: 0 -> 1"):
+        _run(rt, tmp_path, seed=1)
+    assert not (tmp_path / RECORDS).exists()
+
+
+def test_duplicate_records_are_reported(reference, tmp_path):
+    line = (reference / RECORDS).read_bytes().split(b"\n")[0]
+    (tmp_path / RECORDS).write_bytes(line + b"\n" + line + b"\n")
+    with pytest.raises(EventKVError, match="item 0 twice"):
+        load_records(tmp_path)
+
+
+def test_report_rerenders_from_records_alone(reference, tmp_path):
+    for name in (MANIFEST, RECORDS):
+        (tmp_path / name).write_bytes((reference / name).read_bytes())
+    s = render(tmp_path)
+    assert (tmp_path / SUMMARY).read_text() == (reference / SUMMARY).read_text()
+    assert (tmp_path / FIGURE).stat().st_size > 10_000
+    assert s.data["pairs"] == 3
+    with pytest.raises(EventKVError, match="not a run directory"):
+        render(tmp_path / "nothing")
+
+
+def test_cli_report_and_errors(reference, tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from eventkv.probes.cli import report, run_app
+
+    app = typer.Typer()
+    app.add_typer(run_app, name="run")
+    app.command("report")(report)
+    runner = CliRunner()
+    r = runner.invoke(app, ["report", str(reference)])
+    assert r.exit_code == 0, r.output
+    assert "donor-pair: 3 pairs" in r.output
+    r = runner.invoke(app, ["report", str(tmp_path)])
+    assert r.exit_code == 2 and "not a run directory" in r.output and "Traceback" not in r.output
+    r = runner.invoke(app, ["run", "donor-pair", "--decoy", "sometimes", "--out", str(tmp_path / "x")])
+    assert r.exit_code == 2 and "unknown decoy variant 'sometimes'" in r.output
+    r = runner.invoke(app, ["run", "donor-pair", "--source-slots", "8..11"])
+    assert r.exit_code == 2 and "--source-slots '8..11'" in r.output
