@@ -1,0 +1,174 @@
+"""Faithfulness gates of the splice (Study 2, "Controlled splice") on tiny random Llama, Qwen2 and
+Gemma 3 (sliding window 16) models; ``pytest -k splice``. Seconds each on a CPU."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from eventkv.errors import EventKVError
+from eventkv.prefill import model_forward
+from eventkv.splice import (ARMS, Splice, SplicePrompt, _attention_modules, clean_run, donor_rows, filler_ids,
+                            layers_from, span_masked, splice_generate, splice_sweep)
+from eventkv.testing import tiny_model, tiny_tokenizer
+
+FAMILIES = ["llama", "qwen2", "gemma3"]
+CONTENT = "Table: a=3, b=7, c=1. What is b?"
+MAX_NEW = 6
+
+
+class Profile:
+    chat_head = "<|im_start|>user\n"
+    chat_tail = "<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+def setup(family, tok, **kw):
+    model = tiny_model(family, **kw)
+    prompt = SplicePrompt.from_text(tok, Profile, CONTENT)
+    return model, prompt
+
+
+def n_layers(model):
+    return model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_splice_cutoff_beyond_last_layer_equals_clean_exactly(family, tok):
+    model, prompt = setup(family, tok)
+    run = clean_run(model, prompt, max_new_tokens=MAX_NEW, keep_logits=True)
+    donors = {"scaffold": donor_rows(model, run, filler_ids(tok, len(prompt.span_ids)))}
+    none = layers_from(n_layers(model), n_layers(model))
+    assert none == ()
+    cells = [Splice(a, none, step=t) for a in ARMS for t in (0, 2)]
+    for tail, batch in (("clean", 1), ("spliced", len(cells))):
+        for r in splice_sweep(model, run, cells, max_new_tokens=MAX_NEW, donors=donors, tail=tail, batch_size=batch,
+                              keep_logits=True):
+            assert r.tokens == run.tokens
+            # the logits from the splice step on equal the clean run's at those steps
+            for got, ref in zip(r.logits, run.logits[r.splice.step:]):
+                if tail == "clean":
+                    assert torch.equal(got, ref)
+                else:
+                    assert torch.allclose(got, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_splice_scaffold_with_the_span_own_text_equals_clean(family, tok):
+    model, prompt = setup(family, tok)
+    run = clean_run(model, prompt, max_new_tokens=MAX_NEW, keep_logits=True)
+    own = filler_ids(tok, len(prompt.span_ids), filler=CONTENT)
+    assert own == list(prompt.span_ids)
+    donors = {"scaffold": donor_rows(model, run, own)}
+    cells = [Splice("scaffold", layers_from(c, n_layers(model)), step=0) for c in range(n_layers(model))]
+    for r in splice_sweep(model, run, cells, max_new_tokens=MAX_NEW, donors=donors, batch_size=4, keep_logits=True):
+        assert r.tokens == run.tokens
+        for got, ref in zip(r.logits, run.logits):
+            assert torch.allclose(got, ref, atol=1e-5, rtol=0)
+
+
+def _prefill_without_span(model, prompt, max_new):
+    """Reference: head + tail (no span) at their original positions, then greedy decoding."""
+    lo, hi = prompt.span_rows
+    ids = list(prompt.head_ids) + list(prompt.tail_ids)
+    pos = list(range(lo)) + list(range(hi, prompt.n_rows))
+    cache = DynamicCache()
+    logits = model_forward(model, torch.tensor([ids]), torch.tensor([pos]), cache, logits_to_keep=1)[0, -1]
+    out, toks, nxt = [], [], prompt.n_rows
+    for _ in range(max_new):
+        out.append(logits)
+        t = int(torch.argmax(logits))
+        toks.append(t)
+        if len(toks) == max_new:
+            break
+        logits = model_forward(model, torch.tensor([[t]]), torch.tensor([[nxt]]), cache, logits_to_keep=1)[0, -1]
+        nxt += 1
+    return toks, out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_splice_mask_on_every_layer_equals_a_prefill_without_the_span(family, tok):
+    # Meaningful where the sliding window covers the whole prompt: a masked row still counts
+    # toward a sliding layer's window (counted in rows), a removed one does not.
+    kw = {"sliding_window": 128} if family == "gemma3" else {}
+    model, prompt = setup(family, tok, **kw)
+    ref_toks, ref_logits = _prefill_without_span(model, prompt, MAX_NEW)
+    r = splice_generate(model, prompt, Splice("mask", layers_from(0, n_layers(model))), max_new_tokens=MAX_NEW,
+                        tail="spliced", keep_logits=True)
+    assert r.tokens == ref_toks
+    for got, ref in zip(r.logits, ref_logits):
+        assert torch.allclose(got, ref, atol=1e-4, rtol=0)
+    # zeroing is not removal: zero-kv on every layer gives other logits than the mask
+    z = splice_generate(model, prompt, Splice("zero-kv", layers_from(0, n_layers(model))), max_new_tokens=MAX_NEW,
+                        tail="spliced", keep_logits=True)
+    assert (z.logits[0] - ref_logits[0]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_splice_sweep_equals_the_naive_one_splice_path(family, tok):
+    model, prompt = setup(family, tok)
+    fill = filler_ids(tok, len(prompt.span_ids))
+    run = clean_run(model, prompt, max_new_tokens=4)
+    donors = {"scaffold": donor_rows(model, run, fill)}
+    cells = [Splice("scaffold", layers_from(1, n_layers(model)), step=0), Splice("zero-kv", (0,), step=1),
+             Splice("mean", layers_from(1, n_layers(model)), step=0), Splice("zero-k", (1,), step=2),
+             Splice("mask", (0,), heads=(1,), step=0), Splice("scaffold", (1,), heads=(0,), step=1)]
+    fast = splice_sweep(model, run, cells, max_new_tokens=4, donors=donors, batch_size=4, keep_logits=True)
+    for cell, f in zip(cells, fast):
+        slow = splice_generate(model, prompt, cell, max_new_tokens=4, donor_ids=fill, keep_logits=True)
+        assert f.tokens == slow.tokens, cell
+        for a, b in zip(f.logits, slow.logits):
+            assert torch.allclose(a, b, atol=1e-4, rtol=0)
+        assert f.tokens[: cell.step] == run.tokens[: cell.step]  # the first t tokens are clean
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_splice_arms_change_the_logits_and_heads_select(family, tok):
+    model, prompt = setup(family, tok)
+    run = clean_run(model, prompt, max_new_tokens=2, keep_logits=True)
+    donors = {"scaffold": donor_rows(model, run, filler_ids(tok, len(prompt.span_ids)))}
+    every = layers_from(0, n_layers(model))
+    kvh = run.keys[0].shape[1]
+    cells = [Splice(a, every) for a in ARMS[1:]] + [Splice(a, every, heads=tuple(range(kvh))) for a in ARMS[1:]]
+    res = splice_sweep(model, run, cells, max_new_tokens=2, donors=donors, keep_logits=True)
+    n = len(ARMS) - 1
+    for i in range(n):
+        assert (res[i].logits[0] - run.logits[0]).abs().max() > 1e-4, cells[i].arm
+        assert torch.allclose(res[i].logits[0], res[n + i].logits[0], atol=1e-5, rtol=0)  # all heads == None
+
+
+def test_splice_mask_hooks_are_removed_even_on_error(tok):
+    model, prompt = setup("llama", tok)
+    attn = _attention_modules(model)
+    with pytest.raises(RuntimeError):
+        with span_masked(model, (2, 4), {0: torch.tensor([True]), 1: torch.tensor([True])}):
+            assert all(len(a._forward_pre_hooks) == 1 for a in attn)
+            raise RuntimeError("boom")
+    assert all(len(a._forward_pre_hooks) == 0 for a in attn)
+
+
+def test_splice_user_errors(tok):
+    model, prompt = setup("llama", tok)
+    with pytest.raises(EventKVError, match="zero"):
+        Splice("zero")
+    with pytest.raises(EventKVError, match="cutoff 9"):
+        layers_from(9, 2)
+    run = clean_run(model, prompt, max_new_tokens=2)
+    with pytest.raises(EventKVError, match="donor"):
+        splice_sweep(model, run, [Splice("scaffold", (0,))], max_new_tokens=2)
+    with pytest.raises(EventKVError, match="tail"):
+        splice_sweep(model, run, [Splice("mask", (0,))], max_new_tokens=2, tail="x")
+    with pytest.raises(EventKVError, match="3 tokens but the span"):
+        donor_rows(model, run, [1, 2, 3])
+    with pytest.raises(EventKVError, match="tail"):
+        SplicePrompt((1,), (2,), ())
+
+
+def test_splice_filler_is_length_matched(tok):
+    for n in (1, 5, 57, 200):
+        ids = filler_ids(tok, n)
+        assert len(ids) == n
+        assert tok.decode(ids).startswith("This is a neutral sentence"[: n])
