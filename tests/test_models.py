@@ -171,6 +171,25 @@ def test_bad_dtype_and_missing_gguf():
         models.load("/nonexistent/missing.gguf")
 
 
+def test_load_local_directory(tmp_path):
+    tiny_model(Qwen2Config(num_hidden_layers=2, num_key_value_heads=2, **SMALL)).save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    lm = models.load(str(tmp_path), dtype="bfloat16")
+    assert not lm.model.training
+    assert lm.model.dtype == torch.bfloat16
+    p = lm.profile
+    assert (p.name, p.family, p.dtype, p.num_layers) == (str(tmp_path), "qwen2", "bfloat16", 2)
+    weights = tmp_path / "model.safetensors"
+    expected = hashlib.sha256(f"model.safetensors\0{weights.stat().st_size}\0".encode() + weights.read_bytes()[: 1 << 20])
+    assert p.weights_digest == expected.hexdigest()
+
+
+def test_file_that_is_not_gguf(tmp_path):
+    (tmp_path / "weights.pt").write_bytes(b"x")
+    with pytest.raises(EventKVError, match="weights.pt"):
+        models.load(str(tmp_path / "weights.pt"))
+
+
 def test_aliases_are_well_formed():
     for alias, spec in models.ALIASES.items():
         assert spec.alias == alias

