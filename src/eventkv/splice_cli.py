@@ -1,0 +1,113 @@
+"""``eventkv splice``: the prompt-KV splice probe (Study 2) from the command line.
+
+The command function is :func:`splice`; the main app mounts it with ``app.command("splice")(splice)``.
+It runs through the probe runner (``manifest.json``, ``records.jsonl``, ``summary.md``; resumable:
+re-running into the same ``--out`` computes only the missing items) and writes ``figure.png``
+(accuracy vs cutoff) and ``heatmap.png`` (scaffold, cutoff x step). User errors print one line and
+exit 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.markdown import Markdown
+
+from eventkv.errors import EventKVError
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise EventKVError(f"{what} {text!r}: give comma-separated integers, e.g. 0,1,2.") from None
+    if not vals:
+        raise EventKVError(f"{what} {text!r}: give at least one integer.")
+    return vals
+
+
+def build_probe(task: str, cutoffs: str, steps: str, arms: str, filler: Optional[str], heads: Optional[str],
+                layer_set: str, tail: str, max_new_tokens: int, batch_size: int):
+    """The SpliceProbe for the CLI options (``task`` is a built-in name or a JSONL path)."""
+    from eventkv.splice import DEFAULT_FILLER
+    from eventkv.splice_probe import SpliceProbe
+    from eventkv.splice_tasks import TASKS, file_digest
+
+    task_file = digest = None
+    name = task
+    if task not in TASKS:
+        p = Path(task)
+        if not (task.endswith(".jsonl") or p.is_file()):
+            raise EventKVError(f"--task {task!r}: use one of {', '.join(TASKS)} or the path of a JSONL file "
+                               "('prompt', 'answer', optional 'options' per line).")
+        if not p.is_file():
+            raise EventKVError(f"--task {task!r}: no such file; give an existing JSONL file.")
+        name, task_file, digest = "jsonl", str(p.resolve()), file_digest(p)
+    arm_names = tuple(a.strip() for a in arms.split(",") if a.strip() and a.strip() != "clean")
+    probe = SpliceProbe(task=name, task_file=task_file, task_digest=digest, cutoffs=cutoffs,
+                        steps=_ints(steps, "--steps"), arm_names=arm_names,
+                        filler=filler if filler is not None else DEFAULT_FILLER,
+                        heads=_ints(heads, "--heads") if heads else None, layer_set=layer_set, tail=tail,
+                        max_new_tokens=max_new_tokens, batch_size=batch_size)
+    probe.validate()
+    return probe
+
+
+def splice(
+    model: str = typer.Option("smollm2-135m", "--model", help="packaged alias, local HF directory, hub id or GGUF file"),
+    task: str = typer.Option("lookup", "--task", help="lookup | arithmetic | choose | copy | sentiment, or a JSONL "
+                                                      "file with 'prompt', 'answer', optional 'options' per line"),
+    cutoffs: str = typer.Option("all", "--cutoffs", help="'all' (0..n_layers) or a list like 0,4,8-12 (n_layers = no splice)"),
+    steps: str = typer.Option("0", "--steps", help="decoding steps the splice takes effect from, e.g. 0,1,2"),
+    arms: str = typer.Option("scaffold,zero-kv,mask", "--arms",
+                             help="comma list of scaffold, zero-kv, zero-k, zero-v, mask, mean (clean always runs)"),
+    items: int = typer.Option(32, "--items", help="number of items (prompts)"),
+    seed: int = typer.Option(0, "--seed", help="task seed (item i depends only on seed and i)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="run directory [default: runs/splice/MODEL-TASK-DTYPE-seedS]"),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
+    filler: Optional[str] = typer.Option(None, "--filler", help="scaffold filler text [default: a neutral sentence]"),
+    heads: Optional[str] = typer.Option(None, "--heads", help="KV heads to splice, e.g. 0,1 [default: all]"),
+    layer_set: str = typer.Option("from", "--layer-set", help="from = layers >= cutoff; only = the cutoff layer alone"),
+    tail: str = typer.Option("clean", "--tail", help="clean = tail rows keep clean K/V; spliced = recomputed over the splice"),
+    max_new_tokens: int = typer.Option(16, "--max-new-tokens", help="greedy generation budget (tokens)"),
+    batch_size: int = typer.Option(16, "--batch-size", help="splices decoded together in one batch"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads [default: torch's]"),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
+) -> None:
+    """Prompt-KV splice (Study 2): accuracy when the prompt span's K/V in layers >= a cutoff are replaced
+    by a scaffold, zeroed, masked or averaged, from a decoding step; McNemar exact vs clean per cell."""
+    from eventkv.probes.cli import _user_errors
+
+    with _user_errors():
+        import torch
+
+        from eventkv.models import load
+        from eventkv.probes.base import Runtime
+        from eventkv.probes.runner import run_probe
+
+        probe = build_probe(task, cutoffs, steps, arms, filler, heads, layer_set, tail, max_new_tokens, batch_size)
+        if items < 1:
+            raise EventKVError(f"--items {items}: run at least one item.")
+        if threads:
+            torch.set_num_threads(threads)
+        if out is None:
+            tname = Path(task).stem if probe.task == "jsonl" else task
+            out = Path("runs") / "splice" / f"{Path(model).name}-{tname}-{dtype}-seed{seed}"
+        console = Console()
+        with console.status(f"loading {model} ({dtype})"):
+            lm = load(model, dtype=dtype)
+        rt = Runtime(lm.model, lm.tokenizer, lm.profile)
+        summary = run_probe(probe, rt, model=model, items=items, seed=seed, out=out, progress=progress,
+                            console=console)
+        console.print(Markdown(summary.data["markdown"]))
+        console.print(f"records: {out / 'records.jsonl'}  summary: {out / 'summary.md'}  "
+                      f"figures: {out / 'figure.png'}, {out / 'heatmap.png'}")
+
+
+def main() -> None:  # pragma: no cover - convenience entry point until mounted in eventkv.cli
+    app = typer.Typer(add_completion=False)
+    app.command("splice")(splice)
+    app()

@@ -1,0 +1,275 @@
+"""The splice probe (Study 2, "Controlled splice"): accuracy of exact-match prompt tasks when the
+user-content span's K/V are spliced at layers >= a cutoff, from a decoding step, per arm.
+
+One item = one prompt. Per item the clean prefill + clean greedy decode and the scaffold donor's
+rows are computed once (:mod:`eventkv.splice`); every (arm, cutoff, step) cell is then a batched
+splice + decode over those rows. The record holds the clean answer and one entry per cell.
+
+Statistics (:meth:`SpliceProbe.summarize`): per cell, accuracy with a Wilson 95% interval, and
+McNemar's exact test against clean on the same items (:func:`mcnemar_exact`). Figures: accuracy
+vs cutoff per arm with Wilson bands and the clean line (``figure.png``), and a cutoff x decoding
+step heatmap of the scaffold arm (``heatmap.png``).
+
+Registered as probe ``splice`` in :data:`eventkv.probes.PROBES` when this module is imported, so
+the probe runner (manifest.json / records.jsonl / summary.md, resumable) runs it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, Sequence
+
+from scipy import stats as _st
+
+from eventkv.errors import EventKVError
+from eventkv.probes.base import Probe, Summary, Table, register
+from eventkv.splice import (ARMS, DEFAULT_FILLER, TAILS, Splice, SplicePrompt, clean_run, donor_rows, filler_ids,
+                            splice_sweep)
+from eventkv.splice_tasks import TASKS, builtin_items, load_jsonl, score
+from eventkv.stats import TestResult, format_p, wilson
+
+LAYER_SETS = ("from", "only")
+SPLICE_ARMS = tuple(a for a in ARMS if a != "clean")
+
+
+def mcnemar_exact(clean_only: int, arm_only: int) -> TestResult:
+    """McNemar's exact test on paired binary outcomes: among the discordant items, ``clean_only``
+    (clean correct, arm wrong) vs ``arm_only`` (arm correct, clean wrong), two-sided
+    ``scipy.stats.binomtest(clean_only, clean_only + arm_only, 0.5)``. No discordant items: p = nan."""
+    n = clean_only + arm_only
+    counts = {"clean only": clean_only, "arm only": arm_only, "discordant": n}
+    name = "McNemar exact test vs clean"
+    if n == 0:
+        return TestResult(name, math.nan, math.nan, counts, "no discordant items")
+    p = _st.binomtest(clean_only, n, 0.5, alternative="two-sided").pvalue
+    return TestResult(name, float(p), float(clean_only), counts)
+
+
+def parse_cutoffs(text: str, n_layers: int) -> list[int]:
+    """``"all"`` = ``0 .. n_layers`` (``n_layers`` splices nothing: a built-in check that equals
+    clean); else a comma list of ints, ``a-b`` ranges allowed, negative values count from
+    ``n_layers`` (``-4`` = the last four layers).
+
+    Raises:
+        EventKVError: an unparseable value or a cutoff outside ``0 .. n_layers``.
+    """
+    if text.strip() == "all":
+        return list(range(n_layers + 1))
+    out: list[int] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        try:
+            if "-" in part[1:]:
+                a, b = part[0] + part[1:].split("-", 1)[0], part[1:].split("-", 1)[1]
+                vals = list(range(int(a), int(b) + 1))
+            else:
+                vals = [int(part)]
+        except ValueError:
+            raise EventKVError(f"--cutoffs {text!r}: give 'all' or comma-separated layer numbers/ranges like 0,4,8-12.") from None
+        for v in vals:
+            v = n_layers + v if v < 0 else v
+            if not 0 <= v <= n_layers:
+                raise EventKVError(f"--cutoffs: cutoff {v} is outside 0..{n_layers} for this {n_layers}-layer model "
+                                   f"({n_layers} = splice nothing).")
+            if v not in out:
+                out.append(v)
+    if not out:
+        raise EventKVError(f"--cutoffs {text!r}: give 'all' or at least one layer number.")
+    return sorted(out)
+
+
+def _n_layers(model) -> int:
+    return int(model.config.get_text_config().num_hidden_layers)
+
+
+@register
+@dataclass
+class SpliceProbe(Probe):
+    """Options (all part of a run's identity):
+
+    task: a built-in task (:data:`eventkv.splice_tasks.TASKS`) or ``"jsonl"`` with ``task_file``.
+    cutoffs: ``"all"`` or a comma list (see :func:`parse_cutoffs`).
+    steps: decoding steps the splice takes effect from (0 = before the first token).
+    arm_names: splice arms (clean is always run as the reference).
+    filler: the scaffold's filler text (repeated, truncated to the span's token length).
+    heads: KV heads to splice (None = all).
+    layer_set: ``from`` = layers >= cutoff (the study's splice); ``only`` = the cutoff layer alone.
+    tail: ``clean`` | ``spliced`` (see :mod:`eventkv.splice`).
+    max_new_tokens: greedy generation budget. batch_size: splices per batched decode.
+    """
+
+    name: ClassVar[str] = "splice"
+    record_version: ClassVar[int] = 1
+    smoke_options: ClassVar[dict] = {"cutoffs": "0,2", "steps": (0, 1), "arm_names": ("scaffold", "mask"),
+                                     "max_new_tokens": 3}
+
+    task: str = "lookup"
+    task_file: str | None = None
+    task_digest: str | None = None
+    cutoffs: str = "all"
+    steps: tuple[int, ...] = (0,)
+    arm_names: tuple[str, ...] = ("scaffold", "zero-kv", "mask")
+    filler: str = DEFAULT_FILLER
+    heads: tuple[int, ...] | None = None
+    layer_set: str = "from"
+    tail: str = "clean"
+    max_new_tokens: int = 16
+    batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        self.steps = tuple(int(s) for s in self.steps)
+        self.arm_names = tuple(self.arm_names)
+        if self.heads is not None:
+            self.heads = tuple(int(h) for h in self.heads)
+
+    def validate(self) -> None:
+        if self.task != "jsonl" and self.task not in TASKS:
+            raise EventKVError(f"unknown task {self.task!r}: use one of {', '.join(TASKS)} or the path of a JSONL file.")
+        if self.task == "jsonl" and not self.task_file:
+            raise EventKVError("task 'jsonl' needs a task file: pass --task path/to/items.jsonl.")
+        bad = [a for a in self.arm_names if a not in SPLICE_ARMS]
+        if bad or not self.arm_names:
+            raise EventKVError(f"--arms: unknown arm {bad[0] if bad else ''!r}: use a comma list of {', '.join(SPLICE_ARMS)} "
+                               "(clean is always run).")
+        if not self.steps or any(s < 0 for s in self.steps):
+            raise EventKVError(f"--steps {list(self.steps)}: give decoding steps >= 0 (0 = before the first token).")
+        if self.layer_set not in LAYER_SETS:
+            raise EventKVError(f"--layer-set {self.layer_set!r}: use one of {', '.join(LAYER_SETS)}.")
+        if self.tail not in TAILS:
+            raise EventKVError(f"--tail {self.tail!r}: use one of {', '.join(TAILS)}.")
+        if self.max_new_tokens < 1 or self.batch_size < 1:
+            raise EventKVError("--max-new-tokens and --batch-size must be at least 1.")
+        if max(self.steps) >= self.max_new_tokens:
+            raise EventKVError(f"--steps {max(self.steps)} is not below --max-new-tokens {self.max_new_tokens}: "
+                               "a splice from that step could never take effect; raise --max-new-tokens.")
+
+    # ------------------------------------------------------------------------- items
+    def items(self, seed: int, indices: Sequence[int]) -> list[dict]:
+        if self.task != "jsonl":
+            return builtin_items(self.task, seed, indices)
+        data = load_jsonl(self.task_file)
+        out = []
+        for i in indices:
+            if not 0 <= i < len(data):
+                raise EventKVError(f"--items asks for item {i} but {self.task_file!r} holds {len(data)} items: "
+                                   f"use --items {len(data)} or fewer.")
+            out.append(data[i])
+        return out
+
+    def cells(self, n_layers: int) -> list[Splice]:
+        cuts = parse_cutoffs(self.cutoffs, n_layers)
+        out = []
+        for arm in self.arm_names:
+            for c in cuts:
+                layers = tuple(range(c, n_layers)) if self.layer_set == "from" else ((c,) if c < n_layers else ())
+                for t in self.steps:
+                    out.append(Splice(arm, layers, self.heads, t))
+        return out
+
+    # ------------------------------------------------------------------------- one item
+    def run_item(self, rt, item: dict) -> dict:
+        model, tok = rt.model, rt.tokenizer
+        n_layers = _n_layers(model)
+        prompt = SplicePrompt.from_text(tok, rt.profile, item["prompt"])
+        stops = rt.stop_token_ids
+        run = clean_run(model, prompt, max_new_tokens=self.max_new_tokens, stop_token_ids=stops,
+                        max_context=rt.max_context)
+        donors = {}
+        if "scaffold" in self.arm_names:
+            donors["scaffold"] = donor_rows(model, run, filler_ids(tok, len(prompt.span_ids), self.filler))
+        cuts = parse_cutoffs(self.cutoffs, n_layers)
+        cells = self.cells(n_layers)
+        results = splice_sweep(model, run, cells, max_new_tokens=self.max_new_tokens, stop_token_ids=stops,
+                               donors=donors, tail=self.tail, batch_size=self.batch_size)
+        clean_text = tok.decode(run.tokens, skip_special_tokens=True)
+        ok, pred = score(clean_text, item)
+        rec_cells = []
+        i = 0
+        for arm in self.arm_names:
+            for c in cuts:
+                for t in self.steps:
+                    r = results[i]
+                    i += 1
+                    text = tok.decode(r.tokens, skip_special_tokens=True)
+                    good, p = score(text, item)
+                    rec_cells.append({"arm": arm, "cutoff": c, "step": t, "pred": p, "correct": good,
+                                      "effect": r.took_effect})
+        lo, hi = prompt.span_rows
+        return {"index": item["index"], "prompt": item["prompt"], "answer": item["answer"],
+                "n_layers": n_layers, "span_rows": [lo, hi], "prompt_rows": prompt.n_rows,
+                "clean": {"text": clean_text, "pred": pred, "correct": ok}, "cells": rec_cells}
+
+    # ------------------------------------------------------------------------- statistics
+    def summarize(self, records: Sequence[dict]) -> Summary:
+        return summarize_splice(records, self)
+
+    def figure(self, records: Sequence[dict], path) -> None:
+        from eventkv.splice_figures import accuracy_figure, heatmap_figure
+
+        accuracy_figure(records, path)
+        heatmap_figure(records, Path(path).with_name("heatmap.png"))
+
+
+def cell_table(records: Sequence[dict]) -> dict:
+    """``{(arm, cutoff, step): {"k", "n", "clean_only", "arm_only"}}`` plus ``("clean",) -> {"k", "n"}``."""
+    out: dict = {("clean",): {"k": sum(r["clean"]["correct"] for r in records), "n": len(records)}}
+    for r in records:
+        c0 = r["clean"]["correct"]
+        for c in r["cells"]:
+            key = (c["arm"], c["cutoff"], c["step"])
+            d = out.setdefault(key, {"k": 0, "n": 0, "clean_only": 0, "arm_only": 0})
+            d["n"] += 1
+            d["k"] += int(c["correct"])
+            d["clean_only"] += int(c0 and not c["correct"])
+            d["arm_only"] += int(c["correct"] and not c0)
+    return out
+
+
+def summarize_splice(records: Sequence[dict], probe: SpliceProbe | None = None) -> Summary:
+    """Tables per decoding step: rows = cutoff, columns = arms: accuracy [Wilson 95%] and McNemar's
+    exact p against clean (same items)."""
+    table = cell_table(records)
+    clean = wilson(table[("clean",)]["k"], table[("clean",)]["n"])
+    arms = list(dict.fromkeys(k[0] for k in table if len(k) == 3))
+    cutoffs = sorted({k[1] for k in table if len(k) == 3})
+    steps = sorted({k[2] for k in table if len(k) == 3})
+    n_layers = records[0]["n_layers"] if records else 0
+    tables, data = [], {"clean": clean.__dict__, "cells": {}}
+    for t in steps:
+        rows = []
+        for c in cutoffs:
+            row = [str(c)]
+            for a in arms:
+                d = table.get((a, c, t))
+                if d is None:
+                    row.append("")
+                    continue
+                p = wilson(d["k"], d["n"])
+                test = mcnemar_exact(d["clean_only"], d["arm_only"])
+                row.append(f"{p.rate:.3f} [{p.low:.2f}, {p.high:.2f}] p={format_p(test.p_value)} "
+                           f"({d['clean_only']}/{d['arm_only']})")
+                data["cells"][f"{a}|{c}|{t}"] = {"k": d["k"], "n": d["n"], "rate": p.rate, "low": p.low,
+                                                 "high": p.high, "p": test.p_value,
+                                                 "clean_only": d["clean_only"], "arm_only": d["arm_only"]}
+            rows.append(row)
+        tables.append(Table(f"decoding step {t}: accuracy [Wilson 95%], McNemar exact p vs clean "
+                            f"(clean-only/arm-only discordant items); clean = {clean.describe()}",
+                            ["cutoff"] + arms, rows))
+    notes = [
+        f"{len(records)} items; model with {n_layers} layers; cutoff c splices layers >= c "
+        f"({n_layers} = nothing spliced, must equal clean)"
+        + ("" if probe is None or probe.layer_set == "from" else "; layer set 'only': layer c alone"),
+        "span = the user content of the chat prompt; scaffold = the same template with filler "
+        f"{(probe.filler if probe else DEFAULT_FILLER)!r} repeated and truncated to the span's token length, "
+        "computed at the same positions over the clean head rows",
+        "step t: the first t generated tokens are the clean ones; the splice applies from the forward that "
+        f"predicts token t; tail rows {'keep their clean K/V' if probe is None or probe.tail == 'clean' else 'are recomputed over the spliced cache'}",
+        "zero-k / zero-kv: a zero key still takes attention weight exp(0); 'mask' removes the span from "
+        "attention in the spliced layers only",
+        "exact match on the first non-empty line of the greedy answer (surrounding punctuation stripped)",
+    ]
+    data["arms"], data["cutoffs"], data["steps"] = arms, cutoffs, steps
+    return Summary("splice", tables, tests=[], notes=notes, data=data)

@@ -1,0 +1,178 @@
+"""Prompt tasks with exact-match answers for the splice probe (Study 2), built in and offline.
+
+Every built-in task is generated from ``(seed, index)`` alone (``random.Random`` seeded with a
+string naming the task, seed and index), so item ``i`` is the same in every run and a run can be
+resumed or extended item by item. An item is a dict ``{"index", "prompt", "answer", "options",
+"case_sensitive"}``: ``prompt`` is the user content (the splice span), ``answer`` the exact answer.
+
+Scoring (:func:`score`) is exact match on the first line of the generation: leading/trailing
+whitespace and the characters in :data:`STRIP` are removed from both ends of the first non-empty
+line, and it must equal the answer (case-insensitively unless the item is case-sensitive).
+
+Tasks (:data:`TASKS`):
+
+* ``lookup`` — a 5-row table of ``CODE: word`` lines; asks the word of one code.
+* ``arithmetic`` — ``a + b`` with ``a, b`` in 10..49.
+* ``choose`` — which of three words belongs to a named category (options listed in the prompt).
+* ``copy`` — repeat a word exactly, or write it in capital letters (case-sensitive).
+* ``sentiment`` — a one-sentence review built from fixed positive/negative word lists.
+
+A user dataset is a JSONL file, one object per line: ``{"prompt", "answer", "options"?,
+"case_sensitive"?}`` (:func:`load_jsonl`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import string
+from pathlib import Path
+from typing import Callable, Sequence
+
+from eventkv.errors import EventKVError
+
+STRIP = ".,;:!?\"'`*()[]"
+
+WORDS = ("apple", "river", "candle", "garden", "mirror", "pencil", "rocket", "violin", "window", "silver",
+         "forest", "bottle", "castle", "dragon", "jacket", "marble", "orange", "planet", "saddle", "tunnel")
+CATEGORIES = {
+    "fruit": ("apple", "banana", "cherry", "grape", "lemon", "mango", "peach", "plum"),
+    "animal": ("tiger", "horse", "rabbit", "eagle", "whale", "zebra", "monkey", "wolf"),
+    "tool": ("hammer", "wrench", "shovel", "saw", "drill", "chisel", "pliers", "axe"),
+    "color": ("red", "blue", "green", "yellow", "purple", "black", "white", "brown"),
+    "vehicle": ("car", "truck", "bicycle", "train", "boat", "bus", "airplane", "tractor"),
+}
+POSITIVE = ("wonderful", "excellent", "great", "delightful", "superb", "lovely", "fantastic", "amazing")
+NEGATIVE = ("terrible", "awful", "horrible", "dreadful", "poor", "disappointing", "bad", "miserable")
+SUBJECTS = ("the food", "the movie", "the service", "the hotel", "the book", "the concert", "the room", "the game")
+
+
+def _rng(task: str, seed: int, index: int) -> random.Random:
+    return random.Random(f"eventkv-splice/{task}/{seed}/{index}")
+
+
+def _item(index: int, prompt: str, answer: str, options: Sequence[str] = (), case_sensitive: bool = False) -> dict:
+    return {"index": index, "prompt": prompt, "answer": answer, "options": list(options),
+            "case_sensitive": case_sensitive}
+
+
+def lookup(seed: int, index: int) -> dict:
+    r = _rng("lookup", seed, index)
+    codes: list[str] = []
+    while len(codes) < 5:
+        c = r.choice(string.ascii_uppercase) + str(r.randint(1, 9))
+        if c not in codes:
+            codes.append(c)
+    values = r.sample(WORDS, 5)
+    k = r.randrange(5)
+    table = "\n".join(f"{c}: {v}" for c, v in zip(codes, values))
+    prompt = f"Here is a table.\n{table}\nWhat is the value of {codes[k]}? Answer with the value only."
+    return _item(index, prompt, values[k])
+
+
+def arithmetic(seed: int, index: int) -> dict:
+    r = _rng("arithmetic", seed, index)
+    a, b = r.randint(10, 49), r.randint(10, 49)
+    return _item(index, f"What is {a} + {b}? Answer with the number only.", str(a + b))
+
+
+def choose(seed: int, index: int) -> dict:
+    r = _rng("choose", seed, index)
+    cats = sorted(CATEGORIES)
+    target = r.choice(cats)
+    others = r.sample([c for c in cats if c != target], 2)
+    opts = [r.choice(CATEGORIES[target])] + [r.choice(CATEGORIES[c]) for c in others]
+    answer = opts[0]
+    r.shuffle(opts)
+    prompt = f"Which of these words is a {target}: {', '.join(opts)}? Answer with the word only."
+    return _item(index, prompt, answer, opts)
+
+
+def copy(seed: int, index: int) -> dict:
+    r = _rng("copy", seed, index)
+    word = r.choice(WORDS)
+    if r.random() < 0.5:
+        return _item(index, f"Repeat this word exactly: {word}", word, case_sensitive=True)
+    return _item(index, f"Write the word {word} in capital letters. Answer with the word only.", word.upper(),
+                 case_sensitive=True)
+
+
+def sentiment(seed: int, index: int) -> dict:
+    r = _rng("sentiment", seed, index)
+    label = r.choice(("positive", "negative"))
+    adj = r.choice(POSITIVE if label == "positive" else NEGATIVE)
+    subject = r.choice(SUBJECTS)
+    prompt = (f"Review: {subject[0].upper() + subject[1:]} was {adj}.\n"
+              "Is this review positive or negative? Answer with one word: positive or negative.")
+    return _item(index, prompt, label, ("positive", "negative"))
+
+
+TASKS: dict[str, Callable[[int, int], dict]] = {
+    "lookup": lookup, "arithmetic": arithmetic, "choose": choose, "copy": copy, "sentiment": sentiment,
+}
+
+
+def builtin_items(task: str, seed: int, indices: Sequence[int]) -> list[dict]:
+    """Items ``indices`` of a built-in task.
+
+    Raises:
+        EventKVError: an unknown task name.
+    """
+    if task not in TASKS:
+        raise EventKVError(f"unknown task {task!r}: use one of {', '.join(TASKS)} or the path of a JSONL file.")
+    return [TASKS[task](seed, int(i)) for i in indices]
+
+
+def load_jsonl(path: str | Path) -> list[dict]:
+    """Read a user dataset: one JSON object per line with ``prompt`` and ``answer`` (strings),
+    optional ``options`` (list of strings) and ``case_sensitive`` (bool). Blank lines are skipped;
+    items are indexed in file order.
+
+    Raises:
+        EventKVError: missing file, a line that is not JSON, a missing or empty field, or no items.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise EventKVError(f"task file {str(p)!r} does not exist: give a JSONL file with 'prompt' and 'answer' per line.")
+    items = []
+    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise EventKVError(f"{p}:{n} is not valid JSON ({exc.msg}): write one JSON object per line.") from None
+        if not isinstance(obj, dict) or not str(obj.get("prompt", "")).strip() or not str(obj.get("answer", "")).strip():
+            raise EventKVError(f"{p}:{n} needs non-empty 'prompt' and 'answer' (got {line[:60]!r}).")
+        options = obj.get("options") or []
+        if not isinstance(options, list):
+            raise EventKVError(f"{p}:{n}: 'options' must be a list of strings (got {options!r}).")
+        items.append(_item(len(items), str(obj["prompt"]), str(obj["answer"]), [str(o) for o in options],
+                           bool(obj.get("case_sensitive", False))))
+    if not items:
+        raise EventKVError(f"task file {str(p)!r} holds no items: write one JSON object per line.")
+    return items
+
+
+def file_digest(path: str | Path) -> str:
+    """sha256 of a task file (part of a run's identity, so a changed file is not mixed in)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def first_line(text: str) -> str:
+    """The first non-empty line of ``text``, stripped of whitespace and of :data:`STRIP` at both ends."""
+    for line in text.splitlines():
+        s = line.strip().strip(STRIP).strip()
+        if s:
+            return s
+    return ""
+
+
+def score(text: str, item: dict) -> tuple[bool, str]:
+    """(correct, prediction): exact match of the generation's first line against the answer."""
+    pred = first_line(text)
+    ans = item["answer"].strip().strip(STRIP).strip()
+    if item.get("case_sensitive"):
+        return pred == ans, pred
+    return pred.casefold() == ans.casefold(), pred
