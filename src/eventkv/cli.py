@@ -25,9 +25,10 @@ def models_list() -> None:
     """List the packaged model aliases (family, parameters, size, cached or not)."""
     from eventkv.models import list_models
 
-    table = Table("alias", "family", "parameters", "size", "cached")
+    table = Table("alias", "family", "parameters", "quant", "GGUF size", "cached")
     for row in list_models():
-        table.add_row(*(str(row[k]) for k in ("alias", "family", "parameters", "size", "cached")))
+        table.add_row(row["alias"], row["family"], str(row["parameters"]), row["quantization"],
+                      f"{row['size_gb']:.2f} GB", "yes" if row["cached"] else "no")
     console.print(table)
 
 
