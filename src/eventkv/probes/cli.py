@@ -12,7 +12,6 @@ from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.markdown import Markdown
 
 from eventkv.errors import EventKVError
 
@@ -96,8 +95,13 @@ def _run(probe, model: str, items: int, seed: int, out: Path | None, dtype: str,
         lm = load(model, dtype=dtype)
     rt = Runtime(lm.model, lm.tokenizer, lm.profile)
     summary = run_probe(probe, rt, model=model, items=items, seed=seed, out=out, progress=progress, console=console)
-    console.print(Markdown(summary.data["markdown"]))
+    _print_summary(console, summary)
     console.print(f"records: {out / 'records.jsonl'}  summary: {out / 'summary.md'}  figure: {out / 'figure.png'}")
+
+
+def _print_summary(console: Console, summary) -> None:
+    """Print summary.md as it is written (plain markdown: tables stay copy-pastable)."""
+    console.print(summary.data["markdown"], markup=False, highlight=False, soft_wrap=True)
 
 
 def report(directory: Path = typer.Argument(..., help="a run directory written by 'eventkv run'")) -> None:
@@ -106,5 +110,6 @@ def report(directory: Path = typer.Argument(..., help="a run directory written b
         from eventkv.probes.runner import render
 
         summary = render(directory)
-        Console().print(Markdown(summary.data["markdown"]))
-        Console().print(f"summary: {Path(directory) / 'summary.md'}  figure: {Path(directory) / 'figure.png'}")
+        console = Console()
+        _print_summary(console, summary)
+        console.print(f"summary: {Path(directory) / 'summary.md'}  figure: {Path(directory) / 'figure.png'}")
