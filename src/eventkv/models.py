@@ -466,7 +466,10 @@ def _load_hf(ref: str, name: str, dtype: torch.dtype, attn: str) -> tuple[PreTra
 def _gguf_model(path: Path, dtype: torch.dtype, attn: str) -> PreTrainedModel:
     """A dense model from a GGUF file, dequantized at load (forced, so installing `kernels` changes nothing)."""
     from transformers import AutoModelForCausalLM, GgufConfig
+    from transformers.utils import is_accelerate_available
 
+    if not is_accelerate_available():
+        raise EventKVError(f"loading GGUF weights ({path.name}) needs the `accelerate` package; install it with `pip install accelerate`")
     return AutoModelForCausalLM.from_pretrained(
         str(path.parent),
         gguf_file=path.name,
