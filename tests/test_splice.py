@@ -172,3 +172,19 @@ def test_splice_filler_is_length_matched(tok):
         ids = filler_ids(tok, n)
         assert len(ids) == n
         assert tok.decode(ids).startswith("This is a neutral sentence"[: n])
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_splice_early_exit_drops_finished_splices_without_changing_the_others(family, tok):
+    model, prompt = setup(family, tok)
+    run = clean_run(model, prompt, max_new_tokens=MAX_NEW)
+    cells = [Splice(a, layers_from(c, n_layers(model))) for a in ("mask", "zero-kv", "mean") for c in (0, 1)]
+    full = splice_sweep(model, run, cells, max_new_tokens=MAX_NEW, batch_size=len(cells))
+
+    def decided(toks):  # ends different splices at different steps
+        return toks[-1] % 3 == 0
+
+    early = splice_sweep(model, run, cells, max_new_tokens=MAX_NEW, batch_size=len(cells), decided=decided)
+    for f, e in zip(full, early):
+        assert e.tokens == f.tokens[: len(e.tokens)]
+        assert len(e.tokens) == len(f.tokens) or decided(e.tokens)

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from eventkv.errors import EventKVError
 from eventkv.splice_cli import build_probe, splice
 from eventkv.splice_probe import SpliceProbe, cell_table, mcnemar_exact, parse_cutoffs, summarize_splice
-from eventkv.splice_tasks import TASKS, builtin_items, load_jsonl, score
+from eventkv.splice_tasks import TASKS, builtin_items, load_jsonl, outcome_decided, score
 
 
 # ---------------------------------------------------------------- tasks
@@ -47,6 +47,20 @@ def test_splice_scoring_is_exact_match_on_the_first_line():
     assert not score("The value is green.", item)[0]
     assert not score("greenish", item)[0]
     assert not score("ZEBRA", {"answer": "zebra", "case_sensitive": True})[0]
+
+
+def test_splice_early_exit_never_changes_a_score():
+    item = {"answer": "Green", "case_sensitive": False}
+    texts = ["green", "Green.\nmore", " **green** and", "The value", "greenish", "\n\ngreen!\n", "gre", "* green *x",
+             "\u00e9", "green \" ok"]
+    for text in texts:
+        for cut in range(1, len(text) + 1):
+            if outcome_decided(text[:cut], item):
+                # every continuation of a decided prefix scores the same
+                for tail in ("", "x", "\n", ".", " green"):
+                    assert score(text[:cut] + tail, item)[0] == score(text[:cut], item)[0], (text[:cut], tail)
+    assert not outcome_decided("gre", item) and outcome_decided("grx", item) and outcome_decided("green\n", item)
+    assert not outcome_decided("green.", item) and not outcome_decided("", item)
 
 
 def test_splice_jsonl_loader(tmp_path):
@@ -107,6 +121,10 @@ def test_splice_probe_records_on_a_tiny_model():
         if c["cutoff"] == n:
             assert c["pred"] == rec["clean"]["pred"]
     assert probe.summarize([rec]).tables
+    # ending decodes early once the outcome is fixed changes no score
+    full = SpliceProbe(cutoffs="all", steps=(0, 2), arm_names=("scaffold", "zero-kv", "mask"), max_new_tokens=4,
+                       early_exit=False).run_item(rt, item)
+    assert [c["correct"] for c in full["cells"]] == [c["correct"] for c in rec["cells"]]
 
 
 def test_splice_cli_runs_resumes_and_refuses_other_settings(tmp_path):

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -215,7 +215,8 @@ def span_masked(model, span_rows: tuple[int, int], plan: dict[int, torch.Tensor]
     While installed, the attention of layer ``l`` in ``plan`` does not see key rows
     ``span_rows[0] .. span_rows[1] - 1`` for the batch elements where ``plan[l]`` (``[batch]`` bool)
     is True; other layers and elements are untouched. ``heads[l]`` (``[batch, n_query_heads]``
-    bool), if given, limits the removal to those query heads. The layer's own mask (causal,
+    bool), if given, limits the removal to those query heads. Both dicts are read at each forward
+    (so a caller may replace their tensors when it drops finished batch elements). The layer's own mask (causal,
     sliding window) is kept and combined; when the model passes none, a causal mask is built.
     Hooks are removed on exit, always.
     """
@@ -224,10 +225,9 @@ def span_masked(model, span_rows: tuple[int, int], plan: dict[int, torch.Tensor]
     lo, hi = span_rows
 
     def make_hook(layer: int):
-        sel = plan[layer]
-        head_sel = None if heads is None else heads.get(layer)
-
         def hook(module, args, kwargs):
+            sel = plan[layer]  # read at call time: the decoder may shrink the batch between forwards
+            head_sel = None if heads is None else heads.get(layer)
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             cache = kwargs.get("cache", kwargs.get("past_key_values"))
             b, q = hidden.shape[0], hidden.shape[1]
@@ -265,10 +265,14 @@ def span_masked(model, span_rows: tuple[int, int], plan: dict[int, torch.Tensor]
 
 @torch.inference_mode()
 def _decode(model, keys: list[torch.Tensor], values: list[torch.Tensor], forced: torch.Tensor, start_pos: int,
-            max_new: int, stop_ids: set[int], keep_logits: bool = False):
+            max_new: int, stop_ids: set[int], keep_logits: bool = False, decided: Callable | None = None,
+            masks: Sequence[dict] = ()):
     """Batched greedy decoding. ``keys/values`` per layer ``[B, kv_heads, rows, head_dim]``;
     ``forced`` ``[B, q]`` token ids fed first at positions ``start_pos ..``; then up to ``max_new``
-    greedy tokens. Returns (tokens per element, stopped per element, logits per element, cache)."""
+    greedy tokens. ``decided(tokens) -> bool``, if given, ends an element early (its outcome is
+    known). Finished elements are dropped from the batch (and from the ``[B]``-indexed tensors in
+    ``masks``). Returns (tokens per element, stopped per element, logits per element, cache); the
+    cache is only complete when no element finished early (B = 1 without ``decided``)."""
     dev = _device(model)
     b = forced.shape[0]
     cache = cache_from_rows(keys, values)
@@ -278,25 +282,35 @@ def _decode(model, keys: list[torch.Tensor], values: list[torch.Tensor], forced:
     nxt = start_pos + q
     toks: list[list[int]] = [[] for _ in range(b)]
     stopped = [False] * b
-    done = [max_new <= 0] * b
     kept: list[list[torch.Tensor]] = [[] for _ in range(b)]
-    while not all(done):
+    active = list(range(b)) if max_new > 0 else []
+    while active:
         best = torch.argmax(logits, dim=-1).tolist()
-        feed = []
-        for e in range(b):
-            if not done[e]:
-                if keep_logits:
-                    kept[e].append(logits[e].clone())
-                if best[e] in stop_ids:
-                    stopped[e], done[e] = True, True
-                else:
-                    toks[e].append(best[e])
-                    done[e] = len(toks[e]) >= max_new
-            feed.append(best[e])
-        if all(done):
+        keep_rows, feed = [], []
+        for j, e in enumerate(active):
+            if keep_logits:
+                kept[e].append(logits[j].clone())
+            if best[j] in stop_ids:
+                stopped[e] = True
+                continue
+            toks[e].append(best[j])
+            if len(toks[e]) >= max_new or (decided is not None and decided(toks[e])):
+                continue
+            keep_rows.append(j)
+            feed.append(best[j])
+        if not keep_rows:
             break
-        ids = torch.tensor(feed, device=dev).view(b, 1)
-        p = torch.full((b, 1), nxt, device=dev)
+        if len(keep_rows) < len(active):
+            idx = torch.tensor(keep_rows, device=dev)
+            for layer in cache.layers:
+                layer.keys = layer.keys.index_select(0, idx)
+                layer.values = layer.values.index_select(0, idx)
+            for m in masks:
+                for key in list(m):
+                    m[key] = m[key].index_select(0, idx.to(m[key].device))
+            active = [active[j] for j in keep_rows]
+        ids = torch.tensor(feed, device=dev).view(-1, 1)
+        p = torch.full((len(feed), 1), nxt, device=dev)
         logits = model_forward(model, ids, p, cache, logits_to_keep=1)[:, -1]
         nxt += 1
     return toks, stopped, kept, cache
@@ -304,9 +318,12 @@ def _decode(model, keys: list[torch.Tensor], values: list[torch.Tensor], forced:
 
 @torch.inference_mode()
 def clean_run(model, prompt: SplicePrompt, *, max_new_tokens: int, stop_token_ids: Sequence[int] = (),
-              max_context: int | None = None, keep_logits: bool = False) -> CleanRun:
+              max_context: int | None = None, keep_logits: bool = False,
+              decided: Callable[[list[int]], bool] | None = None) -> CleanRun:
     """Prefill the prompt (all but its last token), then decode greedily from the last prompt
     token (decoding step 0) for up to ``max_new_tokens`` tokens, keeping every row.
+    ``decided(tokens)``, if given, ends the generation once its outcome is known (a splice from a
+    later step then cannot change it).
 
     Raises:
         EventKVError: prompt plus generation longer than the model's context.
@@ -323,7 +340,7 @@ def clean_run(model, prompt: SplicePrompt, *, max_new_tokens: int, stop_token_id
     keys = [layer.keys for layer in cache.layers]
     values = [layer.values for layer in cache.layers]
     toks, stopped, kept, cache = _decode(model, keys, values, ids[:, p - 1:], p - 1, max_new_tokens,
-                                         set(int(t) for t in stop_token_ids), keep_logits)
+                                         set(int(t) for t in stop_token_ids), keep_logits, decided)
     return CleanRun(prompt, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers],
                     toks[0], stopped[0], kept[0])
 
@@ -366,7 +383,8 @@ def _replacement(arm: str, run: CleanRun, layer: int, donors: dict) -> tuple[tor
 @torch.inference_mode()
 def splice_sweep(model, run: CleanRun, splices: Sequence[Splice], *, max_new_tokens: int,
                  stop_token_ids: Sequence[int] = (), donors: dict | None = None, tail: str = "clean",
-                 batch_size: int = 16, keep_logits: bool = False) -> list[SpliceResult]:
+                 batch_size: int = 16, keep_logits: bool = False,
+                 decided: Callable[[list[int]], bool] | None = None) -> list[SpliceResult]:
     """Run many splices of one clean run, batched over the shared rows (see the module docstring
     for what a step and the tail option mean).
 
@@ -377,6 +395,8 @@ def splice_sweep(model, run: CleanRun, splices: Sequence[Splice], *, max_new_tok
         donors: ``{name: (keys, values)}`` from :func:`donor_rows`, for ``scaffold`` splices.
         tail: ``"clean"`` | ``"spliced"``.
         batch_size: splices per batched decode.
+        decided: ``decided(tokens) -> bool`` ends a generation early once its outcome is known
+            (e.g. an exact-match answer that already diverged); finished splices leave the batch.
 
     Returns:
         one SpliceResult per splice, in order.
@@ -413,13 +433,13 @@ def splice_sweep(model, run: CleanRun, splices: Sequence[Splice], *, max_new_tok
         for a in range(0, len(idx), batch_size):
             chunk = idx[a: a + batch_size]
             for i, r in zip(chunk, _run_batch(model, run, [splices[i] for i in chunk], step, donors, tail,
-                                              max_new_tokens, stops, keep_logits)):
+                                              max_new_tokens, stops, keep_logits, decided)):
                 results[i] = r
     return results  # type: ignore[return-value]
 
 
 def _run_batch(model, run: CleanRun, splices: list[Splice], step: int, donors: dict, tail: str, max_new: int,
-               stops: set[int], keep_logits: bool) -> list[SpliceResult]:
+               stops: set[int], keep_logits: bool, decided: Callable | None = None) -> list[SpliceResult]:
     prompt = run.prompt
     p = prompt.n_rows
     lo, hi = prompt.span_rows
@@ -459,9 +479,10 @@ def _run_batch(model, run: CleanRun, splices: list[Splice], step: int, donors: d
         keys.append(k)
         values.append(v)
     with span_masked(model, (lo, hi), plan, head_plan or None):
+        prefix = list(run.tokens[:step])
+        dec = None if decided is None else (lambda new: decided(prefix + new))
         toks, stopped, kept, _ = _decode(model, keys, values, forced.expand(b, -1), r0, max_new - step, stops,
-                                         keep_logits)
-    prefix = list(run.tokens[:step])
+                                         keep_logits, dec, masks=(plan, head_plan))
     return [SpliceResult(s, prefix + toks[e], stopped[e], kept[e]) for e, s in enumerate(splices)]
 
 

@@ -27,7 +27,7 @@ from eventkv.errors import EventKVError
 from eventkv.probes.base import Probe, Summary, Table, register
 from eventkv.splice import (ARMS, DEFAULT_FILLER, TAILS, Splice, SplicePrompt, clean_run, donor_rows, filler_ids,
                             splice_sweep)
-from eventkv.splice_tasks import TASKS, builtin_items, load_jsonl, score
+from eventkv.splice_tasks import TASKS, builtin_items, load_jsonl, outcome_decided, score
 from eventkv.stats import TestResult, format_p, wilson
 
 LAYER_SETS = ("from", "only")
@@ -99,6 +99,8 @@ class SpliceProbe(Probe):
     layer_set: ``from`` = layers >= cutoff (the study's splice); ``only`` = the cutoff layer alone.
     tail: ``clean`` | ``spliced`` (see :mod:`eventkv.splice`).
     max_new_tokens: greedy generation budget. batch_size: splices per batched decode.
+    early_exit: end a generation once its exact-match outcome is fixed
+    (:func:`eventkv.splice_tasks.outcome_decided`); scores are unchanged, recorded texts are cut there.
     """
 
     name: ClassVar[str] = "splice"
@@ -118,6 +120,7 @@ class SpliceProbe(Probe):
     tail: str = "clean"
     max_new_tokens: int = 16
     batch_size: int = 16
+    early_exit: bool = True
 
     def __post_init__(self) -> None:
         self.steps = tuple(int(s) for s in self.steps)
@@ -175,15 +178,19 @@ class SpliceProbe(Probe):
         n_layers = _n_layers(model)
         prompt = SplicePrompt.from_text(tok, rt.profile, item["prompt"])
         stops = rt.stop_token_ids
+        decided = None
+        if self.early_exit:
+            def decided(toks: list[int]) -> bool:
+                return outcome_decided(tok.decode(toks, skip_special_tokens=True), item)
         run = clean_run(model, prompt, max_new_tokens=self.max_new_tokens, stop_token_ids=stops,
-                        max_context=rt.max_context)
+                        max_context=rt.max_context, decided=decided)
         donors = {}
         if "scaffold" in self.arm_names:
             donors["scaffold"] = donor_rows(model, run, filler_ids(tok, len(prompt.span_ids), self.filler))
         cuts = parse_cutoffs(self.cutoffs, n_layers)
         cells = self.cells(n_layers)
         results = splice_sweep(model, run, cells, max_new_tokens=self.max_new_tokens, stop_token_ids=stops,
-                               donors=donors, tail=self.tail, batch_size=self.batch_size)
+                               donors=donors, tail=self.tail, batch_size=self.batch_size, decided=decided)
         clean_text = tok.decode(run.tokens, skip_special_tokens=True)
         ok, pred = score(clean_text, item)
         rec_cells = []

@@ -176,3 +176,28 @@ def score(text: str, item: dict) -> tuple[bool, str]:
     if item.get("case_sensitive"):
         return pred == ans, pred
     return pred.casefold() == ans.casefold(), pred
+
+
+def outcome_decided(text: str, item: dict) -> bool:
+    """True when the exact-match outcome of a generation starting with ``text`` is already fixed,
+    whatever tokens follow: its first non-empty line is complete (a newline follows it), or the line
+    so far can no longer equal the answer (after :func:`score`'s normalization, any tail may only
+    be whitespace or :data:`STRIP` characters). Used to end decoding early; never changes a score."""
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        if not line.strip().strip(STRIP).strip():
+            continue
+        if i < len(lines) - 1:
+            return True
+        y = line.lstrip().lstrip(STRIP).lstrip()
+        if "\ufffd" in y:  # a partial multi-byte character: wait for the rest
+            return False
+        ans = item["answer"].strip().strip(STRIP).strip()
+        if not item.get("case_sensitive"):
+            y, ans = y.casefold(), ans.casefold()
+        if ans.startswith(y):
+            return False
+        if y.startswith(ans) and all(ch.isspace() or ch in STRIP for ch in y[len(ans):]):
+            return False
+        return True
+    return False
