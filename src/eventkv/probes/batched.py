@@ -97,14 +97,14 @@ class Batch:
                               [l.values.index_select(0, i) for l in layers], capacity)
         return Batch(cache, self.mask.index_select(0, i), self.next_position.index_select(0, i.cpu()))
 
-    def forward(self, model, ids: torch.Tensor, offset: int) -> torch.Tensor:
+    def forward(self, model, ids: torch.Tensor, offset: int, logits_to_keep: int = 0) -> torch.Tensor:
         """Append ``ids [batch, q]`` (at positions ``next_position + offset + arange(q)``) to this
-        batch's rows; returns logits ``[batch, q, vocab]``."""
+        batch's rows; returns logits ``[batch, q or logits_to_keep, vocab]``."""
         dev = self.mask.device
         b, q = ids.shape
         pos = self.next_position.to(dev).unsqueeze(1) + offset + torch.arange(q, device=dev).unsqueeze(0)
         self.mask = torch.cat([self.mask, torch.ones(b, q, dtype=torch.bool, device=dev)], dim=1)
-        return model_forward(model, ids.to(dev), pos, self.cache, self.mask)
+        return model_forward(model, ids.to(dev), pos, self.cache, self.mask, logits_to_keep=logits_to_keep)
 
 
 def stack(served: Sequence[ServedCache], extra: int = 0) -> Batch:
@@ -181,7 +181,7 @@ def read_out(model, served: Sequence[ServedCache], query_ids: Sequence[int], *, 
     batch = stack(served, extra=q_len_extra(query_ids, max_new_tokens, longest))
     dev = batch.mask.device
     q = len(query_ids)
-    first = batch.forward(model, torch.tensor([list(query_ids)] * batch.size, device=dev), 0)[:, -1]
+    first = batch.forward(model, torch.tensor([list(query_ids)] * batch.size, device=dev), 0, logits_to_keep=1)[:, -1]
     out = [Readout(None, []) for _ in served]
 
     scored = [i for i, f in enumerate(score) if f]
@@ -251,7 +251,7 @@ def _generate(model, batch: Batch, logits: torch.Tensor, owners: list[int], q: i
             feed.append(t)
         if all(done):
             break
-        logits = batch.forward(model, torch.tensor(feed, dtype=torch.long).unsqueeze(1), q + step)[:, -1]
+        logits = batch.forward(model, torch.tensor(feed, dtype=torch.long).unsqueeze(1), q + step, logits_to_keep=1)[:, -1]
         step += 1
     for g, i in zip(gens, owners):
         if tokenizer is not None:

@@ -302,7 +302,8 @@ class DonorPair(Probe):
         served_rows = {}
         for arm in arms:
             sv = served_ids if arms[arm].served != "all" else ids
-            served_rows[arm] = {"events": list(sv), "rows": len(header) + sum(len(toks[0][ids.index(e)]) for e in sv)}
+            served_rows[arm] = {"events": list(sv),
+                                "rows": [len(header) + sum(len(toks[v][ids.index(e)]) for e in sv) for v in (0, 1)]}
         spans = {e: [logs[0].span(e).pos_start, logs[0].span(e).n_tokens] for e in served_ids}
         return {
             "index": item["index"], "registers": item["registers"], "source_slot": item["source_slot"],
