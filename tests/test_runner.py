@@ -128,3 +128,36 @@ def test_cli_report_and_errors(reference, tmp_path):
     assert r.exit_code == 2 and "unknown decoy variant 'sometimes'" in r.output
     r = runner.invoke(app, ["run", "donor-pair", "--source-slots", "8..11"])
     assert r.exit_code == 2 and "--source-slots '8..11'" in r.output
+
+
+def test_cli_run_donor_pair_end_to_end(tmp_path, monkeypatch):
+    """`eventkv run donor-pair` with the model loader swapped for a tiny random model."""
+    import types
+
+    import typer
+    from typer.testing import CliRunner
+
+    import eventkv.models
+    from eventkv.probes.cli import report, run_app
+
+    tiny = tiny_runtime("qwen3")
+    monkeypatch.setattr(eventkv.models, "load", lambda name, dtype="float32": types.SimpleNamespace(
+        model=tiny.model, tokenizer=tiny.tokenizer, profile=tiny.profile))
+    app = typer.Typer()
+    app.add_typer(run_app, name="run")
+    app.command("report")(report)
+    args = ["run", "donor-pair", "--model", "tiny", "--items", "2", "--seed", "5", "--out", str(tmp_path),
+            "--max-new-tokens", "3", "--source-slots", "7-9", "--decoy", "none", "--no-progress"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "donor-pair: 2 pairs" in r.output and "| kv | generate | 2 |" in r.output
+    m = json.loads((tmp_path / MANIFEST).read_text())
+    assert m["identity"]["options"]["source_slots"] == [7, 9] and m["identity"]["options"]["decoy"] == "none"
+    recs = load_records(tmp_path)
+    assert [r["index"] for r in recs] == [0, 1] and all(7 <= r["source_slot"] <= 9 for r in recs)
+    assert (tmp_path / FIGURE).is_file()
+    # rerun: nothing recomputed; other options refused with exit code 2
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0 and json.loads((tmp_path / MANIFEST).read_text())["invocations"][-1]["items_computed"] == 0
+    r = CliRunner().invoke(app, args[:-1] + ["--decoy", "independent", "--no-progress"])
+    assert r.exit_code == 2 and "decoy: 'none' -> 'independent'" in r.output
