@@ -74,6 +74,7 @@ def _write_json_atomic(path: Path, obj: dict) -> None:
     with os.fdopen(fd, "w") as f:
         json.dump(obj, f, indent=2)
         f.write("\n")
+    os.chmod(tmp, 0o644)
     os.replace(tmp, path)
 
 
