@@ -53,7 +53,7 @@ def donor_pair(
     model: str = typer.Option("smollm2-135m", "--model", help="packaged alias, local HF directory, hub id or GGUF file"),
     items: int = typer.Option(16, "--items", help="number of donor pairs"),
     seed: int = typer.Option(0, "--seed", help="item seed (item i depends only on seed and i)"),
-    out: Optional[Path] = typer.Option(None, "--out", help="run directory [default: runs/donor-pair/MODEL-seedS]"),
+    out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: runs/donor-pair/MODEL-DTYPE-seedSEED)"),
     readout: str = typer.Option("both", "--readout", help="generate | logits | both"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
     n_events: int = typer.Option(24, "--n-events", help="events per history"),
@@ -64,7 +64,7 @@ def donor_pair(
     states: str = typer.Option("ONLINE,OFFLINE", "--states", help="state words, comma-separated"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="greedy generation length limit"),
     arms: str = typer.Option("kv,isolated,text-all,kv-all", "--arms", help="arms to run (kv is required)"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads [default: torch's]"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch decides; 1 is faster on a busy machine)"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
 ) -> None:
     """Donor pairs (Study 1): does the answer follow an omitted source through the served rows?"""
