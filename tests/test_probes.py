@@ -190,3 +190,13 @@ def test_summary_counts_and_p_values_on_known_records():
     assert "follow 9, anti 1, n 10: p = 0.0215" in md
     assert "| kv | generate | 16 | 9 | 1 | 4 | 2 | 0.625 [0.386, 0.815] (10/16) | 0.0215 |" in md
     assert "bitwise equal to text-all's in 16/16 pairs" in md
+
+
+def test_opposite_decoy_pairs_are_flagged_not_served_identical():
+    rt = tiny_runtime("llama")
+    probe = DonorPair(decoy="opposite", max_new_tokens=2)
+    rec = probe.run_item(rt, probe.items(0, [0])[0])
+    assert rec["served_identical"] is False
+    assert set(rec["budgets"]) == {"e00", f"e{rec['source_slot']:02d}"}   # both differing slots budgeted
+    assert rec["arms"]["isolated"]["A"] != rec["arms"]["isolated"]["B"]    # encoded per variant
+    assert "not served-identical" in probe.summarize([rec]).to_markdown()
