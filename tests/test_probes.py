@@ -10,7 +10,7 @@ from probe_fixtures import tiny_runtime
 
 from eventkv.errors import EventKVError
 from eventkv.log import TokenizedLog, tokenize_query
-from eventkv.probes import PROBES, DonorPair, get_probe
+from eventkv.probes import DonorPair, get_probe, load_probes
 from eventkv.probes.batched import read_out
 from eventkv.probes.donor_pair import donor_d, last_state, log_odds, outcome, summarize_donor_pairs
 from eventkv.readout import candidate_logprobs, generate
@@ -19,7 +19,7 @@ from eventkv.serve import serve
 
 # ---------------------------------------------------------------- registry: every probe, tiny models
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-@pytest.mark.parametrize("name", sorted(PROBES))
+@pytest.mark.parametrize("name", sorted(load_probes()))
 def test_every_registered_probe_runs_on_a_tiny_model(name, family):
     cls = get_probe(name)
     probe = cls(**cls.smoke_options)

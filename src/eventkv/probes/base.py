@@ -233,6 +233,19 @@ class Probe:
 
 PROBES: dict[str, type[Probe]] = {}
 
+#: modules that register probes; :func:`load_probes` imports them all
+PROBE_MODULES = ("eventkv.probes.donor_pair", "eventkv.splice_probe")
+
+
+def load_probes() -> dict[str, type[Probe]]:
+    """Import every module in :data:`PROBE_MODULES` (each registers its probes) and return
+    :data:`PROBES`."""
+    import importlib
+
+    for m in PROBE_MODULES:
+        importlib.import_module(m)
+    return PROBES
+
 
 def register(cls: type[Probe]) -> type[Probe]:
     """Class decorator: list a probe in :data:`PROBES` under ``cls.name``."""
@@ -250,6 +263,8 @@ def get_probe(name: str) -> type[Probe]:
     Raises:
         EventKVError: unknown probe (the message lists the registered ones).
     """
+    if name not in PROBES:
+        load_probes()
     try:
         return PROBES[name]
     except KeyError:
