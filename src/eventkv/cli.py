@@ -55,8 +55,7 @@ def query(
     store: Optional[Path] = typer.Option(None, "--store", help="Where the EventKV is stored/reused (default: content-addressed under the cache)."),
     chunk_size: Optional[int] = typer.Option(None, "--chunk-size", help="Prefill at most this many tokens per forward."),
 ) -> None:
-    """Prefill an event log (or reuse its stored EventKV), serve the chosen events' rows at their
-    original positions, and print the answer (and candidate log-probabilities)."""
+    """Answer a question from the served events' KV rows (prefills the log once, then reuses it)."""
     from eventkv.log import EventLog
     from eventkv.models import load
     from eventkv.query import answer
@@ -79,12 +78,21 @@ def query(
 
 
 def _mount_probes() -> None:
-    try:
-        from eventkv.probes.cli import report, run_app
-    except ImportError:  # probes not installed in this build
-        return
+    """Mount the probe commands: ``run <probe>``, ``report``, ``splice`` and ``contract``."""
+    import importlib
+
+    from eventkv.probes.cli import report, run_app
+
     app.add_typer(run_app, name="run", help="Run a registered probe.")
     app.command("report")(report)
+    for module, name in (("eventkv.splice_cli", "splice"), ("eventkv.contract_cli", "contract")):
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+            continue  # not part of this build yet
+        app.command(name)(getattr(mod, name))
 
 
 _mount_probes()
