@@ -173,7 +173,7 @@ def run_probe(probe: Probe, rt: Runtime, *, model: str, items: int, seed: int, o
                 "invocations": old.get("invocations", [])}
     _write_json_atomic(out / MANIFEST, manifest)
 
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), _now()
     path = out / RECORDS
     with _progress(progress, console) as bar:
         task = bar.add_task(f"{probe.name}", total=items, completed=items - len(todo)) if bar else None
@@ -182,7 +182,7 @@ def run_probe(probe: Probe, rt: Runtime, *, model: str, items: int, seed: int, o
             _append(path, record)
             if bar:
                 bar.advance(task)
-    manifest["invocations"].append({"started": _now(), "items_computed": len(todo),
+    manifest["invocations"].append({"started": started, "items_computed": len(todo),
                                     "seconds": round(time.perf_counter() - t0, 3)})
     _write_json_atomic(out / MANIFEST, manifest)
     return render(out, figure=figure)
