@@ -1,0 +1,198 @@
+"""Access (Study 1, "The memory contract" — Access): how much of a value survives materialisation?
+
+The donor-pair layout (decoy slot 0, source in 8..11, root ``register M mirrors register S`` at
+13, fillers) with payloads of growing cardinality. Item ``i`` uses cardinality ``i mod 4``:
+
+* ``binary``: ONLINE / OFFLINE (chance .5);
+* ``compass``: NORTH / EAST / SOUTH / WEST (chance .25);
+* ``phonetic``: ALFA BRAVO CHARLIE DELTA ECHO FOXTROT GOLF HOTEL (chance .125);
+* ``number``: a 3-digit value 100..999 (exact-match chance 1/900), read by generation (the last
+  3-digit number in the output) and by a **first-digit** candidate-logit probe over 1..9
+  (chance 1/9). The two variants' numbers are drawn with different first digits so the first-digit
+  probe can tell them apart.
+
+Menus are enumerated in the question (``Answer one of: NORTH, EAST, SOUTH or WEST``; numbers:
+``Answer with the 3-digit number``). The decoy is **independent**: a value drawn from the same
+payload space, the same text in both variants (so the served tokens are byte-identical).
+
+Arms: ``kv`` (compact {decoy, root}) and ``text`` (every event: comprehension). Recovery is
+per answer (each variant's answer equal to its own source value; 2 answers per pair), reported
+with a Wilson 95% interval and an exact one-sided binomial test against the chance rate; the
+pair-level donor-pair outcomes are reported beside it.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from typing import ClassVar, Sequence
+
+from eventkv.errors import EventKVError
+from eventkv.probes.base import Probe, Runtime, Summary, Table, register
+from eventkv.probes.donor_pair import INSTRUCTION, event_text, last_state, menu
+from eventkv.probes.pairs import PairArm, arm_table, correct, primary_readout, run_pair
+from eventkv.stats import format_p, wilson
+
+PAYLOADS = {
+    "binary": ("ONLINE", "OFFLINE"),
+    "compass": ("NORTH", "EAST", "SOUTH", "WEST"),
+    "phonetic": ("ALFA", "BRAVO", "CHARLIE", "DELTA", "ECHO", "FOXTROT", "GOLF", "HOTEL"),
+    "number": tuple(str(d) for d in range(1, 10)),   # candidates: first digits
+}
+CARDINALITIES = ("binary", "compass", "phonetic", "number")
+CHANCE = {"binary": 1 / 2, "compass": 1 / 4, "phonetic": 1 / 8, "number": 1 / 900, "number/first-digit": 1 / 9}
+#: register names that are no payload word
+REGISTERS = ("OMEGA", "SIGMA", "KAPPA", "THETA", "LAMBDA", "EPSILON", "GAMMA", "BETA", "ZETA", "IOTA")
+QUESTION = ("\nQuestion: What {what} does register {register} hold? {answer} Locate the mirror statement for that "
+            "register, then end your answer with the final {word}.")
+
+
+def last_number(text: str) -> str | None:
+    """The last standalone 3-digit number in ``text``, or None."""
+    hits = re.findall(r"(?<!\d)(\d{3})(?!\d)", text)
+    return hits[-1] if hits else None
+
+
+@register
+@dataclass
+class Access(Probe):
+    """Payload cardinality: binary, 4-way, 8-way, 3-digit numbers."""
+
+    name: ClassVar[str] = "access"
+    smoke_options: ClassVar[dict] = {"max_new_tokens": 3, "n_events": 8, "source_slots": (2, 3), "root_slot": 5}
+
+    n_events: int = 24
+    decoy_slot: int = 0
+    source_slots: tuple[int, int] = (8, 11)
+    root_slot: int = 13
+    cardinalities: tuple[str, ...] = CARDINALITIES
+    readout: str = "both"
+    max_new_tokens: int = 64
+    instruction: str = INSTRUCTION
+    answer_prefix: str = "Answer:"
+
+    def __post_init__(self) -> None:
+        self.source_slots = tuple(self.source_slots)
+        self.cardinalities = tuple(self.cardinalities)
+        self.validate()
+
+    def validate(self) -> None:
+        lo, hi = self.source_slots
+        if not (0 <= self.decoy_slot < lo <= hi < self.root_slot < self.n_events):
+            raise EventKVError(f"layout decoy {self.decoy_slot} < source {lo}-{hi} < root {self.root_slot} < n_events "
+                               f"{self.n_events} does not hold: reorder the slots.")
+        bad = [c for c in self.cardinalities if c not in CARDINALITIES]
+        if bad or not self.cardinalities:
+            raise EventKVError(f"cardinalities {','.join(self.cardinalities)}: choose among {', '.join(CARDINALITIES)}.")
+        if self.readout not in ("generate", "logits", "both"):
+            raise EventKVError(f"unknown readout {self.readout!r}: use generate, logits or both.")
+
+    @property
+    def readouts(self) -> tuple[str, ...]:
+        return ("generate", "logits") if self.readout == "both" else (self.readout,)
+
+    def pair_arms(self) -> list[PairArm]:
+        return [PairArm("kv", "main", ("decoy", "root"), description="compact {decoy, root}"),
+                PairArm("text", "main", "all", "prefill", description="every event as text: comprehension")]
+
+    def arms(self):
+        return [a.arm(self.readouts) for a in self.pair_arms()]
+
+    def items(self, seed: int, indices: Sequence[int]) -> list[dict]:
+        return [self._item(seed, i) for i in indices]
+
+    def _item(self, seed: int, index: int) -> dict:
+        rng = random.Random(f"access:{seed}:{index}")
+        card = self.cardinalities[index % len(self.cardinalities)]
+        dec, src, root = rng.sample(REGISTERS, 3)
+        slot = rng.randint(*self.source_slots)
+        if card == "number":
+            a = rng.randrange(100, 1000)
+            b = rng.choice([x for x in range(100, 1000) if str(x)[0] != str(a)[0]])
+            a, b, dv = str(a), str(b), str(rng.randrange(100, 1000))
+            gold = [a[0], b[0]]
+            what, answer, word = "value", "Answer with the 3-digit number.", "number"
+            body_of = lambda reg, v: f"register {reg} set to value {v}"  # noqa: E731
+        else:
+            space = PAYLOADS[card]
+            a, b = rng.sample(space, 2)
+            dv = rng.choice(space)
+            gold = [a, b]
+            what = "state"
+            answer = f"Answer {menu(space)}." if card == "binary" else f"Answer one of: {menu(space)}."
+            word = "state word"
+            body_of = lambda reg, v: f"register {reg} set to state {v}"  # noqa: E731
+        others = [r for r in REGISTERS if r not in (dec, src, root)]
+        fill = {i: f"register {rng.choice(others)} refreshed to {rng.randrange(100, 1000)}" for i in range(self.n_events)}
+        events = []
+        for value in (a, b):
+            body = dict(fill)
+            body[self.decoy_slot] = body_of(dec, dv)
+            body[slot] = body_of(src, value)
+            body[self.root_slot] = f"register {root} mirrors register {src}"
+            events.append([event_text(i, body[i]) for i in range(self.n_events)])
+        return {"index": index, "cardinality": card, "names": {"decoy": dec, "source": src, "root": root},
+                "source_slot": slot, "values": [a, b], "gold_candidates": gold, "decoy_value": dv,
+                "candidates": list(PAYLOADS[card]), "histories": {"main": events},
+                "roles": {"main": {"decoy": self.decoy_slot, "root": self.root_slot}},
+                "questions": {"main": QUESTION.format(what=what, register=root, answer=answer, word=word)}}
+
+    def run_item(self, rt: Runtime, item: dict) -> dict:
+        card = item["cardinality"]
+        parse = last_number if card == "number" else (lambda t: last_state(t, PAYLOADS[card]))
+        res = run_pair(rt, item, self.pair_arms(), instruction=self.instruction, readouts=self.readouts, parse=parse,
+                       max_new_tokens=self.max_new_tokens, answer_prefix=self.answer_prefix)
+        keep = ("index", "cardinality", "names", "source_slot", "values", "gold_candidates", "decoy_value", "candidates",
+                "questions")
+        return {**{k: item[k] for k in keep}, "events": {"A": item["histories"]["main"][0], "B": item["histories"]["main"][1]},
+                **res}
+
+    def summarize(self, records: Sequence[dict]) -> Summary:
+        return summarize_access(records, self)
+
+    def figure(self, records: Sequence[dict], path) -> None:
+        from eventkv.contract_figures import access_figure
+
+        access_figure(self.summarize(records).data, path)
+
+
+def recovery_rows(records: Sequence[dict], readouts: Sequence[str]) -> tuple[list[list[str]], dict]:
+    """Per cardinality, arm and readout: per-answer recovery (Wilson 95%) and the exact one-sided
+    binomial test against chance (``scipy.stats.binomtest(k, n, chance, alternative="greater")``)."""
+    from scipy import stats as st
+
+    rows, data = [], {}
+    for card in CARDINALITIES:
+        rs = [r for r in records if r["cardinality"] == card]
+        if not rs:
+            continue
+        for arm in ("kv", "text"):
+            for ro in readouts:
+                label = "first-digit" if (card == "number" and ro == "logits") else ("exact" if card == "number" else "")
+                chance = CHANCE["number/first-digit"] if label == "first-digit" else CHANCE[card]
+                k = sum(sum(correct(r, arm, ro)) for r in rs)
+                n = 2 * len(rs)
+                w = wilson(k, n)
+                p = float(st.binomtest(k, n, chance, alternative="greater").pvalue)
+                data[f"{card}/{arm}/{ro}"] = {"rate": w.__dict__, "chance": chance, "p": p, "measure": label or "exact"}
+                rows.append([card + (f" ({label})" if label else ""), arm, ro, f"{chance:.3g}", w.describe(3), format_p(p)])
+    return rows, data
+
+
+def summarize_access(records: Sequence[dict], probe: Access) -> Summary:
+    rows, data = recovery_rows(records, probe.readouts)
+    tables = [Table(f"Access: recovery per answer vs chance ({len(records)} pairs, 2 answers each)",
+                    ["payload", "arm", "readout", "chance", "recovery [Wilson 95%]", "p (> chance, exact binomial)"], rows)]
+    d: dict = {"recovery": data, "primary": primary_readout(probe.readouts), "arms": {}}
+    for card in CARDINALITIES:
+        rs = [r for r in records if r["cardinality"] == card]
+        if rs:
+            sub: dict = {}
+            tables.append(arm_table(rs, probe.pair_arms(), probe.readouts, f"{card}: donor-pair outcomes", sub))
+            d["arms"][card] = sub
+    notes = ["recovery counts each variant's answer (2 per pair, not independent within a pair: the Wilson interval "
+             "treats them as independent and is therefore somewhat narrow); the pair-level outcome tables are exact.",
+             "number: 'exact' = the generated 3-digit number equals the source's; 'first-digit' = the candidate probe over "
+             "1..9 picks the source's first digit."]
+    return Summary(f"access: {len(records)} pairs", tables, [], notes, d)

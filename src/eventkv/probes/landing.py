@@ -1,0 +1,215 @@
+"""Landing (Study 1, "The memory contract" — Landing): where does materialised state live?
+
+One donor pair per item, over two histories that share the donor-pair layout (decoy at slot 0,
+source ``register S set to state v`` in 8..11, fillers elsewhere):
+
+* ``main``: root ``register M mirrors register S`` (slot 13), **reference edge**
+  ``register T mirrors register M`` (slot 16) and a **benign mention** of the root's entity
+  ``register M passed a routine check`` (slot 19);
+* ``chain``: the same root and edge, and at slot 19 a third link ``register U mirrors register T``
+  (a depth-3 chain S -> M -> T -> U). Its history length differs from ``main``'s, which is what
+  the position control is for.
+
+Arms (compact serving unless named otherwise; the source is never served):
+
+* ``root`` {decoy, root}, asks M; ``root+mention`` {decoy, root, mention}, asks M — the
+  modulation of root donor sensitivity by a co-served benign mention;
+* ``edge`` {decoy, edge}, asks T; ``edge+root`` {decoy, root, edge}, asks T — does the edge carry
+  the value, or route back to the root?
+* ``factorial`` {decoy, root, mention} with the mention's rows taken from the *other* variant's
+  prefill (root donor x mention donor; with ``root+mention`` this fills the 2x2 table);
+* ``chain3`` {decoy, link 3}, asks U; ``chain3+links`` {decoy, root, edge, link 3}, asks U;
+* position control: ``root@pos`` and ``chain3@pos`` — the same as ``root`` and ``chain3`` with the
+  query at the item's common position (the larger of the two histories' ends), so the query's
+  absolute position is the same in all ``@pos`` arms;
+* ``text`` (main, every event, asks M) and ``text-chain`` (chain, every event, asks U):
+  comprehension.
+
+Factorial statistic: with ``P[r, m]`` the candidate probability of variant A's value when the
+root's rows come from variant r and the mention's from variant m, per pair
+``root effect = ½(P[A,A] − P[B,A] + P[A,B] − P[B,B])`` and
+``mention effect = ½(P[A,A] − P[A,B] + P[B,A] − P[B,B])``; each is reported with a t interval,
+and the mention effect gets a TOST equivalence test with margin ``tost_margin`` (default .075).
+With the generation readout alone, P is the indicator "answered A's value".
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import ClassVar, Sequence
+
+from eventkv.equivalence import mean_effect, tost
+from eventkv.errors import EventKVError
+from eventkv.probes.base import Probe, Runtime, Summary, Table, register
+from eventkv.probes.donor_pair import INSTRUCTION, NAMES, QUESTION, event_text, last_state, menu
+from eventkv.probes.pairs import PairArm, arm_table, candidate_share, pair_stats, primary_readout, run_pair
+from eventkv.stats import format_p
+
+STATES = ("ONLINE", "OFFLINE")
+
+
+@register
+@dataclass
+class Landing(Probe):
+    """Root vs reference edge, co-served mention, root x mention factorial, depth-3 chains."""
+
+    name: ClassVar[str] = "landing"
+    smoke_options: ClassVar[dict] = {"max_new_tokens": 3, "n_events": 10, "source_slots": (2, 3), "root_slot": 5,
+                                     "edge_slot": 7, "mention_slot": 9}
+
+    n_events: int = 24
+    decoy_slot: int = 0
+    source_slots: tuple[int, int] = (8, 11)
+    root_slot: int = 13
+    edge_slot: int = 16
+    mention_slot: int = 19
+    tost_margin: float = 0.075
+    readout: str = "both"
+    max_new_tokens: int = 64
+    instruction: str = INSTRUCTION
+    answer_prefix: str = "Answer:"
+
+    def __post_init__(self) -> None:
+        self.source_slots = tuple(self.source_slots)
+        self.validate()
+
+    def validate(self) -> None:
+        lo, hi = self.source_slots
+        if not (0 <= self.decoy_slot < lo <= hi < self.root_slot < self.edge_slot < self.mention_slot < self.n_events):
+            raise EventKVError(f"layout decoy {self.decoy_slot} < source {lo}-{hi} < root {self.root_slot} < edge "
+                               f"{self.edge_slot} < mention {self.mention_slot} < n_events {self.n_events} does not hold: "
+                               "reorder the slots.")
+        if not 0 < self.tost_margin < 1:
+            raise EventKVError(f"tost_margin {self.tost_margin}: give a margin between 0 and 1 (e.g. 0.075).")
+        if self.readout not in ("generate", "logits", "both"):
+            raise EventKVError(f"unknown readout {self.readout!r}: use generate, logits or both.")
+
+    @property
+    def readouts(self) -> tuple[str, ...]:
+        return ("generate", "logits") if self.readout == "both" else (self.readout,)
+
+    def pair_arms(self) -> list[PairArm]:
+        P = PairArm
+        return [
+            P("root", "main", ("decoy", "root"), question="M", description="{decoy, root}, asks M"),
+            P("root+mention", "main", ("decoy", "root", "mention"), question="M", description="co-served benign mention"),
+            P("edge", "main", ("decoy", "edge"), question="T", description="reference edge T mirrors M, without the root"),
+            P("edge+root", "main", ("decoy", "root", "edge"), question="T", description="edge served with the root"),
+            P("factorial", "main", ("decoy", "root", "mention"), question="M", swap=("mention",),
+              description="root rows of this variant, mention rows of the other"),
+            P("chain3", "chain", ("decoy", "link3"), question="U", description="depth-3 link alone, asks U"),
+            P("chain3+links", "chain", ("decoy", "root", "edge", "link3"), question="U", description="whole chain served"),
+            P("root@pos", "main", ("decoy", "root"), question="M", fixed_position=True, description="root, query at the common position"),
+            P("chain3@pos", "chain", ("decoy", "link3"), question="U", fixed_position=True, description="chain3, query at the common position"),
+            P("text", "main", "all", "prefill", question="M", description="comprehension, asks M"),
+            P("text-chain", "chain", "all", "prefill", question="U", description="comprehension of the chain, asks U"),
+        ]
+
+    def arms(self):
+        return [a.arm(self.readouts) for a in self.pair_arms()]
+
+    def items(self, seed: int, indices: Sequence[int]) -> list[dict]:
+        return [self._item(seed, i) for i in indices]
+
+    def _item(self, seed: int, index: int) -> dict:
+        rng = random.Random(f"landing:{seed}:{index}")
+        dec, src, m, t, u = rng.sample(NAMES, 5)
+        slot = rng.randint(*self.source_slots)
+        a, b = rng.sample(STATES, 2)
+        dv = rng.choice(STATES)
+        others = [r for r in NAMES if r not in (dec, src, m, t, u)]
+        fill = {i: f"register {rng.choice(others)} refreshed to {rng.randrange(100, 1000)}" for i in range(self.n_events)}
+        hist = {"main": [], "chain": []}
+        for value in (a, b):
+            body = dict(fill)
+            body[self.decoy_slot] = f"register {dec} set to state {dv}"
+            body[slot] = f"register {src} set to state {value}"
+            body[self.root_slot] = f"register {m} mirrors register {src}"
+            body[self.edge_slot] = f"register {t} mirrors register {m}"
+            main, chain = dict(body), dict(body)
+            main[self.mention_slot] = f"register {m} passed a routine check"
+            chain[self.mention_slot] = f"register {u} mirrors register {t}"
+            hist["main"].append([event_text(i, main[i]) for i in range(self.n_events)])
+            hist["chain"].append([event_text(i, chain[i]) for i in range(self.n_events)])
+        mn = menu(STATES)
+        return {"index": index, "names": {"decoy": dec, "source": src, "root": m, "edge": t, "link3": u},
+                "source_slot": slot, "values": [a, b], "decoy_value": dv, "candidates": list(STATES),
+                "histories": hist,
+                "roles": {"main": {"decoy": self.decoy_slot, "root": self.root_slot, "edge": self.edge_slot,
+                                   "mention": self.mention_slot},
+                          "chain": {"decoy": self.decoy_slot, "root": self.root_slot, "edge": self.edge_slot,
+                                    "link3": self.mention_slot}},
+                "questions": {k: QUESTION.format(register=r, menu=mn) for k, r in (("M", m), ("T", t), ("U", u))}}
+
+    def run_item(self, rt: Runtime, item: dict) -> dict:
+        res = run_pair(rt, item, self.pair_arms(), instruction=self.instruction, readouts=self.readouts,
+                       parse=lambda x: last_state(x, STATES), max_new_tokens=self.max_new_tokens,
+                       answer_prefix=self.answer_prefix)
+        keep = ("index", "names", "source_slot", "values", "decoy_value", "candidates", "questions")
+        return {**{k: item[k] for k in keep}, "events": item["histories"], **res}
+
+    def summarize(self, records: Sequence[dict]) -> Summary:
+        return summarize_landing(records, self)
+
+    def figure(self, records: Sequence[dict], path) -> None:
+        from eventkv.contract_figures import arm_bars
+
+        arm_bars(records, [a.name for a in self.pair_arms()], primary_readout(self.readouts), "landing", path)
+
+
+def factorial_effects(records: Sequence[dict], readout: str) -> tuple[list[float], list[float]]:
+    """Per pair, the root-donor and mention-donor effects on P(variant A's value) (module docstring)."""
+    roots, mentions = [], []
+    for r in records:
+        a = r["values"][0]
+
+        def p(arm: str, v: str) -> float:
+            out = r["arms"][arm][v]
+            if readout == "logits":
+                return candidate_share(out, a)
+            return 1.0 if out.get("answer") == a else 0.0
+
+        aa, bb = p("root+mention", "A"), p("root+mention", "B")
+        ab, ba = p("factorial", "A"), p("factorial", "B")   # factorial A: root A, mention B; B: root B, mention A
+        roots.append(0.5 * ((aa - ba) + (ab - bb)))
+        mentions.append(0.5 * ((aa - ab) + (ba - bb)))
+    return roots, mentions
+
+
+def summarize_landing(records: Sequence[dict], probe: Landing) -> Summary:
+    """Outcome table per arm, the root x mention factorial (effects, TOST), and the comparisons
+    the study reads: root vs root+mention sensitivity, edge vs edge+root, chain3 vs chain3@pos."""
+    arms = probe.pair_arms()
+    data: dict = {"pairs": len(records), "primary": primary_readout(probe.readouts), "arms": {}}
+    tables = [arm_table(records, arms, probe.readouts, f"Landing: outcomes per arm ({len(records)} pairs)", data["arms"])]
+    tests = []
+    frows = []
+    for ro in probe.readouts:
+        roots, mentions = factorial_effects(records, ro)
+        re_, me_ = mean_effect(roots), mean_effect(mentions)
+        t = tost(mentions, probe.tost_margin)
+        tr = tost(roots, probe.tost_margin)
+        data[f"factorial/{ro}"] = {"root": re_.__dict__, "mention": me_.__dict__, "tost_mention_p": t.p,
+                                   "tost_root_p": tr.p, "margin": probe.tost_margin}
+        frows.append([ro, re_.describe(), me_.describe(), format_p(t.p), format_p(tr.p)])
+        tests.append(f"{ro}: mention-donor effect, {t.describe()}")
+        tests.append(f"{ro}: root-donor effect, t-test vs 0: {re_.describe()}")
+    unit = "P(A's value) from candidate shares (logits) or answer indicators (generate)"
+    tables.append(Table(f"Root donor x mention donor factorial ({unit})",
+                        ["readout", "root effect [95% CI]", "mention effect [95% CI]",
+                         f"TOST p, mention (margin {probe.tost_margin})", "TOST p, root"], frows))
+    crow = []
+    for ro in probe.readouts:
+        for a1, a2, what in (("root", "root+mention", "co-served mention"), ("edge", "edge+root", "root beside the edge"),
+                             ("root", "root@pos", "query at common position"), ("chain3", "chain3@pos", "query at common position"),
+                             ("chain3", "chain3+links", "whole chain served")):
+            s1, s2 = pair_stats(records, a1, ro), pair_stats(records, a2, ro)
+            crow.append([ro, f"{a1} -> {a2}", what, s1["prevalence"].describe(2), s2["prevalence"].describe(2)])
+    tables.append(Table("Donor sensitivity (follow + anti) in the comparisons the study reads",
+                        ["readout", "arms", "change", "sensitive before", "sensitive after"], crow))
+    notes = ["factorial: P[r, m] is the probability of variant A's value when the root's rows come from variant r and the "
+             "mention's rows from variant m; the mention effect is equivalent to zero when the TOST p < .05.",
+             "@pos arms answer with the query at the larger of the two histories' ends (same absolute position for every "
+             "@pos arm of a pair); other arms answer right after their own history."]
+    return Summary(f"landing: {len(records)} pairs", tables, tests, notes, data)

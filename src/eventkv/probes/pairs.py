@@ -1,0 +1,345 @@
+"""Donor pairs with several histories and many arms: the engine under the memory-contract probes.
+
+The donor-pair probe (:mod:`eventkv.probes.donor_pair`) answers one history layout with fixed
+arms. The contract probes (Study 1, "The memory contract", "Programmed carriers", "Updates") need
+the same unit of evidence — two variants identical except for what an unserved event wrote —
+over *several* histories per item (e.g. with and without a carrier), with arms that serve any
+roles, mix rows of the two variants (the landing factorial), or answer with the query at a fixed
+absolute position. This module runs such an item on the data path and scores it with the
+donor-pair probe's own functions (:func:`~eventkv.probes.donor_pair.outcome`,
+:func:`~eventkv.probes.donor_pair.donor_d`) and the batched readout.
+
+An item (a JSON-able dict built by the probe, deterministic in ``(seed, index)``) holds:
+
+* ``values``: ``[a, b]`` — what variant A's and variant B's donor wrote (the gold answers);
+* ``histories``: ``{name: [events_A, events_B]}`` — event texts per variant;
+* ``roles``: ``{name: {role: slot}}`` — which slot plays which role in that history;
+* ``pad``: optional ``{name: {slot: [texts]}}`` — alternative texts whose longest tokenization
+  sets that slot's position budget (so positions do not depend on which alternative was used);
+* ``questions``: ``{name: text}``;
+* ``candidates``: candidate answer texts for the logit readout, and ``gold_candidates``: the
+  candidates that stand for ``a`` and ``b`` (usually the values themselves).
+
+Positions. Within a history, every slot whose tokens differ between the variants gets a position
+budget equal to the longer tokenization, so every later event — and the query — sits at the same
+positions in both variants. An arm with ``fixed_position`` asks its question at position ``P`` =
+the largest ``history_end`` over the item's histories, the same for every such arm of the item
+(the position control of Study 1: the query's absolute position does not vary across arms).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from eventkv.errors import EventKVError
+from eventkv.log import HEADER_ID, TokenizedLog, tokenize_query
+from eventkv.prefill import EventKV
+from eventkv.probes.base import Arm, Runtime
+from eventkv.probes.batched import read_out
+from eventkv.probes.donor_pair import donor_d, outcome
+from eventkv.serve import ServedCache, serve
+
+VARIANTS = ("A", "B")
+
+
+@dataclass(frozen=True)
+class PairArm:
+    """One arm of a multi-history donor pair.
+
+    Attributes:
+        name: the arm's name in records and tables.
+        history: which of the item's histories it is answered from.
+        served: roles of that history to serve, or ``"all"``.
+        encoding: ``compact`` (rows of the global prefill), ``isolated`` (each served event
+            encoded alone) or ``prefill`` (the global prefill continued by the query: text).
+        question: which of the item's questions it asks.
+        swap: roles whose rows come from the *other* variant's prefill (compact only): the
+            landing factorial serves the root of one variant beside the mention of the other.
+        fixed_position: ask at the item's common query position (see the module docstring).
+        description: one line for tables and docs.
+    """
+
+    name: str
+    history: str
+    served: tuple[str, ...] | str
+    encoding: str = "compact"
+    question: str = "main"
+    swap: tuple[str, ...] = ()
+    fixed_position: bool = False
+    description: str = ""
+
+    def arm(self, readouts: Sequence[str]) -> Arm:
+        return Arm(self.name, self.served, self.encoding if self.encoding != "prefill" else "prefill",
+                   tuple(readouts), self.description)
+
+
+def event_id(slot: int) -> str:
+    return f"e{slot:02d}"
+
+
+def serve_mixed(own: EventKV, other: EventKV, served: Sequence[str], swap: Sequence[str]) -> ServedCache:
+    """Compact serving of ``served`` where the events in ``swap`` take their rows from ``other``
+    (a prefill of the other variant, with the same positions for those events).
+
+    Returns:
+        ServedCache of header + served rows in log order (keys/values ``[1, kv_heads, rows, head_dim]``).
+
+    Raises:
+        EventKVError: a swapped event whose positions differ between the two prefills.
+    """
+    order = [HEADER_ID] + [e for e in own.log.event_ids if e in set(served)]
+    ks, vs, ps = [[] for _ in own.keys], [[] for _ in own.keys], []
+    for e in order:
+        src = other if e in swap else own
+        s = src.log.span(e)
+        if e in swap and (s.pos_start, s.n_tokens) != (own.log.span(e).pos_start, own.log.span(e).n_tokens):
+            raise EventKVError(f"event {e!r} sits at different positions in the two variants: it cannot be swapped.")
+        rows = torch.arange(s.row_start, s.row_end)
+        for layer in range(len(ks)):
+            ks[layer].append(src.keys[layer].index_select(2, rows.to(src.keys[layer].device)))
+            vs[layer].append(src.values[layer].index_select(2, rows.to(src.values[layer].device)))
+        ps.append(src.positions[rows])
+    return ServedCache([torch.cat(k, dim=2) for k in ks], [torch.cat(v, dim=2) for v in vs], torch.cat(ps), None,
+                       own.log.history_end, "compact", tuple(order[1:]))
+
+
+def tokenize_pair(rt: Runtime, instruction: str, texts: Sequence[Sequence[str]],
+                  pad: dict | None = None) -> list[TokenizedLog]:
+    """The two variants of one history as TokenizedLogs with shared positions: a slot whose tokens
+    differ gets the longer length as its budget; a slot in ``pad`` gets the longest tokenization
+    of its alternatives (and of its own texts)."""
+    n = len(texts[0])
+    if len(texts[1]) != n:
+        raise EventKVError("the two variants of a history must have the same number of events.")
+    header = rt.header_ids(instruction)
+    toks = [[rt.encode(t) for t in ev] for ev in texts]
+    pad = {int(k): v for k, v in (pad or {}).items()}
+    budgets: list[int | None] = []
+    for i in range(n):
+        width = None
+        if toks[0][i] != toks[1][i]:
+            width = max(len(toks[0][i]), len(toks[1][i]))
+        if i in pad:
+            width = max([len(toks[0][i]), len(toks[1][i])] + [len(rt.encode(t)) for t in pad[i]])
+        budgets.append(width)
+    ids = [event_id(i) for i in range(n)]
+    return [TokenizedLog(header, ids, toks[v], budgets) for v in (0, 1)]
+
+
+class PrefillCache:
+    """Prefills of one item, sharing work: the header rows come from the runtime (once per run);
+    each variant's prefill continues the longest already-computed prefix with the same tokens
+    and positions (so the events before the first difference are computed once per item)."""
+
+    def __init__(self, rt: Runtime, instruction: str) -> None:
+        self.rt, self.instruction = rt, instruction
+        self._done: list[EventKV] = []
+
+    def prefill(self, log: TokenizedLog) -> EventKV:
+        ids, pos = log.input_ids, log.position_ids
+        best, best_n = self.rt.header_kv(self.instruction), None
+        for ekv in self._done:
+            n = _common_events(ekv.log, log)
+            if n and (best_n is None or n > best_n):
+                best, best_n = ekv, n
+        if best_n is not None:
+            if best_n == len(log.event_ids) and best.log.input_ids == ids and best.log.position_ids == pos:
+                return best
+            best = _truncate(best, best_n)
+        ekv = self.rt.prefill(log, prefix=best)
+        self._done.append(ekv)
+        return ekv
+
+
+def _common_events(a: TokenizedLog, b: TokenizedLog) -> int:
+    """Number of leading events with the same tokens and positions in both logs (0 if the headers differ)."""
+    if a.header_ids != b.header_ids:
+        return 0
+    n = 0
+    for i in range(min(len(a.event_ids), len(b.event_ids))):
+        sa, sb = a.spans[i + 1], b.spans[i + 1]
+        if a.event_tokens[i] != b.event_tokens[i] or sa.pos_start != sb.pos_start or a.event_ids[i] != b.event_ids[i]:
+            break
+        n += 1
+    return n
+
+
+def _truncate(ekv: EventKV, n_events: int) -> EventKV:
+    """The EventKV of the header and the first ``n_events`` events of ``ekv`` (rows shared)."""
+    log = ekv.log
+    sub = TokenizedLog(log.header_ids, log.event_ids[:n_events], log.event_tokens[:n_events], log.budgets[:n_events])
+    r = sub.n_rows
+    return EventKV(sub, [k[:, :, :r] for k in ekv.keys], [v[:, :, :r] for v in ekv.values], ekv.positions[:r],
+                   ekv.weights_digest)
+
+
+def run_pair(rt: Runtime, item: dict, arms: Sequence[PairArm], *, instruction: str, readouts: Sequence[str],
+             parse: Callable[[str], str | None], max_new_tokens: int, answer_prefix: str,
+             cache: PrefillCache | None = None) -> dict:
+    """Run every arm on both variants of one item (one prefill per history and variant, one
+    batched readout for all arms) and score each arm as a donor pair.
+
+    Returns:
+        ``{"arms": {arm: {"A": out, "B": out}}, "outcomes": {arm: {readout: outcome}},
+        "d": {arm: d}, "query_position": {arm: p}, "history_end": {history: end}, "served": {...}}``
+        where ``out`` has ``text``/``answer`` (generate) and ``logprobs``/``choice`` (logits).
+
+    Raises:
+        EventKVError: an arm naming an unknown history, role or question.
+    """
+    cache = cache or PrefillCache(rt, instruction)
+    used = sorted({a.history for a in arms})
+    logs, ekvs = {}, {}
+    for h in used:
+        if h not in item["histories"]:
+            raise EventKVError(f"arm history {h!r} is not in the item (has {', '.join(item['histories'])}).")
+        logs[h] = tokenize_pair(rt, instruction, item["histories"][h], item.get("pad", {}).get(h))
+        ekvs[h] = [cache.prefill(log) for log in logs[h]]
+    common = max(logs[h][0].history_end for h in used)
+
+    entries: list[tuple[str, tuple[int, ...], ServedCache]] = []
+    served_rec, qpos = {}, {}
+    for arm in arms:
+        roles = item["roles"][arm.history]
+        log0 = logs[arm.history][0]
+        if arm.served == "all":
+            ids = list(log0.event_ids)
+        else:
+            missing = [r for r in arm.served if r not in roles]
+            if missing:
+                raise EventKVError(f"arm {arm.name!r} serves role(s) {missing} missing from history {arm.history!r}.")
+            ids = [event_id(roles[r]) for r in arm.served]
+        swap = [event_id(roles[r]) for r in arm.swap]
+        pair = ekvs[arm.history]
+        caches: list[tuple[tuple[int, ...], ServedCache]] = []
+        if arm.encoding == "prefill":
+            caches = [((v,), ServedCache(e.keys, e.values, e.positions, None, e.log.history_end, "prefill",
+                                         tuple(e.log.event_ids))) for v, e in enumerate(pair)]
+        elif arm.encoding == "isolated":
+            same = all(logs[arm.history][0].event_tokens[log0.event_ids.index(e)]
+                       == logs[arm.history][1].event_tokens[log0.event_ids.index(e)] for e in ids)
+            if same:  # identical served tokens at identical positions: one encoding answers both variants
+                caches = [((0, 1), serve(pair[0], ids, "isolated", model=rt.model))]
+            else:
+                caches = [((v,), serve(pair[v], ids, "isolated", model=rt.model)) for v in (0, 1)]
+        elif swap:
+            caches = [((v,), serve_mixed(pair[v], pair[1 - v], ids, swap)) for v in (0, 1)]
+        else:
+            caches = [((v,), serve(pair[v], ids, "compact")) for v in (0, 1)]
+        p = common if arm.fixed_position else log0.history_end
+        qpos[arm.name] = p
+        for vs, sc in caches:
+            entries.append((arm.name, vs, dataclasses.replace(sc, next_position=p)))
+        served_rec[arm.name] = {"events": ids if arm.served != "all" else "all", "swap": swap,
+                                "rows": [int(rt.header_ids(instruction).__len__()
+                                             + sum(logs[arm.history][v].spans[log0.event_ids.index(e) + 1].n_tokens
+                                                   for e in ids)) for v in (0, 1)]}
+
+    cand_texts = list(item["candidates"])
+    cands = [rt.encode(" " + c) for c in cand_texts]
+    by_q: dict[str, list[int]] = {}
+    for k, (name, _, _) in enumerate(entries):
+        q = next(a for a in arms if a.name == name).question
+        by_q.setdefault(q, []).append(k)
+    results: list = [None] * len(entries)
+    for q, ks in by_q.items():
+        if q not in item["questions"]:
+            raise EventKVError(f"question {q!r} is not in the item (has {', '.join(item['questions'])}).")
+        query = tokenize_query(rt.tokenizer, rt.profile, item["questions"][q])
+        res = read_out(rt.model, [entries[k][2] for k in ks], query,
+                       generate=["generate" in readouts] * len(ks), score=["logits" in readouts] * len(ks),
+                       candidates=cands, candidate_texts=cand_texts, answer_prefix_ids=rt.encode(answer_prefix),
+                       max_new_tokens=max_new_tokens, stop_token_ids=rt.stop_token_ids, tokenizer=rt.tokenizer,
+                       max_context=rt.max_context)
+        for k, r in zip(ks, res):
+            results[k] = r
+
+    answers: dict[str, list[dict | None]] = {a.name: [None, None] for a in arms}
+    for (name, vs, _), res in zip(entries, results):
+        out: dict = {}
+        if res.generation is not None:
+            g = res.generation
+            out.update(text=g.text, n_tokens=len(g.tokens), answer=parse(g.text))
+        if res.candidates:
+            lps: dict[str, float] = {}
+            for c in res.candidates:  # candidates that tokenize alike keep the first score
+                lps.setdefault(c.text, c.logprob)
+            out.update(logprobs=lps, choice=max(lps, key=lps.get))
+        for v in vs:
+            answers[name][v] = out
+
+    a, b = item["values"]
+    ca, cb = item.get("gold_candidates", item["values"])
+    outcomes, d = {}, {}
+    for arm in arms:
+        A, B = answers[arm.name]
+        outcomes[arm.name] = {}
+        if "generate" in readouts:
+            outcomes[arm.name]["generate"] = outcome(A["answer"], B["answer"], a, b)
+        if "logits" in readouts:
+            outcomes[arm.name]["logits"] = outcome(A["choice"], B["choice"], ca, cb)
+            d[arm.name] = donor_d(A["logprobs"], B["logprobs"], ca, cb) if ca != cb and len(A["logprobs"]) > 1 else 0.0
+    return {"arms": {n: {"A": x[0], "B": x[1]} for n, x in answers.items()}, "outcomes": outcomes, "d": d,
+            "query_position": qpos, "history_end": {h: logs[h][0].history_end for h in used}, "served": served_rec}
+
+
+def correct(record: dict, arm: str, readout: str, value_key: str = "values") -> list[bool]:
+    """Per variant (A, B): did ``arm`` answer that variant's own value under ``readout``?"""
+    key = "answer" if readout == "generate" else "choice"
+    gold = record[value_key] if readout == "generate" else record.get("gold_candidates", record[value_key])
+    return [record["arms"][arm][v].get(key) == g for v, g in zip(VARIANTS, gold)]
+
+
+def pair_stats(records: Sequence[dict], arm: str, readout: str) -> dict:
+    """Donor-pair statistics of one arm and readout over records (Study 1, "Donor pair"):
+    outcome counts, the follow rate (pairs where both variants answered their own donor's value)
+    with its Wilson 95% interval, prevalence (follow + anti), and the exact sign test follow vs anti."""
+    from eventkv.probes.donor_pair import OUTCOMES
+    from eventkv.stats import sign_test, wilson
+
+    rs = [r for r in records if arm in r["outcomes"] and readout in r["outcomes"][arm]]
+    c = {o: sum(1 for r in rs if r["outcomes"][arm][readout] == o) for o in OUTCOMES}
+    n = len(rs)
+    st = sign_test(c["follow"], c["anti"], ("follow", "anti"), name=f"{arm}/{readout}: exact sign test, follow vs anti")
+    return {"n": n, **c, "rate": wilson(c["follow"], n), "prevalence": wilson(c["follow"] + c["anti"], n), "sign": st}
+
+
+def primary_readout(readouts: Sequence[str]) -> str:
+    """The readout contract figures are quoted on: candidate logits when run (Study 1: on older
+    checkpoints free generation under-reports what the candidate probe finds), else generation."""
+    return "logits" if "logits" in readouts else "generate"
+
+
+def arm_table(records: Sequence[dict], arms: Sequence[PairArm], readouts: Sequence[str], caption: str,
+              data: dict | None = None):
+    """One row per arm and readout: pairs, follow, anti, constant, other, the follow rate and the
+    prevalence (follow + anti) with Wilson 95% intervals, and the exact sign test follow vs anti.
+    Fills ``data[f"{arm}/{readout}"]`` when given."""
+    from eventkv.probes.base import Table
+    from eventkv.stats import format_p
+
+    rows = []
+    for a in arms:
+        for ro in readouts:
+            s = pair_stats(records, a.name, ro)
+            if data is not None:
+                data[f"{a.name}/{ro}"] = {"n": s["n"], "follow": s["follow"], "anti": s["anti"], "constant": s["constant"],
+                                          "other": s["other"], "rate": s["rate"].__dict__,
+                                          "prevalence": s["prevalence"].__dict__, "p": s["sign"].p_value}
+            rows.append([a.name, ro, str(s["n"]), str(s["follow"]), str(s["anti"]), str(s["constant"]), str(s["other"]),
+                         s["rate"].describe(2), s["prevalence"].describe(2), format_p(s["sign"].p_value)])
+    return Table(caption, ["arm", "readout", "pairs", "follow", "anti", "constant", "other", "follow rate [Wilson 95%]",
+                           "sensitive [Wilson 95%]", "p (follow vs anti)"], rows)
+
+
+def candidate_share(out: dict, candidate: str) -> float:
+    """Probability share of ``candidate`` among the scored candidates (softmax of their log-probs)."""
+    import math
+
+    lps = out["logprobs"]
+    m = max(lps.values())
+    return math.exp(lps[candidate] - m) / sum(math.exp(v - m) for v in lps.values())

@@ -1,0 +1,201 @@
+"""Served patches (Study 1, "Updates"): update a materialised history by appending a patch event
+instead of rewriting it.
+
+Item ``i`` is a register history of ``lengths[i mod len(lengths)]`` events (decoy at slot 0, the
+source ``register S set to state OLD`` in the first third, fillers elsewhere), in two variants
+with swapped OLD/NEW values. The value then changes to NEW, which can be recorded two ways:
+
+* **patch**: append ``register S updated: now set to state NEW`` as a new event; only its ``p``
+  tokens are computed, attending to the ``L`` stored rows: O(pL + p^2) attention;
+* **rewrite**: edit the source event to NEW and re-prefill the whole history: O(L^2).
+
+Timing (option ``timing``, on by default; wall-clock, so records are not bit-reproducible
+when it is on): per item, variant A's original history is prefilled (not timed), then the patch
+prefill on top of it and the full re-prefill of the rewritten history are each timed
+``timing_repeats`` times (the minimum is kept, in milliseconds), at that item's L.
+
+Leak (donor-pair scoring with the *new* values as gold: follow = both variants answer their NEW
+value, anti = both answer their OLD one). Arms: ``patch-served`` {decoy, source, patch} — the stale
+source served beside the patch; ``patch-not-served`` {decoy, source} from the same patched
+prefill; ``patch-only`` {decoy, patch}; ``rewrite`` {decoy, source} of the re-prefilled rewritten
+history; ``text`` (the patched history, every event). The **stale-value leak rate** of an arm is the
+share of answers (2 per pair) equal to the OLD value, with a Wilson 95% interval.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import ClassVar, Sequence
+
+from eventkv.errors import EventKVError
+from eventkv.log import TokenizedLog
+from eventkv.probes.base import Probe, Runtime, Summary, Table, register
+from eventkv.probes.donor_pair import INSTRUCTION, NAMES, QUESTION, event_text, last_state, menu
+from eventkv.probes.pairs import PairArm, arm_table, event_id, primary_readout, run_pair, tokenize_pair
+from eventkv.stats import wilson
+
+STATES = ("ONLINE", "OFFLINE")
+PATCH = "register {register} updated: now set to state {value}"
+
+
+@register
+@dataclass
+class Patch(Probe):
+    """Patch event vs re-prefilling a rewritten history: time and stale-value leak."""
+
+    name: ClassVar[str] = "patch"
+    smoke_options: ClassVar[dict] = {"max_new_tokens": 3, "lengths": (6, 9), "timing": False}
+
+    lengths: tuple[int, ...] = (24, 48, 96, 192)
+    timing: bool = True
+    timing_repeats: int = 2
+    readout: str = "both"
+    max_new_tokens: int = 64
+    instruction: str = INSTRUCTION
+    answer_prefix: str = "Answer:"
+
+    def __post_init__(self) -> None:
+        self.lengths = tuple(int(x) for x in self.lengths)
+        self.validate()
+
+    def validate(self) -> None:
+        if not self.lengths or min(self.lengths) < 4:
+            raise EventKVError(f"lengths {self.lengths}: give history lengths of at least 4 events (e.g. 24,48,96).")
+        if self.timing_repeats < 1:
+            raise EventKVError(f"timing_repeats={self.timing_repeats}: time each update at least once.")
+        if self.readout not in ("generate", "logits", "both"):
+            raise EventKVError(f"unknown readout {self.readout!r}: use generate, logits or both.")
+
+    @property
+    def readouts(self) -> tuple[str, ...]:
+        return ("generate", "logits") if self.readout == "both" else (self.readout,)
+
+    def pair_arms(self) -> list[PairArm]:
+        return [PairArm("patch-served", "patched", ("decoy", "source", "patch"), description="stale source + patch"),
+                PairArm("patch-not-served", "patched", ("decoy", "source"), description="stale source, patch dropped"),
+                PairArm("patch-only", "patched", ("decoy", "patch"), description="patch without the source"),
+                PairArm("rewrite", "rewritten", ("decoy", "source"), description="rewritten history, re-prefilled"),
+                PairArm("text", "patched", "all", "prefill", description="patched history as text")]
+
+    def arms(self):
+        return [a.arm(self.readouts) for a in self.pair_arms()]
+
+    def items(self, seed: int, indices: Sequence[int]) -> list[dict]:
+        return [self._item(seed, i) for i in indices]
+
+    def _item(self, seed: int, index: int) -> dict:
+        rng = random.Random(f"patch:{seed}:{index}")
+        n = self.lengths[index % len(self.lengths)]
+        dec, src = rng.sample(NAMES, 2)
+        slot = rng.randint(1, max(1, n // 3))
+        old_a, old_b = rng.sample(STATES, 2)
+        dv = rng.choice(STATES)
+        others = [r for r in NAMES if r not in (dec, src)]
+        fill = {i: f"register {rng.choice(others)} refreshed to {rng.randrange(100, 1000)}" for i in range(n)}
+        hist = {"patched": [], "rewritten": []}
+        for old, new in ((old_a, old_b), (old_b, old_a)):
+            body = dict(fill)
+            body[0] = f"register {dec} set to state {dv}"
+            body[slot] = f"register {src} set to state {old}"
+            orig = [event_text(i, body[i]) for i in range(n)]
+            hist["patched"].append(orig + [event_text(n, PATCH.format(register=src, value=new))])
+            body[slot] = f"register {src} set to state {new}"
+            hist["rewritten"].append([event_text(i, body[i]) for i in range(n)])
+        return {"index": index, "n_events": n, "names": {"decoy": dec, "source": src}, "source_slot": slot,
+                "values": [old_b, old_a], "old_values": [old_a, old_b], "decoy_value": dv, "candidates": list(STATES),
+                "histories": hist,
+                "roles": {"patched": {"decoy": 0, "source": slot, "patch": n}, "rewritten": {"decoy": 0, "source": slot}},
+                "questions": {"main": QUESTION.format(register=src, menu=menu(STATES))}}
+
+    def run_item(self, rt: Runtime, item: dict) -> dict:
+        res = run_pair(rt, item, self.pair_arms(), instruction=self.instruction, readouts=self.readouts,
+                       parse=lambda x: last_state(x, STATES), max_new_tokens=self.max_new_tokens,
+                       answer_prefix=self.answer_prefix)
+        keep = ("index", "n_events", "names", "source_slot", "values", "old_values", "decoy_value", "candidates", "questions")
+        rec = {**{k: item[k] for k in keep}, "events": {h: {"A": v[0], "B": v[1]} for h, v in item["histories"].items()},
+               **res}
+        if self.timing:
+            rec["timing"] = self.time_updates(rt, item)
+        return rec
+
+    def time_updates(self, rt: Runtime, item: dict) -> dict:
+        """Wall time (ms, minimum of ``timing_repeats``) of the patch prefill on top of the stored
+        original history, and of the full re-prefill of the rewritten history (variant A)."""
+        patched = tokenize_pair(rt, self.instruction, item["histories"]["patched"])[0]
+        rewritten = tokenize_pair(rt, self.instruction, item["histories"]["rewritten"])[0]
+        n = item["n_events"]
+        orig_log = TokenizedLog(patched.header_ids, patched.event_ids[:n], patched.event_tokens[:n], patched.budgets[:n])
+        header = rt.header_kv(self.instruction)
+        orig = rt.prefill(orig_log, prefix=header)
+        t_patch, t_rewrite = math.inf, math.inf
+        for _ in range(self.timing_repeats):
+            t0 = time.perf_counter()
+            rt.prefill(patched, prefix=orig)
+            t_patch = min(t_patch, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            rt.prefill(rewritten, prefix=header)
+            t_rewrite = min(t_rewrite, time.perf_counter() - t0)
+        return {"L_tokens": orig_log.n_rows, "p_tokens": len(patched.event_tokens[n]),
+                "patch_ms": round(1000 * t_patch, 3), "rewrite_ms": round(1000 * t_rewrite, 3),
+                "rewrite_tokens": rewritten.n_rows - len(rewritten.header_ids)}
+
+    def summarize(self, records: Sequence[dict]) -> Summary:
+        return summarize_patch(records, self)
+
+    def figure(self, records: Sequence[dict], path) -> None:
+        from eventkv.contract_figures import patch_figure
+
+        patch_figure(self.summarize(records).data, path)
+
+
+def leak_rate(records: Sequence[dict], arm: str, readout: str):
+    """Share of answers (2 per pair) equal to the variant's OLD value, Wilson 95%."""
+    key = "answer" if readout == "generate" else "choice"
+    k = sum(1 for r in records for v, old in zip("AB", r["old_values"]) if r["arms"][arm][v].get(key) == old)
+    return wilson(k, 2 * len(records))
+
+
+def summarize_patch(records: Sequence[dict], probe: Patch) -> Summary:
+    import numpy as np
+
+    arms = probe.pair_arms()
+    data: dict = {"pairs": len(records), "primary": primary_readout(probe.readouts), "leak": {}, "timing": {}, "arms": {}}
+    lrows = []
+    for a in arms:
+        for ro in probe.readouts:
+            w = leak_rate(records, a.name, ro)
+            data["leak"][f"{a.name}/{ro}"] = w.__dict__
+            lrows.append([a.name, ro, w.describe(3)])
+    tables = [Table("Stale-value leak rate (answers equal to the OLD value; 2 per pair)",
+                    ["arm", "readout", "leak [Wilson 95%]"], lrows),
+              arm_table(records, arms, probe.readouts, "Update outcomes (follow = both variants answer their NEW value, "
+                        "anti = both their OLD one)", data["arms"])]
+    tests = []
+    timed = [r for r in records if r.get("timing")]
+    if timed:
+        trows = []
+        for L in sorted({r["n_events"] for r in timed}):
+            ts = [r["timing"] for r in timed if r["n_events"] == L]
+            med = lambda k: float(np.median([t[k] for t in ts]))  # noqa: E731
+            row = {"events": L, "L_tokens": med("L_tokens"), "p_tokens": med("p_tokens"), "patch_ms": med("patch_ms"),
+                   "rewrite_ms": med("rewrite_ms"), "n": len(ts)}
+            data["timing"][str(L)] = row
+            trows.append([str(L), f"{row['L_tokens']:.0f}", f"{row['p_tokens']:.0f}", str(len(ts)), f"{row['patch_ms']:.1f}",
+                          f"{row['rewrite_ms']:.1f}", f"{row['rewrite_ms'] / max(row['patch_ms'], 1e-9):.1f}x"])
+        tables.append(Table("Update cost: patch event vs re-prefilling the rewritten history (median over items, ms)",
+                            ["events", "L (tokens)", "p (tokens)", "items", "patch ms", "re-prefill ms", "ratio"], trows))
+        pts = list(data["timing"].values())
+        if len(pts) >= 2:
+            x = np.log([p["L_tokens"] for p in pts])
+            for k in ("patch_ms", "rewrite_ms"):
+                slope = float(np.polyfit(x, np.log([max(p[k], 1e-6) for p in pts]), 1)[0])
+                data["timing"][f"slope/{k}"] = slope
+                tests.append(f"log-log slope of {k.replace('_ms', '')} time against L over {len(pts)} lengths: {slope:.2f} "
+                             "(1 = linear, 2 = quadratic)")
+    notes = ["On a CPU at short L the weight-bound linear terms dominate both costs, so the re-prefill's slope is expected to sit "
+             "between 1 and 2 and approaches 2 only at long L; the patch's cost grows with L through attention only.",
+             "timings are wall-clock on this machine (minimum of the repeats, median over items)."]
+    return Summary(f"patch: {len(records)} pairs", tables, tests, notes, data)
