@@ -234,7 +234,8 @@ class Probe:
 PROBES: dict[str, type[Probe]] = {}
 
 #: modules that register probes; :func:`load_probes` imports them all
-PROBE_MODULES = ("eventkv.probes.donor_pair", "eventkv.splice_probe")
+PROBE_MODULES = ("eventkv.probes.donor_pair", "eventkv.splice_probe", "eventkv.probes.trigger_bank",
+                 "eventkv.probes.landing", "eventkv.probes.access", "eventkv.probes.carriers", "eventkv.probes.patch")
 
 
 def load_probes() -> dict[str, type[Probe]]:
