@@ -1,0 +1,179 @@
+"""Command line of the memory contract: ``eventkv run trigger-bank|landing|access|carriers|patch``
+(registered on the probes' ``run_app`` when this module is imported) and ``eventkv contract``.
+
+The main app mounts the battery with ``app.command("contract")(contract)``. User errors print
+one line (no traceback) and exit 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from eventkv.probes.cli import _list, _run, _user_errors, run_app
+
+_MODEL = typer.Option("smollm2-135m", "--model", help="packaged alias, local HF directory, hub id or GGUF file")
+_ITEMS = "number of items (donor pairs)"
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    from eventkv.errors import EventKVError
+
+    try:
+        vals = tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise EventKVError(f"{what} {text!r}: give comma-separated integers, e.g. 24,48,96.") from None
+    if not vals:
+        raise EventKVError(f"{what} {text!r}: give at least one integer.")
+    return vals
+
+
+@run_app.command("trigger-bank")
+def trigger_bank(
+    model: str = _MODEL,
+    items: int = typer.Option(32, "--items", help="donor pairs; item i uses construction i mod 16"),
+    seed: int = typer.Option(0, "--seed"),
+    out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: runs/trigger-bank/MODEL-DTYPE-seedSEED)"),
+    readout: str = typer.Option("both", "--readout", help="generate | logits | both"),
+    arms: str = typer.Option("kv,text", "--arms", help="kv,text[,isolated]"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    dtype: str = typer.Option("float32", "--dtype"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
+    progress: bool = typer.Option(True, "--progress/--no-progress"),
+) -> None:
+    """Trigger bank (Study 1): write-through vs comprehension over 16 carrier constructions."""
+    with _user_errors():
+        from eventkv.probes.trigger_bank import TriggerBank
+
+        probe = TriggerBank(readout=readout, arm_names=_list(arms, "--arms"), max_new_tokens=max_new_tokens)
+        _run(probe, model, items, seed, out, dtype, threads, progress)
+
+
+@run_app.command("landing")
+def landing(
+    model: str = _MODEL,
+    items: int = typer.Option(16, "--items", help=_ITEMS),
+    seed: int = typer.Option(0, "--seed"),
+    out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: runs/landing/MODEL-DTYPE-seedSEED)"),
+    readout: str = typer.Option("both", "--readout", help="generate | logits | both"),
+    tost_margin: float = typer.Option(0.075, "--tost-margin", help="equivalence margin of the mention-donor TOST"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    dtype: str = typer.Option("float32", "--dtype"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
+    progress: bool = typer.Option(True, "--progress/--no-progress"),
+) -> None:
+    """Landing (Study 1): root vs reference edge, co-served mention, root x mention factorial (TOST), depth-3 chains."""
+    with _user_errors():
+        from eventkv.probes.landing import Landing
+
+        probe = Landing(readout=readout, tost_margin=tost_margin, max_new_tokens=max_new_tokens)
+        _run(probe, model, items, seed, out, dtype, threads, progress)
+
+
+@run_app.command("access")
+def access(
+    model: str = _MODEL,
+    items: int = typer.Option(32, "--items", help="donor pairs; item i uses cardinality i mod 4"),
+    seed: int = typer.Option(0, "--seed"),
+    out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: runs/access/MODEL-DTYPE-seedSEED)"),
+    readout: str = typer.Option("both", "--readout", help="generate | logits | both"),
+    cardinalities: str = typer.Option("binary,compass,phonetic,number", "--cardinalities"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    dtype: str = typer.Option("float32", "--dtype"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
+    progress: bool = typer.Option(True, "--progress/--no-progress"),
+) -> None:
+    """Access (Study 1): recovery vs chance for binary, 4-way, 8-way and 3-digit payloads."""
+    with _user_errors():
+        from eventkv.probes.access import Access
+
+        probe = Access(readout=readout, cardinalities=_list(cardinalities, "--cardinalities"),
+                       max_new_tokens=max_new_tokens)
+        _run(probe, model, items, seed, out, dtype, threads, progress)
+
+
+@run_app.command("carriers")
+def carriers(
+    model: str = _MODEL,
+    items: int = typer.Option(16, "--items", help=_ITEMS),
+    seed: int = typer.Option(0, "--seed"),
+    out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: runs/carriers/MODEL-DTYPE-seedSEED)"),
+    readout: str = typer.Option("both", "--readout", help="generate | logits | both"),
+    kinds: str = typer.Option("passive,binding,directive,compute,explicit", "--kinds"),
+    fix_query_position: bool = typer.Option(True, "--fixed-position/--own-position",
+                                            help="ask every arm at the item's common query position"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    dtype: str = typer.Option("float32", "--dtype"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
+    progress: bool = typer.Option(True, "--progress/--no-progress"),
+) -> None:
+    """Programmed carriers (Study 1): answer-free carriers served alone and beside the shared row."""
+    with _user_errors():
+        from eventkv.probes.carriers import Carriers
+
+        probe = Carriers(readout=readout, kinds=_list(kinds, "--kinds"), fix_query_position=fix_query_position,
+                         max_new_tokens=max_new_tokens)
+        _run(probe, model, items, seed, out, dtype, threads, progress)
+
+
+@run_app.command("patch")
+def patch(
+    model: str = _MODEL,
+    items: int = typer.Option(16, "--items", help="items; item i uses length i mod len(--lengths)"),
+    seed: int = typer.Option(0, "--seed"),
+    out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: runs/patch/MODEL-DTYPE-seedSEED)"),
+    readout: str = typer.Option("both", "--readout", help="generate | logits | both"),
+    lengths: str = typer.Option("24,48,96,192", "--lengths", help="history lengths in events"),
+    timing: bool = typer.Option(True, "--timing/--no-timing", help="time patch vs re-prefill (wall clock)"),
+    timing_repeats: int = typer.Option(2, "--timing-repeats"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    dtype: str = typer.Option("float32", "--dtype"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
+    progress: bool = typer.Option(True, "--progress/--no-progress"),
+) -> None:
+    """Served patches (Study 1, Updates): patch event vs re-prefill time against L, stale-value leak."""
+    with _user_errors():
+        from eventkv.probes.patch import Patch
+
+        probe = Patch(readout=readout, lengths=_ints(lengths, "--lengths"), timing=timing,
+                      timing_repeats=timing_repeats, max_new_tokens=max_new_tokens)
+        _run(probe, model, items, seed, out, dtype, threads, progress)
+
+
+def contract(
+    model: str = _MODEL,
+    items: Optional[int] = typer.Option(None, "--items", help="items per probe, default 24 (8 with --quick); trigger "
+                                        "bank N//4 per construction, access N//2 per cardinality (docs/contract.md)"),
+    quick: bool = typer.Option(False, "--quick", help="small preset, candidate logits only (default --items 8)"),
+    seed: int = typer.Option(0, "--seed"),
+    out: Optional[Path] = typer.Option(None, "--out", help="output directory (default: runs/contract/MODEL-DTYPE[-quick])"),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
+    progress: bool = typer.Option(True, "--progress/--no-progress"),
+) -> None:
+    """The memory contract (Study 1): run the whole battery (donor pair, trigger bank, landing, access,
+    programmed carriers, patches), resumably, and write contract.md, contract.json and figures."""
+    with _user_errors():
+        import torch
+
+        from eventkv.contract import run_contract
+        from eventkv.models import load
+        from eventkv.probes.base import Runtime
+
+        if items is None:
+            items = 8 if quick else 24
+        if threads:
+            torch.set_num_threads(threads)
+        if out is None:
+            out = Path("runs") / "contract" / f"{Path(model).name}-{dtype}{'-quick' if quick else ''}"
+        console = Console()
+        with console.status(f"loading {model} ({dtype})"):
+            lm = load(model, dtype=dtype)
+        rt = Runtime(lm.model, lm.tokenizer, lm.profile)
+        js = run_contract(rt, model=model, out=out, items=items, quick=quick, seed=seed, console=console,
+                          progress=progress)
+        console.print(js["markdown_table"], markup=False, highlight=False, soft_wrap=True)
+        console.print(f"contract: {out / 'contract.md'}  json: {out / 'contract.json'}  figures: {out / 'figures'}")

@@ -1,0 +1,59 @@
+"""The contract battery end to end on a tiny model: one run writes contract.md, contract.json and
+the figures; a second run resumes (computes nothing) and refuses other settings."""
+
+import json
+
+import pytest
+
+from probe_fixtures import tiny_runtime
+
+from eventkv.contract import CONTRACT_PROBES, plan, run_contract
+from eventkv.errors import EventKVError
+from eventkv.probes.runner import load_records
+
+
+def test_plan_sizes():
+    full = {s.probe: s.items for s in plan(24)}
+    assert full == {"donor-pair": 24, "trigger-bank": 96, "landing": 24, "access": 48, "carriers": 24, "patch": 24}
+    quick = plan(8, quick=True)
+    assert [s.probe for s in quick] == list(CONTRACT_PROBES)
+    assert all(s.options.get("readout") == "logits" for s in quick)
+    with pytest.raises(EventKVError, match="--items 1"):
+        plan(1)
+
+
+def test_contract_battery_on_a_tiny_model(tmp_path, monkeypatch):
+    import eventkv.contract as c
+    from eventkv.contract import Step
+
+    def tiny_plan(items, quick=False):   # the quick preset, shrunk to a few items and short histories
+        small = {"readout": "logits"}
+        return [Step("donor-pair", {**small, "n_events": 6, "source_slots": (1, 2), "root_slot": 4}, items),
+                Step("trigger-bank", {**small, "n_events": 8, "source_slots": (2, 3), "carrier_slot": 5}, 3),
+                Step("landing", {**small, "n_events": 10, "source_slots": (2, 3), "root_slot": 5, "edge_slot": 7,
+                                 "mention_slot": 9}, items),
+                Step("access", {**small, "n_events": 8, "source_slots": (2, 3), "root_slot": 5}, 4),
+                Step("carriers", {**small, "n_events": 10, "source_slots": (2, 3), "carrier_slot": 5, "row_slot": 8}, items),
+                Step("patch", {**small, "lengths": (5, 8), "timing_repeats": 1}, 4)]
+
+    monkeypatch.setattr(c, "plan", tiny_plan)
+    rt = tiny_runtime("llama")
+    js = run_contract(rt, model="tiny", out=tmp_path, items=2, quick=True, progress=False)
+    md = (tmp_path / "contract.md").read_text()
+    for clause in ("materialization", "trigger", "landing", "access", "programming", "updates"):
+        assert f"| {clause}" in md
+    assert "77 ms vs 1033 ms" in md and ".934 (chance .5)" in md
+    for f in ("trigger.png", "access.png", "patch.png"):
+        assert (tmp_path / "figures" / f).stat().st_size > 1000
+    saved = json.loads((tmp_path / "contract.json").read_text())
+    assert set(saved["trigger"]["constructions"]) == {"mirrors", "tracks", "copies"}
+    assert set(saved["capacity"]["payloads"]) >= {"binary", "compass", "phonetic", "number"}
+    assert saved["pairs"] == {"donor-pair": 2, "trigger-bank": 3, "landing": 2, "access": 4, "carriers": 2, "patch": 4}
+    assert js["updates"]["timing"]
+    # resume: nothing recomputed, records unchanged
+    before = {p: load_records(tmp_path / p) for p in CONTRACT_PROBES}
+    run_contract(rt, model="tiny", out=tmp_path, items=2, quick=True, progress=False)
+    assert {p: load_records(tmp_path / p) for p in CONTRACT_PROBES} == before
+    # another model into the same directory is refused
+    with pytest.raises(EventKVError, match="different settings"):
+        run_contract(rt, model="other", out=tmp_path, items=2, quick=True, progress=False)
