@@ -8,7 +8,7 @@ from transformers import DynamicCache
 from eventkv.errors import EventKVError
 from eventkv.prefill import model_forward
 from eventkv.splice import (ARMS, Splice, SplicePrompt, _attention_modules, clean_run, donor_rows, filler_ids,
-                            layers_from, span_masked, splice_generate, splice_sweep)
+                            layers_from, span_masked, splice_choice, splice_generate, splice_sweep)
 from eventkv.testing import tiny_model, tiny_tokenizer
 
 FAMILIES = ["llama", "qwen2", "gemma3"]
@@ -188,3 +188,77 @@ def test_splice_early_exit_drops_finished_splices_without_changing_the_others(fa
     for f, e in zip(full, early):
         assert e.tokens == f.tokens[: len(e.tokens)]
         assert len(e.tokens) == len(f.tokens) or decided(e.tokens)
+
+
+# ------------------------------------------------------------------ forced-choice readout over the splice
+def _options(tok):
+    """Options of 1, 2 and 3 tokens (exercises the right padding)."""
+    return [tok("b", add_special_tokens=False)["input_ids"], tok("7.", add_special_tokens=False)["input_ids"],
+            tok(" c=1", add_special_tokens=False)["input_ids"][:3]]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_splice_choice_cutoff_beyond_last_layer_equals_clean_exactly(family, tok):
+    model, prompt = setup(family, tok)
+    run = clean_run(model, prompt, max_new_tokens=0)
+    opts = _options(tok)
+    assert sorted(len(o) for o in opts) == [1, 2, 3]
+    donors = {"scaffold": donor_rows(model, run, filler_ids(tok, len(prompt.span_ids)))}
+    none = layers_from(n_layers(model), n_layers(model))
+    for tail in ("clean", "spliced"):
+        clean = splice_choice(model, run, [Splice("clean")], opts, tail=tail, batch_size=1)[0]
+        got = splice_choice(model, run, [Splice(a, none) for a in ARMS], opts, donors=donors, tail=tail, batch_size=1)
+        for row in got:
+            assert row == clean  # the same floats: nothing spliced is clean, exactly
+        batched = splice_choice(model, run, [Splice(a, none) for a in ARMS], opts, donors=donors, tail=tail,
+                                batch_size=len(ARMS))
+        for row in batched:
+            assert row == pytest.approx(clean, abs=1e-5)
+    # and the splice arms do move the scores when they splice every layer
+    every = layers_from(0, n_layers(model))
+    moved = splice_choice(model, run, [Splice(a, every) for a in ARMS[1:]], opts, donors=donors)
+    for arm, row in zip(ARMS[1:], moved):
+        assert max(abs(x - y) for x, y in zip(row, clean)) > 1e-4, arm
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_splice_choice_clean_equals_candidate_logprobs_on_a_served_cache(family, tok):
+    from eventkv.readout import candidate_logprobs
+    from eventkv.serve import ServedCache
+
+    model, prompt = setup(family, tok)
+    run = clean_run(model, prompt, max_new_tokens=0)
+    p = prompt.n_rows
+    served = ServedCache([k[:, :, : p - 1] for k in run.keys], [v[:, :, : p - 1] for v in run.values],
+                         torch.arange(p - 1), None, p - 1, "compact", ())
+    opts = _options(tok)
+    ref = [c.logprob for c in candidate_logprobs(model, served, [prompt.ids[-1]], opts)]
+    got = splice_choice(model, run, [Splice("clean")], opts)[0]
+    assert got == pytest.approx(ref, abs=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_splice_choice_matches_the_generation_path(family, tok):
+    """The first option token's log-prob under a splice equals the log-softmax of the spliced
+    generation's first-step logits (same splice, step 0), for every arm."""
+    model, prompt = setup(family, tok)
+    run = clean_run(model, prompt, max_new_tokens=2)
+    donors = {"scaffold": donor_rows(model, run, filler_ids(tok, len(prompt.span_ids)))}
+    one = [[5], [9], [17]]
+    cells = [Splice(a, layers_from(1, n_layers(model))) for a in ARMS] + [Splice("mask", (0,), heads=(1,))]
+    gen = splice_sweep(model, run, cells, max_new_tokens=2, donors=donors, keep_logits=True)
+    ch = splice_choice(model, run, cells, one, donors=donors, batch_size=3)
+    for g, row in zip(gen, ch):
+        lp = torch.log_softmax(g.logits[0], dim=-1)
+        assert row == pytest.approx([float(lp[o[0]]) for o in one], abs=1e-4), g.splice
+
+
+def test_splice_choice_user_errors(tok):
+    model, prompt = setup("llama", tok)
+    run = clean_run(model, prompt, max_new_tokens=0)
+    with pytest.raises(EventKVError, match="step 0"):
+        splice_choice(model, run, [Splice("zero-kv", (0,), step=1)], [[3]])
+    with pytest.raises(EventKVError, match="empty option"):
+        splice_choice(model, run, [Splice("zero-kv", (0,))], [[3], []])
+    with pytest.raises(EventKVError, match="donor"):
+        splice_choice(model, run, [Splice("scaffold", (0,))], [[3]])

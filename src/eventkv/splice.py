@@ -404,21 +404,8 @@ def splice_sweep(model, run: CleanRun, splices: Sequence[Splice], *, max_new_tok
     Raises:
         EventKVError: unknown tail, a scaffold splice without its donor, a layer or head out of range.
     """
-    if tail not in TAILS:
-        raise EventKVError(f"unknown tail option {tail!r}: use one of {', '.join(TAILS)}.")
-    if batch_size < 1:
-        raise EventKVError(f"batch size {batch_size}: give at least 1.")
     donors = donors or {}
-    n_layers = run.n_layers
-    kv_heads = run.keys[0].shape[1]
-    for s in splices:
-        bad = [l for l in s.layers if not 0 <= l < n_layers]
-        if bad:
-            raise EventKVError(f"layer {bad[0]} is out of range for this {n_layers}-layer model: give layers 0..{n_layers - 1}.")
-        if s.heads is not None and any(not 0 <= h < kv_heads for h in s.heads):
-            raise EventKVError(f"KV heads {list(s.heads)} out of range: this model has {kv_heads} KV heads per layer (0..{kv_heads - 1}).")
-        if s.arm == "scaffold" and s.donor not in donors:
-            raise EventKVError(f"scaffold splice needs donor rows {s.donor!r}: compute them with donor_rows().")
+    _check_splices(run, splices, donors, tail, batch_size)
     stops = set(int(t) for t in stop_token_ids)
     results: list[SpliceResult | None] = [None] * len(splices)
     n_fed = len(run.tokens) + (1 if run.stopped else 0)  # decode forwards of the clean run
@@ -438,21 +425,24 @@ def splice_sweep(model, run: CleanRun, splices: Sequence[Splice], *, max_new_tok
     return results  # type: ignore[return-value]
 
 
-def _run_batch(model, run: CleanRun, splices: list[Splice], step: int, donors: dict, tail: str, max_new: int,
-               stops: set[int], keep_logits: bool, decided: Callable | None = None) -> list[SpliceResult]:
-    prompt = run.prompt
-    p = prompt.n_rows
-    lo, hi = prompt.span_rows
-    all_ids = prompt.ids + run.tokens
-    r0 = p - 1 + step if tail == "clean" else hi
-    forced = torch.tensor([all_ids[r0: p + step]], dtype=torch.long)
+def _start_row(run: CleanRun, step: int, tail: str) -> int:
+    """The first row computed under the splice: the token fed at ``step`` (tail ``clean``) or the
+    first tail row (tail ``spliced``)."""
+    return run.prompt.n_rows - 1 + step if tail == "clean" else run.prompt.span_rows[1]
+
+
+def _spliced_rows(model, run: CleanRun, splices: Sequence[Splice], r0: int, donors: dict):
+    """The spliced rows ``[0, r0)`` of a batch of splices: per layer keys and values
+    ``[B, kv_heads, r0, head_dim]`` (fresh tensors; the clean run's are never written), and the
+    ``mask`` arm's per-layer plans for :func:`span_masked` (``{layer: [B] bool}``,
+    ``{layer: [B, n_query_heads] bool}``)."""
+    lo, hi = run.prompt.span_rows
     b = len(splices)
-    n_layers = run.n_layers
     keys, values = [], []
     plan: dict[int, torch.Tensor] = {}
     head_plan: dict[int, torch.Tensor] = {}
     n_q_heads = None
-    for layer in range(n_layers):
+    for layer in range(run.n_layers):
         k = run.keys[layer][:, :, :r0].expand(b, -1, -1, -1).clone()
         v = run.values[layer][:, :, :r0].expand(b, -1, -1, -1).clone()
         for e, s in enumerate(splices):
@@ -478,12 +468,114 @@ def _run_batch(model, run: CleanRun, splices: list[Splice], step: int, donors: d
                 v[e, hs, lo:hi] = nv[0, hs].to(v.dtype)
         keys.append(k)
         values.append(v)
+    return keys, values, plan, head_plan
+
+
+def _run_batch(model, run: CleanRun, splices: list[Splice], step: int, donors: dict, tail: str, max_new: int,
+               stops: set[int], keep_logits: bool, decided: Callable | None = None) -> list[SpliceResult]:
+    prompt = run.prompt
+    p = prompt.n_rows
+    lo, hi = prompt.span_rows
+    all_ids = prompt.ids + run.tokens
+    r0 = _start_row(run, step, tail)
+    forced = torch.tensor([all_ids[r0: p + step]], dtype=torch.long)
+    b = len(splices)
+    keys, values, plan, head_plan = _spliced_rows(model, run, splices, r0, donors)
     with span_masked(model, (lo, hi), plan, head_plan or None):
         prefix = list(run.tokens[:step])
         dec = None if decided is None else (lambda new: decided(prefix + new))
         toks, stopped, kept, _ = _decode(model, keys, values, forced.expand(b, -1), r0, max_new - step, stops,
                                          keep_logits, dec, masks=(plan, head_plan))
     return [SpliceResult(s, prefix + toks[e], stopped[e], kept[e]) for e, s in enumerate(splices)]
+
+
+def _check_splices(run: CleanRun, splices: Sequence[Splice], donors: dict, tail: str, batch_size: int) -> None:
+    if tail not in TAILS:
+        raise EventKVError(f"unknown tail option {tail!r}: use one of {', '.join(TAILS)}.")
+    if batch_size < 1:
+        raise EventKVError(f"batch size {batch_size}: give at least 1.")
+    n_layers = run.n_layers
+    kv_heads = run.keys[0].shape[1]
+    for s in splices:
+        bad = [l for l in s.layers if not 0 <= l < n_layers]
+        if bad:
+            raise EventKVError(f"layer {bad[0]} is out of range for this {n_layers}-layer model: give layers 0..{n_layers - 1}.")
+        if s.heads is not None and any(not 0 <= h < kv_heads for h in s.heads):
+            raise EventKVError(f"KV heads {list(s.heads)} out of range: this model has {kv_heads} KV heads per layer (0..{kv_heads - 1}).")
+        if s.arm == "scaffold" and s.donor not in donors:
+            raise EventKVError(f"scaffold splice needs donor rows {s.donor!r}: compute them with donor_rows().")
+
+
+@torch.inference_mode()
+def splice_choice(model, run: CleanRun, splices: Sequence[Splice], options: Sequence[Sequence[int]], *,
+                  donors: dict | None = None, tail: str = "clean", batch_size: int = 16) -> list[list[float]]:
+    """Forced-choice readout over the spliced cache: for each splice, the log-probability (nats,
+    the sum over its tokens) of each option's full continuation right after the prompt, scored
+    over the spliced rows — the candidate-logit readout of :func:`eventkv.readout.candidate_logprobs`,
+    on a splice instead of a served cache. A splice with no layers (cutoff = number of layers)
+    gives the clean scores.
+
+    The splice applies before the first answer token (decoding step 0; the option tokens are
+    forced, so there is no clean greedy prefix to keep). The rows from :func:`_start_row` on (the
+    last prompt token, or the whole tail with ``tail="spliced"``) and the option tokens are
+    computed over the spliced cache; for each splice all options go in one batched forward of
+    ``[n_options, forced + longest - 1]`` tokens (right-padded; padding is after every scored
+    token, so causal attention keeps it out).
+
+    Args:
+        run: the clean run (only its prompt rows are read; ``clean_run(..., max_new_tokens=0)``
+            suffices).
+        options: token ids per option (each non-empty), e.g. an answer word as the assistant
+            would write it right after the prompt.
+        donors, tail, batch_size: as :func:`splice_sweep` (``batch_size`` counts splices).
+
+    Returns:
+        per splice, per option, the total log-probability (float, nats).
+
+    Raises:
+        EventKVError: no option or an empty option, a splice from a step other than 0, and the
+            errors of :func:`splice_sweep`.
+    """
+    donors = donors or {}
+    _check_splices(run, splices, donors, tail, batch_size)
+    if not options or any(len(o) == 0 for o in options):
+        raise EventKVError("forced choice needs at least one option and no empty option (check the item's options).")
+    if any(s.step != 0 for s in splices):
+        raise EventKVError("the forced-choice readout splices before the first answer token: use decoding step 0 "
+                           "(--steps 0) with --readout choice.")
+    prompt = run.prompt
+    lo, hi = prompt.span_rows
+    r0 = _start_row(run, 0, tail)
+    forced = list(prompt.ids[r0:])
+    n_opt, longest = len(options), max(len(o) for o in options)
+    width = len(forced) + longest - 1
+    ids = torch.zeros(n_opt, width, dtype=torch.long)
+    for c, o in enumerate(options):
+        seq = forced + list(o[:-1])
+        ids[c, : len(seq)] = torch.tensor(seq)
+    dev = _device(model)
+    out: list[list[float]] = []
+    for a in range(0, len(splices), batch_size):
+        chunk = list(splices[a: a + batch_size])
+        b = len(chunk)
+        keys, values, plan, head_plan = _spliced_rows(model, run, chunk, r0, donors)
+        rep = lambda t: t.repeat_interleave(n_opt, dim=0)  # noqa: E731  [b, ...] -> [b * n_opt, ...]
+        keys, values = [rep(k) for k in keys], [rep(v) for v in values]
+        plan = {l: rep(m) for l, m in plan.items()}
+        head_plan = {l: rep(m) for l, m in head_plan.items()}
+        batch_ids = ids.repeat(b, 1).to(dev)
+        pos = torch.arange(r0, r0 + width, device=dev).unsqueeze(0).expand(b * n_opt, -1)
+        with span_masked(model, (lo, hi), plan, head_plan or None):
+            logits = model_forward(model, batch_ids, pos, cache_from_rows(keys, values))
+        lp = torch.log_softmax(logits, dim=-1)
+        for e in range(b):
+            row = []
+            for c, o in enumerate(options):
+                x = e * n_opt + c
+                at = torch.arange(len(forced) - 1, len(forced) - 1 + len(o), device=lp.device)
+                row.append(float(lp[x, at, torch.tensor(list(o), device=lp.device)].double().sum()))
+            out.append(row)
+    return out
 
 
 @torch.inference_mode()

@@ -30,7 +30,8 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
 
 
 def build_probe(task: str, cutoffs: str, steps: str, arms: str, filler: Optional[str], heads: Optional[str],
-                layer_set: str, tail: str, max_new_tokens: int, batch_size: int):
+                layer_set: str, tail: str, max_new_tokens: int, batch_size: int, match: str = "word",
+                readout: str = "generate"):
     """The SpliceProbe for the CLI options (``task`` is a built-in name or a JSONL path)."""
     from eventkv.splice import DEFAULT_FILLER
     from eventkv.splice_probe import SpliceProbe
@@ -51,7 +52,7 @@ def build_probe(task: str, cutoffs: str, steps: str, arms: str, filler: Optional
                         steps=_ints(steps, "--steps"), arm_names=arm_names,
                         filler=filler if filler is not None else DEFAULT_FILLER,
                         heads=_ints(heads, "--heads") if heads else None, layer_set=layer_set, tail=tail,
-                        max_new_tokens=max_new_tokens, batch_size=batch_size)
+                        max_new_tokens=max_new_tokens, batch_size=batch_size, match=match, readout=readout)
     probe.validate()
     return probe
 
@@ -74,6 +75,11 @@ def splice(
     tail: str = typer.Option("clean", "--tail", help="clean = tail rows keep clean K/V; spliced = recomputed over the splice"),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", help="greedy generation budget (tokens)"),
     batch_size: int = typer.Option(16, "--batch-size", help="splices decoded together in one batch"),
+    match: str = typer.Option("word", "--match", help="how a generation is scored: word = its first line contains the "
+                                                      "answer as a whole word and no other option/number; exact = "
+                                                      "the first line equals the answer"),
+    readout: str = typer.Option("generate", "--readout", help="generate = greedy answer scored by --match; choice = "
+                                                              "forced choice among the item's options (step 0)"),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads [default: torch's]"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
 ) -> None:
@@ -88,7 +94,8 @@ def splice(
         from eventkv.probes.base import Runtime
         from eventkv.probes.runner import run_probe
 
-        probe = build_probe(task, cutoffs, steps, arms, filler, heads, layer_set, tail, max_new_tokens, batch_size)
+        probe = build_probe(task, cutoffs, steps, arms, filler, heads, layer_set, tail, max_new_tokens, batch_size,
+                            match, readout)
         if items < 1:
             raise EventKVError(f"--items {items}: run at least one item.")
         if threads:

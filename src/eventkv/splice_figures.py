@@ -43,7 +43,7 @@ def accuracy_figure(records: Sequence[dict], path: str | Path) -> Path:
             ax.fill_between(cutoffs, [p.low for p in ps], [p.high for p in ps], alpha=0.15, color=color)
         ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel("layer cutoff (span spliced in layers >= cutoff)")
-        ax.set_ylabel(f"exact-match accuracy (n={clean.n}), Wilson 95%")
+        ax.set_ylabel(f"accuracy (n={clean.n}), Wilson 95%")
         ax.set_title(f"splice from decoding step {t}")
         ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()

@@ -1,5 +1,12 @@
-"""The splice probe (Study 2, "Controlled splice"): accuracy of exact-match prompt tasks when the
+"""The splice probe (Study 2, "Controlled splice"): accuracy of prompt tasks when the
 user-content span's K/V are spliced at layers >= a cutoff, from a decoding step, per arm.
+
+Readouts (option ``readout``): ``generate`` — greedy generation scored on its first non-empty
+line by the matcher ``match`` (``word``, the default: the answer as a whole word and no competing
+option/number; ``exact``: the line equals the answer; see :mod:`eventkv.splice_tasks`);
+``choice`` — for items with options, forced choice over the spliced cache
+(:func:`eventkv.splice.splice_choice`): correct iff the gold option's full continuation has the
+highest log-probability. The choice readout splices from decoding step 0 only.
 
 One item = one prompt. Per item the clean prefill + clean greedy decode and the scaffold donor's
 rows are computed once (:mod:`eventkv.splice`); every (arm, cutoff, step) cell is then a batched
@@ -25,12 +32,16 @@ from scipy import stats as _st
 
 from eventkv.errors import EventKVError
 from eventkv.probes.base import Probe, Summary, Table, register
+from eventkv.log import encode
 from eventkv.splice import (ARMS, DEFAULT_FILLER, TAILS, Splice, SplicePrompt, clean_run, donor_rows, filler_ids,
-                            splice_sweep)
-from eventkv.splice_tasks import TASKS, builtin_items, load_jsonl, outcome_decided, score
+                            splice_choice, splice_sweep)
+from eventkv.splice_tasks import MATCHERS, TASKS, builtin_items, load_jsonl, outcome_decided, score
 from eventkv.stats import TestResult, format_p, wilson
 
 LAYER_SETS = ("from", "only")
+READOUTS = ("generate", "choice")
+#: built-in tasks whose items carry options (the ones the forced-choice readout can score)
+TASKS_WITH_OPTIONS = ("choose", "sentiment")
 SPLICE_ARMS = tuple(a for a in ARMS if a != "clean")
 
 
@@ -99,12 +110,14 @@ class SpliceProbe(Probe):
     layer_set: ``from`` = layers >= cutoff (the study's splice); ``only`` = the cutoff layer alone.
     tail: ``clean`` | ``spliced`` (see :mod:`eventkv.splice`).
     max_new_tokens: greedy generation budget. batch_size: splices per batched decode.
-    early_exit: end a generation once its exact-match outcome is fixed
+    early_exit: end a generation once its outcome under ``match`` is fixed
     (:func:`eventkv.splice_tasks.outcome_decided`); scores are unchanged, recorded texts are cut there.
+    match: ``word`` | ``exact`` — how a generation is scored (:func:`eventkv.splice_tasks.score`).
+    readout: ``generate`` | ``choice`` (forced choice among the item's options, step 0 only).
     """
 
     name: ClassVar[str] = "splice"
-    record_version: ClassVar[int] = 1
+    record_version: ClassVar[int] = 2
     smoke_options: ClassVar[dict] = {"cutoffs": "0,2", "steps": (0, 1), "arm_names": ("scaffold", "mask"),
                                      "max_new_tokens": 3}
 
@@ -121,6 +134,8 @@ class SpliceProbe(Probe):
     max_new_tokens: int = 16
     batch_size: int = 16
     early_exit: bool = True
+    match: str = "word"
+    readout: str = "generate"
 
     def __post_init__(self) -> None:
         self.steps = tuple(int(s) for s in self.steps)
@@ -145,6 +160,17 @@ class SpliceProbe(Probe):
             raise EventKVError(f"--tail {self.tail!r}: use one of {', '.join(TAILS)}.")
         if self.max_new_tokens < 1 or self.batch_size < 1:
             raise EventKVError("--max-new-tokens and --batch-size must be at least 1.")
+        if self.match not in MATCHERS:
+            raise EventKVError(f"--match {self.match!r}: use one of {', '.join(MATCHERS)}.")
+        if self.readout not in READOUTS:
+            raise EventKVError(f"--readout {self.readout!r}: use one of {', '.join(READOUTS)}.")
+        if self.readout == "choice":
+            if self.task != "jsonl" and self.task not in TASKS_WITH_OPTIONS:
+                raise EventKVError(f"--readout choice needs items with options: task {self.task!r} has none; use "
+                                   f"{' or '.join(TASKS_WITH_OPTIONS)}, a JSONL file with 'options', or --readout generate.")
+            if self.steps != (0,):
+                raise EventKVError(f"--readout choice splices before the first answer token: use --steps 0 "
+                                   f"(got {','.join(map(str, self.steps))}).")
         if max(self.steps) >= self.max_new_tokens:
             raise EventKVError(f"--steps {max(self.steps)} is not below --max-new-tokens {self.max_new_tokens}: "
                                "a splice from that step could never take effect; raise --max-new-tokens.")
@@ -177,22 +203,22 @@ class SpliceProbe(Probe):
         model, tok = rt.model, rt.tokenizer
         n_layers = _n_layers(model)
         prompt = SplicePrompt.from_text(tok, rt.profile, item["prompt"])
+        if self.readout == "choice":
+            return self._run_item_choice(rt, item, prompt, n_layers)
         stops = rt.stop_token_ids
         decided = None
         if self.early_exit:
             def decided(toks: list[int]) -> bool:
-                return outcome_decided(tok.decode(toks, skip_special_tokens=True), item)
+                return outcome_decided(tok.decode(toks, skip_special_tokens=True), item, self.match)
         run = clean_run(model, prompt, max_new_tokens=self.max_new_tokens, stop_token_ids=stops,
                         max_context=rt.max_context, decided=decided)
-        donors = {}
-        if "scaffold" in self.arm_names:
-            donors["scaffold"] = donor_rows(model, run, filler_ids(tok, len(prompt.span_ids), self.filler))
+        donors = self._donors(model, tok, run, prompt)
         cuts = parse_cutoffs(self.cutoffs, n_layers)
         cells = self.cells(n_layers)
         results = splice_sweep(model, run, cells, max_new_tokens=self.max_new_tokens, stop_token_ids=stops,
                                donors=donors, tail=self.tail, batch_size=self.batch_size, decided=decided)
         clean_text = tok.decode(run.tokens, skip_special_tokens=True)
-        ok, pred = score(clean_text, item)
+        ok, pred = score(clean_text, item, self.match)
         rec_cells = []
         i = 0
         for arm in self.arm_names:
@@ -201,13 +227,50 @@ class SpliceProbe(Probe):
                     r = results[i]
                     i += 1
                     text = tok.decode(r.tokens, skip_special_tokens=True)
-                    good, p = score(text, item)
+                    good, p = score(text, item, self.match)
                     rec_cells.append({"arm": arm, "cutoff": c, "step": t, "pred": p, "correct": good,
                                       "effect": r.took_effect})
+        return self._record(item, n_layers, prompt, {"text": clean_text, "pred": pred, "correct": ok}, rec_cells)
+
+    def _donors(self, model, tok, run, prompt: SplicePrompt) -> dict:
+        if "scaffold" not in self.arm_names:
+            return {}
+        return {"scaffold": donor_rows(model, run, filler_ids(tok, len(prompt.span_ids), self.filler))}
+
+    def _record(self, item: dict, n_layers: int, prompt: SplicePrompt, clean: dict, cells: list[dict]) -> dict:
         lo, hi = prompt.span_rows
         return {"index": item["index"], "prompt": item["prompt"], "answer": item["answer"],
                 "n_layers": n_layers, "span_rows": [lo, hi], "prompt_rows": prompt.n_rows,
-                "clean": {"text": clean_text, "pred": pred, "correct": ok}, "cells": rec_cells}
+                "clean": clean, "cells": cells}
+
+    def _run_item_choice(self, rt, item: dict, prompt: SplicePrompt, n_layers: int) -> dict:
+        """Forced choice among the item's options, clean and per cell, over the same prompt rows."""
+        model, tok = rt.model, rt.tokenizer
+        opts = list(item.get("options") or [])
+        if item["answer"] not in opts:
+            raise EventKVError(f"--readout choice: item {item['index']} has options {opts} that do not include its "
+                               f"answer {item['answer']!r}; give every item 'options' containing the answer.")
+        run = clean_run(model, prompt, max_new_tokens=0, max_context=rt.max_context)
+        donors = self._donors(model, tok, run, prompt)
+        cells = self.cells(n_layers)
+        opt_ids = [option_ids(tok, rt.profile, o) for o in opts]
+        scores = splice_choice(model, run, [Splice("clean")] + cells, opt_ids, donors=donors, tail=self.tail,
+                               batch_size=self.batch_size)
+
+        def entry(lps: list[float]) -> dict:
+            best = max(range(len(opts)), key=lambda c: lps[c])
+            gold = opts.index(item["answer"])  # correct iff the gold option is strictly highest
+            return {"pred": opts[best], "correct": all(lps[gold] > lp for c, lp in enumerate(lps) if c != gold),
+                    "logprobs": {o: lp for o, lp in zip(opts, lps)}}
+
+        rec_cells = [{"arm": s.arm, "cutoff": c, "step": s.step, **entry(lps), "effect": True}
+                     for (s, c), lps in zip(zip(cells, self._cell_cutoffs(n_layers)), scores[1:])]
+        return self._record(item, n_layers, prompt, entry(scores[0]), rec_cells)
+
+    def _cell_cutoffs(self, n_layers: int) -> list[int]:
+        """The cutoff of each cell of :meth:`cells`, in order."""
+        cuts = parse_cutoffs(self.cutoffs, n_layers)
+        return [c for _ in self.arm_names for c in cuts for _ in self.steps]
 
     # ------------------------------------------------------------------------- statistics
     def summarize(self, records: Sequence[dict]) -> Summary:
@@ -218,6 +281,26 @@ class SpliceProbe(Probe):
 
         accuracy_figure(records, path)
         heatmap_figure(records, Path(path).with_name("heatmap.png"))
+
+
+def option_ids(tokenizer, profile, option: str) -> list[int]:
+    """Token ids of an option as the answer's continuation right after the prompt: the option's
+    text alone when the prompt's tail ends in whitespace (a chat template's ``assistant\\n``), else
+    with one leading space (a plain-text scaffold's ``Assistant:``)."""
+    tail = profile.chat_tail
+    return encode(tokenizer, option if tail[-1:].isspace() else " " + option)
+
+
+def _readout_note(probe: "SpliceProbe | None") -> str:
+    if probe is not None and probe.readout == "choice":
+        return ("readout: forced choice among the item's options over the spliced cache (sum of the option's token "
+                "log-probabilities right after the prompt; correct iff the gold option scores highest)")
+    if probe is not None and probe.match == "exact":
+        return "readout: greedy generation; exact match of its first non-empty line (surrounding punctuation stripped)"
+    return ("readout: greedy generation; matcher 'word' (a readout-validity choice made before any splice result was "
+            "seen): the first non-empty line is correct iff it contains the answer as a whole word/number "
+            "(case-insensitive unless the item is case-sensitive) and no other option (items with options) or "
+            "other number (numeric answers without options); 'exact' (line == answer) is available via --match exact")
 
 
 def cell_table(records: Sequence[dict]) -> dict:
@@ -276,7 +359,7 @@ def summarize_splice(records: Sequence[dict], probe: SpliceProbe | None = None) 
         f"predicts token t; tail rows {'keep their clean K/V' if probe is None or probe.tail == 'clean' else 'are recomputed over the spliced cache'}",
         "zero-k / zero-kv: a zero key still takes attention weight exp(0); 'mask' removes the span from "
         "attention in the spliced layers only",
-        "exact match on the first non-empty line of the greedy answer (surrounding punctuation stripped)",
+        _readout_note(probe),
     ]
     data["arms"], data["cutoffs"], data["steps"] = arms, cutoffs, steps
     return Summary("splice", tables, tests=[], notes=notes, data=data)

@@ -1,13 +1,28 @@
-"""Prompt tasks with exact-match answers for the splice probe (Study 2), built in and offline.
+r"""Prompt tasks with exact-match answers for the splice probe (Study 2), built in and offline.
 
 Every built-in task is generated from ``(seed, index)`` alone (``random.Random`` seeded with a
 string naming the task, seed and index), so item ``i`` is the same in every run and a run can be
 resumed or extended item by item. An item is a dict ``{"index", "prompt", "answer", "options",
 "case_sensitive"}``: ``prompt`` is the user content (the splice span), ``answer`` the exact answer.
 
-Scoring (:func:`score`) is exact match on the first line of the generation: leading/trailing
-whitespace and the characters in :data:`STRIP` are removed from both ends of the first non-empty
-line, and it must equal the answer (case-insensitively unless the item is case-sensitive).
+Scoring (:func:`score`) reads the generation's **first non-empty line** (leading/trailing whitespace
+and the characters in :data:`STRIP` removed from both ends; a line of only those is empty) with one
+of two matchers (:data:`MATCHERS`):
+
+* ``word`` (default) — the line is correct iff it contains the answer as a whole word/number
+  (``(?<!\w)answer(?!\w)``, case-insensitive unless the item is case-sensitive) **and** it names no
+  competitor: for items with options, no other option occurs as a whole word; for items without
+  options whose answer is a number, no other number occurs (every number in the line must equal
+  the answer). So "The value of K3 is violin." scores correct for ``violin``, while a line that
+  lists several candidates ("positive or negative", "42 or 43", "12 + 30 = 42") scores wrong.
+  Items without options and with a word answer (``lookup``, ``copy``) have no competitor check.
+* ``exact`` — the line must equal the answer (the original readout). Instruction-tuned models
+  often answer in a sentence and base models with a word of their own, which ``exact`` scores as
+  wrong even when the answer is right; ``word`` was adopted as the default for that reason (a
+  readout-validity decision made before any splice result was looked at), and ``exact`` is kept
+  for comparison.
+
+Items with options can also be read out by forced choice (the probe's ``readout="choice"``).
 
 Tasks (:data:`TASKS`):
 
@@ -26,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 import string
 from pathlib import Path
 from typing import Callable, Sequence
@@ -33,6 +49,8 @@ from typing import Callable, Sequence
 from eventkv.errors import EventKVError
 
 STRIP = ".,;:!?\"'`*()[]"
+MATCHERS = ("exact", "word")
+_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?!\w)")
 
 WORDS = ("apple", "river", "candle", "garden", "mirror", "pencil", "rocket", "violin", "window", "silver",
          "forest", "bottle", "castle", "dragon", "jacket", "marble", "orange", "planet", "saddle", "tunnel")
@@ -169,26 +187,67 @@ def first_line(text: str) -> str:
     return ""
 
 
-def score(text: str, item: dict) -> tuple[bool, str]:
-    """(correct, prediction): exact match of the generation's first line against the answer."""
+def _whole(text: str, word: str, case_sensitive: bool) -> bool:
+    """``word`` occurs in ``text`` as a whole word/number (not inside a longer word)."""
+    flags = 0 if case_sensitive else re.IGNORECASE
+    return re.search(r"(?<!\w)" + re.escape(word) + r"(?!\w)", text, flags) is not None
+
+
+def _is_number(text: str) -> bool:
+    return _NUMBER.fullmatch(text) is not None
+
+
+def _word_match(line: str, item: dict) -> bool:
+    ans = item["answer"].strip().strip(STRIP).strip()
+    cs = bool(item.get("case_sensitive"))
+    if not ans or not _whole(line, ans, cs):
+        return False
+    norm = (lambda x: x) if cs else str.casefold
+    others = [o.strip() for o in item.get("options") or [] if norm(o.strip()) != norm(ans)]
+    if others:
+        return not any(_whole(line, o, cs) for o in others if o)
+    if _is_number(ans):
+        return all(float(n) == float(ans) for n in _NUMBER.findall(line))
+    return True
+
+
+def score(text: str, item: dict, match: str = "word") -> tuple[bool, str]:
+    """(correct, prediction) of a generation: the first non-empty line (the prediction) scored by
+    ``match`` — ``"word"`` (answer as a whole word, no competing option/number) or ``"exact"``
+    (line equals the answer); see the module docstring.
+
+    Raises:
+        EventKVError: an unknown matcher.
+    """
+    if match not in MATCHERS:
+        raise EventKVError(f"unknown matcher {match!r}: use one of {', '.join(MATCHERS)}.")
     pred = first_line(text)
+    if match == "word":
+        return _word_match(pred, item), pred
     ans = item["answer"].strip().strip(STRIP).strip()
     if item.get("case_sensitive"):
         return pred == ans, pred
     return pred.casefold() == ans.casefold(), pred
 
 
-def outcome_decided(text: str, item: dict) -> bool:
-    """True when the exact-match outcome of a generation starting with ``text`` is already fixed,
-    whatever tokens follow: its first non-empty line is complete (a newline follows it), or the line
-    so far can no longer equal the answer (after :func:`score`'s normalization, any tail may only
-    be whitespace or :data:`STRIP` characters). Used to end decoding early; never changes a score."""
+def outcome_decided(text: str, item: dict, match: str = "word") -> bool:
+    """True when the outcome of a generation starting with ``text`` is already fixed under
+    ``match``, whatever tokens follow. Used to end decoding early; never changes a score.
+
+    Both matchers: decided once the first non-empty line is complete (a newline follows it).
+    ``exact`` also: decided as soon as the line so far can no longer equal the answer (after
+    :func:`score`'s normalization, any tail may only be whitespace or :data:`STRIP` characters).
+    ``word`` has no such shortcut: any continuation of an open line can add the answer or a
+    competitor.
+    """
     lines = text.split("\n")
     for i, line in enumerate(lines):
         if not line.strip().strip(STRIP).strip():
             continue
         if i < len(lines) - 1:
             return True
+        if match == "word":
+            return False
         y = line.lstrip().lstrip(STRIP).lstrip()
         if "\ufffd" in y:  # a partial multi-byte character: wait for the rest
             return False
