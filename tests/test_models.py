@@ -9,6 +9,7 @@ cache (once per machine, with pip); ``pytest -m "not integration"`` skips them.
 from __future__ import annotations
 
 import hashlib
+import os
 import json
 import logging
 import subprocess
@@ -373,3 +374,28 @@ def test_gemma3_plain_text_scaffold_and_layer_types():
     assert p.layer_types == (("sliding_attention",) * 5 + ("full_attention",)) * 3
     assert p.sliding_window == 512
     assert (p.num_kv_heads, p.head_dim) == (1, 256)
+
+
+def test_verified_stamp_skips_rehash_until_a_file_changes(tmp_path, monkeypatch):
+    (tmp_path / "w.bin").write_bytes(b"x" * 1000)
+    cache_dir.write_manifest(tmp_path, {"alias": "x"})
+    # fresh files are not trusted: no stamp yet
+    assert cache_dir.check_dir(tmp_path).ok
+    assert not (tmp_path / cache_dir.STAMP_NAME).exists()
+    old = 1_600_000_000
+    for name in ("w.bin", cache_dir.MANIFEST_NAME):
+        os.utime(tmp_path / name, (old, old))
+    assert cache_dir.check_dir(tmp_path).ok
+    assert (tmp_path / cache_dir.STAMP_NAME).exists()
+    hashed = []
+    monkeypatch.setattr(cache_dir, "hash_files", lambda d, names, workers=None: hashed.append(names) or {})
+    assert cache_dir.check_dir(tmp_path).reason.startswith("ok (unchanged")
+    assert hashed == []
+    monkeypatch.undo()
+    (tmp_path / "w.bin").write_bytes(b"y" * 1000)  # same size, new content, new mtime
+    check = cache_dir.check_dir(tmp_path)
+    assert not check.ok and "sha256" in check.reason
+    monkeypatch.setenv(cache_dir.FULL_VERIFY_ENV, "1")
+    (tmp_path / "w.bin").write_bytes(b"x" * 1000)
+    os.utime(tmp_path / "w.bin", (old, old))
+    assert cache_dir.check_dir(tmp_path).ok

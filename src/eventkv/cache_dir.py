@@ -128,12 +128,56 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
     return manifest
 
 
+STAMP_NAME = MANIFEST_NAME + ".verified"
+FULL_VERIFY_ENV = "EVENTKV_FULL_VERIFY"
+
+
+def _file_stamps(directory: Path, names: list[str]) -> dict[str, list[int]]:
+    stamps = {}
+    for n in [*names, MANIFEST_NAME]:
+        st = (directory / n).stat()
+        stamps[n] = [st.st_size, st.st_mtime_ns, st.st_ino]
+    return stamps
+
+
+def _stamp_matches(directory: Path, names: list[str]) -> bool:
+    try:
+        with open(directory / STAMP_NAME) as f:
+            return json.load(f) == _file_stamps(directory, names)
+    except (OSError, ValueError):
+        return False
+
+
+def _write_stamp(directory: Path, names: list[str]) -> None:
+    """Record the stamps of a directory that just passed a full check. Files modified within the
+    last 2 s are not trusted (timestamps are coarse: a write in the same tick could keep the
+    stamp), so then no stamp is written and the next check hashes again."""
+    import time
+
+    stamps = _file_stamps(directory, names)
+    if any(st[1] > time.time_ns() - 2_000_000_000 for st in stamps.values()):
+        return
+    tmp = directory / f"{STAMP_NAME}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(stamps, f)
+        os.replace(tmp, directory / STAMP_NAME)
+    except OSError:
+        pass  # a read-only cache is still usable; it is re-hashed next time
+
+
 def check_dir(directory: Path, full: bool = True) -> CacheCheck:
     """Check a cached directory against its manifest.
 
     Always compares the set of files and their sizes (bytes). With ``full=True`` it also
     re-hashes every file (sha256, in parallel threads), which reads the whole directory; with
     ``full=False`` it is a quick check (no file contents read) for listings.
+
+    A full check that passes records each file's (size, mtime, inode) in
+    ``eventkv-cache.json.verified``; a later full check whose files all still carry exactly those
+    stamps skips the re-hash (seconds instead of ~10 s per 7 GB). Any write to a file — a partial
+    copy, a flipped byte, a replaced file — changes its stamp and brings the full sha256 check
+    back. Set ``EVENTKV_FULL_VERIFY=1`` to re-hash on every load regardless.
     """
     if not directory.is_dir():
         return CacheCheck(False, f"{directory} does not exist")
@@ -153,8 +197,12 @@ def check_dir(directory: Path, full: bool = True) -> CacheCheck:
         if size != rec.get("size"):
             return CacheCheck(False, f"{directory / name}: size {size} bytes, manifest says {rec.get('size')}", manifest)
     if full:
-        digests = hash_files(directory, list(files))
+        names = list(files)
+        if os.environ.get(FULL_VERIFY_ENV) != "1" and _stamp_matches(directory, names):
+            return CacheCheck(True, "ok (unchanged since its last full sha256 check)", manifest)
+        digests = hash_files(directory, names)
         for name, rec in files.items():
             if digests[name] != rec.get("sha256"):
                 return CacheCheck(False, f"{directory / name}: sha256 {digests[name][:16]}… differs from the manifest's {str(rec.get('sha256'))[:16]}…", manifest)
+        _write_stamp(directory, names)
     return CacheCheck(True, "ok", manifest)
