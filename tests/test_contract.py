@@ -57,3 +57,31 @@ def test_contract_battery_on_a_tiny_model(tmp_path, monkeypatch):
     # another model into the same directory is refused
     with pytest.raises(EventKVError, match="different settings"):
         run_contract(rt, model="other", out=tmp_path, items=2, quick=True, progress=False)
+
+
+def test_cli_run_contract_probes(tmp_path, monkeypatch):
+    """`eventkv run patch|access ...` (registered by eventkv.contract_cli) with a tiny model."""
+    import types
+
+    import typer
+    from typer.testing import CliRunner
+
+    import eventkv.contract_cli  # noqa: F401  (registers the run commands)
+    import eventkv.models
+    from eventkv.probes.cli import run_app
+
+    tiny = tiny_runtime("qwen2")
+    monkeypatch.setattr(eventkv.models, "load", lambda name, dtype="float32": types.SimpleNamespace(
+        model=tiny.model, tokenizer=tiny.tokenizer, profile=tiny.profile))
+    app = typer.Typer()
+    app.add_typer(run_app, name="run")
+    r = CliRunner().invoke(app, ["run", "patch", "--model", "tiny", "--items", "2", "--lengths", "5,6", "--no-timing",
+                                 "--readout", "logits", "--out", str(tmp_path / "p"), "--no-progress"])
+    assert r.exit_code == 0, r.output
+    assert "patch: 2 pairs" in r.output and len(load_records(tmp_path / "p")) == 2
+    r = CliRunner().invoke(app, ["run", "access", "--model", "tiny", "--items", "2", "--cardinalities", "binary,number",
+                                 "--max-new-tokens", "2", "--out", str(tmp_path / "a"), "--no-progress"])
+    assert r.exit_code == 0, r.output
+    assert [x["cardinality"] for x in load_records(tmp_path / "a")] == ["binary", "number"]
+    r = CliRunner().invoke(app, ["run", "patch", "--model", "tiny", "--lengths", "2", "--out", str(tmp_path / "x")])
+    assert r.exit_code == 2 and "lengths" in r.output
