@@ -3,9 +3,9 @@
 Naive: every (item, arm, cutoff, step) cell runs from scratch — clean prefill + clean decode up to
 the splice step, the donor prefill, the splice and its decode (``eventkv.splice.splice_generate``).
 Sweep: per item one clean run and one donor prefill, then every cell as a batched splice over the
-shared rows (``clean_run`` + ``donor_rows`` + ``splice_sweep``), with and without the exact-match
-early exit the probe uses. Prints wall times, the speed-ups, and how many cells give the same
-tokens as the naive path.
+shared rows (``clean_run`` + ``donor_rows`` + ``splice_sweep``), with and without the early exit the
+probe uses (for ``--match word``, the default, or ``exact``). Prints wall times, the speed-ups, and
+how many cells give the same tokens (and scores) as the naive path.
 
     python benchmarks/splice_sweep.py [--model smollm2-135m] [--items 2] [--cutoff-every 6]
 """
@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--steps", default="0,1")
     ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--match", default="word", help="matcher of the early exit and the score check: word | exact")
     args = ap.parse_args()
 
     if args.model == "tiny":
@@ -64,7 +65,7 @@ def main() -> None:
     def sweep(early: bool):
         out = []
         for it, p, f in zip(items, prompts, fills):
-            dec = (lambda toks, it=it: outcome_decided(tok.decode(toks, skip_special_tokens=True), it)) if early else None
+            dec = (lambda toks, it=it: outcome_decided(tok.decode(toks, skip_special_tokens=True), it, args.match)) if early else None
             run = clean_run(model, p, decided=dec, **kw)
             donors = {"scaffold": donor_rows(model, run, f)}
             out.append([r.tokens for r in splice_sweep(model, run, cells, donors=donors, batch_size=args.batch_size,
@@ -80,12 +81,13 @@ def main() -> None:
 
     n = len(cells) * len(items)
     same = sum(a == b for xs, ys in zip(naive, fast) for a, b in zip(xs, ys))
-    same_score = sum(score(tok.decode(a, skip_special_tokens=True), it)[0] == score(tok.decode(b, skip_special_tokens=True), it)[0]
+    same_score = sum(score(tok.decode(a, skip_special_tokens=True), it, args.match)[0]
+                     == score(tok.decode(b, skip_special_tokens=True), it, args.match)[0]
                      for it, xs, ys in zip(items, naive, early) for a, b in zip(xs, ys))
     print(f"naive loop (prefills + decode per cell):        {t_naive:8.1f} s")
     print(f"sweep (shared prefills, batched splices):       {t_fast:8.1f} s   speed-up x{t_naive / t_fast:.1f}   "
           f"same tokens as naive: {same}/{n}")
-    print(f"sweep + exact-match early exit (probe default): {t_early:8.1f} s   speed-up x{t_naive / t_early:.1f}   "
+    print(f"sweep + {args.match}-matcher early exit:          {t_early:8.1f} s   speed-up x{t_naive / t_early:.1f}   "
           f"same score as naive: {same_score}/{n}")
 
 
