@@ -50,7 +50,7 @@ def _list(text: str, what: str) -> tuple[str, ...]:
 
 @run_app.command("donor-pair")
 def donor_pair(
-    model: str = typer.Option("smollm2-135m", "--model", help="packaged alias, local HF directory, hub id or GGUF file"),
+    model: str = typer.Option("qwen2.5-coder-1.5b", "--model", help="packaged alias, local HF directory, hub id or GGUF file (default: the smallest packaged model whose donor-pair results are not at chance; see README)"),
     items: int = typer.Option(16, "--items", help="number of donor pairs"),
     seed: int = typer.Option(0, "--seed", help="item seed (item i depends only on seed and i)"),
     out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: runs/donor-pair/MODEL-DTYPE-seedSEED)"),
