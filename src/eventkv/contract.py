@@ -218,7 +218,9 @@ def contract_rows(summaries: dict) -> tuple[list[list[str]], dict]:
             add("landing", f"mention-donor effect (root x mention factorial), TOST margin {f['margin']}",
                 f"{m['mean']:+.3f}" if m["n"] else "n/a",
                 f"95% CI [{m['low']:+.3f}, {m['high']:+.3f}], TOST p = {format_p(f['tost_mention_p'])}; "
-                f"root effect {f['root']['mean']:+.3f}", "equivalence test, margin .075")
+                f"root effect {f['root']['mean']:+.3f}"
+                + ("; the root effect is itself equivalent to 0, so this equivalence is vacuous here"
+                   if f["tost_root_p"] < 0.05 else ""), "equivalence test, margin .075")
         add("landing", "depth-3 chain: follow rate, link alone / whole chain",
             f"{a[f'chain3/{ro}']['rate']['rate']:.3f} / {a[f'chain3+links/{ro}']['rate']['rate']:.3f}",
             f"{_p(a[f'chain3/{ro}']['rate'])} / {_p(a[f'chain3+links/{ro}']['rate'])}", "multi-hop chains (depth 3)")
