@@ -99,7 +99,10 @@ def patch_figure(data: dict, path) -> Path:
     ax.set_xlabel("history length L (tokens)")
     ax.set_ylabel("wall time (ms)")
     ax.set_title("updates: patch vs recompute")
-    ax.legend(fontsize=7)
+    if pts:
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "no timings recorded (run with --timing)", ha="center", va="center", transform=ax.transAxes)
     return _save(fig, path)
 
 
