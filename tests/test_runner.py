@@ -84,11 +84,21 @@ def test_more_items_extend_a_run(rt, reference, tmp_path):
 
 def test_different_options_into_the_same_directory_are_refused(rt, reference, tmp_path):
     (tmp_path / MANIFEST).write_bytes((reference / MANIFEST).read_bytes())
+    first = (reference / RECORDS).read_bytes().split(b"\n")[0] + b"\n"
+    (tmp_path / RECORDS).write_bytes(first)
     with pytest.raises(EventKVError, match=r"root_slot: 13 -> 14"):
         _run(rt, tmp_path, root_slot=14)
     with pytest.raises(EventKVError, match=r"seed: 0 -> 1"):
         _run(rt, tmp_path, seed=1)
-    assert not (tmp_path / RECORDS).exists()
+    assert (tmp_path / RECORDS).read_bytes() == first
+
+
+def test_a_run_that_failed_before_its_first_record_is_taken_over(rt, reference, tmp_path):
+    (tmp_path / MANIFEST).write_bytes((reference / MANIFEST).read_bytes())  # manifest, no records
+    _run(rt, tmp_path, items=1, root_slot=14)
+    manifest = json.loads((tmp_path / MANIFEST).read_text())
+    assert manifest["identity"]["options"]["root_slot"] == 14
+    assert len((tmp_path / RECORDS).read_text().splitlines()) == 1
 
 
 def test_duplicate_records_are_reported(reference, tmp_path):

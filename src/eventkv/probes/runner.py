@@ -124,8 +124,11 @@ def check_or_create(directory: Path, ident: dict) -> dict:
     """Read the directory's manifest (creating the directory if needed) and refuse a different
     identity. Returns the existing manifest or ``{}``.
 
+    A directory whose run stopped before finishing any record (e.g. a bad option found after the
+    manifest was written) is taken over by the new settings.
+
     Raises:
-        EventKVError: the directory was made by a run with other options, seed or model.
+        EventKVError: the directory holds records of a run with other options, seed or model.
     """
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / MANIFEST
@@ -136,6 +139,9 @@ def check_or_create(directory: Path, ident: dict) -> dict:
         return {}
     old = json.loads(path.read_text())
     prev = old.get("identity", {})
+    records = directory / RECORDS
+    if prev != ident and not (records.is_file() and records.read_text().strip()):
+        return {}  # a run that failed before its first record: nothing to lose, start it afresh
     if prev != ident:
         diffs = []
         for k in sorted(set(prev) | set(ident)):
