@@ -100,6 +100,9 @@ _mount_probes()
 
 def main() -> None:
     """Entry point: run the CLI; an EventKVError prints ``error: ...`` and exits 2 (no traceback)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # eventkv shows its own progress; keep stderr to errors
     try:
         app()
     except EventKVError as exc:

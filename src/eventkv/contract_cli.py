@@ -154,8 +154,7 @@ def contract(
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ) -> None:
-    """The memory contract (Study 1): run the whole battery (donor pair, trigger bank, landing, access,
-    programmed carriers, patches), resumably, and write contract.md, contract.json and figures."""
+    """The memory contract (Study 1): run the whole battery (donor pair, trigger bank, landing, access, programmed carriers, patches), resumably, and write contract.md, contract.json and figures."""
     with _user_errors():
         import torch
 

@@ -83,8 +83,7 @@ def splice(
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads [default: torch's]"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
 ) -> None:
-    """Prompt-KV splice (Study 2): accuracy when the prompt span's K/V in layers >= a cutoff are replaced
-    by a scaffold, zeroed, masked or averaged, from a decoding step; McNemar exact vs clean per cell."""
+    """Prompt-KV splice (Study 2): accuracy when the prompt span's K/V in layers >= a cutoff are replaced by a scaffold, zeroed, masked or averaged, from a decoding step; McNemar exact vs clean per cell."""
     from eventkv.probes.cli import _user_errors
 
     with _user_errors():
