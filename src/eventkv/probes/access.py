@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
 from eventkv.errors import EventKVError
-from eventkv.probes.base import Probe, Runtime, Summary, Table, register
+from eventkv.probes.base import Runtime, Summary, Table, register
 from eventkv.probes.donor_pair import INSTRUCTION, event_text, last_state, menu
-from eventkv.probes.pairs import PairArm, arm_table, correct, primary_readout, run_pair
+from eventkv.probes.pairs import PairProbe, PairArm, arm_table, correct, primary_readout, run_pair
 from eventkv.stats import format_p, wilson
 
 PAYLOADS = {
@@ -56,7 +56,7 @@ def last_number(text: str) -> str | None:
 
 @register
 @dataclass
-class Access(Probe):
+class Access(PairProbe):
     """Payload cardinality: binary, 4-way, 8-way, 3-digit numbers."""
 
     name: ClassVar[str] = "access"
@@ -85,22 +85,11 @@ class Access(Probe):
         bad = [c for c in self.cardinalities if c not in CARDINALITIES]
         if bad or not self.cardinalities:
             raise EventKVError(f"cardinalities {','.join(self.cardinalities)}: choose among {', '.join(CARDINALITIES)}.")
-        if self.readout not in ("generate", "logits", "both"):
-            raise EventKVError(f"unknown readout {self.readout!r}: use generate, logits or both.")
-
-    @property
-    def readouts(self) -> tuple[str, ...]:
-        return ("generate", "logits") if self.readout == "both" else (self.readout,)
+        self.check_readout()
 
     def pair_arms(self) -> list[PairArm]:
         return [PairArm("kv", "main", ("decoy", "root"), description="compact {decoy, root}"),
                 PairArm("text", "main", "all", "prefill", description="every event as text: comprehension")]
-
-    def arms(self):
-        return [a.arm(self.readouts) for a in self.pair_arms()]
-
-    def items(self, seed: int, indices: Sequence[int]) -> list[dict]:
-        return [self._item(seed, i) for i in indices]
 
     def _item(self, seed: int, index: int) -> dict:
         rng = random.Random(f"access:{seed}:{index}")

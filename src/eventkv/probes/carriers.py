@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
 from eventkv.errors import EventKVError
-from eventkv.probes.base import Probe, Runtime, Summary, register
+from eventkv.probes.base import Runtime, Summary, register
 from eventkv.probes.donor_pair import INSTRUCTION, NAMES, event_text, last_state, menu
-from eventkv.probes.pairs import PairArm, arm_table, primary_readout, run_pair
+from eventkv.probes.pairs import PairProbe, PairArm, arm_table, primary_readout, run_pair
 
 STATES = ("ONLINE", "OFFLINE")
 KINDS = ("passive", "binding", "directive", "compute", "explicit")
@@ -69,7 +69,7 @@ def is_answer_free(text: str, states: Sequence[str] = STATES) -> bool:
 
 @register
 @dataclass
-class Carriers(Probe):
+class Carriers(PairProbe):
     """Programmed carrier arms: passive note, binding sentence, directive tag, compute note, explicit value."""
 
     name: ClassVar[str] = "carriers"
@@ -101,12 +101,7 @@ class Carriers(Probe):
         bad = [k for k in self.kinds if k not in KINDS]
         if bad or not self.kinds:
             raise EventKVError(f"kinds {','.join(self.kinds)}: choose among {', '.join(KINDS)}.")
-        if self.readout not in ("generate", "logits", "both"):
-            raise EventKVError(f"unknown readout {self.readout!r}: use generate, logits or both.")
-
-    @property
-    def readouts(self) -> tuple[str, ...]:
-        return ("generate", "logits") if self.readout == "both" else (self.readout,)
+        self.check_readout()
 
     def pair_arms(self) -> list[PairArm]:
         fx = self.fix_query_position
@@ -117,12 +112,6 @@ class Carriers(Probe):
                                 description=f"{k} carrier beside the shared row"))
         arms.append(PairArm("text", "none", "all", "prefill", fixed_position=fx, description="every event: comprehension"))
         return arms
-
-    def arms(self):
-        return [a.arm(self.readouts) for a in self.pair_arms()]
-
-    def items(self, seed: int, indices: Sequence[int]) -> list[dict]:
-        return [self._item(seed, i) for i in indices]
 
     def _item(self, seed: int, index: int) -> dict:
         rng = random.Random(f"carriers:{seed}:{index}")

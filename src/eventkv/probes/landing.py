@@ -41,9 +41,9 @@ from typing import ClassVar, Sequence
 
 from eventkv.equivalence import mean_effect, tost
 from eventkv.errors import EventKVError
-from eventkv.probes.base import Probe, Runtime, Summary, Table, register
+from eventkv.probes.base import Runtime, Summary, Table, register
 from eventkv.probes.donor_pair import INSTRUCTION, NAMES, QUESTION, event_text, last_state, menu
-from eventkv.probes.pairs import PairArm, arm_table, candidate_share, pair_stats, primary_readout, run_pair
+from eventkv.probes.pairs import PairProbe, PairArm, arm_table, candidate_share, pair_stats, primary_readout, run_pair
 from eventkv.stats import format_p
 
 STATES = ("ONLINE", "OFFLINE")
@@ -51,7 +51,7 @@ STATES = ("ONLINE", "OFFLINE")
 
 @register
 @dataclass
-class Landing(Probe):
+class Landing(PairProbe):
     """Root vs reference edge, co-served mention, root x mention factorial, depth-3 chains."""
 
     name: ClassVar[str] = "landing"
@@ -82,12 +82,7 @@ class Landing(Probe):
                                "reorder the slots.")
         if not 0 < self.tost_margin < 1:
             raise EventKVError(f"tost_margin {self.tost_margin}: give a margin between 0 and 1 (e.g. 0.075).")
-        if self.readout not in ("generate", "logits", "both"):
-            raise EventKVError(f"unknown readout {self.readout!r}: use generate, logits or both.")
-
-    @property
-    def readouts(self) -> tuple[str, ...]:
-        return ("generate", "logits") if self.readout == "both" else (self.readout,)
+        self.check_readout()
 
     def pair_arms(self) -> list[PairArm]:
         P = PairArm
@@ -105,12 +100,6 @@ class Landing(Probe):
             P("text", "main", "all", "prefill", question="M", description="comprehension, asks M"),
             P("text-chain", "chain", "all", "prefill", question="U", description="comprehension of the chain, asks U"),
         ]
-
-    def arms(self):
-        return [a.arm(self.readouts) for a in self.pair_arms()]
-
-    def items(self, seed: int, indices: Sequence[int]) -> list[dict]:
-        return [self._item(seed, i) for i in indices]
 
     def _item(self, seed: int, index: int) -> dict:
         rng = random.Random(f"landing:{seed}:{index}")

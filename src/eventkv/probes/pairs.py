@@ -38,12 +38,39 @@ import torch
 from eventkv.errors import EventKVError
 from eventkv.log import HEADER_ID, TokenizedLog, tokenize_query
 from eventkv.prefill import EventKV
-from eventkv.probes.base import Arm, Runtime
+from eventkv.probes.base import Arm, Probe, Runtime
 from eventkv.probes.batched import read_out
 from eventkv.probes.donor_pair import donor_d, outcome
 from eventkv.serve import ServedCache, serve
 
 VARIANTS = ("A", "B")
+
+
+READOUT_OPTIONS = ("generate", "logits", "both")
+
+
+class PairProbe(Probe):
+    """Members shared by the multi-history donor-pair probes (trigger bank, landing, access,
+    carriers, patch): the ``readout`` option, arms derived from :meth:`pair_arms`, and items built
+    one by one from ``(seed, index)`` by ``_item``."""
+
+    def check_readout(self) -> None:
+        """Raises EventKVError when ``self.readout`` is not generate, logits or both."""
+        if self.readout not in READOUT_OPTIONS:
+            raise EventKVError(f"unknown readout {self.readout!r}: use generate, logits or both.")
+
+    @property
+    def readouts(self) -> tuple[str, ...]:
+        return ("generate", "logits") if self.readout == "both" else (self.readout,)
+
+    def pair_arms(self) -> list["PairArm"]:  # pragma: no cover - every subclass defines it
+        raise NotImplementedError
+
+    def arms(self):
+        return [a.arm(self.readouts) for a in self.pair_arms()]
+
+    def items(self, seed: int, indices: Sequence[int]) -> list[dict]:
+        return [self._item(seed, i) for i in indices]
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,9 @@ from typing import ClassVar, Sequence
 
 from eventkv.errors import EventKVError
 from eventkv.log import TokenizedLog
-from eventkv.probes.base import Probe, Runtime, Summary, Table, register
+from eventkv.probes.base import Runtime, Summary, Table, register
 from eventkv.probes.donor_pair import INSTRUCTION, NAMES, QUESTION, event_text, last_state, menu
-from eventkv.probes.pairs import PairArm, arm_table, event_id, primary_readout, run_pair, tokenize_pair
+from eventkv.probes.pairs import PairProbe, PairArm, arm_table, event_id, primary_readout, run_pair, tokenize_pair
 from eventkv.stats import wilson
 
 STATES = ("ONLINE", "OFFLINE")
@@ -43,7 +43,7 @@ PATCH = "register {register} updated: now set to state {value}"
 
 @register
 @dataclass
-class Patch(Probe):
+class Patch(PairProbe):
     """Patch event vs re-prefilling a rewritten history: time and stale-value leak."""
 
     name: ClassVar[str] = "patch"
@@ -66,12 +66,7 @@ class Patch(Probe):
             raise EventKVError(f"lengths {self.lengths}: give history lengths of at least 4 events (e.g. 24,48,96).")
         if self.timing_repeats < 1:
             raise EventKVError(f"timing_repeats={self.timing_repeats}: time each update at least once.")
-        if self.readout not in ("generate", "logits", "both"):
-            raise EventKVError(f"unknown readout {self.readout!r}: use generate, logits or both.")
-
-    @property
-    def readouts(self) -> tuple[str, ...]:
-        return ("generate", "logits") if self.readout == "both" else (self.readout,)
+        self.check_readout()
 
     def pair_arms(self) -> list[PairArm]:
         return [PairArm("patch-served", "patched", ("decoy", "source", "patch"), description="stale source + patch"),
@@ -79,12 +74,6 @@ class Patch(Probe):
                 PairArm("patch-only", "patched", ("decoy", "patch"), description="patch without the source"),
                 PairArm("rewrite", "rewritten", ("decoy", "source"), description="rewritten history, re-prefilled"),
                 PairArm("text", "patched", "all", "prefill", description="patched history as text")]
-
-    def arms(self):
-        return [a.arm(self.readouts) for a in self.pair_arms()]
-
-    def items(self, seed: int, indices: Sequence[int]) -> list[dict]:
-        return [self._item(seed, i) for i in indices]
 
     def _item(self, seed: int, index: int) -> dict:
         rng = random.Random(f"patch:{seed}:{index}")

@@ -42,9 +42,9 @@ from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
 from eventkv.errors import EventKVError
-from eventkv.probes.base import Probe, Runtime, Summary, Table, register
+from eventkv.probes.base import Runtime, Summary, Table, register
 from eventkv.probes.donor_pair import INSTRUCTION, NAMES, QUESTION, event_text, last_state, menu
-from eventkv.probes.pairs import PairArm, pair_stats, primary_readout, run_pair
+from eventkv.probes.pairs import PairProbe, PairArm, pair_stats, primary_readout, run_pair
 from eventkv.stats import format_p, median, sign_test, sign_test_d
 
 MIRROR_VERBS = ("mirrors", "tracks", "copies", "matches", "follows", "shadows", "is kept equal to",
@@ -68,7 +68,7 @@ def carrier_text(family: str, phrase: str, target: str, source: str) -> str:
 
 @register
 @dataclass
-class TriggerBank(Probe):
+class TriggerBank(PairProbe):
     """The 16-construction trigger bank. Fields are the options."""
 
     name: ClassVar[str] = "trigger-bank"
@@ -94,15 +94,10 @@ class TriggerBank(Probe):
         if not (0 <= self.decoy_slot < lo <= hi and hi + 1 < self.carrier_slot < self.n_events):
             raise EventKVError(f"layout decoy {self.decoy_slot}, source block {lo}-{hi + 1}, carrier {self.carrier_slot}, "
                                f"n_events {self.n_events}: needs decoy < source slots, source slot + 1 < carrier < n_events.")
-        if self.readout not in ("generate", "logits", "both"):
-            raise EventKVError(f"unknown readout {self.readout!r}: use generate, logits or both.")
+        self.check_readout()
         bad = [a for a in self.arm_names if a not in ARM_NAMES]
         if bad or "kv" not in self.arm_names:
             raise EventKVError(f"arms {','.join(self.arm_names)}: choose among {', '.join(ARM_NAMES)}, including kv.")
-
-    @property
-    def readouts(self) -> tuple[str, ...]:
-        return ("generate", "logits") if self.readout == "both" else (self.readout,)
 
     def pair_arms(self) -> list[PairArm]:
         table = {"kv": PairArm("kv", "main", ("decoy", "carrier"), description="write-through: serve {decoy, carrier}"),
@@ -110,12 +105,6 @@ class TriggerBank(Probe):
                  "isolated": PairArm("isolated", "main", ("decoy", "carrier"), "isolated",
                                      description="{decoy, carrier}, each encoded alone")}
         return [table[a] for a in ARM_NAMES if a in self.arm_names]
-
-    def arms(self):
-        return [a.arm(self.readouts) for a in self.pair_arms()]
-
-    def items(self, seed: int, indices: Sequence[int]) -> list[dict]:
-        return [self._item(seed, i) for i in indices]
 
     def _item(self, seed: int, index: int) -> dict:
         rng = random.Random(f"trigger-bank:{seed}:{index}")
