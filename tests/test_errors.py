@@ -140,3 +140,8 @@ def test_cli_query_prints_answer(monkeypatch, capsys, tmp_path, jsonl, fake_load
                              "--candidates", "a,c", "--max-new-tokens", "3")
     assert code in (0, None)
     assert "answer:" in out and "log-prob" in out
+
+
+def test_log_path_is_a_directory(tmp_path):
+    with pytest.raises(EventKVError, match="is a directory"):
+        EventLog.from_jsonl(tmp_path)

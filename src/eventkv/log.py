@@ -27,6 +27,27 @@ if TYPE_CHECKING:  # pragma: no cover
 HEADER_ID = "<header>"
 
 
+def read_jsonl(path: str | Path, what: str, hint: str):
+    """Yield ``(line number, line, parsed object)`` for each non-blank line of a JSONL file.
+
+    Raises:
+        EventKVError: the path is missing or a directory, or a line is not valid JSON.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise EventKVError(f"{what} {str(p)!r} is a directory: give the path of a JSONL file ({hint}).")
+    if not p.is_file():
+        raise EventKVError(f"{what} {str(p)!r} does not exist: give the path of a JSONL file ({hint}).")
+    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise EventKVError(f"{p}:{n} is not valid JSON ({exc.msg}): write one JSON object per line.") from None
+        yield n, line, obj
+
+
 @dataclass(frozen=True)
 class Event:
     """One event of an agent history.
@@ -88,16 +109,8 @@ class EventLog:
             EventKVError: missing file, a line that is not JSON, a missing ``id``/``text``, or an empty log.
         """
         p = Path(path)
-        if not p.is_file():
-            raise EventKVError(f"event log {str(p)!r} does not exist: give the path of a JSONL file (one event per line).")
         events = []
-        for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise EventKVError(f"{p}:{n} is not valid JSON ({exc.msg}): write one JSON object per line.") from None
+        for n, line, obj in read_jsonl(p, "event log", "one event per line"):
             if not isinstance(obj, dict) or "id" not in obj or "text" not in obj:
                 raise EventKVError(f"{p}:{n} needs keys 'id' and 'text' (got {line[:60]!r}).")
             budget = obj.get("budget")

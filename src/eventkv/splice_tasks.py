@@ -39,7 +39,6 @@ A user dataset is a JSONL file, one object per line: ``{"prompt", "answer", "opt
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 import re
 import string
@@ -47,6 +46,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from eventkv.errors import EventKVError
+from eventkv.log import read_jsonl
 
 STRIP = ".,;:!?\"'`*()[]"
 MATCHERS = ("exact", "word")
@@ -151,16 +151,8 @@ def load_jsonl(path: str | Path) -> list[dict]:
         EventKVError: missing file, a line that is not JSON, a missing or empty field, or no items.
     """
     p = Path(path)
-    if not p.is_file():
-        raise EventKVError(f"task file {str(p)!r} does not exist: give a JSONL file with 'prompt' and 'answer' per line.")
     items = []
-    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise EventKVError(f"{p}:{n} is not valid JSON ({exc.msg}): write one JSON object per line.") from None
+    for n, line, obj in read_jsonl(p, "task file", "'prompt' and 'answer' per line"):
         if not isinstance(obj, dict) or not str(obj.get("prompt", "")).strip() or not str(obj.get("answer", "")).strip():
             raise EventKVError(f"{p}:{n} needs non-empty 'prompt' and 'answer' (got {line[:60]!r}).")
         options = obj.get("options") or []
