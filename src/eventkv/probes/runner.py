@@ -28,6 +28,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Sequence
 
+import torch
+
 from eventkv.errors import EventKVError
 from eventkv.probes.base import Probe, Runtime, Summary, get_probe
 
@@ -188,8 +190,11 @@ def run_probe(probe: Probe, rt: Runtime, *, model: str, items: int, seed: int, o
             _append(path, record)
             if bar:
                 bar.advance(task)
+    # torch CPU threads change the reduction order, so bfloat16 scores are reproducible bit for bit
+    # only at the same thread count: record it with every invocation.
     manifest["invocations"].append({"started": started, "items_computed": len(todo),
-                                    "seconds": round(time.perf_counter() - t0, 3)})
+                                    "seconds": round(time.perf_counter() - t0, 3),
+                                    "torch_threads": torch.get_num_threads()})
     _write_json_atomic(out / MANIFEST, manifest)
     return render(out, figure=figure)
 
