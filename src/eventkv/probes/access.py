@@ -78,10 +78,7 @@ class Access(PairProbe):
         self.validate()
 
     def validate(self) -> None:
-        lo, hi = self.source_slots
-        if not (0 <= self.decoy_slot < lo <= hi < self.root_slot < self.n_events):
-            raise EventKVError(f"layout decoy {self.decoy_slot} < source {lo}-{hi} < root {self.root_slot} < n_events "
-                               f"{self.n_events} does not hold: reorder the slots.")
+        self.check_layout(("root", self.root_slot))
         bad = [c for c in self.cardinalities if c not in CARDINALITIES]
         if bad or not self.cardinalities:
             raise EventKVError(f"cardinalities {','.join(self.cardinalities)}: choose among {', '.join(CARDINALITIES)}.")

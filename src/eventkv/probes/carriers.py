@@ -94,10 +94,7 @@ class Carriers(PairProbe):
         self.validate()
 
     def validate(self) -> None:
-        lo, hi = self.source_slots
-        if not (0 <= self.decoy_slot < lo <= hi < self.carrier_slot < self.row_slot < self.n_events):
-            raise EventKVError(f"layout decoy {self.decoy_slot} < source {lo}-{hi} < carrier {self.carrier_slot} < row "
-                               f"{self.row_slot} < n_events {self.n_events} does not hold: reorder the slots.")
+        self.check_layout(("carrier", self.carrier_slot), ("row", self.row_slot))
         bad = [k for k in self.kinds if k not in KINDS]
         if bad or not self.kinds:
             raise EventKVError(f"kinds {','.join(self.kinds)}: choose among {', '.join(KINDS)}.")

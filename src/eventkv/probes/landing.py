@@ -75,11 +75,7 @@ class Landing(PairProbe):
         self.validate()
 
     def validate(self) -> None:
-        lo, hi = self.source_slots
-        if not (0 <= self.decoy_slot < lo <= hi < self.root_slot < self.edge_slot < self.mention_slot < self.n_events):
-            raise EventKVError(f"layout decoy {self.decoy_slot} < source {lo}-{hi} < root {self.root_slot} < edge "
-                               f"{self.edge_slot} < mention {self.mention_slot} < n_events {self.n_events} does not hold: "
-                               "reorder the slots.")
+        self.check_layout(("root", self.root_slot), ("edge", self.edge_slot), ("mention", self.mention_slot))
         if not 0 < self.tost_margin < 1:
             raise EventKVError(f"tost_margin {self.tost_margin}: give a margin between 0 and 1 (e.g. 0.075).")
         self.check_readout()

@@ -54,6 +54,16 @@ class PairProbe(Probe):
     carriers, patch): the ``readout`` option, arms derived from :meth:`pair_arms`, and items built
     one by one from ``(seed, index)`` by ``_item``."""
 
+    def check_layout(self, *later: tuple[str, int]) -> None:
+        """Raises EventKVError unless ``0 <= decoy_slot < source_slots[0] <= source_slots[1] <``
+        each of ``later`` (``(name, slot)`` pairs, in order) ``< n_events``."""
+        lo, hi = self.source_slots
+        chain = [hi, *(slot for _, slot in later), self.n_events]
+        if not (0 <= self.decoy_slot < lo <= hi and all(a < b for a, b in zip(chain, chain[1:]))):
+            middle = "".join(f"{name} {slot} < " for name, slot in later)
+            raise EventKVError(f"layout decoy {self.decoy_slot} < source {lo}-{hi} < {middle}n_events "
+                               f"{self.n_events} does not hold: reorder the slots.")
+
     def check_readout(self) -> None:
         """Raises EventKVError when ``self.readout`` is not generate, logits or both."""
         if self.readout not in READOUT_OPTIONS:
