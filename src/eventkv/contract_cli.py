@@ -16,6 +16,12 @@ from rich.console import Console
 from eventkv.probes.cli import _list, _run, _user_errors, run_app
 
 _MODEL = typer.Option("smollm2-135m", "--model", help="packaged alias, local HF directory, hub id or GGUF file")
+_SEED = typer.Option(0, "--seed")
+_READOUT = typer.Option("both", "--readout", help="generate | logits | both")
+_MAX_NEW = typer.Option(64, "--max-new-tokens")
+_DTYPE = typer.Option("float32", "--dtype")
+_THREADS = typer.Option(None, "--threads", help="torch CPU threads")
+_PROGRESS = typer.Option(True, "--progress/--no-progress")
 _ITEMS = "number of items (donor pairs)"
 
 
@@ -35,14 +41,14 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
 def trigger_bank(
     model: str = _MODEL,
     items: int = typer.Option(32, "--items", help="donor pairs; item i uses construction i mod 16"),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = _SEED,
     out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: runs/trigger-bank/MODEL-DTYPE-seedSEED)"),
-    readout: str = typer.Option("both", "--readout", help="generate | logits | both"),
+    readout: str = _READOUT,
     arms: str = typer.Option("kv,text", "--arms", help="kv,text[,isolated]"),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
-    dtype: str = typer.Option("float32", "--dtype"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
-    progress: bool = typer.Option(True, "--progress/--no-progress"),
+    max_new_tokens: int = _MAX_NEW,
+    dtype: str = _DTYPE,
+    threads: Optional[int] = _THREADS,
+    progress: bool = _PROGRESS,
 ) -> None:
     """Trigger bank (Study 1): write-through vs comprehension over 16 carrier constructions."""
     with _user_errors():
@@ -56,14 +62,14 @@ def trigger_bank(
 def landing(
     model: str = _MODEL,
     items: int = typer.Option(16, "--items", help=_ITEMS),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = _SEED,
     out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: runs/landing/MODEL-DTYPE-seedSEED)"),
-    readout: str = typer.Option("both", "--readout", help="generate | logits | both"),
+    readout: str = _READOUT,
     tost_margin: float = typer.Option(0.075, "--tost-margin", help="equivalence margin of the mention-donor TOST"),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
-    dtype: str = typer.Option("float32", "--dtype"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
-    progress: bool = typer.Option(True, "--progress/--no-progress"),
+    max_new_tokens: int = _MAX_NEW,
+    dtype: str = _DTYPE,
+    threads: Optional[int] = _THREADS,
+    progress: bool = _PROGRESS,
 ) -> None:
     """Landing (Study 1): root vs reference edge, co-served mention, root x mention factorial (TOST), depth-3 chains."""
     with _user_errors():
@@ -77,14 +83,14 @@ def landing(
 def access(
     model: str = _MODEL,
     items: int = typer.Option(32, "--items", help="donor pairs; item i uses cardinality i mod 4"),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = _SEED,
     out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: runs/access/MODEL-DTYPE-seedSEED)"),
-    readout: str = typer.Option("both", "--readout", help="generate | logits | both"),
+    readout: str = _READOUT,
     cardinalities: str = typer.Option("binary,compass,phonetic,number", "--cardinalities"),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
-    dtype: str = typer.Option("float32", "--dtype"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
-    progress: bool = typer.Option(True, "--progress/--no-progress"),
+    max_new_tokens: int = _MAX_NEW,
+    dtype: str = _DTYPE,
+    threads: Optional[int] = _THREADS,
+    progress: bool = _PROGRESS,
 ) -> None:
     """Access (Study 1): recovery vs chance for binary, 4-way, 8-way and 3-digit payloads."""
     with _user_errors():
@@ -99,16 +105,16 @@ def access(
 def carriers(
     model: str = _MODEL,
     items: int = typer.Option(16, "--items", help=_ITEMS),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = _SEED,
     out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: runs/carriers/MODEL-DTYPE-seedSEED)"),
-    readout: str = typer.Option("both", "--readout", help="generate | logits | both"),
+    readout: str = _READOUT,
     kinds: str = typer.Option("passive,binding,directive,compute,explicit", "--kinds"),
     fix_query_position: bool = typer.Option(True, "--fixed-position/--own-position",
                                             help="ask every arm at the item's common query position"),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
-    dtype: str = typer.Option("float32", "--dtype"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
-    progress: bool = typer.Option(True, "--progress/--no-progress"),
+    max_new_tokens: int = _MAX_NEW,
+    dtype: str = _DTYPE,
+    threads: Optional[int] = _THREADS,
+    progress: bool = _PROGRESS,
 ) -> None:
     """Programmed carriers (Study 1): answer-free carriers served alone and beside the shared row."""
     with _user_errors():
@@ -123,16 +129,16 @@ def carriers(
 def patch(
     model: str = _MODEL,
     items: int = typer.Option(16, "--items", help="items; item i uses length i mod len(--lengths)"),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = _SEED,
     out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: runs/patch/MODEL-DTYPE-seedSEED)"),
-    readout: str = typer.Option("both", "--readout", help="generate | logits | both"),
+    readout: str = _READOUT,
     lengths: str = typer.Option("24,48,96,192", "--lengths", help="history lengths in events"),
     timing: bool = typer.Option(True, "--timing/--no-timing", help="time patch vs re-prefill (wall clock)"),
     timing_repeats: int = typer.Option(2, "--timing-repeats"),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
-    dtype: str = typer.Option("float32", "--dtype"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
-    progress: bool = typer.Option(True, "--progress/--no-progress"),
+    max_new_tokens: int = _MAX_NEW,
+    dtype: str = _DTYPE,
+    threads: Optional[int] = _THREADS,
+    progress: bool = _PROGRESS,
 ) -> None:
     """Served patches (Study 1, Updates): patch event vs re-prefill time against L, stale-value leak."""
     with _user_errors():
@@ -148,11 +154,11 @@ def contract(
     items: Optional[int] = typer.Option(None, "--items", help="items per probe, default 24 (8 with --quick); trigger "
                                         "bank N//4 per construction, access N//2 per cardinality (docs/contract.md)"),
     quick: bool = typer.Option(False, "--quick", help="small preset, candidate logits only (default --items 8)"),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = _SEED,
     out: Optional[Path] = typer.Option(None, "--out", help="output directory (default: runs/contract/MODEL-DTYPE[-quick])"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
-    progress: bool = typer.Option(True, "--progress/--no-progress"),
+    threads: Optional[int] = _THREADS,
+    progress: bool = _PROGRESS,
 ) -> None:
     """The memory contract (Study 1): run the whole battery (donor pair, trigger bank, landing, access, programmed carriers, patches), resumably, and write contract.md, contract.json and figures."""
     with _user_errors():
