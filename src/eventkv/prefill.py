@@ -9,7 +9,6 @@ prefill can answer many later queries.
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import json
 import os
@@ -22,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
+from eventkv.cache_dir import sha256_file
 from eventkv.errors import EventKVError
 from eventkv.log import HEADER_ID, TokenizedLog
 
@@ -63,14 +63,6 @@ def cache_from_rows(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]
     """A fresh config-less ``DynamicCache`` holding the given per-layer rows
     (``[batch, kv_heads, rows, head_dim]`` each). Tensors are shared, never written in place."""
     return DynamicCache(ddp_cache_data=list(zip(keys, values)))
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 @dataclass
@@ -136,7 +128,7 @@ class EventKV:
         fd, tmp = tempfile.mkstemp(dir=d, prefix=".kv-", suffix=".tmp")
         os.close(fd)
         save_file(tensors, tmp)
-        digest = _sha256_file(Path(tmp))
+        digest = sha256_file(Path(tmp))
         os.replace(tmp, d / TENSORS)
         manifest = {
             "format": FORMAT_VERSION, "weights_digest": self.weights_digest, "dtype": self.dtype,
@@ -165,7 +157,7 @@ class EventKV:
         if not (d / MANIFEST).is_file() or not (d / TENSORS).is_file():
             raise EventKVError(f"{str(d)!r} holds no complete EventKV (missing {MANIFEST} or {TENSORS}): prefill again.")
         manifest = json.loads((d / MANIFEST).read_text())
-        if verify and _sha256_file(d / TENSORS) != manifest["tensors_sha256"]:
+        if verify and sha256_file(d / TENSORS) != manifest["tensors_sha256"]:
             raise EventKVError(f"{str(d / TENSORS)!r} does not match its manifest checksum (corrupted): delete it and prefill again.")
         if expect_digest is not None and manifest["weights_digest"] != expect_digest:
             raise EventKVError(

@@ -5,21 +5,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from eventkv.cache_dir import cache_root
 from eventkv.errors import EventKVError
 from eventkv.log import EventLog, encode, tokenize, tokenize_query
 from eventkv.prefill import EventKV, prefill
 from eventkv.readout import CandidateScore, Generation, candidate_logprobs, generate
 from eventkv.serve import serve
-
-
-def cache_root() -> Path:
-    """eventkv's user cache directory: ``$EVENTKV_CACHE`` or ``~/.cache/eventkv``."""
-    return Path(os.environ.get("EVENTKV_CACHE", Path.home() / ".cache" / "eventkv"))
 
 
 @dataclass

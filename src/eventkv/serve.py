@@ -139,11 +139,12 @@ def serve(ekv: EventKV, served: str | Sequence[str], mode: str = "compact", mode
     header = log.span(HEADER_ID)
     hrows = torch.arange(header.row_start, header.row_end)
     if mode == "isolated":
-        keys, values = _select(ekv.keys, hrows), _select(ekv.values, hrows)
+        header_keys, header_values = _select(ekv.keys, hrows), _select(ekv.values, hrows)
+        keys, values = header_keys, header_values
         positions = [ekv.positions[hrows]]
         for eid in ids:
             span = log.span(eid)
-            cache = cache_from_rows(_select(ekv.keys, hrows), _select(ekv.values, hrows))
+            cache = cache_from_rows(header_keys, header_values)
             toks = torch.tensor([log.event_tokens[log.event_ids.index(eid)]], device=device)
             pos = torch.arange(span.pos_start, span.pos_start + span.n_tokens, device=device).unsqueeze(0)
             model_forward(model, toks, pos, cache, logits_to_keep=1)
