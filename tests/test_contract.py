@@ -43,6 +43,8 @@ def test_contract_battery_on_a_tiny_model(tmp_path, monkeypatch):
     for clause in ("materialization", "trigger", "landing", "access", "programming", "updates"):
         assert f"| {clause}" in md
     assert "77 ms vs 1033 ms" in md and ".934 (chance .5)" in md
+    for graded in ("graded donor shift d (kv", "graded write-through", "graded donor shift d: root", "graded: donor shift d"):
+        assert graded in md
     for f in ("trigger.png", "access.png", "patch.png"):
         assert (tmp_path / "figures" / f).stat().st_size > 1000
     saved = json.loads((tmp_path / "contract.json").read_text())
@@ -50,6 +52,8 @@ def test_contract_battery_on_a_tiny_model(tmp_path, monkeypatch):
     assert set(saved["capacity"]["payloads"]) >= {"binary", "compass", "phonetic", "number"}
     assert saved["pairs"] == {"donor-pair": 2, "trigger-bank": 3, "landing": 2, "access": 4, "carriers": 2, "patch": 4}
     assert js["updates"]["timing"]
+    assert saved["donor_pair"]["d"]["n"] == 2 and saved["trigger"]["d_pooled"]["n"] == 3
+    assert set(saved["landing"]["d"]) >= {"root", "edge"} and saved["capacity"]["payloads"]["binary"]["d"]["n"] == 1
     # resume: nothing recomputed, records unchanged
     before = {p: load_records(tmp_path / p) for p in CONTRACT_PROBES}
     run_contract(rt, model="tiny", out=tmp_path, items=2, quick=True, progress=False)

@@ -114,6 +114,23 @@ def test_trigger_bank_summary_exact_counts_and_scipy_p_values():
     assert row["write_through"]["low"] == pytest.approx(st.binomtest(3, 10).proportion_ci(method="wilson").low)
 
 
+def test_graded_donor_shift_d_counts_and_scipy_p_values():
+    from eventkv.probes.pairs import PairArm, d_stats, d_table
+
+    d = [0.5, 0.25, 0.125, -0.0625, 0.0, 0.75, 0.3, -0.2, 0.0, 0.4]
+    recs = [{"d": {"kv": x}} for x in d] + [{"d": {}}]   # a record without the arm is skipped
+    s = d_stats(recs, "kv")
+    assert (s["n"], s["pos"], s["neg"], s["zero"]) == (10, 6, 2, 2)
+    assert s["median"] == pytest.approx(0.1875)   # (0.125 + 0.25) / 2
+    assert s["sign_p"] == pytest.approx(st.binomtest(6, 8).pvalue)
+    nz = [x for x in d if x != 0]
+    assert s["wilcoxon_p"] == pytest.approx(st.wilcoxon(nz).pvalue)
+    data: dict = {}
+    t = d_table(recs, [PairArm("kv", "main", ("decoy",)), PairArm("gen-only", "main", ("decoy",))], "caption", data)
+    assert set(data) == {"d/kv"} and len(t.rows) == 1 and t.rows[0][3:6] == ["6", "2", "2"]
+    assert d_stats([{"d": {}}], "kv") is None and d_table([{"d": {}}], [PairArm("kv", "main", ("decoy",))], "c") is None
+
+
 # ---------------------------------------------------------------- landing: TOST and the factorial
 def test_tost_matches_two_scipy_one_sided_t_tests():
     x = [0.01, -0.02, 0.03, 0.0, 0.05, -0.04, 0.02, 0.01]

@@ -29,6 +29,7 @@ from eventkv.errors import EventKVError
 from eventkv.probes.base import Probe, Runtime, get_probe
 from eventkv.probes.runner import (MANIFEST, RECORDS, _append, _now, _write_json_atomic, check_or_create, environment,
                                    identity, load_records, render)
+from eventkv.probes.pairs import describe_d
 from eventkv.stats import format_p
 
 CONTRACT_PROBES = ("donor-pair", "trigger-bank", "landing", "access", "carriers", "patch")
@@ -148,6 +149,20 @@ def _p(d: dict | None) -> str:
     return f"{d['rate']:.3f} [{d['low']:.3f}, {d['high']:.3f}] ({d['k']}/{d['n']})"
 
 
+def _dtest(d: dict | None) -> str:
+    """A :func:`~eventkv.probes.pairs.d_stats` dict as ``sign p = ..., Wilcoxon p = ...``."""
+    if not d:
+        return "n/a"
+    return f"sign p = {format_p(d['sign_p'])}, Wilcoxon p = {format_p(d['wilcoxon_p'])} ({d['n']} pairs)"
+
+
+def _dval(d: dict | None) -> str:
+    return describe_d(d) if d else "n/a (no candidate readout)"
+
+
+GRADED = "(study: follow:anti only)"
+
+
 def _get(summaries: dict, probe: str) -> dict | None:
     s = summaries.get(probe)
     return s.data if s is not None else None
@@ -169,8 +184,12 @@ def contract_rows(summaries: dict) -> tuple[list[list[str]], dict]:
         add("materialization (donor pair)", f"kv follow:anti ({ro}), sensitive share",
             f"{o['follow']}:{o['anti']}", f"p = {format_p(o['p'])}; sensitive {_p(o['prevalence'])}",
             "99:0, p = 3.2e-30 (Qwen3-8B); 130:0 of 256")
+        dd = dp.get("d", {}).get("kv")
+        dd = {k: v for k, v in dd.items() if k != "values"} if dd else None
+        if dd:
+            add("materialization (donor pair)", "graded donor shift d (kv, candidate log-odds)", _dval(dd), _dtest(dd), GRADED)
         js["donor_pair"] = {"readout": ro, "follow": o["follow"], "anti": o["anti"], "p": o["p"],
-                            "prevalence": o["prevalence"]}
+                            "prevalence": o["prevalence"], "d": dd}
 
     tb = _get(summaries, "trigger-bank")
     if tb:
@@ -190,6 +209,13 @@ def contract_rows(summaries: dict) -> tuple[list[list[str]], dict]:
         add("trigger", "constructions that write (follow > anti, sign test p < .05)",
             f"{sum(writes.values())}/{len(writes)}", ", ".join(k for k, w in writes.items() if w) or "none",
             "none writes on all three recent checkpoints")
+        pooled = tb.get("d/kv")
+        lo = tb["constructions"]
+        dpos = [k for k, v in lo.items() if v.get("logits", {}).get("p_d", math.nan) < 0.05 and v["logits"]["median_d"] > 0]
+        if pooled:
+            add("trigger", "graded write-through: kv donor shift d, 16 constructions pooled", _dval(pooled),
+                f"{_dtest(pooled)}; constructions with d > 0 at sign p < .05: {len(dpos)}/{len(lo)}"
+                + (f" ({', '.join(dpos)})" if dpos else ""), GRADED)
         dis = [k for k, v in cons.items() if v.get("p_dissociation", math.nan) < 0.05 and v.get("text_only", 0) > v.get("kv_only", 0)]
         sp = tb.get(f"spearman/{ro}")
         add("trigger", "dissociation: comprehended but not written (McNemar p < .05)", f"{len(dis)}/{len(cons)}",
@@ -198,7 +224,9 @@ def contract_rows(summaries: dict) -> tuple[list[list[str]], dict]:
         js["trigger"] = {"readout": ro, "constructions": {
             k: {"family": v["family"], "writes": writes[k], "write_through": v["write_through"],
                 "comprehension": v.get("comprehension"), "follow": v["follow"], "anti": v["anti"], "p_sign": v["p_sign"],
-                "p_dissociation": v.get("p_dissociation")} for k, v in cons.items()}}
+                "p_dissociation": v.get("p_dissociation"), "median_d": lo[k].get("logits", {}).get("median_d"),
+                "p_d": lo[k].get("logits", {}).get("p_d"), "writes_graded": k in dpos} for k, v in cons.items()},
+            "d_pooled": pooled}
 
     la = _get(summaries, "landing")
     if la:
@@ -212,6 +240,10 @@ def contract_rows(summaries: dict) -> tuple[list[list[str]], dict]:
             "edge mostly routes back to the root")
         add("landing", "co-served benign mention: root sensitivity without -> with",
             f"{prev('root')['rate']:.3f} -> {prev('root+mention')['rate']:.3f}", _p(prev("root+mention")), "41% -> 22% (Qwen3)")
+        if "d/root" in a:
+            add("landing", "graded donor shift d: root / reference edge (without the root)",
+                f"{_dval(a['d/root'])} / {_dval(a.get('d/edge'))}", f"root {_dtest(a['d/root'])}; edge {_dtest(a.get('d/edge'))}",
+                GRADED)
         f = la.get(f"factorial/{ro}")
         if f:
             m = f["mention"]
@@ -228,6 +260,7 @@ def contract_rows(summaries: dict) -> tuple[list[list[str]], dict]:
             f"{a[f'root/{ro}']['rate']['rate']:.3f} / {a[f'root@pos/{ro}']['rate']['rate']:.3f}",
             f"{_p(a[f'root/{ro}']['rate'])} / {_p(a[f'root@pos/{ro}']['rate'])}", "query position held fixed")
         js["landing"] = {"readout": ro, "arms": {k: v for k, v in a.items() if k.endswith(f"/{ro}")},
+                         "d": {k.removeprefix("d/"): v for k, v in a.items() if k.startswith("d/")},
                          "factorial": f}
 
     ac = _get(summaries, "access")
@@ -243,7 +276,7 @@ def contract_rows(summaries: dict) -> tuple[list[list[str]], dict]:
             add("access", f"{card}: kv recovery per answer ({r['measure']}, {ro})", f"{r['rate']['rate']:.3f}",
                 f"{_p(r['rate'])}; chance {r['chance']:.3g}, p(> chance) = {format_p(r['p'])}", study[card])
             env[card] = {"measure": r["measure"], "recovery": r["rate"], "chance": r["chance"], "p_above_chance": r["p"],
-                         "above_chance": bool(r["p"] < 0.05)}
+                         "above_chance": bool(r["p"] < 0.05), "d": ac.get("arms", {}).get(card, {}).get("d/kv")}
             if card == "number" and ro == "logits":
                 g = ac["recovery"].get("number/kv/generate")
                 if g:
@@ -264,10 +297,17 @@ def contract_rows(summaries: dict) -> tuple[list[list[str]], dict]:
             best = max(kinds, key=lambda k: rate(f"{k}+row")["rate"])
             add("programming", "best answer-free carrier beside the row", f"{rate(best + '+row')['rate']:.3f}",
                 f"{best}: {_p(rate(best + '+row'))}; alone {_p(rate(best))}", "+ carrier .42; recovery .06 -> .51")
+        if kinds and "d/row" in a:
+            bd = max(kinds, key=lambda k: a.get(f"d/{k}+row", {}).get("median", -math.inf))
+            add("programming", "graded: donor shift d, shared row alone vs best carrier beside it",
+                f"{a['d/row']['median'] + 0.0:+.3f} vs {a[f'd/{bd}+row']['median'] + 0.0:+.3f} nats ({bd})",
+                f"row {_dval(a['d/row'])}, {_dtest(a['d/row'])}; {bd}+row {_dval(a[f'd/{bd}+row'])}, "
+                f"{_dtest(a[f'd/{bd}+row'])}", GRADED)
         if "explicit/" + ro in a:
             add("programming", "explicit value (upper bound)", f"{rate('explicit')['rate']:.3f}", _p(rate("explicit")), "1.00")
         js["programming"] = {"readout": ro, "follow_rate": {k.rsplit("/", 1)[0]: v["rate"] for k, v in a.items()
-                                                            if k.endswith(f"/{ro}")}}
+                                                            if k.endswith(f"/{ro}")},
+                             "d": {k.removeprefix("d/"): v for k, v in a.items() if k.startswith("d/")}}
 
     pa = _get(summaries, "patch")
     if pa:

@@ -31,7 +31,7 @@ from typing import ClassVar, Sequence
 from eventkv.errors import EventKVError
 from eventkv.probes.base import Runtime, Summary, Table, register
 from eventkv.probes.donor_pair import INSTRUCTION, event_text, last_state, menu
-from eventkv.probes.pairs import PairProbe, PairArm, arm_table, correct, primary_readout, run_pair
+from eventkv.probes.pairs import D_CAPTION, PairProbe, PairArm, arm_table, correct, d_table, primary_readout, run_pair
 from eventkv.stats import format_p, wilson
 
 PAYLOADS = {
@@ -176,6 +176,8 @@ def summarize_access(records: Sequence[dict], probe: Access) -> Summary:
         if rs:
             sub: dict = {}
             tables.append(arm_table(rs, probe.pair_arms(), probe.readouts, f"{card}: donor-pair outcomes", sub))
+            dt = d_table(rs, probe.pair_arms(), f"{card}: " + D_CAPTION, sub)
+            tables += [dt] if dt else []
             d["arms"][card] = sub
     notes = ["recovery counts each variant's answer (2 per pair, not independent within a pair: the Wilson interval "
              "treats them as independent and is therefore somewhat narrow); the pair-level outcome tables are exact.",

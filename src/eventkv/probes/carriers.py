@@ -36,7 +36,7 @@ from typing import ClassVar, Sequence
 from eventkv.errors import EventKVError
 from eventkv.probes.base import Runtime, Summary, register
 from eventkv.probes.donor_pair import INSTRUCTION, NAMES, event_text, last_state, menu
-from eventkv.probes.pairs import PairProbe, PairArm, arm_table, primary_readout, run_pair
+from eventkv.probes.pairs import D_CAPTION, PairProbe, PairArm, arm_table, d_table, primary_readout, run_pair
 
 STATES = ("ONLINE", "OFFLINE")
 KINDS = ("passive", "binding", "directive", "compute", "explicit")
@@ -154,11 +154,12 @@ class Carriers(PairProbe):
         data: dict = {"pairs": len(records), "primary": primary_readout(self.readouts), "arms": {}}
         t = arm_table(records, self.pair_arms(), self.readouts,
                       f"Programmed carriers: donor-aligned recovery (follow rate) per arm ({len(records)} pairs)", data["arms"])
+        dt = d_table(records, self.pair_arms(), D_CAPTION, data["arms"])
         pos = "at the item's common query position" if self.fix_query_position else "right after each history"
         notes = ["donor-aligned recovery = follow rate: both variants answer their own (unserved) source's value.",
                  f"every arm asks S's state {pos}; 'explicit' states the value (not answer-free): the upper bound.",
                  "the answer-free carriers are byte-identical in the two variants (checked when the items are built)."]
-        return Summary(f"carriers: {len(records)} pairs", [t], [], notes, data)
+        return Summary(f"carriers: {len(records)} pairs", [t] + ([dt] if dt else []), [], notes, data)
 
     def figure(self, records: Sequence[dict], path) -> None:
         from eventkv.contract_figures import arm_bars

@@ -356,7 +356,7 @@ def summarize_donor_pairs(records: Sequence[dict], probe: DonorPair) -> Summary:
         for arm in arms:
             d = [r["d"][arm] for r in records]
             s, w = sign_test_d(d), wilcoxon_d(d)
-            data["d"][arm] = {"values": d, "median": median(d), "sign_p": s.p_value, "wilcoxon_p": w.p_value,
+            data["d"][arm] = {"values": d, "n": len(d), "median": median(d), "sign_p": s.p_value, "wilcoxon_p": w.p_value,
                               "pos": s.counts["d>0"], "neg": s.counts["d<0"], "zero": s.counts["d=0 dropped"]}
             drows.append([arm, str(len(d)), f"{median(d):+.3f}" if d else "n/a", str(s.counts["d>0"]),
                           str(s.counts["d<0"]), str(s.counts["d=0 dropped"]), format_p(s.p_value), format_p(w.p_value)])

@@ -43,7 +43,8 @@ from eventkv.equivalence import mean_effect, tost
 from eventkv.errors import EventKVError
 from eventkv.probes.base import Runtime, Summary, Table, register
 from eventkv.probes.donor_pair import INSTRUCTION, NAMES, QUESTION, event_text, last_state, menu
-from eventkv.probes.pairs import PairProbe, PairArm, arm_table, candidate_share, pair_stats, primary_readout, run_pair
+from eventkv.probes.pairs import (D_CAPTION, PairProbe, PairArm, arm_table, candidate_share, d_table, pair_stats,
+                                  primary_readout, run_pair)
 from eventkv.stats import format_p
 
 STATES = ("ONLINE", "OFFLINE")
@@ -168,6 +169,8 @@ def summarize_landing(records: Sequence[dict], probe: Landing) -> Summary:
     arms = probe.pair_arms()
     data: dict = {"pairs": len(records), "primary": primary_readout(probe.readouts), "arms": {}}
     tables = [arm_table(records, arms, probe.readouts, f"Landing: outcomes per arm ({len(records)} pairs)", data["arms"])]
+    dt = d_table(records, arms, D_CAPTION, data["arms"])
+    tables += [dt] if dt else []
     tests = []
     frows = []
     for ro in probe.readouts:

@@ -373,6 +373,51 @@ def arm_table(records: Sequence[dict], arms: Sequence[PairArm], readouts: Sequen
                            "sensitive [Wilson 95%]", "p (follow vs anti)"], rows)
 
 
+def d_stats(records: Sequence[dict], arm: str) -> dict | None:
+    """Graded donor sensitivity of one arm (candidate readout): the donor statistic ``d`` of every
+    pair (:func:`~eventkv.probes.donor_pair.donor_d`, nats; d > 0 leans toward each variant's own
+    unserved value), its median, the exact sign test d > 0 vs d < 0 (zeros dropped) and the
+    two-sided Wilcoxon signed-rank test (``scipy.stats.wilcoxon``). ``None`` when no record has a
+    ``d`` for ``arm`` (generation-only runs)."""
+    from eventkv.stats import median, sign_test_d, wilcoxon_d
+
+    ds = [float(r["d"][arm]) for r in records if arm in r.get("d", {})]
+    if not ds:
+        return None
+    s, w = sign_test_d(ds), wilcoxon_d(ds)
+    return {"n": len(ds), "median": median(ds), "pos": s.counts["d>0"], "neg": s.counts["d<0"],
+            "zero": s.counts["d=0 dropped"], "sign_p": s.p_value, "wilcoxon_p": w.p_value}
+
+
+def describe_d(s: dict) -> str:
+    """``d>0:d<0 = 27:5, median +0.125 nats`` for a :func:`d_stats` dict."""
+    return f"d>0:d<0 = {s['pos']}:{s['neg']}, median {s['median'] + 0.0:+.3f} nats"
+
+
+def d_table(records: Sequence[dict], arms: Sequence[PairArm], caption: str, data: dict | None = None):
+    """One row per arm with a candidate readout: pairs, median d, d>0, d<0, d=0, sign-test and
+    Wilcoxon p (see :func:`d_stats`); fills ``data[f"d/{arm}"]``. ``None`` when no arm has d."""
+    from eventkv.probes.base import Table
+    from eventkv.stats import format_p
+
+    rows = []
+    for a in arms:
+        s = d_stats(records, a.name)
+        if s is None:
+            continue
+        if data is not None:
+            data[f"d/{a.name}"] = s
+        rows.append([a.name, str(s["n"]), f"{s['median']:+.3f}", str(s["pos"]), str(s["neg"]), str(s["zero"]),
+                     format_p(s["sign_p"]), format_p(s["wilcoxon_p"])])
+    if not rows:
+        return None
+    return Table(caption, ["arm", "pairs", "median d (nats)", "d>0", "d<0", "d=0", "p sign", "p Wilcoxon"], rows)
+
+
+D_CAPTION = ("Graded donor shift d (candidate log-odds of each variant's own value, own minus other variant, nats; "
+             "d > 0 leans toward the unserved source)")
+
+
 def candidate_share(out: dict, candidate: str) -> float:
     """Probability share of ``candidate`` among the scored candidates (softmax of their log-probs)."""
     import math

@@ -34,7 +34,8 @@ from eventkv.errors import EventKVError
 from eventkv.log import TokenizedLog
 from eventkv.probes.base import Runtime, Summary, Table, register
 from eventkv.probes.donor_pair import INSTRUCTION, NAMES, QUESTION, event_text, last_state, menu
-from eventkv.probes.pairs import PairProbe, PairArm, arm_table, event_id, primary_readout, run_pair, tokenize_pair
+from eventkv.probes.pairs import (D_CAPTION, PairProbe, PairArm, arm_table, d_table, event_id, primary_readout, run_pair,
+                                  tokenize_pair)
 from eventkv.stats import wilson
 
 STATES = ("ONLINE", "OFFLINE")
@@ -162,6 +163,9 @@ def summarize_patch(records: Sequence[dict], probe: Patch) -> Summary:
                     ["arm", "readout", "leak [Wilson 95%]"], lrows),
               arm_table(records, arms, probe.readouts, "Update outcomes (follow = both variants answer their NEW value, "
                         "anti = both their OLD one)", data["arms"])]
+    dt = d_table(records, arms, D_CAPTION.replace("own value", "own NEW value").replace("unserved source", "NEW value"),
+                 data["arms"])
+    tables += [dt] if dt else []
     tests = []
     timed = [r for r in records if r.get("timing")]
     if timed:

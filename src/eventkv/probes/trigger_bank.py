@@ -44,7 +44,7 @@ from typing import ClassVar, Sequence
 from eventkv.errors import EventKVError
 from eventkv.probes.base import Runtime, Summary, Table, register
 from eventkv.probes.donor_pair import INSTRUCTION, NAMES, QUESTION, event_text, last_state, menu
-from eventkv.probes.pairs import PairProbe, PairArm, pair_stats, primary_readout, run_pair
+from eventkv.probes.pairs import PairProbe, PairArm, d_stats, describe_d, pair_stats, primary_readout, run_pair
 from eventkv.stats import format_p, median, sign_test, sign_test_d
 
 MIRROR_VERBS = ("mirrors", "tracks", "copies", "matches", "follows", "shadows", "is kept equal to",
@@ -233,6 +233,11 @@ def summarize_trigger_bank(records: Sequence[dict], readouts: Sequence[str], arm
                              f"constructions: rho = {float(rho.statistic):+.3f}, p = {format_p(float(rho.pvalue))}")
             else:
                 tests.append(f"{ro}: Spearman correlation not computed (one of the rates is constant across constructions)")
+    pooled = d_stats(records, "kv")
+    if pooled:
+        data["d/kv"] = pooled
+        tests.append(f"kv, all constructions pooled: donor shift {describe_d(pooled)}; exact sign test p = "
+                     f"{format_p(pooled['sign_p'])}, Wilcoxon p = {format_p(pooled['wilcoxon_p'])}")
     notes = ["write-through = pairs where the kv arm answers each variant's own (unserved) value; comprehension = the "
              "same for the text arm. A construction that is comprehended but does not write shows as a significant "
              "McNemar dissociation (text-only >> kv-only).",
