@@ -26,13 +26,19 @@ def _save(fig, path) -> Path:
 
 
 def trigger_scatter(data: dict, path) -> Path:
-    """Write-through (y) vs comprehension (x) per construction (primary readout), Wilson 95% bars;
-    mirror family circles, flag family squares; the diagonal is 'writes what it comprehends'."""
+    """Left: write-through (y) vs comprehension (x) per construction (primary readout), Wilson 95%
+    bars; mirror family circles, flag family squares; the diagonal is 'writes what it
+    comprehends'. Constructions at the same point share one stacked label. Right (when the
+    candidate readout was run): the graded write-through, median kv donor shift d per
+    construction (nats), starred where the sign test on d gives p < .05."""
     plt = _plt()
     ro = data["primary"]
-    fig, ax = plt.subplots(figsize=(6.4, 5.6))
+    graded = {k: v["logits"] for k, v in data["constructions"].items() if "median_d" in v.get("logits", {})}
+    fig, axes = plt.subplots(1, 2 if graded else 1, figsize=(12.4 if graded else 6.4, 5.6), squeeze=False)
+    ax = axes[0][0]
+    at: dict = {}
     for fam, marker in (("mirror", "o"), ("flag", "s")):
-        xs, ys, xe, ye, labels = [], [], [[], []], [[], []], []
+        xs, ys, xe, ye = [], [], [[], []], [[], []]
         for phrase, per in data["constructions"].items():
             row = per.get(ro)
             if not row or row["family"] != fam or "comprehension" not in row:
@@ -41,17 +47,33 @@ def trigger_scatter(data: dict, path) -> Path:
             xs.append(c["rate"]), ys.append(w["rate"])
             xe[0].append(c["rate"] - c["low"]), xe[1].append(c["high"] - c["rate"])
             ye[0].append(w["rate"] - w["low"]), ye[1].append(w["high"] - w["rate"])
-            labels.append(phrase)
+            at.setdefault((round(c["rate"], 6), round(w["rate"], 6)), []).append(phrase)
         if xs:
             ax.errorbar(xs, ys, xerr=xe, yerr=ye, fmt=marker, capsize=2, alpha=0.8, label=f"{fam} family")
-            for x, y, t in zip(xs, ys, labels):
-                ax.annotate(t, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    for (x, y), names in at.items():
+        low = y < 0.5   # labels of low points go above them, of high points below
+        ax.annotate("\n".join(names), (x, y), fontsize=6, xytext=(4, 4 if low else -4), textcoords="offset points",
+                    va="bottom" if low else "top", ha="right" if x > 0.7 else "left")
     ax.plot([0, 1], [0, 1], color="grey", linewidth=0.7, linestyle="--")
     ax.set_xlim(-0.05, 1.05), ax.set_ylim(-0.05, 1.05)
     ax.set_xlabel("comprehension rate (text arm)")
     ax.set_ylabel("write-through rate (kv, served {decoy, carrier})")
     ax.set_title(f"trigger bank ({ro} readout, Wilson 95%)")
     ax.legend(fontsize=8, loc="upper left")
+    if graded:
+        ax = axes[0][1]
+        names = list(graded)
+        med = [graded[k]["median_d"] for k in names]
+        colors = ["tab:blue" if graded[k]["family"] == "mirror" else "tab:orange" for k in names]
+        ax.barh(range(len(names)), med, color=colors, alpha=0.85)
+        for i, k in enumerate(names):
+            if graded[k]["p_d"] < 0.05:
+                ax.annotate("*", (med[i], i), xytext=(3 if med[i] >= 0 else -9, -4), textcoords="offset points")
+        ax.axvline(0, color="black", linewidth=0.7)
+        ax.set_yticks(range(len(names)), names, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("median kv donor shift d (nats; > 0 leans to the unserved source)")
+        ax.set_title("graded write-through (* sign test on d, p < .05)")
     return _save(fig, path)
 
 
