@@ -142,6 +142,26 @@ def test_cli_query_prints_answer(monkeypatch, capsys, tmp_path, jsonl, fake_load
     assert "answer:" in out and "log-prob" in out
 
 
+@pytest.mark.parametrize("args, message", [
+    (["query", "--mode", "bogus", "--serve", "a", "-q", "x"], "--mode 'bogus'"),
+    (["query", "--serve", ",", "-q", "x"], "served set is empty"),
+    (["run", "donor-pair", "--items", "0"], "--items 0"),
+    (["contract", "--items", "1"], "--items 1"),
+    (["splice", "--cutoffs", "5-2"], "runs backwards"),
+    (["run", "patch", "--lengths", "2"], "--lengths 2:"),
+])
+def test_cli_bad_options_fail_before_the_model_loads(monkeypatch, capsys, tmp_path, jsonl, args, message):
+    def no_load(*a, **k):
+        raise AssertionError("the model must not load for a bad option")
+
+    monkeypatch.setattr(eventkv.models, "load", no_load)
+    out_dir = tmp_path / "out"
+    extra = ["--log", str(jsonl)] if args[0] == "query" else ["--out", str(out_dir)]
+    code, out, err = run_cli(monkeypatch, capsys, *args, *extra)
+    assert code == 2 and message in err and "Traceback" not in err + out
+    assert not out_dir.exists()
+
+
 def test_log_path_is_a_directory(tmp_path):
     with pytest.raises(EventKVError, match="is a directory"):
         EventLog.from_jsonl(tmp_path)

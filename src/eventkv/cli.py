@@ -44,7 +44,7 @@ def models_pull(name: str = typer.Argument(..., help="A packaged alias, e.g. smo
 @app.command("query")
 def query(
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="Packaged alias, HF model directory or hub id, or .gguf file."),
-    log: Path = typer.Option(..., "--log", help="Event log, JSONL: one event per line with 'id', 'text', optional 'role'."),
+    log: Path = typer.Option(..., "--log", help="Event log, JSONL: one event per line with 'id', 'text', optional 'role' and 'budget' (position budget, tokens)."),
     serve: str = typer.Option(..., "--serve", help="Served set: comma-separated event ids, or 'all'."),
     question: str = typer.Option(..., "--question", "-q", help="The question to answer from the served rows."),
     mode: str = typer.Option("compact", "--mode", help="compact | native | isolated | text."),
@@ -61,6 +61,12 @@ def query(
     from eventkv.query import answer
 
     elog = EventLog.from_jsonl(log, instruction=instruction)
+    from eventkv.serve import SERVE_MODES
+
+    if mode not in SERVE_MODES:   # fail before the model loads
+        raise EventKVError(f"--mode {mode!r}: use one of {', '.join(SERVE_MODES)}.")
+    if serve.strip() != "all" and not [e for e in serve.split(",") if e.strip()]:
+        raise EventKVError(f"--serve {serve!r}: the served set is empty; give event ids separated by commas, or 'all'.")
     cands = [c for c in (candidates or "").split(",") if c.strip()]
     with console.status(f"loading {model}"):
         lm = load(model, dtype=dtype)

@@ -19,7 +19,7 @@ _MODEL = typer.Option("smollm2-135m", "--model", help="packaged alias, local HF 
 _SEED = typer.Option(0, "--seed")
 _READOUT = typer.Option("both", "--readout", help="generate | logits | both")
 _MAX_NEW = typer.Option(64, "--max-new-tokens")
-_DTYPE = typer.Option("float32", "--dtype")
+_DTYPE = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16")
 _THREADS = typer.Option(None, "--threads", help="torch CPU threads")
 _PROGRESS = typer.Option(True, "--progress/--no-progress")
 _ITEMS = "number of items (donor pairs)"
@@ -165,12 +165,13 @@ def contract(
     with _user_errors():
         import torch
 
-        from eventkv.contract import run_contract
+        from eventkv.contract import plan, run_contract
         from eventkv.models import load
         from eventkv.probes.base import Runtime
 
         if items is None:
             items = 8 if quick else 24
+        plan(items, quick)   # bad --items fails here, before the model loads or --out is made
         if threads:
             torch.set_num_threads(threads)
         if out is None:

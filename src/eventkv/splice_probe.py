@@ -75,6 +75,9 @@ def parse_cutoffs(text: str, n_layers: int) -> list[int]:
         try:
             if "-" in part[1:]:
                 a, b = part[0] + part[1:].split("-", 1)[0], part[1:].split("-", 1)[1]
+                if int(b) < int(a):
+                    raise EventKVError(f"--cutoffs {text!r}: the range {part!r} runs backwards; write it low-high "
+                                       f"({b}-{a}).")
                 vals = list(range(int(a), int(b) + 1))
             else:
                 vals = [int(part)]
@@ -156,6 +159,7 @@ class SpliceProbe(Probe):
             raise EventKVError(f"--steps {list(self.steps)}: give decoding steps >= 0 (0 = before the first token).")
         if self.layer_set not in LAYER_SETS:
             raise EventKVError(f"--layer-set {self.layer_set!r}: use one of {', '.join(LAYER_SETS)}.")
+        parse_cutoffs(self.cutoffs, 1 << 20)   # syntax now; the bounds need the model's layer count
         if self.tail not in TAILS:
             raise EventKVError(f"--tail {self.tail!r}: use one of {', '.join(TAILS)}.")
         if self.max_new_tokens < 1 or self.batch_size < 1:

@@ -84,6 +84,8 @@ def _run(probe, model: str, items: int, seed: int, out: Path | None, dtype: str,
     from eventkv.probes.base import Runtime
     from eventkv.probes.runner import run_probe
 
+    if items < 1:   # before the model loads (run_probe checks again for library callers)
+        raise EventKVError(f"--items {items}: run at least one item.")
     if threads:
         torch.set_num_threads(threads)
     if out is None:
@@ -104,8 +106,9 @@ def _print_summary(console: Console, summary) -> None:
     console.print(summary.data["markdown"], markup=False, highlight=False, soft_wrap=True)
 
 
-def report(directory: Path = typer.Argument(..., help="a run directory written by 'eventkv run'")) -> None:
-    """Re-render summary.md and figure.png of a run directory from its records alone, and print the summary."""
+def report(directory: Path = typer.Argument(..., help="a run directory: the --out of 'eventkv run' or 'eventkv splice', "
+                                             "or a probe folder DIR/<probe> of 'eventkv contract'")) -> None:
+    """Re-render summary.md and the figures (figure.png; heatmap.png for splice) of a run directory from its records alone, and print the summary."""
     with _user_errors():
         from eventkv.probes.runner import render
 

@@ -64,7 +64,8 @@ class Patch(PairProbe):
 
     def validate(self) -> None:
         if not self.lengths or min(self.lengths) < 4:
-            raise EventKVError(f"lengths {self.lengths}: give history lengths of at least 4 events (e.g. 24,48,96).")
+            raise EventKVError(f"--lengths {','.join(map(str, self.lengths))}: give history lengths of at least 4 events "
+                               "(e.g. 24,48,96).")
         if self.timing_repeats < 1:
             raise EventKVError(f"timing_repeats={self.timing_repeats}: time each update at least once.")
         self.check_readout()
