@@ -15,7 +15,8 @@ from rich.console import Console
 
 from eventkv.probes.cli import _list, _run, _user_errors, run_app
 
-_MODEL = typer.Option("smollm2-135m", "--model", help="packaged alias, local HF directory, hub id or GGUF file")
+_MODEL = typer.Option("qwen2.5-coder-1.5b", "--model", help="packaged alias, local HF directory, hub id or GGUF file "
+                      "(default: the smallest packaged model not at chance on the donor pair)")
 _SEED = typer.Option(0, "--seed")
 _READOUT = typer.Option("both", "--readout", help="generate | logits | both")
 _MAX_NEW = typer.Option(64, "--max-new-tokens")
