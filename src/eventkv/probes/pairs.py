@@ -407,7 +407,7 @@ def d_table(records: Sequence[dict], arms: Sequence[PairArm], caption: str, data
             continue
         if data is not None:
             data[f"d/{a.name}"] = s
-        rows.append([a.name, str(s["n"]), f"{s['median']:+.3f}", str(s["pos"]), str(s["neg"]), str(s["zero"]),
+        rows.append([a.name, str(s["n"]), f"{s['median'] + 0.0:+.3f}", str(s["pos"]), str(s["neg"]), str(s["zero"]),
                      format_p(s["sign_p"]), format_p(s["wilcoxon_p"])])
     if not rows:
         return None
