@@ -241,9 +241,12 @@ def contract_rows(summaries: dict) -> tuple[list[list[str]], dict]:
         add("landing", "co-served benign mention: root sensitivity without -> with",
             f"{prev('root')['rate']:.3f} -> {prev('root+mention')['rate']:.3f}", _p(prev("root+mention")), "41% -> 22% (Qwen3)")
         if "d/root" in a:
-            add("landing", "graded donor shift d: root / reference edge (without the root)",
-                f"{_dval(a['d/root'])} / {_dval(a.get('d/edge'))}", f"root {_dtest(a['d/root'])}; edge {_dtest(a.get('d/edge'))}",
-                GRADED)
+            add("landing", "graded donor shift d: root alone -> with the co-served mention",
+                f"{_dval(a['d/root'])} -> {_dval(a.get('d/root+mention'))}",
+                f"root {_dtest(a['d/root'])}; root+mention {_dtest(a.get('d/root+mention'))}", GRADED)
+            add("landing", "graded donor shift d: reference edge without / with the root",
+                f"{_dval(a.get('d/edge'))} / {_dval(a.get('d/edge+root'))}",
+                f"edge {_dtest(a.get('d/edge'))}; edge+root {_dtest(a.get('d/edge+root'))}", GRADED)
         f = la.get(f"factorial/{ro}")
         if f:
             m = f["mention"]
