@@ -302,8 +302,9 @@ def contract_rows(summaries: dict) -> tuple[list[list[str]], dict]:
                 f"{best}: {_p(rate(best + '+row'))}; alone {_p(rate(best))}", "+ carrier .42; recovery .06 -> .51")
         if kinds and "d/row" in a:
             bd = max(kinds, key=lambda k: a.get(f"d/{k}+row", {}).get("median", -math.inf))
-            add("programming", "graded: donor shift d, shared row alone vs best carrier beside it",
-                f"{a['d/row']['median'] + 0.0:+.3f} vs {a[f'd/{bd}+row']['median'] + 0.0:+.3f} nats ({bd})",
+            add("programming", f"graded: donor shift d, shared row alone vs the best (by median d) of {len(kinds)} carriers "
+                "beside it (not corrected for the choice)",
+                f"{round(a['d/row']['median'], 3) + 0.0:+.3f} vs {round(a[f'd/{bd}+row']['median'], 3) + 0.0:+.3f} nats ({bd})",
                 f"row {_dval(a['d/row'])}, {_dtest(a['d/row'])}; {bd}+row {_dval(a[f'd/{bd}+row'])}, "
                 f"{_dtest(a[f'd/{bd}+row'])}", GRADED)
         if "explicit/" + ro in a:

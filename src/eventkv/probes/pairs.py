@@ -391,7 +391,7 @@ def d_stats(records: Sequence[dict], arm: str) -> dict | None:
 
 def describe_d(s: dict) -> str:
     """``d>0:d<0 = 27:5, median +0.125 nats`` for a :func:`d_stats` dict."""
-    return f"d>0:d<0 = {s['pos']}:{s['neg']}, median {s['median'] + 0.0:+.3f} nats"
+    return f"d>0:d<0 = {s['pos']}:{s['neg']}, median {round(s['median'], 3) + 0.0:+.3f} nats"
 
 
 def d_table(records: Sequence[dict], arms: Sequence[PairArm], caption: str, data: dict | None = None):
@@ -407,7 +407,7 @@ def d_table(records: Sequence[dict], arms: Sequence[PairArm], caption: str, data
             continue
         if data is not None:
             data[f"d/{a.name}"] = s
-        rows.append([a.name, str(s["n"]), f"{s['median'] + 0.0:+.3f}", str(s["pos"]), str(s["neg"]), str(s["zero"]),
+        rows.append([a.name, str(s["n"]), f"{round(s['median'], 3) + 0.0:+.3f}", str(s["pos"]), str(s["neg"]), str(s["zero"]),
                      format_p(s["sign_p"]), format_p(s["wilcoxon_p"])])
     if not rows:
         return None

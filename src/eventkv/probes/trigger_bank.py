@@ -211,7 +211,7 @@ def summarize_trigger_bank(records: Sequence[dict], readouts: Sequence[str], arm
                 ds = [r["d"]["kv"] for r in rs]
                 sd = sign_test_d(ds)
                 row.update(median_d=median(ds), p_d=sd.p_value)
-                cells += [f"{median(ds) + 0.0:+.2f}", format_p(sd.p_value)]
+                cells += [f"{round(median(ds), 2) + 0.0:+.2f}", format_p(sd.p_value)]
             rows.append(cells)
             data["constructions"].setdefault(phrase, {})[ro] = row
         cols = ["family", "construction", "pairs", "write-through [Wilson 95%]"]
