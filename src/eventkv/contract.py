@@ -102,6 +102,7 @@ def run_contract(rt: Runtime, *, model: str, out: str | Path, items: int = 24, q
         jobs.append((s, probe, d, manifest, [i for i in range(s.items) if i not in done]))
     _write_json_atomic(out / "contract-manifest.json",
                        {"model": model, "items": items, "quick": quick, "seed": seed,
+                        "dtype": str(getattr(rt.profile, "dtype", "")).removeprefix("torch."), "environment": environment(),
                         "plan": [{"probe": s.probe, "options": get_probe(s.probe)(**s.options).options(),
                                   "items": s.items} for s in steps]})
 
@@ -118,10 +119,39 @@ def run_contract(rt: Runtime, *, model: str, out: str | Path, items: int = 24, q
                 if bar:
                     bar.advance(task)
             manifest["invocations"].append({"started": _now(), "items_computed": len(todo),
-                                            "seconds": round(time.perf_counter() - t0, 3)})
+                                            "seconds": round(time.perf_counter() - t0, 3),
+                                            "torch_threads": _threads()})
             _write_json_atomic(d / MANIFEST, manifest)
     summaries = {s.probe: render(out / s.probe) for s in steps}
     return write_contract(out, model, summaries, quick=quick)
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def provenance(out: Path, probes) -> dict:
+    """Model, dtype, seed and compute time of a contract directory, from its probes' manifests:
+    ``{"dtype", "seed", "seconds": {probe: s}, "total_seconds", "torch_threads": [...]}`` (seconds
+    summed over every invocation that computed items)."""
+    info: dict = {"seconds": {}, "torch_threads": set()}
+    for p in probes:
+        m = json.loads((out / p / MANIFEST).read_text())
+        info.setdefault("dtype", m["identity"].get("dtype"))
+        info.setdefault("seed", m["identity"].get("seed"))
+        inv = m.get("invocations", [])
+        info["seconds"][p] = round(sum(i.get("seconds", 0) for i in inv), 1)
+        info["torch_threads"] |= {i["torch_threads"] for i in inv if "torch_threads" in i}
+    info["total_seconds"] = round(sum(info["seconds"].values()), 1)
+    info["torch_threads"] = sorted(info["torch_threads"])
+    return info
+
+
+def _hms(s: float) -> str:
+    h, rem = divmod(int(round(s)), 3600)
+    return f"{h} h {rem // 60} min" if h else f"{rem // 60} min {rem % 60} s"
 
 
 class _NoBar:
@@ -298,7 +328,7 @@ def contract_rows(summaries: dict) -> tuple[list[list[str]], dict]:
             ".00")
         if kinds:
             best = max(kinds, key=lambda k: rate(f"{k}+row")["rate"])
-            add("programming", "best answer-free carrier beside the row", f"{rate(best + '+row')['rate']:.3f}",
+            add("programming", "best answer-free carrier beside the row (highest follow rate; a tie names the first)", f"{rate(best + '+row')['rate']:.3f}",
                 f"{best}: {_p(rate(best + '+row'))}; alone {_p(rate(best))}", "+ carrier .42; recovery .06 -> .51")
         if kinds and "d/row" in a:
             bd = max(kinds, key=lambda k: a.get(f"d/{k}+row", {}).get("median", -math.inf))
@@ -344,16 +374,28 @@ def write_contract(out: Path, model: str, summaries: dict, quick: bool = False) 
         if probe in summaries:
             fn(summaries[probe].data, figs / name)
             written.append(name)
-    js = {"model": model, "quick": quick, "pairs": {k: len(load_records(out / k)) for k in summaries}, **js}
+    prov = provenance(out, summaries)
+    js = {"model": model, "quick": quick, "pairs": {k: len(load_records(out / k)) for k in summaries},
+          "provenance": prov, **js}
     _write_json_atomic(out / "contract.json", _clean(js))
     table = Table(f"Memory contract of {model}", ["clause", "measure", "measured", "interval / test", "study (Qwen3-8B et al.)"],
                   rows)
     md = [f"# Memory contract: {model}", "",
           ("Preset: --quick (candidate-logit readout only, few items per cell: intervals are wide; the sign tests can "
-           "detect only large effects)." if quick else "Preset: full."), "", table.to_markdown(), "",
+           "detect only large effects)." if quick else "Preset: full."),
+          "",
+          f"Model {model}, {prov['dtype']}, seed {prov['seed']}; pairs per probe: "
+          + ", ".join(f"{k} {v}" for k, v in js["pairs"].items())
+          + f". Compute time {_hms(prov['total_seconds'])} ("
+          + ", ".join(f"{k} {_hms(v)}" for k, v in prov["seconds"].items()) + ")"
+          + (f", torch threads {', '.join(map(str, prov['torch_threads']))}" if prov["torch_threads"] else "") + ".",
+          "", table.to_markdown(), "",
           "Figures: " + ", ".join(f"[{n}](figures/{n})" for n in written), ""]
     md += [f"![{n}](figures/{n})" for n in written] + [""]
-    md += ["Study figures are from Study 1 (8B-class checkpoints, one A100); see docs/contract.md for how to read them.", ""]
+    md += ["Study figures are from Study 1 (8B-class checkpoints, one A100): not directly comparable with a small "
+           "checkpoint or a CPU's timings. Graded rows (donor shift d) are eventkv's candidate-log-odds readout; "
+           "the study reports follow:anti only. See docs/contract.md in the eventkv repository for how to read this "
+           "table.", ""]
     for name, s in summaries.items():
         md += ["---", "", s.data.get("markdown", s.to_markdown()).replace("\n# ", "\n## ").replace("# ", "## ", 1), ""]
     (out / "contract.md").write_text("\n".join(md))
