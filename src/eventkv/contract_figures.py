@@ -34,7 +34,7 @@ def trigger_scatter(data: dict, path) -> Path:
     plt = _plt()
     ro = data["primary"]
     graded = {k: v["logits"] for k, v in data["constructions"].items() if "median_d" in v.get("logits", {})}
-    fig, axes = plt.subplots(1, 2 if graded else 1, figsize=(12.4 if graded else 6.4, 5.6), squeeze=False)
+    fig, axes = plt.subplots(1, 2 if graded else 1, figsize=(12.4 if graded else 8.4, 5.6), squeeze=False)
     ax = axes[0][0]
     at: dict = {}
     for fam, marker in (("mirror", "o"), ("flag", "s")):
@@ -50,15 +50,19 @@ def trigger_scatter(data: dict, path) -> Path:
             at.setdefault((round(c["rate"], 6), round(w["rate"], 6)), []).append(phrase)
         if xs:
             ax.errorbar(xs, ys, xerr=xe, yerr=ye, fmt=marker, capsize=2, alpha=0.8, label=f"{fam} family")
+    number = {k: i + 1 for i, k in enumerate(data["constructions"])}   # short labels; the key is in the title/ticks
     for (x, y), names in at.items():
         low = y < 0.5   # labels of low points go above them, of high points below
-        ax.annotate("\n".join(names), (x, y), fontsize=6, xytext=(4, 4 if low else -4), textcoords="offset points",
-                    va="bottom" if low else "top", ha="right" if x > 0.7 else "left")
+        ax.annotate(",".join(str(number[n]) for n in names), (x, y), fontsize=7, xytext=(3, 4 if low else -4),
+                    textcoords="offset points", va="bottom" if low else "top", ha="right" if x > 0.7 else "left")
+    if not graded:
+        ax.text(1.02, 0.5, "\n".join(f"{i} {k}" for k, i in number.items()), transform=ax.transAxes, fontsize=6,
+                va="center")
     ax.plot([0, 1], [0, 1], color="grey", linewidth=0.7, linestyle="--")
     ax.set_xlim(-0.05, 1.05), ax.set_ylim(-0.05, 1.05)
     ax.set_xlabel("comprehension rate (text arm)")
     ax.set_ylabel("write-through rate (kv, served {decoy, carrier})")
-    ax.set_title(f"trigger bank ({ro} readout, Wilson 95%)")
+    ax.set_title(f"trigger bank ({ro} readout, Wilson 95%; numbers: constructions)")
     ax.legend(fontsize=8, loc="upper left")
     if graded:
         ax = axes[0][1]
@@ -70,7 +74,7 @@ def trigger_scatter(data: dict, path) -> Path:
             if graded[k]["p_d"] < 0.05:
                 ax.annotate("*", (med[i], i), xytext=(3 if med[i] >= 0 else -9, -4), textcoords="offset points")
         ax.axvline(0, color="black", linewidth=0.7)
-        ax.set_yticks(range(len(names)), names, fontsize=7)
+        ax.set_yticks(range(len(names)), [f"{number[k]} {k}" for k in names], fontsize=7)
         ax.invert_yaxis()
         ax.set_xlabel("median kv donor shift d (nats; > 0 leans to the unserved source)")
         ax.set_title("graded write-through (* sign test on d, p < .05)")
@@ -113,8 +117,8 @@ def patch_figure(data: dict, path) -> Path:
     fig, ax = plt.subplots(figsize=(6.0, 4.2))
     if pts:
         L = [p["L_tokens"] for p in pts]
-        ax.loglog(L, [p["rewrite_ms"] for p in pts], "o-", label="re-prefill rewritten history (O(L^2))")
-        ax.loglog(L, [p["patch_ms"] for p in pts], "s-", label="append patch event (O(pL + p^2))")
+        ax.loglog(L, [p["rewrite_ms"] for p in pts], "o-", label="re-prefill rewritten history (attention O(L^2))")
+        ax.loglog(L, [p["patch_ms"] for p in pts], "s-", label="append patch event (attention O(pL + p^2))")
         x0, y0 = L[0], pts[0]["rewrite_ms"]
         for k, style in ((1, ":"), (2, "--")):
             ax.loglog([x0, L[-1]], [y0, y0 * (L[-1] / x0) ** k], style, color="grey", linewidth=0.8, label=f"slope {k}")
