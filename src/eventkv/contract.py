@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from eventkv.errors import EventKVError
-from eventkv.probes.base import Probe, Runtime, get_probe
-from eventkv.probes.runner import (MANIFEST, RECORDS, _append, _now, _write_json_atomic, check_or_create, environment,
-                                   identity, load_records, render)
+from eventkv.probes.base import Runtime, get_probe
+from eventkv.probes.runner import (MANIFEST, _write_json_atomic, environment, load_records, open_run, progress_bar,
+                                   render, run_items)
 from eventkv.probes.pairs import describe_d
 from eventkv.stats import format_p
 
@@ -89,47 +88,23 @@ def run_contract(rt: Runtime, *, model: str, out: str | Path, items: int = 24, q
     jobs = []
     for s in steps:
         probe = get_probe(s.probe)(**s.options)
-        probe.validate()
-        d = out / s.probe
-        ident = identity(probe, model, rt, seed)
-        old = check_or_create(d, ident)
-        done = {r["index"] for r in load_records(d, repair=True)}
-        manifest = {"identity": ident, "items": max(s.items, old.get("items", 0)),
-                    "profile": rt.profile.to_dict() if hasattr(rt.profile, "to_dict") else dict(vars(rt.profile)),
-                    "environment": environment(), "created": old.get("created") or _now(),
-                    "invocations": old.get("invocations", [])}
-        _write_json_atomic(d / MANIFEST, manifest)
-        jobs.append((s, probe, d, manifest, [i for i in range(s.items) if i not in done]))
+        jobs.append((s, probe, out / s.probe, *open_run(probe, rt, model=model, items=s.items, seed=seed, out=out / s.probe)))
     _write_json_atomic(out / "contract-manifest.json",
                        {"model": model, "items": items, "quick": quick, "seed": seed,
                         "dtype": str(getattr(rt.profile, "dtype", "")).removeprefix("torch."), "environment": environment(),
-                        "plan": [{"probe": s.probe, "options": get_probe(s.probe)(**s.options).options(),
-                                  "items": s.items} for s in steps]})
+                        "plan": [{"probe": s.probe, "options": probe.options(), "items": s.items}
+                                 for s, probe, *_ in jobs]})
 
     total = sum(s.items for s in steps)
     left = sum(len(j[4]) for j in jobs)
-    with _bar(progress, console) as bar:
+    with progress_bar(progress, console) as bar:
         task = bar.add_task("contract", total=total, completed=total - left) if bar else None
         for s, probe, d, manifest, todo in jobs:
-            t0 = time.perf_counter()
-            for i in todo:
-                if bar:
-                    bar.update(task, description=f"contract: {s.probe} item {i + 1}/{s.items}")
-                _append(d / RECORDS, probe.run_item(rt, probe.items(seed, [i])[0]))
-                if bar:
-                    bar.advance(task)
-            manifest["invocations"].append({"started": _now(), "items_computed": len(todo),
-                                            "seconds": round(time.perf_counter() - t0, 3),
-                                            "torch_threads": _threads()})
-            _write_json_atomic(d / MANIFEST, manifest)
+            describe = (lambda i, s=s: bar.update(task, description=f"contract: {s.probe} item {i + 1}/{s.items}"))
+            run_items(probe, rt, seed, d, manifest, todo, before=describe if bar else None,
+                      after=(lambda i: bar.advance(task)) if bar else None)
     summaries = {s.probe: render(out / s.probe) for s in steps}
     return write_contract(out, model, summaries, quick=quick)
-
-
-def _threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 def provenance(out: Path, probes) -> dict:
@@ -153,22 +128,6 @@ def _hms(s: float) -> str:
     h, rem = divmod(int(round(s)), 3600)
     return f"{h} h {rem // 60} min" if h else f"{rem // 60} min {rem % 60} s"
 
-
-class _NoBar:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
-
-
-def _bar(enabled: bool, console):
-    if not enabled:
-        return _NoBar()
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), console=console)
 
 
 # ---------------------------------------------------------------------------------------- the contract

@@ -17,6 +17,7 @@ seed and ``i``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -169,34 +170,54 @@ def run_probe(probe: Probe, rt: Runtime, *, model: str, items: int, seed: int, o
     """
     if items < 1:
         raise EventKVError(f"--items {items}: run at least one item.")
-    probe.validate()
     out = Path(out)
+    manifest, todo = open_run(probe, rt, model=model, items=items, seed=seed, out=out)
+    with progress_bar(progress, console) as bar:
+        task = bar.add_task(f"{probe.name}", total=items, completed=items - len(todo)) if bar else None
+        run_items(probe, rt, seed, out, manifest, todo, after=(lambda i: bar.advance(task)) if bar else None)
+    return render(out, figure=figure)
+
+
+def open_run(probe: Probe, rt: Runtime, *, model: str, items: int, seed: int, out: Path) -> tuple[dict, list[int]]:
+    """Validate ``probe``, check or create the run directory ``out`` (refusing other settings,
+    dropping a record cut short by a kill) and write its manifest for ``items`` items.
+
+    Returns:
+        the manifest (to pass to :func:`run_items`) and the indices still to compute.
+
+    Raises:
+        EventKVError: invalid options, or a directory holding records made with other settings.
+    """
+    probe.validate()
     ident = identity(probe, model, rt, seed)
     old = check_or_create(out, ident)
     done = {r["index"] for r in load_records(out, repair=True)}
-    todo = [i for i in range(items) if i not in done]
     profile = rt.profile.to_dict() if hasattr(rt.profile, "to_dict") else dict(vars(rt.profile))
     manifest = {"identity": ident, "items": max(items, old.get("items", 0)), "profile": profile,
                 "environment": environment(), "created": old.get("created") or _now(),
                 "invocations": old.get("invocations", [])}
     _write_json_atomic(out / MANIFEST, manifest)
+    return manifest, [i for i in range(items) if i not in done]
 
+
+def run_items(probe: Probe, rt: Runtime, seed: int, out: Path, manifest: dict, todo: Sequence[int],
+              before=None, after=None) -> None:
+    """Compute the items ``todo`` in order, appending each record to ``out/records.jsonl`` as it
+    finishes (``before(i)`` / ``after(i)`` are called around item ``i``, e.g. for a progress bar),
+    then add this invocation (start, items computed, seconds, torch threads) to the manifest."""
     t0, started = time.perf_counter(), _now()
-    path = out / RECORDS
-    with _progress(progress, console) as bar:
-        task = bar.add_task(f"{probe.name}", total=items, completed=items - len(todo)) if bar else None
-        for i in todo:
-            record = probe.run_item(rt, probe.items(seed, [i])[0])
-            _append(path, record)
-            if bar:
-                bar.advance(task)
+    for i in todo:
+        if before:
+            before(i)
+        _append(out / RECORDS, probe.run_item(rt, probe.items(seed, [i])[0]))
+        if after:
+            after(i)
     # torch CPU threads change the reduction order, so bfloat16 scores are reproducible bit for bit
     # only at the same thread count: record it with every invocation.
     manifest["invocations"].append({"started": started, "items_computed": len(todo),
                                     "seconds": round(time.perf_counter() - t0, 3),
                                     "torch_threads": torch.get_num_threads()})
     _write_json_atomic(out / MANIFEST, manifest)
-    return render(out, figure=figure)
 
 
 def render(directory: str | Path, figure: bool = True) -> Summary:
@@ -232,17 +253,11 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-class _NoBar:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
-
-
-def _progress(enabled: bool, console):
+def progress_bar(enabled: bool, console):
+    """A rich progress bar (description, bar, done/total, elapsed, remaining) as a context
+    manager, or ``contextlib.nullcontext()`` (which yields ``None``) when disabled."""
     if not enabled:
-        return _NoBar()
+        return contextlib.nullcontext()
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
