@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from eventkv.errors import EventKVError
+from eventkv.options import DTYPE_HELP
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="eventkv: prefill an event log once, serve any subset of events' KV rows, probe what they carry.")
@@ -51,7 +52,7 @@ def query(
     candidates: Optional[str] = typer.Option(None, "--candidates", help="Comma-separated answers to score by log-probability."),
     instruction: str = typer.Option("", "--instruction", help="Task instruction placed in the header before the events."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Greedy decoding budget (tokens)."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16."),
+    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
     store: Optional[Path] = typer.Option(None, "--store", help="Where the EventKV is stored/reused (default: content-addressed under the cache)."),
     chunk_size: Optional[int] = typer.Option(None, "--chunk-size", help="Prefill at most this many tokens per forward."),
 ) -> None:

@@ -91,7 +91,8 @@ def run_contract(rt: Runtime, *, model: str, out: str | Path, items: int = 24, q
         jobs.append((s, probe, out / s.probe, *open_run(probe, rt, model=model, items=s.items, seed=seed, out=out / s.probe)))
     _write_json_atomic(out / "contract-manifest.json",
                        {"model": model, "items": items, "quick": quick, "seed": seed,
-                        "dtype": str(getattr(rt.profile, "dtype", "")).removeprefix("torch."), "environment": environment(),
+                        "dtype": str(getattr(rt.profile, "dtype", "")).removeprefix("torch."),
+                        "dtype_reason": getattr(rt.profile, "dtype_reason", ""), "environment": environment(),
                         "plan": [{"probe": s.probe, "options": probe.options(), "items": s.items}
                                  for s, probe, *_ in jobs]})
 

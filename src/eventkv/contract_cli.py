@@ -13,6 +13,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from eventkv.options import DTYPE_HELP
 from eventkv.probes.cli import _list, _run, _user_errors, run_app
 
 _MODEL = typer.Option("qwen2.5-coder-1.5b", "--model", help="packaged alias, local HF directory, hub id or GGUF file "
@@ -20,7 +21,7 @@ _MODEL = typer.Option("qwen2.5-coder-1.5b", "--model", help="packaged alias, loc
 _SEED = typer.Option(0, "--seed")
 _READOUT = typer.Option("both", "--readout", help="generate | logits | both")
 _MAX_NEW = typer.Option(64, "--max-new-tokens")
-_DTYPE = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16")
+_DTYPE = typer.Option("auto", "--dtype", help=DTYPE_HELP)
 _THREADS = typer.Option(None, "--threads", help="torch CPU threads")
 _PROGRESS = typer.Option(True, "--progress/--no-progress")
 _ITEMS = "number of items (donor pairs)"
@@ -157,8 +158,7 @@ def contract(
     quick: bool = typer.Option(False, "--quick", help="small preset, candidate logits only (default --items 8)"),
     seed: int = _SEED,
     out: Optional[Path] = typer.Option(None, "--out", help="output directory (default: runs/contract/MODEL-DTYPE[-quick])"),
-    dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 (default: 2.5x faster than float32 on CPU for "
-                              "qwen2.5-coder-1.5b, measured) | float32 | float16"),
+    dtype: str = _DTYPE,
     threads: Optional[int] = _THREADS,
     progress: bool = _PROGRESS,
 ) -> None:
@@ -167,7 +167,7 @@ def contract(
         import torch
 
         from eventkv.contract import plan, run_contract
-        from eventkv.models import load
+        from eventkv.models import load, resolve_dtype
         from eventkv.probes.base import Runtime
 
         if items is None:
@@ -176,7 +176,7 @@ def contract(
         if threads:
             torch.set_num_threads(threads)
         if out is None:
-            out = Path("runs") / "contract" / f"{Path(model).name}-{dtype}{'-quick' if quick else ''}"
+            out = Path("runs") / "contract" / f"{Path(model).name}-{resolve_dtype(dtype)[0]}{'-quick' if quick else ''}"
         console = Console()
         with console.status(f"loading {model} ({dtype})"):
             lm = load(model, dtype=dtype)

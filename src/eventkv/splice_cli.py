@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.markdown import Markdown
 
 from eventkv.errors import EventKVError
+from eventkv.options import DTYPE_HELP
 
 
 def _ints(text: str, what: str) -> tuple[int, ...]:
@@ -68,7 +69,7 @@ def splice(
     items: int = typer.Option(32, "--items", help="number of items (prompts)"),
     seed: int = typer.Option(0, "--seed", help="task seed (item i depends only on seed and i)"),
     out: Optional[Path] = typer.Option(None, "--out", help="run directory [default: runs/splice/MODEL-TASK-DTYPE-seedS]"),
-    dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
+    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
     filler: Optional[str] = typer.Option(None, "--filler", help="scaffold filler text [default: a neutral sentence]"),
     heads: Optional[str] = typer.Option(None, "--heads", help="KV heads to splice, e.g. 0,1 [default: all]"),
     layer_set: str = typer.Option("from", "--layer-set", help="from = layers >= cutoff; only = the cutoff layer alone"),
@@ -89,7 +90,7 @@ def splice(
     with _user_errors():
         import torch
 
-        from eventkv.models import load
+        from eventkv.models import load, resolve_dtype
         from eventkv.probes.base import Runtime
         from eventkv.probes.runner import run_probe
 
@@ -101,7 +102,7 @@ def splice(
             torch.set_num_threads(threads)
         if out is None:
             tname = Path(task).stem if probe.task == "jsonl" else task
-            out = Path("runs") / "splice" / f"{Path(model).name}-{tname}-{dtype}-seed{seed}"
+            out = Path("runs") / "splice" / f"{Path(model).name}-{tname}-{resolve_dtype(dtype)[0]}-seed{seed}"
         console = Console()
         with console.status(f"loading {model} ({dtype})"):
             lm = load(model, dtype=dtype)

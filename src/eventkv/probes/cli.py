@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 
 from eventkv.errors import EventKVError
+from eventkv.options import DTYPE_HELP
 
 run_app = typer.Typer(help="Run a probe on a model: writes manifest.json, records.jsonl and summary.md "
                            "into --out, and resumes an interrupted run.", no_args_is_help=True)
@@ -55,7 +56,7 @@ def donor_pair(
     seed: int = typer.Option(0, "--seed", help="item seed (item i depends only on seed and i)"),
     out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: runs/donor-pair/MODEL-DTYPE-seedSEED)"),
     readout: str = typer.Option("both", "--readout", help="generate | logits | both"),
-    dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
+    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
     n_events: int = typer.Option(24, "--n-events", help="events per history"),
     decoy_slot: int = typer.Option(0, "--decoy-slot", help="slot of the decoy (0-based; slot i is <step i+1>)"),
     source_slots: str = typer.Option("8-11", "--source-slots", help="range the source slot is drawn from (inclusive)"),
@@ -81,6 +82,7 @@ def _run(probe, model: str, items: int, seed: int, out: Path | None, dtype: str,
          progress: bool) -> None:
     import torch
 
+    from eventkv.models import load, resolve_dtype
     from eventkv.probes.base import Runtime
     from eventkv.probes.runner import run_probe
 
@@ -89,8 +91,7 @@ def _run(probe, model: str, items: int, seed: int, out: Path | None, dtype: str,
     if threads:
         torch.set_num_threads(threads)
     if out is None:
-        out = Path("runs") / probe.name / f"{Path(model).name}-{dtype}-seed{seed}"
-    from eventkv.models import load
+        out = Path("runs") / probe.name / f"{Path(model).name}-{resolve_dtype(dtype)[0]}-seed{seed}"
 
     console = Console()
     with console.status(f"loading {model} ({dtype})"):
