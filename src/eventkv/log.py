@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Sequence
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
 from eventkv.errors import EventKVError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -31,14 +33,22 @@ def read_jsonl(path: str | Path, what: str, hint: str):
     """Yield ``(line number, line, parsed object)`` for each non-blank line of a JSONL file.
 
     Raises:
-        EventKVError: the path is missing or a directory, or a line is not valid JSON.
+        EventKVError: the path is missing or a directory, the file is not UTF-8, or a line is not valid JSON.
     """
     p = Path(path)
     if p.is_dir():
         raise EventKVError(f"{what} {str(p)!r} is a directory: give the path of a JSONL file ({hint}).")
     if not p.is_file():
         raise EventKVError(f"{what} {str(p)!r} does not exist: give the path of a JSONL file ({hint}).")
-    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+    raw = p.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line_no = raw.count(b"\n", 0, exc.start) + 1
+        raise EventKVError(
+            f"{what} {str(p)!r} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}, line {line_no}): "
+            f"save it as UTF-8 ({hint}).") from None
+    for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -46,6 +56,75 @@ def read_jsonl(path: str | Path, what: str, hint: str):
         except json.JSONDecodeError as exc:
             raise EventKVError(f"{p}:{n} is not valid JSON ({exc.msg}): write one JSON object per line.") from None
         yield n, line, obj
+
+
+class EventSchema(BaseModel):
+    """The schema of one event, written once and used by every reader (JSONL logs, the library's
+    :class:`Event`): keys ``id``, ``text``, ``role``, ``budget`` and no others, each of its exact
+    JSON type (no coercion: ``"budget": "3"`` or ``2.5`` is refused, not converted)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    id: str = Field(min_length=1)
+    text: str
+    role: str | None = None
+    budget: int | None = Field(default=None, ge=1)
+
+    @field_validator("id", "text", "role")
+    @classmethod
+    def _not_blank(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("blank")
+        return v
+
+    @field_validator("id")
+    @classmethod
+    def _servable_id(cls, v: str) -> str:
+        # a served set is written "e1,e2" on the command line (ids stripped): an id with a comma or
+        # surrounding spaces could never be served.
+        if "," in v or v != v.strip():
+            raise ValueError("not servable")
+        return v
+
+
+_FIELD_RULES = {
+    "id": "give a non-empty string without commas or surrounding spaces, unique within the log (e.g. \"e1\")",
+    "text": "give the event's text as a non-empty string",
+    "role": "give a non-empty string (e.g. \"user\") or leave the key out",
+    "budget": "give a whole number of positions >= 1 (at least the event's token count), or leave the key out",
+}
+
+
+def check_event(obj, where: str) -> EventSchema:
+    """Validate one event record (a dict, e.g. a parsed JSONL line) against :class:`EventSchema`.
+
+    Args:
+        where: how to name the record in the message (``"events.jsonl:3"``, ``"event 'e1'"``).
+
+    Raises:
+        EventKVError: one line naming the record, the field, the bad value and what is allowed.
+    """
+    if not isinstance(obj, dict):
+        raise EventKVError(f"{where} is {type(obj).__name__} {_short(obj)}: an event is a JSON object "
+                           f"with keys 'id', 'text' and optional 'role', 'budget'.")
+    try:
+        return EventSchema.model_validate(obj)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = str(err["loc"][0]) if err["loc"] else "?"
+        more = f" (and {exc.error_count() - 1} more problem(s))" if exc.error_count() > 1 else ""
+        if err["type"] == "missing":
+            msg = f"{where} has no {key!r}: {_FIELD_RULES[key]}"
+        elif err["type"] == "extra_forbidden":
+            msg = f"{where} has an unknown key {key!r}: an event's keys are {', '.join(_FIELD_RULES)}"
+        else:
+            msg = f"{where} has {key} = {_short(err['input'])}: {_FIELD_RULES[key]}"
+        raise EventKVError(msg + more + ".") from None
+
+
+def _short(v) -> str:
+    r = json.dumps(v) if isinstance(v, (str, int, float, list, dict, bool, type(None))) else repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
 
 
 @dataclass(frozen=True)
@@ -57,12 +136,19 @@ class Event:
         text: the event's text, exactly as it enters the prompt.
         role: optional label; when given the event is rendered as ``"{role}: {text}"``.
         budget: optional position budget in tokens (>= the event's token count).
+
+    Raises:
+        EventKVError: a field of the wrong type or out of range (see :class:`EventSchema`).
     """
 
     id: str
     text: str
     role: str | None = None
     budget: int | None = None
+
+    def __post_init__(self) -> None:
+        check_event({k: v for k, v in self.__dict__.items() if v is not None or k in ("id", "text")},
+                    f"event {self.id!r}" if isinstance(self.id, str) and self.id else "an event")
 
     def render(self) -> str:
         """The prompt text of this event: ``[role + ": "] + text + "\\n"`` (the newline ends the event)."""
@@ -75,7 +161,7 @@ class EventLog:
     """An ordered list of events plus an optional task instruction placed in the header.
 
     Raises:
-        EventKVError: empty log, duplicate or empty event ids, or a non-positive budget.
+        EventKVError: empty log, a duplicate or reserved event id (each event checks its own fields).
     """
 
     events: list[Event]
@@ -84,16 +170,16 @@ class EventLog:
     def __post_init__(self) -> None:
         if not self.events:
             raise EventKVError("the event log is empty: give at least one event (one JSON object per line).")
+        if not isinstance(self.instruction, str):
+            raise EventKVError(f"instruction {_short(self.instruction)}: give the task instruction as a string.")
         seen: set[str] = set()
         for ev in self.events:
-            if not ev.id:
-                raise EventKVError(f"an event has an empty id (text {ev.text[:40]!r}): give every event a unique 'id'.")
+            if not isinstance(ev, Event):
+                raise EventKVError(f"{_short(ev)} is not an Event: build each event with eventkv.log.Event(id=..., text=...).")
             if ev.id == HEADER_ID:
                 raise EventKVError(f"event id {HEADER_ID!r} is reserved for the header: rename that event.")
             if ev.id in seen:
                 raise EventKVError(f"duplicate event id {ev.id!r}: event ids must be unique within a log.")
-            if ev.budget is not None and ev.budget <= 0:
-                raise EventKVError(f"event {ev.id!r} has budget {ev.budget}: a position budget must be a positive token count.")
             seen.add(ev.id)
 
     @property
@@ -106,16 +192,15 @@ class EventLog:
         ``role`` and ``budget``. Blank lines are skipped.
 
         Raises:
-            EventKVError: missing file, a line that is not JSON, a missing ``id``/``text``, or an empty log.
+            EventKVError: missing file, a file that is not UTF-8, a line that is not JSON, a line that
+                breaks :class:`EventSchema` (missing or unknown key, wrong type, empty text, budget < 1),
+                a duplicate id, or an empty log.
         """
         p = Path(path)
         events = []
-        for n, line, obj in read_jsonl(p, "event log", "one event per line"):
-            if not isinstance(obj, dict) or "id" not in obj or "text" not in obj:
-                raise EventKVError(f"{p}:{n} needs keys 'id' and 'text' (got {line[:60]!r}).")
-            budget = obj.get("budget")
-            events.append(Event(id=str(obj["id"]), text=str(obj["text"]), role=obj.get("role"),
-                                budget=int(budget) if budget is not None else None))
+        for n, _line, obj in read_jsonl(p, "event log", "one event per line"):
+            ev = check_event(obj, f"{p}:{n}")
+            events.append(Event(id=ev.id, text=ev.text, role=ev.role, budget=ev.budget))
         if not events:
             raise EventKVError(f"event log {str(p)!r} has no events: write one JSON object per line.")
         return cls(events, instruction=instruction)
@@ -223,8 +308,21 @@ class TokenizedLog:
 
 
 def encode(tokenizer, text: str) -> list[int]:
-    """Token ids of ``text`` alone, without special tokens (so pieces concatenate exactly)."""
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    """Token ids of ``text`` alone, without special tokens, as the text tokenizes where it continues a
+    longer text (so pieces concatenate to the whole text's ids; see `eventkv.models.scaffold_seams`).
+
+    A SentencePiece tokenizer that prepends a space to every text it encodes (Llama 2, Mistral) would
+    start each piece with a space the whole text does not have; for such a tokenizer the text is
+    encoded after a newline and the newline's ids are dropped (unless the text merges into it).
+    """
+    def ids(t: str) -> list[int]:
+        return list(tokenizer(t, add_special_tokens=False)["input_ids"])
+
+    own, nl = ids(text), ids("\n")
+    if ids("\na")[len(nl):] == ids("a"):
+        return own  # no prefix space (byte-level BPE, Gemma): the text's own ids
+    after = ids("\n" + text)
+    return after[len(nl):] if after[: len(nl)] == nl else own
 
 
 def header_text(profile: "ModelProfile", instruction: str = "") -> str:

@@ -24,6 +24,7 @@ from transformers import DynamicCache
 from eventkv.cache_dir import sha256_file
 from eventkv.errors import EventKVError
 from eventkv.log import HEADER_ID, TokenizedLog
+from eventkv.options import check_chunk_size
 
 MANIFEST = "eventkv.json"
 TENSORS = "kv.safetensors"
@@ -199,8 +200,10 @@ def prefill(model, log: TokenizedLog, *, chunk_size: int | None = None, prefix: 
         EventKV with ``log.n_rows`` rows per layer.
 
     Raises:
-        EventKVError: history longer than the context; a prefix that is not a prefix of the log.
+        EventKVError: ``chunk_size`` not a positive int; history longer than the context; a prefix
+            that is not a prefix of the log.
     """
+    check_chunk_size(chunk_size)
     check_context(log.history_end, max_context)
     ids = torch.tensor([log.input_ids], dtype=torch.long)
     pos = torch.tensor([log.position_ids], dtype=torch.long)
