@@ -8,12 +8,12 @@ the two one-sided tests (TOST) against an equivalence margin can.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from scipy import stats as _st
 
-from eventkv.stats import CONFIDENCE, format_p
+from eventkv.stats import CONFIDENCE, format_p, require_finite
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,12 @@ class MeanEffect:
 
 def mean_effect(x: Sequence[float], confidence: float = CONFIDENCE) -> MeanEffect:
     """Mean of ``x`` with its t confidence interval and the two-sided one-sample t-test against 0
-    (``scipy.stats.ttest_1samp``). All-equal data get a zero-width interval and p = 1 (mean 0) or 0."""
-    xs = [float(v) for v in x]
+    (``scipy.stats.ttest_1samp``). All-equal data get a zero-width interval and p = 1 (mean 0) or 0.
+
+    Raises:
+        EventKVError: a nan or infinite value (:func:`eventkv.stats.require_finite`).
+    """
+    xs = require_finite(x, "mean effect (t-test vs 0)", "effect")
     n = len(xs)
     if n < 2:
         return MeanEffect(n, xs[0] if xs else math.nan, math.nan, math.nan, math.nan)
@@ -76,11 +80,12 @@ def tost(x: Sequence[float], margin: float) -> Tost:
     With n < 2 the p-values are nan; with zero spread they are 0 inside the band and 1 outside.
 
     Raises:
-        ValueError: a non-positive margin.
+        ValueError: a margin that is not a positive finite number.
+        EventKVError: a nan or infinite value (:func:`eventkv.stats.require_finite`).
     """
-    if margin <= 0:
-        raise ValueError(f"the equivalence margin must be positive, got {margin}")
-    xs = [float(v) for v in x]
+    if not (0 < margin < math.inf):
+        raise ValueError(f"the equivalence margin must be a positive finite number, got {margin}")
+    xs = require_finite(x, f"TOST equivalence test (margin +-{margin})", "effect")
     n = len(xs)
     if n < 2:
         return Tost(n, xs[0] if xs else math.nan, margin, math.nan, math.nan)

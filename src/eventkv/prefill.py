@@ -66,6 +66,51 @@ def cache_from_rows(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]
     return DynamicCache(ddp_cache_data=list(zip(keys, values)))
 
 
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` made contiguous, with every tensor whose memory overlaps an earlier one cloned.
+
+    Why: safetensors' ``save_file`` refuses non-contiguous tensors and tensors whose memory
+    overlaps ("Some tensors share memory"); its ``save_model`` would instead drop the duplicate
+    names, and those layers would not load back under their own names. Layers sharing one
+    tensor (``keys[0] is keys[1]``) are legitimate, so each is written as its own copy; disjoint
+    views of one storage are kept as they are (safetensors accepts them). Empty tensors are
+    cloned too: safetensors counts an empty view inside another tensor's memory as shared.
+    """
+    out: dict[str, torch.Tensor] = {}
+    taken: list[tuple[torch.device, int, int]] = []
+    for name, t in tensors.items():
+        t = t.detach().contiguous()
+        start = t.data_ptr()
+        end = start + t.numel() * t.element_size()
+        if t.numel() == 0 or any(dev == t.device and s < end and start < e for dev, s, e in taken):
+            t = t.clone()
+            start = t.data_ptr()
+            end = start + t.numel() * t.element_size()
+        taken.append((t.device, start, end))
+        out[name] = t
+    return out
+
+
+def _temp_path(directory: Path, prefix: str, temps: list[Path]) -> Path:
+    """A new empty file ``directory/<prefix>XXXX.tmp``, appended to ``temps`` (for clean-up)."""
+    fd, name = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=".tmp")
+    os.close(fd)
+    temps.append(Path(name))
+    return temps[-1]
+
+
+def _fsync_path(path: Path) -> None:
+    """Flush a file's data, or a directory's entries, to disk (``os.fsync``). Directories cannot be
+    opened for fsync on Windows; there the directory sync is skipped."""
+    if path.is_dir() and os.name == "nt":
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @dataclass
 class EventKV:
     """The K/V rows of a globally prefilled event log.
@@ -118,29 +163,71 @@ class EventKV:
     # ---------------------------------------------------------------- persistence
     def save(self, directory: str | Path) -> Path:
         """Write ``kv.safetensors`` and the ``eventkv.json`` manifest (model digest, token ids,
-        spans, dtype, sha256 of the tensor file). Both are written to temporary names and moved
-        into place, manifest last, so a killed save never leaves a directory that loads."""
+        spans, dtype, sha256 of the tensor file) into ``directory``.
+
+        Layers may share storage (``keys[0] is keys[1]``, keys and values as views of one tensor)
+        or be non-contiguous views; each is written as its own tensor and loads back bit-exact.
+        Both files are written to temporary names in ``directory``, flushed to disk (fsync) and
+        moved into place, manifest last, and the directory entry is synced, so a save that
+        returned survives a crash and a killed save never leaves a directory that loads as
+        something else. A save that raises (a full disk, an interrupt) removes its temporary
+        files and leaves an EventKV already in ``directory`` as it was (if only the final directory
+        sync fails, the new EventKV is in place and the error is raised). A save killed outright
+        may leave ``.kv-*.tmp`` / ``.manifest-*.tmp`` files, which :meth:`load` ignores.
+
+        Returns:
+            ``directory`` as a Path.
+        """
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        tensors = {"positions": self.positions.contiguous()}
+        tensors = {"positions": self.positions}
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            tensors[f"keys.{i}"] = k[0].contiguous()
-            tensors[f"values.{i}"] = v[0].contiguous()
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=".kv-", suffix=".tmp")
-        os.close(fd)
-        save_file(tensors, tmp)
-        digest = sha256_file(Path(tmp))
-        os.replace(tmp, d / TENSORS)
-        manifest = {
-            "format": FORMAT_VERSION, "weights_digest": self.weights_digest, "dtype": self.dtype,
-            "n_layers": self.n_layers, "n_rows": self.n_rows, "history_end": self.log.history_end,
-            "tensors_sha256": digest, "log": self.log.to_dict(),
-            "spans": [s.__dict__ for s in self.log.spans], "meta": self.meta,
-        }
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=".manifest-", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(manifest, f)
-        os.replace(tmp, d / MANIFEST)
+            tensors[f"keys.{i}"], tensors[f"values.{i}"] = k[0], v[0]
+        tensors = _unshared(tensors)
+        temps: list[Path] = []
+        backup: Path | None = None
+        replaced = False
+        try:
+            kv_tmp = _temp_path(d, ".kv-", temps)
+            save_file(tensors, kv_tmp)
+            _fsync_path(kv_tmp)
+            manifest = {
+                "format": FORMAT_VERSION, "weights_digest": self.weights_digest, "dtype": self.dtype,
+                "n_layers": self.n_layers, "n_rows": self.n_rows, "history_end": self.log.history_end,
+                "tensors_sha256": sha256_file(kv_tmp), "log": self.log.to_dict(),
+                "spans": [s.__dict__ for s in self.log.spans], "meta": self.meta,
+            }
+            man_tmp = _temp_path(d, ".manifest-", temps)
+            with open(man_tmp, "w") as f:
+                json.dump(manifest, f)
+                f.flush()
+                os.fsync(f.fileno())
+            if (d / TENSORS).is_file():
+                # A hard link to the old tensor file, so that a failure between the two renames below
+                # can put it back next to the old manifest (the old EventKV stays loadable).
+                # Without hard links (some network file systems) there is no backup, and such a failure
+                # removes the new tensor file instead: the directory then loads as nothing, not as a mix.
+                backup = _temp_path(d, ".kv-old-", temps)
+                backup.unlink()
+                try:
+                    os.link(d / TENSORS, backup)
+                except OSError:
+                    backup = None
+            os.replace(kv_tmp, d / TENSORS)
+            replaced = True
+            os.replace(man_tmp, d / MANIFEST)
+            replaced = False
+            _fsync_path(d)
+        except BaseException:
+            if replaced and backup is not None:
+                os.replace(backup, d / TENSORS)
+            elif replaced:
+                (d / TENSORS).unlink(missing_ok=True)
+            for p in temps:
+                p.unlink(missing_ok=True)
+            raise
+        if backup is not None:
+            backup.unlink(missing_ok=True)
         return d
 
     @classmethod

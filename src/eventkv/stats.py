@@ -5,15 +5,22 @@ donor statistic d).
 Every result keeps the counts it was computed from, so a printed table always says what a
 p-value was run on. A test with nothing to run on (no sensitive pairs, all d equal to zero)
 returns ``p_value = nan`` and says so in ``note``; it never invents a value.
+
+Every statistic on measured values (the sign and Wilcoxon tests on d, the median, and the t and
+TOST tests of :mod:`eventkv.equivalence`) refuses a nan or infinite value with the same
+:class:`~eventkv.errors.EventKVError` (:func:`require_finite`): such a value is an error in the
+readout, neither a tie to drop nor a number to rank.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from scipy import stats as _st
+
+from eventkv.errors import EventKVError
 
 CONFIDENCE = 0.95
 
@@ -63,6 +70,42 @@ def format_p(p: float) -> str:
     return f"{p:.2e}" if p < 1e-3 else f"{p:.4f}"
 
 
+def require_finite(xs: Sequence[float], statistic: str, what: str = "d",
+                   labels: Sequence[str] | None = None) -> list[float]:
+    """``xs`` as floats, after checking that every one is a finite number.
+
+    Args:
+        statistic: the statistic about to be computed, for the message (``"median of d"``).
+        what: the name of the values, for the message (``"d"``).
+        labels: one name per value (``"item 7"``) for the message; default ``"index i"``.
+
+    Raises:
+        EventKVError: some values are nan, +-inf or not numbers. The message names the
+            statistic, how many values and which (up to 8), and the fix. Every statistic here
+            raises this same error rather than dropping such a value (as a tie) or ranking it.
+    """
+    vals, bad = [], []
+    for i, x in enumerate(xs):
+        try:
+            v = float(x)
+        except (TypeError, ValueError):
+            v = math.nan
+            bad.append((i, repr(x)))
+        else:
+            if not math.isfinite(v):
+                bad.append((i, "nan" if math.isnan(v) else f"{v:+}"))
+        vals.append(v)
+    if bad:
+        names = list(labels) if labels is not None else [f"index {i}" for i in range(len(vals))]
+        shown = ", ".join(f"{b} at {names[i]}" for i, b in bad[:8]) + (f", and {len(bad) - 8} more" if len(bad) > 8 else "")
+        raise EventKVError(
+            f"{statistic}: {len(bad)} of {len(vals)} values {'is' if len(bad) == 1 else 'are'} not a finite number "
+            f"({shown}). A nan or infinite {what} is an error in the readout that produced it (e.g. a candidate "
+            f"log-probability of nan or -inf), not a tie or a missing pair: fix the readout (float32 log-probs, "
+            f"every candidate scored) and compute the statistic again, or remove those items explicitly and report them.")
+    return vals
+
+
 def wilson(k: int, n: int, confidence: float = CONFIDENCE) -> Proportion:
     """The proportion ``k/n`` with its Wilson score interval (``scipy.stats.binomtest(...)
     .proportion_ci(method="wilson")``).
@@ -93,7 +136,12 @@ def sign_test(positive: int, negative: int, labels: tuple[str, str] = ("positive
 
 def sign_test_d(d: Sequence[float]) -> TestResult:
     """Sign test on the continuous donor statistic: count of ``d > 0`` against ``d < 0`` among the
-    pairs with ``d != 0`` (zeros are ties and dropped; their count is reported)."""
+    pairs with ``d != 0`` (zeros are ties and dropped; their count is reported).
+
+    Raises:
+        EventKVError: a nan or infinite d (:func:`require_finite`).
+    """
+    d = require_finite(d, "exact two-sided sign test on d")
     pos = sum(1 for x in d if x > 0)
     neg = sum(1 for x in d if x < 0)
     r = sign_test(pos, neg, ("d>0", "d<0"), name="exact two-sided sign test on d")
@@ -104,8 +152,13 @@ def sign_test_d(d: Sequence[float]) -> TestResult:
 def wilcoxon_d(d: Sequence[float]) -> TestResult:
     """Two-sided Wilcoxon signed-rank test of ``d`` against 0 (``scipy.stats.wilcoxon``, zero
     differences dropped — ``zero_method="wilcox"``). The statistic is scipy's (the smaller rank
-    sum for two-sided). Needs at least one non-zero d; else the p-value is nan."""
-    nz = [float(x) for x in d if x != 0]
+    sum for two-sided). Needs at least one non-zero d; else the p-value is nan.
+
+    Raises:
+        EventKVError: a nan or infinite d (:func:`require_finite`).
+    """
+    d = require_finite(d, "Wilcoxon signed-rank test on d")
+    nz = [x for x in d if x != 0]
     counts = {"n": len(nz), "d=0 dropped": len(d) - len(nz)}
     name = "Wilcoxon signed-rank test on d"
     if not nz:
@@ -114,9 +167,13 @@ def wilcoxon_d(d: Sequence[float]) -> TestResult:
     return TestResult(name, float(res.pvalue), float(res.statistic), counts)
 
 
-def median(xs: Sequence[float]) -> float:
-    """Median of ``xs`` (nan when empty)."""
-    s = sorted(float(x) for x in xs)
+def median(xs: Sequence[float], what: str = "d") -> float:
+    """Median of ``xs`` (nan when empty).
+
+    Raises:
+        EventKVError: a nan or infinite value (:func:`require_finite`; ``what`` names the values).
+    """
+    s = sorted(require_finite(xs, f"median of {what}", what))
     if not s:
         return math.nan
     m = len(s) // 2

@@ -60,7 +60,7 @@ from eventkv.log import TokenizedLog, tokenize_query
 from eventkv.probes.base import Arm, Probe, Runtime, Summary, Table, register
 from eventkv.probes.batched import read_out
 from eventkv.serve import ServedCache, serve
-from eventkv.stats import format_p, median, sign_test, sign_test_d, wilcoxon_d, wilson
+from eventkv.stats import format_p, median, require_finite, sign_test, sign_test_d, wilcoxon_d, wilson
 
 NAMES = ("ALPHA", "BETA", "GAMMA", "DELTA", "OMEGA", "SIGMA", "KAPPA", "THETA", "LAMBDA", "EPSILON")
 INSTRUCTION = ("You are reviewing a completed agent trajectory. Use it to answer the question precisely.\n\n"
@@ -354,7 +354,8 @@ def summarize_donor_pairs(records: Sequence[dict], probe: DonorPair) -> Summary:
     if "logits" in probe.readouts:
         drows = []
         for arm in arms:
-            d = [r["d"][arm] for r in records]
+            d = require_finite([r["d"][arm] for r in records], f"donor statistic d of arm {arm!r}",
+                               labels=[f"item {r['index']}" for r in records])
             s, w = sign_test_d(d), wilcoxon_d(d)
             data["d"][arm] = {"values": d, "n": len(d), "median": median(d), "sign_p": s.p_value, "wilcoxon_p": w.p_value,
                               "pos": s.counts["d>0"], "neg": s.counts["d<0"], "zero": s.counts["d=0 dropped"]}

@@ -379,9 +379,11 @@ def d_stats(records: Sequence[dict], arm: str) -> dict | None:
     unserved value), its median, the exact sign test d > 0 vs d < 0 (zeros dropped) and the
     two-sided Wilcoxon signed-rank test (``scipy.stats.wilcoxon``). ``None`` when no record has a
     ``d`` for ``arm`` (generation-only runs)."""
-    from eventkv.stats import median, sign_test_d, wilcoxon_d
+    from eventkv.stats import median, require_finite, sign_test_d, wilcoxon_d
 
-    ds = [float(r["d"][arm]) for r in records if arm in r.get("d", {})]
+    with_d = [(r.get("index", i), r["d"][arm]) for i, r in enumerate(records) if arm in r.get("d", {})]
+    ds = require_finite([x for _, x in with_d], f"donor statistic d of arm {arm!r}",
+                        labels=[f"item {i}" for i, _ in with_d])
     if not ds:
         return None
     s, w = sign_test_d(ds), wilcoxon_d(ds)

@@ -45,7 +45,7 @@ from eventkv.errors import EventKVError
 from eventkv.probes.base import Runtime, Summary, Table, register
 from eventkv.probes.donor_pair import INSTRUCTION, NAMES, QUESTION, event_text, last_state, menu
 from eventkv.probes.pairs import PairProbe, PairArm, d_stats, describe_d, pair_stats, primary_readout, run_pair
-from eventkv.stats import format_p, median, sign_test, sign_test_d
+from eventkv.stats import format_p, median, require_finite, sign_test, sign_test_d
 
 MIRROR_VERBS = ("mirrors", "tracks", "copies", "matches", "follows", "shadows", "is kept equal to",
                 "is synchronized with")
@@ -208,7 +208,8 @@ def summarize_trigger_bank(records: Sequence[dict], readouts: Sequence[str], arm
             if "text" in arms:
                 cells += [f"{row['text_only']}:{row['kv_only']}", format_p(row["p_dissociation"])]
             if ro == "logits":
-                ds = [r["d"]["kv"] for r in rs]
+                ds = require_finite([r["d"]["kv"] for r in rs], f"donor statistic d of arm 'kv', construction {phrase!r}",
+                                    labels=[f"item {r['index']}" for r in rs])
                 sd = sign_test_d(ds)
                 row.update(median_d=median(ds), p_d=sd.p_value)
                 cells += [f"{round(median(ds), 2) + 0.0:+.2f}", format_p(sd.p_value)]
