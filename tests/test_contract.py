@@ -18,7 +18,7 @@ def test_plan_sizes():
     quick = plan(8, quick=True)
     assert [s.probe for s in quick] == list(CONTRACT_PROBES)
     assert all(s.options.get("readout") == "logits" for s in quick)
-    with pytest.raises(EventKVError, match="--items 1"):
+    with pytest.raises(EventKVError, match="items 1: the contract needs at least 2 items"):
         plan(1)
 
 

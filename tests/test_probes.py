@@ -129,11 +129,11 @@ def test_donor_pair_positions_and_served_rows_on_tiny_model():
 def test_donor_pair_option_errors_name_the_value():
     with pytest.raises(EventKVError, match="root_slot 5"):
         DonorPair(root_slot=5)
-    with pytest.raises(EventKVError, match="decoy variant 'opposit'"):
+    with pytest.raises(EventKVError, match="decoy 'opposit'"):
         DonorPair(decoy="opposit")
     with pytest.raises(EventKVError, match="states ONLINE"):
         DonorPair(states=("ONLINE",))
-    with pytest.raises(EventKVError, match="source slot 30"):
+    with pytest.raises(EventKVError, match="source_slots 8,30"):
         DonorPair(source_slots=(8, 30), root_slot=13)
 
 

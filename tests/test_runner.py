@@ -135,7 +135,7 @@ def test_cli_report_and_errors(reference, tmp_path):
     r = runner.invoke(app, ["report", str(tmp_path)])
     assert r.exit_code == 2 and "not a run directory" in r.output and "Traceback" not in r.output
     r = runner.invoke(app, ["run", "donor-pair", "--decoy", "sometimes", "--out", str(tmp_path / "x")])
-    assert r.exit_code == 2 and "unknown decoy variant 'sometimes'" in r.output
+    assert r.exit_code == 2 and "--decoy 'sometimes': use one of" in r.output
     r = runner.invoke(app, ["run", "donor-pair", "--source-slots", "8..11"])
     assert r.exit_code == 2 and "--source-slots '8..11'" in r.output
 

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from eventkv.errors import EventKVError
+from eventkv.errors import EventKVError, cli_message
 from eventkv.options import DTYPE_HELP
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -59,16 +59,12 @@ def query(
     """Answer a question from the served events' KV rows (prefills the log once, then reuses it)."""
     from eventkv.log import EventLog
     from eventkv.models import load
-    from eventkv.query import answer
+    from eventkv.query import answer, check_query
 
     elog = EventLog.from_jsonl(log, instruction=instruction)
-    from eventkv.serve import SERVE_MODES
-
-    if mode not in SERVE_MODES:   # fail before the model loads
-        raise EventKVError(f"--mode {mode!r}: use one of {', '.join(SERVE_MODES)}.")
-    if serve.strip() != "all" and not [e for e in serve.split(",") if e.strip()]:
-        raise EventKVError(f"--serve {serve!r}: the served set is empty; give event ids separated by commas, or 'all'.")
     cands = [c for c in (candidates or "").split(",") if c.strip()]
+    check_query(elog, serve, question, mode=mode, candidates=cands, max_new_tokens=max_new_tokens,
+                chunk_size=chunk_size)   # fail before the model loads
     with console.status(f"loading {model}"):
         lm = load(model, dtype=dtype)
     with console.status("prefill / serve / answer"):
@@ -105,16 +101,51 @@ def _mount_probes() -> None:
 _mount_probes()
 
 
+def _given_value(param, args: list[str]) -> str | None:
+    """The text given for option ``param`` on the command line (its last occurrence), or None."""
+    value = None
+    for i, arg in enumerate(args):
+        for opt in param.opts:
+            if arg == opt and i + 1 < len(args):
+                value = args[i + 1]
+            elif arg.startswith(opt + "="):
+                value = arg[len(opt) + 1:]
+    return value
+
+
+def _error(message: str) -> None:
+    Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {escape(message)}", highlight=False)
+    sys.exit(2)
+
+
 def main() -> None:
-    """Entry point: run the CLI; an EventKVError prints ``error: ...`` and exits 2 (no traceback)."""
+    """Entry point: run the CLI. An EventKVError, or an option value of the wrong type, prints one line
+    ``error: ...`` naming the option and the value, and exits 2 (no traceback)."""
     from transformers.utils import logging as hf_logging
+    from typer import rich_utils
 
     hf_logging.disable_progress_bar()  # eventkv shows its own progress; keep stderr to errors
     try:
-        app()
+        # standalone_mode=False: typer would print a bad value's type error in a box that omits the value;
+        # catch it here and name both. Other usage errors are shown as typer shows them.
+        rv = app(standalone_mode=False)
     except EventKVError as exc:
-        Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
-        sys.exit(2)
+        _error(cli_message(exc))
+    except typer.BadParameter as exc:
+        param = exc.param
+        value = _given_value(param, sys.argv[1:]) if param is not None else None
+        if value is None or not getattr(param, "opts", None):
+            rich_utils.rich_format_error(exc)
+            sys.exit(exc.exit_code)
+        msg = exc.message.rstrip(".")
+        _error(f"{max(param.opts, key=len)} {value!r}: {msg[:1].lower() + msg[1:]}.")
+    except typer.TyperException as exc:   # other usage errors (unknown option, missing value, no arguments)
+        rich_utils.rich_format_error(exc)
+        sys.exit(getattr(exc, "exit_code", 2))
+    except typer.Abort:
+        Console(stderr=True).print("Aborted!")
+        sys.exit(1)
+    sys.exit(rv if isinstance(rv, int) else 0)
 
 
 if __name__ == "__main__":

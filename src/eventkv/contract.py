@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from eventkv.errors import EventKVError
+from eventkv.options import check_int
 from eventkv.probes.base import Runtime, get_probe
 from eventkv.probes.runner import (MANIFEST, _write_json_atomic, environment, load_records, open_run, progress_bar,
                                    render, run_items)
@@ -52,10 +52,9 @@ def plan(items: int = 24, quick: bool = False) -> list[Step]:
     (default 8).
 
     Raises:
-        EventKVError: ``items < 2``.
+        OptionError: ``items`` is not a whole number >= 2.
     """
-    if items < 2:
-        raise EventKVError(f"--items {items}: the contract needs at least 2 items per probe.")
+    check_int("items", items, "the contract needs at least 2 items per probe.", minimum=2)
     if quick:
         ro = {"readout": "logits"}
         return [Step("donor-pair", ro, items),

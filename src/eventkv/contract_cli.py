@@ -168,12 +168,13 @@ def contract(
 
         from eventkv.contract import plan, run_contract
         from eventkv.models import load, resolve_dtype
+        from eventkv.options import check_threads
         from eventkv.probes.base import Runtime
 
         if items is None:
             items = 8 if quick else 24
         plan(items, quick)   # bad --items fails here, before the model loads or --out is made
-        if threads:
+        if check_threads(threads) is not None:
             torch.set_num_threads(threads)
         if out is None:
             out = Path("runs") / "contract" / f"{Path(model).name}-{resolve_dtype(dtype)[0]}{'-quick' if quick else ''}"

@@ -1,4 +1,4 @@
-"""The one exception type eventkv raises for user errors."""
+"""The one exception type eventkv raises for user errors, and its subclass for a bad option value."""
 
 
 class EventKVError(Exception):
@@ -7,3 +7,38 @@ class EventKVError(Exception):
     The message always names the bad value and says how to fix it. The CLI prints it
     without a traceback and exits with code 2.
     """
+
+
+class OptionError(EventKVError):
+    """A bad option value. ``str()`` names the library field (``max_new_tokens 0: generate at
+    least 1 token.``); :meth:`for_cli` names the command-line flag instead (``--max-new-tokens 0:
+    ...``), which is what the CLI prints.
+
+    Attributes:
+        field: the option's field name (``max_new_tokens``).
+        value: the bad value as given.
+        allowed: what is allowed, as a sentence (also says how to fix it).
+        flag: the flag that sets the field (default ``--`` + the field with dashes).
+    """
+
+    def __init__(self, field: str, value, allowed: str, flag: str | None = None) -> None:
+        self.field, self.value, self.allowed = field, value, allowed
+        self.flag = flag or "--" + field.replace("_", "-")
+        super().__init__(f"{field} {show_value(value)}: {allowed}")
+
+    def for_cli(self) -> str:
+        return f"{self.flag} {show_value(self.value)}: {self.allowed}"
+
+
+def show_value(value) -> str:
+    """An option value as a user would type it: strings quoted, lists comma-joined."""
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value)) if value else "''"
+    return str(value)
+
+
+def cli_message(exc: EventKVError) -> str:
+    """The one line the CLI prints for ``exc`` (an OptionError names its flag)."""
+    return exc.for_cli() if isinstance(exc, OptionError) else str(exc)

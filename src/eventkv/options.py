@@ -1,5 +1,117 @@
 """Option vocabularies shared by the library and every CLI command (no heavy imports here, so the
-CLI's ``--help`` stays fast)."""
+CLI's ``--help`` stays fast), and the checks of option values at the boundary: type and range, with a
+message that names the option, the bad value and what is allowed (:class:`eventkv.errors.OptionError`).
+
+The probes' option objects call the checks in ``validate()``, so library callers and the CLI get the
+same error before a model loads; the CLI prints it under the flag's name (``--max-new-tokens 0: ...``).
+
+    >>> check_int("max_new_tokens", 0, "generate at least 1 token.")
+    Traceback (most recent call last):
+    eventkv.errors.OptionError: max_new_tokens 0: generate at least 1 token.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+from eventkv.errors import OptionError
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+"""What ``--dtype`` / ``models.load(dtype=...)`` accept; ``"auto"`` is resolved by ``models.resolve_dtype``."""
+
+DTYPE_HELP = ("auto (default): bfloat16 where the hardware computes it natively (CUDA on Ampere or later; a CPU "
+              "with AVX512-BF16 or AMX), else float32 | float32 | bfloat16 | float16. The choice and the reason "
+              "are recorded in the manifest")
+
+
+def is_int(value) -> bool:
+    """True for an int that is not a bool (``True`` is no count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(field: str, value, allowed: str, *, minimum: int = 1, flag: str | None = None) -> int:
+    """``value`` if it is an int ``>= minimum``; else OptionError(field, value, allowed)."""
+    if not is_int(value) or value < minimum:
+        raise OptionError(field, value, allowed, flag)
+    return value
+
+
+def check_optional_int(field: str, value, allowed: str, *, minimum: int = 1, flag: str | None = None) -> int | None:
+    """Like :func:`check_int`, but None (the option left out) passes."""
+    return None if value is None else check_int(field, value, allowed, minimum=minimum, flag=flag)
+
+
+def check_float(field: str, value, allowed: str, *, low: float, high: float, flag: str | None = None) -> float:
+    """``value`` if it is a finite real number strictly between ``low`` and ``high``; else OptionError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not low < value < high:
+        raise OptionError(field, value, allowed, flag)
+    return float(value)
+
+
+def check_ints(field: str, values: Sequence, allowed: str, *, minimum: int = 0,
+               flag: str | None = None) -> tuple[int, ...]:
+    """A non-empty list of distinct ints ``>= minimum``; else OptionError naming the whole list."""
+    values = tuple(values)
+    if not values or not all(is_int(v) and v >= minimum for v in values) or len(set(values)) != len(values):
+        raise OptionError(field, values, allowed, flag)
+    return values
+
+
+def check_choices(field: str, values: Sequence, known: Iterable[str], *, required: Sequence[str] = (),
+                  flag: str | None = None, what: str = "") -> tuple[str, ...]:
+    """A non-empty list of distinct names from ``known`` that includes every name in ``required``;
+    else OptionError whose message lists the known names."""
+    known = tuple(known)
+    values = tuple(values)
+    ok = (values and all(isinstance(v, str) and v in known for v in values) and len(set(values)) == len(values)
+          and all(r in values for r in required))
+    if not ok:
+        need = f", including {' and '.join(required)}" if required else ""
+        raise OptionError(field, values, f"give {what or 'a comma-separated list'} of {', '.join(known)}, each at "
+                                         f"most once{need}.", flag)
+    return values
+
+
+# --------------------------------------------------------------- options every run command shares
+
+def check_items(items) -> int:
+    """``--items``: at least one item."""
+    return check_int("items", items, "run at least one item.")
+
+
+def check_threads(threads) -> int | None:
+    """``--threads``: None (torch decides) or at least 1."""
+    return check_optional_int("threads", threads, "give at least 1 torch CPU thread (or leave it out and torch "
+                                                  "decides).")
+
+
+def check_max_new_tokens(max_new_tokens) -> int:
+    """``--max-new-tokens``: the greedy generation budget, at least 1 token."""
+    return check_int("max_new_tokens", max_new_tokens, "generate at least 1 token (the greedy budget, in tokens).")
+
+
+def check_chunk_size(chunk_size) -> int | None:
+    """``--chunk-size``: None (one forward) or a positive number of tokens per forward."""
+    return check_optional_int("chunk_size", chunk_size, "give a positive number of tokens per forward (or leave it "
+                                                        "out for one pass).")
+
+
+def check_slots(**slots) -> None:
+    """Every slot option (``n_events``, ``decoy_slot``, ``root_slot`` ...) is an int (``n_events`` >= 1, slots
+    >= 0); ``source_slots`` is a pair of ints. The layout's order is the probe's own check."""
+    for field, value in slots.items():
+        if field == "source_slots":
+            if not (isinstance(value, tuple) and len(value) == 2 and all(is_int(v) and v >= 0 for v in value)):
+                raise OptionError(field, value, "give a slot range like 8-11 (0-based slots, inclusive) or one slot.")
+        elif field == "n_events":
+            check_int(field, value, "give a whole number of events per history.")
+        else:
+            check_int(field, value, "give a 0-based slot (slot i is event i+1 of the history).", minimum=0)
+
+
+# --------------------------------------------------------------- dtype (resolved by models.resolve_dtype)
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 """What ``--dtype`` / ``models.load(dtype=...)`` accept; ``"auto"`` is resolved by ``models.resolve_dtype``."""

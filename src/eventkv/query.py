@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Sequence
 
 from eventkv.cache_dir import cache_root
-from eventkv.errors import EventKVError
-from eventkv.log import EventLog, encode, tokenize, tokenize_query
+from eventkv.errors import EventKVError, OptionError
+from eventkv.log import HEADER_ID, EventLog, encode, tokenize, tokenize_query
+from eventkv.options import check_chunk_size, check_max_new_tokens
 from eventkv.prefill import EventKV, prefill
 from eventkv.readout import CandidateScore, Generation, candidate_logprobs, generate
-from eventkv.serve import serve
+from eventkv.serve import ALL, SERVE_MODES, serve
 
 
 @dataclass
@@ -61,6 +62,37 @@ def prefill_or_load(lm, log: EventLog, store: Path | None = None, chunk_size: in
     return ekv, False, store
 
 
+def check_query(log: EventLog, served: str | Sequence[str], question: str, *, mode: str = "compact",
+                candidates: Sequence[str] = (), max_new_tokens: int = 64, chunk_size: int | None = None) -> None:
+    """Check a query's options against ``log`` before any model work (the CLI calls it before the model loads).
+
+    Raises:
+        OptionError: unknown mode, empty served set, empty question, empty or repeated candidate,
+            ``max_new_tokens < 1``, ``chunk_size < 1``.
+        EventKVError: a served event id that is not in the log.
+    """
+    if mode not in SERVE_MODES:
+        raise OptionError("mode", mode, f"use one of {', '.join(SERVE_MODES)}.")
+    ids = [s.strip() for s in (served.split(",") if isinstance(served, str) else served)]
+    if isinstance(served, str) and served.strip() == ALL:
+        ids = []
+    elif not [s for s in ids if s]:
+        raise OptionError("served", served, "the served set is empty; give event ids separated by commas, or 'all'.",
+                          flag="--serve")
+    known = set(log.ids)
+    for s in ids:
+        if s and s not in known and s != HEADER_ID:   # the header is serve()'s to refuse
+            shown = ", ".join(log.ids[:8]) + (" ..." if len(log.ids) > 8 else "")
+            raise EventKVError(f"unknown event id {s!r}: the log's events are {shown}.")
+    if not isinstance(question, str) or not question.strip():
+        raise OptionError("question", question, "give a non-empty question.")
+    cands = list(candidates)
+    if any(not isinstance(c, str) or not c.strip() for c in cands) or len(set(cands)) != len(cands):
+        raise OptionError("candidates", cands, "give distinct, non-empty candidate answers.")
+    check_max_new_tokens(max_new_tokens)
+    check_chunk_size(chunk_size)
+
+
 def answer(lm, log: EventLog, served: str | Sequence[str], question: str, *, mode: str = "compact",
            candidates: Sequence[str] = (), max_new_tokens: int = 64, store: Path | None = None,
            chunk_size: int | None = None) -> Answer:
@@ -72,8 +104,11 @@ def answer(lm, log: EventLog, served: str | Sequence[str], question: str, *, mod
         candidates: optional answer strings to score (full continuations, log-probabilities in nats).
 
     Raises:
-        EventKVError: unknown event id, empty served set, bad mode, history beyond the context.
+        EventKVError: unknown event id, empty served set, bad mode or another bad option (see
+            :func:`check_query`), history beyond the context.
     """
+    check_query(log, served, question, mode=mode, candidates=candidates, max_new_tokens=max_new_tokens,
+                chunk_size=chunk_size)
     ekv, reused, store = prefill_or_load(lm, log, store, chunk_size)
     sc = serve(ekv, served, mode, model=lm.model)
     q = tokenize_query(lm.tokenizer, lm.profile, question)

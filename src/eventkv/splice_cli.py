@@ -91,14 +91,14 @@ def splice(
         import torch
 
         from eventkv.models import load, resolve_dtype
+        from eventkv.options import check_threads
         from eventkv.probes.base import Runtime
-        from eventkv.probes.runner import run_probe
+        from eventkv.probes.runner import check_run_items, run_probe
 
         probe = build_probe(task, cutoffs, steps, arms, filler, heads, layer_set, tail, max_new_tokens, batch_size,
                             match, readout)
-        if items < 1:
-            raise EventKVError(f"--items {items}: run at least one item.")
-        if threads:
+        check_run_items(probe, items)
+        if check_threads(threads) is not None:
             torch.set_num_threads(threads)
         if out is None:
             tname = Path(task).stem if probe.task == "jsonl" else task

@@ -30,9 +30,10 @@ from typing import ClassVar, Sequence
 
 from scipy import stats as _st
 
-from eventkv.errors import EventKVError
+from eventkv.errors import EventKVError, OptionError
 from eventkv.probes.base import Probe, Summary, Table, register
 from eventkv.log import encode
+from eventkv.options import check_choices, check_int, check_ints, check_max_new_tokens
 from eventkv.splice import (ARMS, DEFAULT_FILLER, TAILS, Splice, SplicePrompt, clean_run, donor_rows, filler_ids,
                             splice_choice, splice_sweep)
 from eventkv.splice_tasks import MATCHERS, TASKS, builtin_items, load_jsonl, outcome_decided, score
@@ -141,29 +142,31 @@ class SpliceProbe(Probe):
     readout: str = "generate"
 
     def __post_init__(self) -> None:
-        self.steps = tuple(int(s) for s in self.steps)
+        self.steps = tuple(self.steps)
         self.arm_names = tuple(self.arm_names)
         if self.heads is not None:
-            self.heads = tuple(int(h) for h in self.heads)
+            self.heads = tuple(self.heads)
 
     def validate(self) -> None:
         if self.task != "jsonl" and self.task not in TASKS:
             raise EventKVError(f"unknown task {self.task!r}: use one of {', '.join(TASKS)} or the path of a JSONL file.")
         if self.task == "jsonl" and not self.task_file:
             raise EventKVError("task 'jsonl' needs a task file: pass --task path/to/items.jsonl.")
-        bad = [a for a in self.arm_names if a not in SPLICE_ARMS]
-        if bad or not self.arm_names:
-            raise EventKVError(f"--arms: unknown arm {bad[0] if bad else ''!r}: use a comma list of {', '.join(SPLICE_ARMS)} "
-                               "(clean is always run).")
-        if not self.steps or any(s < 0 for s in self.steps):
-            raise EventKVError(f"--steps {list(self.steps)}: give decoding steps >= 0 (0 = before the first token).")
+        check_choices("arm_names", self.arm_names, SPLICE_ARMS, flag="--arms",
+                      what="splice arms (clean is always run)")
+        check_ints("steps", self.steps, "give distinct decoding steps >= 0 (0 = before the first token), e.g. 0,1,2.")
+        if self.heads is not None:
+            check_ints("heads", self.heads, "give distinct KV head indices >= 0, e.g. 0,1 (or leave it out for all).")
+        if not isinstance(self.filler, str) or not self.filler:
+            raise OptionError("filler", self.filler, "give a non-empty scaffold filler text (or leave it out for the "
+                                                     "default sentence).")
         if self.layer_set not in LAYER_SETS:
             raise EventKVError(f"--layer-set {self.layer_set!r}: use one of {', '.join(LAYER_SETS)}.")
-        parse_cutoffs(self.cutoffs, 1 << 20)   # syntax now; the bounds need the model's layer count
+        parse_cutoffs(self.cutoffs, 1 << 20)   # syntax now; the bounds need the model's layer count (check_model)
         if self.tail not in TAILS:
             raise EventKVError(f"--tail {self.tail!r}: use one of {', '.join(TAILS)}.")
-        if self.max_new_tokens < 1 or self.batch_size < 1:
-            raise EventKVError("--max-new-tokens and --batch-size must be at least 1.")
+        check_max_new_tokens(self.max_new_tokens)
+        check_int("batch_size", self.batch_size, "decode at least 1 splice per batch.")
         if self.match not in MATCHERS:
             raise EventKVError(f"--match {self.match!r}: use one of {', '.join(MATCHERS)}.")
         if self.readout not in READOUTS:
@@ -178,6 +181,18 @@ class SpliceProbe(Probe):
         if max(self.steps) >= self.max_new_tokens:
             raise EventKVError(f"--steps {max(self.steps)} is not below --max-new-tokens {self.max_new_tokens}: "
                                "a splice from that step could never take effect; raise --max-new-tokens.")
+
+    def max_items(self) -> int | None:
+        return len(load_jsonl(self.task_file)) if self.task == "jsonl" else None
+
+    def check_model(self, rt) -> None:
+        """The options that need the model: every cutoff within ``0 .. n_layers`` and every KV head below the
+        model's KV heads per layer (the runner calls this before it writes anything)."""
+        parse_cutoffs(self.cutoffs, _n_layers(rt.model))
+        kv_heads = getattr(rt.profile, "num_kv_heads", None)
+        if self.heads is not None and kv_heads is not None and max(self.heads) >= kv_heads:
+            raise OptionError("heads", self.heads, f"this model has {kv_heads} KV heads per layer: give heads "
+                                                   f"0..{kv_heads - 1}.")
 
     # ------------------------------------------------------------------------- items
     def items(self, seed: int, indices: Sequence[int]) -> list[dict]:

@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
-from eventkv.errors import EventKVError
+from eventkv.options import check_choices
 from eventkv.probes.base import Runtime, Summary, Table, register
 from eventkv.probes.donor_pair import INSTRUCTION, event_text, last_state, menu
 from eventkv.probes.pairs import D_CAPTION, PairProbe, PairArm, arm_table, correct, d_table, primary_readout, run_pair
@@ -79,9 +79,7 @@ class Access(PairProbe):
 
     def validate(self) -> None:
         self.check_layout(("root", self.root_slot))
-        bad = [c for c in self.cardinalities if c not in CARDINALITIES]
-        if bad or not self.cardinalities:
-            raise EventKVError(f"cardinalities {','.join(self.cardinalities)}: choose among {', '.join(CARDINALITIES)}.")
+        check_choices("cardinalities", self.cardinalities, CARDINALITIES, what="payload cardinalities")
         self.check_readout()
 
     def pair_arms(self) -> list[PairArm]:

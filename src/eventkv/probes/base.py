@@ -212,6 +212,14 @@ class Probe:
     def validate(self) -> None:
         """Raise EventKVError on an impossible option combination (names the option and the fix)."""
 
+    def max_items(self) -> int | None:
+        """How many items the probe can make (None: any number), e.g. the lines of a task file."""
+        return None
+
+    def check_model(self, rt: Runtime) -> None:
+        """Raise EventKVError on an option the loaded model cannot run (e.g. a layer it does not have).
+        The runner calls it after :meth:`validate` and before it creates or writes the run directory."""
+
     def arms(self) -> list[Arm]:
         raise NotImplementedError
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
 from eventkv.errors import EventKVError
+from eventkv.options import check_choices
 from eventkv.probes.base import Runtime, Summary, register
 from eventkv.probes.donor_pair import INSTRUCTION, NAMES, event_text, last_state, menu
 from eventkv.probes.pairs import D_CAPTION, PairProbe, PairArm, arm_table, d_table, primary_readout, run_pair
@@ -95,9 +96,7 @@ class Carriers(PairProbe):
 
     def validate(self) -> None:
         self.check_layout(("carrier", self.carrier_slot), ("row", self.row_slot))
-        bad = [k for k in self.kinds if k not in KINDS]
-        if bad or not self.kinds:
-            raise EventKVError(f"kinds {','.join(self.kinds)}: choose among {', '.join(KINDS)}.")
+        check_choices("kinds", self.kinds, KINDS, what="carrier kinds")
         self.check_readout()
 
     def pair_arms(self) -> list[PairArm]:

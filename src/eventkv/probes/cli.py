@@ -12,8 +12,9 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
-from eventkv.errors import EventKVError
+from eventkv.errors import EventKVError, cli_message
 from eventkv.options import DTYPE_HELP
 
 run_app = typer.Typer(help="Run a probe on a model: writes manifest.json, records.jsonl and summary.md "
@@ -26,7 +27,7 @@ def _user_errors():
     try:
         yield
     except EventKVError as exc:
-        _err.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False, soft_wrap=True)
+        _err.print(f"[bold red]error:[/] {escape(cli_message(exc))}", markup=True, highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
 
 
@@ -83,12 +84,12 @@ def _run(probe, model: str, items: int, seed: int, out: Path | None, dtype: str,
     import torch
 
     from eventkv.models import load, resolve_dtype
+    from eventkv.options import check_threads
     from eventkv.probes.base import Runtime
-    from eventkv.probes.runner import run_probe
+    from eventkv.probes.runner import check_run_items, run_probe
 
-    if items < 1:   # before the model loads (run_probe checks again for library callers)
-        raise EventKVError(f"--items {items}: run at least one item.")
-    if threads:
+    check_run_items(probe, items)   # before the model loads (run_probe checks again for library callers)
+    if check_threads(threads) is not None:
         torch.set_num_threads(threads)
     if out is None:
         out = Path("runs") / probe.name / f"{Path(model).name}-{resolve_dtype(dtype)[0]}-seed{seed}"

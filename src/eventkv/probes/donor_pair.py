@@ -55,8 +55,9 @@ from typing import ClassVar, Sequence
 
 import torch
 
-from eventkv.errors import EventKVError
+from eventkv.errors import EventKVError, OptionError
 from eventkv.log import TokenizedLog, tokenize_query
+from eventkv.options import check_choices, check_max_new_tokens, check_slots
 from eventkv.probes.base import Arm, Probe, Runtime, Summary, Table, register
 from eventkv.probes.batched import read_out
 from eventkv.serve import ServedCache, serve
@@ -148,33 +149,37 @@ class DonorPair(Probe):
 
     # ------------------------------------------------------------------ recipe
     def validate(self) -> None:
+        check_slots(n_events=self.n_events, decoy_slot=self.decoy_slot, source_slots=self.source_slots,
+                    root_slot=self.root_slot)
         n, lo, hi = self.n_events, *self.source_slots
         if n < 3:
-            raise EventKVError(f"n_events={n}: a donor pair needs at least 3 events (decoy, source, root).")
-        for what, s in (("decoy_slot", self.decoy_slot), ("root_slot", self.root_slot), ("source slot", lo), ("source slot", hi)):
-            if not 0 <= s < n:
-                raise EventKVError(f"{what} {s} is outside the history's slots 0..{n - 1}: choose a slot below n_events={n}.")
+            raise OptionError("n_events", n, "a donor pair needs at least 3 events (decoy, source, root).")
+        for what, s in (("decoy_slot", self.decoy_slot), ("root_slot", self.root_slot),
+                        ("source_slots", self.source_slots)):
+            if not all(0 <= v < n for v in (s if isinstance(s, tuple) else (s,))):
+                raise OptionError(what, s, f"outside the history's slots 0..{n - 1}: choose slots below n_events={n}.")
         if lo > hi:
-            raise EventKVError(f"source_slots {lo}-{hi}: the first slot must not exceed the last (e.g. 8-11).")
+            raise OptionError("source_slots", self.source_slots, "the first slot must not exceed the last (e.g. 8-11).")
         if not hi < self.root_slot:
-            raise EventKVError(f"root_slot {self.root_slot} must come after every source slot (last {hi}): move the root later.")
+            raise OptionError("root_slot", self.root_slot, f"the root must come after every source slot (last {hi}): "
+                                                           "move it later.")
         if lo <= self.decoy_slot <= hi or self.decoy_slot == self.root_slot:
-            raise EventKVError(f"decoy_slot {self.decoy_slot} collides with the source slots {lo}-{hi} or the root: move it.")
+            raise OptionError("decoy_slot", self.decoy_slot, f"collides with the source slots {lo}-{hi} or the root "
+                                                             f"{self.root_slot}: move it.")
         if self.decoy not in DECOYS:
-            raise EventKVError(f"unknown decoy variant {self.decoy!r}: use one of {', '.join(DECOYS)}.")
-        if len(self.states) < 2 or len(set(s.upper() for s in self.states)) != len(self.states):
-            raise EventKVError(f"states {','.join(self.states)}: give at least two distinct state words.")
+            raise OptionError("decoy", self.decoy, f"use one of {', '.join(DECOYS)}.")
+        if (len(self.states) < 2 or not all(isinstance(s, str) and s.strip() for s in self.states)
+                or len(set(s.upper() for s in self.states)) != len(self.states)):
+            raise OptionError("states", self.states, "give at least two distinct state words (e.g. ONLINE,OFFLINE).")
         if len(set(self.registers)) < 4:
             raise EventKVError("registers: give at least 4 distinct register names (decoy, source, root and a filler).")
         if self.readout not in ("generate", "logits", "both"):
-            raise EventKVError(f"unknown readout {self.readout!r}: use generate, logits or both.")
-        if self.max_new_tokens < 1:
-            raise EventKVError(f"max_new_tokens={self.max_new_tokens}: generate at least 1 token.")
-        bad = [a for a in self.arm_names if a not in ARM_NAMES]
-        if bad or "kv" not in self.arm_names:
-            raise EventKVError(f"arms {','.join(self.arm_names)}: choose among {', '.join(ARM_NAMES)}, including kv.")
+            raise OptionError("readout", self.readout, "use generate, logits or both.")
+        check_max_new_tokens(self.max_new_tokens)
+        check_choices("arm_names", self.arm_names, ARM_NAMES, required=("kv",), flag="--arms", what="arms")
         if "kv-all" in self.arm_names and "text-all" not in self.arm_names:
-            raise EventKVError("arms: kv-all is checked against text-all; add text-all or drop kv-all.")
+            raise OptionError("arm_names", self.arm_names, "kv-all is checked against text-all; add text-all or drop "
+                                                           "kv-all.", flag="--arms")
 
     @property
     def readouts(self) -> tuple[str, ...]:

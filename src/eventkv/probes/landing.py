@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
 from eventkv.equivalence import mean_effect, tost
-from eventkv.errors import EventKVError
+from eventkv.options import check_float
 from eventkv.probes.base import Runtime, Summary, Table, register
 from eventkv.probes.donor_pair import INSTRUCTION, NAMES, QUESTION, event_text, last_state, menu
 from eventkv.probes.pairs import (D_CAPTION, PairProbe, PairArm, arm_table, candidate_share, d_table, pair_stats,
@@ -77,8 +77,8 @@ class Landing(PairProbe):
 
     def validate(self) -> None:
         self.check_layout(("root", self.root_slot), ("edge", self.edge_slot), ("mention", self.mention_slot))
-        if not 0 < self.tost_margin < 1:
-            raise EventKVError(f"tost_margin {self.tost_margin}: give a margin between 0 and 1 (e.g. 0.075).")
+        check_float("tost_margin", self.tost_margin, "give a margin strictly between 0 and 1 (e.g. 0.075).",
+                    low=0, high=1)
         self.check_readout()
 
     def pair_arms(self) -> list[PairArm]:

@@ -35,8 +35,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from eventkv.errors import EventKVError
+from eventkv.errors import EventKVError, OptionError
 from eventkv.log import HEADER_ID, TokenizedLog, tokenize_query
+from eventkv.options import check_max_new_tokens, check_slots
 from eventkv.prefill import EventKV
 from eventkv.probes.base import Arm, Probe, Runtime
 from eventkv.probes.batched import read_out
@@ -57,6 +58,8 @@ class PairProbe(Probe):
     def check_layout(self, *later: tuple[str, int]) -> None:
         """Raises EventKVError unless ``0 <= decoy_slot < source_slots[0] <= source_slots[1] <``
         each of ``later`` (``(name, slot)`` pairs, in order) ``< n_events``."""
+        check_slots(n_events=self.n_events, decoy_slot=self.decoy_slot, source_slots=self.source_slots,
+                    **{f"{name}_slot": slot for name, slot in later})
         lo, hi = self.source_slots
         chain = [hi, *(slot for _, slot in later), self.n_events]
         if not (0 <= self.decoy_slot < lo <= hi and all(a < b for a, b in zip(chain, chain[1:]))):
@@ -65,9 +68,11 @@ class PairProbe(Probe):
                                f"{self.n_events} does not hold: reorder the slots.")
 
     def check_readout(self) -> None:
-        """Raises EventKVError when ``self.readout`` is not generate, logits or both."""
+        """Raises OptionError when ``self.readout`` is not generate, logits or both, or ``self.max_new_tokens``
+        is below 1."""
         if self.readout not in READOUT_OPTIONS:
-            raise EventKVError(f"unknown readout {self.readout!r}: use generate, logits or both.")
+            raise OptionError("readout", self.readout, "use generate, logits or both.")
+        check_max_new_tokens(self.max_new_tokens)
 
     @property
     def readouts(self) -> tuple[str, ...]:

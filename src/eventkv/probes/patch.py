@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
-from eventkv.errors import EventKVError
 from eventkv.log import TokenizedLog
+from eventkv.options import check_int, check_ints
 from eventkv.probes.base import Runtime, Summary, Table, register
 from eventkv.probes.donor_pair import INSTRUCTION, NAMES, QUESTION, event_text, last_state, menu
 from eventkv.probes.pairs import (D_CAPTION, PairProbe, PairArm, arm_table, d_table, event_id, primary_readout, run_pair,
@@ -59,15 +59,13 @@ class Patch(PairProbe):
     answer_prefix: str = "Answer:"
 
     def __post_init__(self) -> None:
-        self.lengths = tuple(int(x) for x in self.lengths)
+        self.lengths = tuple(self.lengths)
         self.validate()
 
     def validate(self) -> None:
-        if not self.lengths or min(self.lengths) < 4:
-            raise EventKVError(f"--lengths {','.join(map(str, self.lengths))}: give history lengths of at least 4 events "
-                               "(e.g. 24,48,96).")
-        if self.timing_repeats < 1:
-            raise EventKVError(f"timing_repeats={self.timing_repeats}: time each update at least once.")
+        check_ints("lengths", self.lengths, "give distinct history lengths of at least 4 events (e.g. 24,48,96).",
+                   minimum=4)
+        check_int("timing_repeats", self.timing_repeats, "time each update at least once.")
         self.check_readout()
 
     def pair_arms(self) -> list[PairArm]:

@@ -31,7 +31,8 @@ from typing import Sequence
 
 import torch
 
-from eventkv.errors import EventKVError
+from eventkv.errors import EventKVError, OptionError
+from eventkv.options import check_items
 from eventkv.probes.base import Probe, Runtime, Summary, get_probe
 
 MANIFEST = "manifest.json"
@@ -168,14 +169,26 @@ def run_probe(probe: Probe, rt: Runtime, *, model: str, items: int, seed: int, o
     Raises:
         EventKVError: a directory made with other settings, ``items < 1``, or a probe/model error.
     """
-    if items < 1:
-        raise EventKVError(f"--items {items}: run at least one item.")
+    check_run_items(probe, items)
     out = Path(out)
     manifest, todo = open_run(probe, rt, model=model, items=items, seed=seed, out=out)
     with progress_bar(progress, console) as bar:
         task = bar.add_task(f"{probe.name}", total=items, completed=items - len(todo)) if bar else None
         run_items(probe, rt, seed, out, manifest, todo, after=(lambda i: bar.advance(task)) if bar else None)
     return render(out, figure=figure)
+
+
+def check_run_items(probe: Probe, items) -> int:
+    """``items`` if it is a whole number >= 1 that ``probe`` can make (see :meth:`Probe.max_items`).
+
+    Raises:
+        OptionError: naming ``items`` and what is allowed.
+    """
+    check_items(items)
+    n = probe.max_items()
+    if n is not None and items > n:
+        raise OptionError("items", items, f"the task file holds {n} items: use --items {n} or fewer.")
+    return items
 
 
 def open_run(probe: Probe, rt: Runtime, *, model: str, items: int, seed: int, out: Path) -> tuple[dict, list[int]]:
@@ -189,6 +202,8 @@ def open_run(probe: Probe, rt: Runtime, *, model: str, items: int, seed: int, ou
         EventKVError: invalid options, or a directory holding records made with other settings.
     """
     probe.validate()
+    check_run_items(probe, items)
+    probe.check_model(rt)   # before the directory is made: a bad option leaves nothing behind
     ident = identity(probe, model, rt, seed)
     old = check_or_create(out, ident)
     done = {r["index"] for r in load_records(out, repair=True)}

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
 from eventkv.errors import EventKVError
+from eventkv.options import check_choices, check_slots
 from eventkv.probes.base import Runtime, Summary, Table, register
 from eventkv.probes.donor_pair import INSTRUCTION, NAMES, QUESTION, event_text, last_state, menu
 from eventkv.probes.pairs import PairProbe, PairArm, d_stats, describe_d, pair_stats, primary_readout, run_pair
@@ -90,14 +91,14 @@ class TriggerBank(PairProbe):
         self.validate()
 
     def validate(self) -> None:
+        check_slots(n_events=self.n_events, decoy_slot=self.decoy_slot, source_slots=self.source_slots,
+                    carrier_slot=self.carrier_slot)
         lo, hi = self.source_slots
         if not (0 <= self.decoy_slot < lo <= hi and hi + 1 < self.carrier_slot < self.n_events):
             raise EventKVError(f"layout decoy {self.decoy_slot}, source block {lo}-{hi + 1}, carrier {self.carrier_slot}, "
                                f"n_events {self.n_events}: needs decoy < source slots, source slot + 1 < carrier < n_events.")
         self.check_readout()
-        bad = [a for a in self.arm_names if a not in ARM_NAMES]
-        if bad or "kv" not in self.arm_names:
-            raise EventKVError(f"arms {','.join(self.arm_names)}: choose among {', '.join(ARM_NAMES)}, including kv.")
+        check_choices("arm_names", self.arm_names, ARM_NAMES, required=("kv",), flag="--arms", what="arms")
 
     def pair_arms(self) -> list[PairArm]:
         table = {"kv": PairArm("kv", "main", ("decoy", "carrier"), description="write-through: serve {decoy, carrier}"),
