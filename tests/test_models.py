@@ -138,9 +138,9 @@ def test_chat_scaffold_template_that_writes_bos_is_not_doubled():
 def test_plain_text_scaffold_without_chat_template():
     model = tiny_model(LlamaConfig(num_hidden_layers=1, **SMALL))
     with_bos = models.profile_for(model, tiny_tokenizer(add_bos=True, chat_template=None), "tiny")
-    assert (with_bos.scaffold, with_bos.chat_head, with_bos.chat_tail) == ("plain_text", "<s>User: ", "\nAssistant:")
+    assert (with_bos.scaffold, with_bos.chat_head, with_bos.chat_tail) == ("plain_text", "<s>User:\n", "\nAssistant:")
     no_bos = models.profile_for(model, tiny_tokenizer(add_bos=False, chat_template=None), "tiny")
-    assert (no_bos.chat_head, no_bos.chat_tail) == ("User: ", "\nAssistant:")
+    assert (no_bos.chat_head, no_bos.chat_tail) == ("User:\n", "\nAssistant:")
 
 
 def test_profile_to_dict_is_json():
@@ -370,7 +370,7 @@ def test_gemma3_plain_text_scaffold_and_layer_types():
     p = models.load("gemma3-270m").profile
     assert p.family == "gemma3_text"
     assert p.scaffold == "plain_text"
-    assert p.chat_head == "<bos>User: "
+    assert p.chat_head == "<bos>User:\n"
     assert p.layer_types == (("sliding_attention",) * 5 + ("full_attention",)) * 3
     assert p.sliding_window == 512
     assert (p.num_kv_heads, p.head_dim) == (1, 256)

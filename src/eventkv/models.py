@@ -42,6 +42,7 @@ import torch
 
 from eventkv import cache_dir
 from eventkv.errors import EventKVError
+from eventkv.log import encode
 from eventkv.options import DTYPE_CHOICES
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ __all__ = [
     "load",
     "profile_for",
     "pull",
+    "scaffold_seams",
 ]
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -66,8 +68,15 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
 """Token texts that end a turn in the common chat formats; each one present in a vocab is a stop token."""
 
-PLAIN_TEXT_HEAD = "User: "
+PLAIN_TEXT_HEAD = "User:\n"
+"""The plain-text scaffold's head. It ends in a newline, not a space: a trailing space would be
+tokenized on its own (Gemma 3: ``'User', ':', '▁', 'Dana'``) where the whole text has ``'▁Dana'``."""
 PLAIN_TEXT_TAIL = "\nAssistant:"
+
+SEAM_CONTENTS = ("Dana moved the key.", "hello world", "The red key", "42 apples", "3.5 kg", "7", "(see above)",
+                 "\"Quoted\" text", "- a list item", "? what", "Über café", "x")
+"""User contents whose piecewise ids must equal the whole text's at every scaffold seam (see `scaffold_seams`):
+several first words, digits, punctuation, a non-ASCII letter, one character."""
 
 _SENTINEL = "EVENTKV_USER_CONTENT_7f3a9c"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -104,7 +113,7 @@ class ModelProfile:
         chat_tail: the text after the user's content, up to and including the generation prompt
             (the assistant turn opener).
         scaffold: ``"chat_template"`` when head/tail come from the template; ``"plain_text"`` when
-            the tokenizer has no chat template (head = BOS text if needed + ``"User: "``, tail =
+            the tokenizer has no chat template (head = BOS text if needed + ``"User:\\n"``, tail =
             ``"\\nAssistant:"``); ``"none"`` when no tokenizer was given (head and tail empty).
         max_context: ``config.max_position_embeddings``, in tokens.
         stop_token_ids: EOS ids (generation config, config, tokenizer) then the ids of the
@@ -594,7 +603,28 @@ def _chat_scaffold(tokenizer: PreTrainedTokenizerBase | None, name: str) -> tupl
     head, tail = rendered.split(_SENTINEL)
     if bos_text and not head.startswith(bos_text):
         head = bos_text + head
+    bad = scaffold_seams(tokenizer, head, tail)
+    if bad:
+        # A template whose head ends where the tokenizer merges across (e.g. a trailing space before the
+        # content) cannot be tokenized piece by piece as a whole; say so rather than change its text.
+        logger.warning("the chat template of %r does not tokenize piece by piece as the whole prompt does at the "
+                       "head/content/tail seams (e.g. content %r); prompts keep the template's pieces", name, bad[0])
     return head, tail, "chat_template"
+
+
+def scaffold_seams(tokenizer: PreTrainedTokenizerBase, head: str, tail: str,
+                   contents: tuple[str, ...] = SEAM_CONTENTS) -> list[str]:
+    """The contents whose piecewise ids ``encode(head) + encode(content) + encode(tail)`` differ from
+    the ids of the whole text ``encode(head + content + tail)`` (`eventkv.log.encode`); empty when every
+    seam where the scaffold meets content tokenizes as the whole text does.
+
+    The packaged profiles and the tiny test tokenizer return ``[]`` for `SEAM_CONTENTS`. Stated
+    difference: content that itself begins or ends in whitespace (a newline, a space) may merge with the
+    head's closing newline or the tail's opening one in the whole text (``'\\n\\n'`` is one token in most
+    vocabularies); piecewise it stays apart, as the log's design keeps every event's tokens its own.
+    """
+    pieces = encode(tokenizer, head), encode(tokenizer, tail)
+    return [c for c in contents if pieces[0] + encode(tokenizer, c) + pieces[1] != encode(tokenizer, head + c + tail)]
 
 
 def _adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:

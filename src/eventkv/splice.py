@@ -103,7 +103,8 @@ class SplicePrompt:
     @classmethod
     def from_text(cls, tokenizer, profile, content: str) -> "SplicePrompt":
         """``profile.chat_head + content + profile.chat_tail``, each piece tokenized on its own
-        (without special tokens); the span is ``content``."""
+        (without special tokens, `eventkv.log.encode`); the span is ``content``. The pieces' ids equal
+        the whole text's at both seams (`eventkv.models.scaffold_seams`; tested for every profile)."""
         return cls(tuple(encode(tokenizer, profile.chat_head)), tuple(encode(tokenizer, content)),
                    tuple(encode(tokenizer, profile.chat_tail)))
 

@@ -61,6 +61,37 @@ def tiny_tokenizer():
     return fast
 
 
+def tiny_sentencepiece_tokenizer(prefix_space: bool = False, chat_template: str | None = None):
+    """A character-level SentencePiece-style tokenizer: a space becomes ``▁`` and merges with the next
+    character (``' D'`` is one token ``▁D``), as in Gemma's and Llama 2's vocabularies; BOS ``<s>`` is
+    prepended on encode. With ``prefix_space`` every text it encodes also gets a leading ``▁`` (Llama 2 /
+    Mistral: ``'Dana'`` → ``'▁D', 'a', 'n', 'a'``), without it none (Gemma 3). No chat template unless
+    given. Ids: 0 ``<unk>``, 1 ``<s>``, 2 ``</s>``, then under 320 symbols (fits the tiny models)."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if not c.isspace()] + ["\n", "Ü", "é"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁": 3}
+    for c in chars + ["▁" + c for c in chars if c != "\n"]:
+        vocab.setdefault(c, len(vocab))
+    merges = [("▁", c) for c in chars if c != "\n"]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    if prefix_space:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+        tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    else:
+        tok.normalizer = normalizers.Replace(" ", "▁")
+        tok.decoder = decoders.Replace("▁", " ")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    if chat_template is not None:
+        fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+        fast.chat_template = chat_template
+    return fast
+
+
 def tiny_lm(family: str = "llama", seed: int = 0):
     """A ``LoadedModel`` of a tiny random ``family`` model with :func:`tiny_tokenizer` (for tests)."""
     from eventkv.models import LoadedModel, profile_for
