@@ -110,12 +110,3 @@ def check_slots(**slots) -> None:
         else:
             check_int(field, value, "give a 0-based slot (slot i is event i+1 of the history).", minimum=0)
 
-
-# --------------------------------------------------------------- dtype (resolved by models.resolve_dtype)
-
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-"""What ``--dtype`` / ``models.load(dtype=...)`` accept; ``"auto"`` is resolved by ``models.resolve_dtype``."""
-
-DTYPE_HELP = ("auto (default): bfloat16 where the hardware computes it natively (CUDA on Ampere or later; a CPU "
-              "with AVX512-BF16 or AMX), else float32 | float32 | bfloat16 | float16. The choice and the reason "
-              "are recorded in the manifest")
