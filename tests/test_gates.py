@@ -1,7 +1,9 @@
 """Faithfulness gates of the data path (Study 1, "Setting", faithfulness gate), on tiny random
 models in float32. ``pytest -k gate`` selects them all.
 
-Tolerance: max |Δlogit| <= 1e-4 and the same argmax (measured: ~3e-7 on all four families).
+Tolerance: max |Δlogit| <= 1e-4 and the same argmax (measured: ~3e-7 on all four families); the
+argmax is compared where the reference's top two logits are more than 2e-4 apart, which is asserted
+(``eventkv.testing.assert_same_greedy``), so no comparison rests on a near-tie.
 """
 
 import random
@@ -13,7 +15,7 @@ from eventkv.log import TokenizedLog
 from eventkv.prefill import EventKV, prefill
 from eventkv.readout import candidate_logprobs, generate, query_logits
 from eventkv.serve import serve
-from eventkv.testing import TINY_FAMILIES, tiny_model
+from eventkv.testing import TINY_FAMILIES, assert_same_greedy, tiny_model
 
 TOL = 1e-4
 QUERY = [5, 6, 7, 8]
@@ -45,7 +47,7 @@ def max_diff(a, b):
 
 @pytest.mark.parametrize("mode", ["compact", "native"])
 def test_gate_all_events_equals_fresh_prefill(family_model, mode):
-    fam, model = family_model
+    _, model = family_model
     log = make_log()
     assert log.n_rows > 16, "history must exceed the Gemma 3 test window"
     ekv = prefill(model, log)
@@ -54,9 +56,7 @@ def test_gate_all_events_equals_fresh_prefill(family_model, mode):
     ids = log.input_ids + QUERY + gen.tokens
     pos = log.position_ids + list(range(log.history_end, log.history_end + len(QUERY) + 8))
     ref = fresh_logits(model, ids, pos)[log.n_rows + len(QUERY) - 1:]
-    for step, logits in enumerate(gen.logits):
-        assert max_diff(logits, ref[step]) <= TOL, (fam, mode, step)
-        assert int(logits.argmax()) == int(ref[step].argmax())
+    assert_same_greedy(gen.tokens, gen.logits, [int(r.argmax()) for r in ref[:8]], list(ref[:8]), TOL)
 
 
 def test_gate_chunked_prefill_equals_one_pass(family_model):
@@ -90,9 +90,7 @@ def test_gate_subset_compact_equals_native_masked(family_model):
     ekv = prefill(model, log)
     gc = generate(model, serve(ekv, SUBSET, "compact"), QUERY, max_new_tokens=8, keep_logits=True)
     gn = generate(model, serve(ekv, SUBSET, "native"), QUERY, max_new_tokens=8, keep_logits=True)
-    assert gc.tokens == gn.tokens
-    for a, b in zip(gc.logits, gn.logits):
-        assert max_diff(a, b) <= TOL
+    assert_same_greedy(gc.tokens, gc.logits, gn.tokens, gn.logits, TOL)
 
 
 def test_gate_gemma3_compact_and_native_differ_beyond_window():

@@ -12,8 +12,20 @@ from typer.testing import CliRunner
 
 from eventkv.errors import EventKVError
 from eventkv.splice_cli import build_probe, splice
-from eventkv.splice_probe import SpliceProbe, cell_table, mcnemar_exact, parse_cutoffs, summarize_splice
-from eventkv.splice_tasks import TASKS, builtin_items, load_jsonl, outcome_decided, score
+from eventkv.splice_probe import (
+    SpliceProbe,
+    cell_table,
+    mcnemar_exact,
+    parse_cutoffs,
+    summarize_splice,
+)
+from eventkv.splice_tasks import (
+    TASKS,
+    builtin_items,
+    load_jsonl,
+    outcome_decided,
+    score,
+)
 
 
 # ---------------------------------------------------------------- tasks
@@ -162,17 +174,22 @@ def test_splice_summary_counts():
 # ---------------------------------------------------------------- probe on a tiny model
 @pytest.mark.parametrize("match", ["exact", "word"])
 def test_splice_probe_records_on_a_tiny_model(match):
-    rt = tiny_runtime("gemma3")
+    # the answering model (by construction), not a random one: the cells are compared across batch
+    # shapes (early exit, batched vs clean decode), which a random model's near-ties could flip on some CPUs
+    rt = _answering_runtime("llama")
     probe = SpliceProbe(cutoffs="all", steps=(0, 2), arm_names=("scaffold", "zero-kv", "mask"), max_new_tokens=4,
                         match=match)
-    item = probe.items(0, [0])[0]
+    item = _vocab_items()[0]
     rec = json.loads(json.dumps(probe.run_item(rt, item)))
     n = rec["n_layers"]
     assert len(rec["cells"]) == 3 * (n + 1) * 2
     # cutoff n_layers splices nothing: every arm gives the clean answer
+    assert rec["clean"]["pred"] == "ONLINE" and rec["clean"]["correct"]
     for c in rec["cells"]:
         if c["cutoff"] == n:
             assert c["pred"] == rec["clean"]["pred"]
+        if (c["cutoff"], c["step"]) == (0, 0):  # the trigger spliced away before the first token
+            assert c["pred"] == "OFFLINE" and not c["correct"]
     assert probe.summarize([rec]).tables
     # ending decodes early once the outcome is fixed changes no score
     full = SpliceProbe(cutoffs="all", steps=(0, 2), arm_names=("scaffold", "zero-kv", "mask"), max_new_tokens=4,
@@ -185,70 +202,99 @@ STATES = ["ONLINE", "OFFLINE", "STANDBY"]
 
 
 def _vocab_items():
-    """Items over the tiny tokenizer's own words (other words are <unk>), with trained answers:
-    options items, a numeric item and a word item; some answers list several candidates."""
-    items, targets = [], []
+    """Items over the tiny tokenizer's own words (other words are <unk>): options items, a numeric
+    item and a word item. Each prompt holds one trigger word of :data:`LINES`."""
+    items = []
     for i, (name, st_) in enumerate([("ALPHA", "ONLINE"), ("BETA", "OFFLINE"), ("GAMMA", "STANDBY")]):
         items.append({"index": i, "prompt": f"register {name} is set to {st_}. What is the state of register {name}?",
                       "answer": st_, "options": STATES, "case_sensitive": False})
-    targets += ["the state is ONLINE.\nok", "OFFLINE or ONLINE\nok", "STANDBY\nok"]
     items.append({"index": 3, "prompt": "What is 40 + 2?", "answer": "42", "options": [], "case_sensitive": False})
-    targets.append("it is 42.\nok")
     items.append({"index": 4, "prompt": "What is the final word? DELTA", "answer": "DELTA", "options": [],
                   "case_sensitive": True})
-    targets.append("the final word is DELTA\nok")
-    return items, targets
+    return items
 
 
-def _trained_runtime(family: str, items, targets):
-    import torch
+#: What the answering model writes: with a trigger word in sight, that trigger's line; with no trigger
+#: in sight (None: the span was spliced away), "OFFLINE". Lines are right, wrong or right under one
+#: matcher only (word vs exact) on the items of _vocab_items.
+LINES = {"ALPHA": "ONLINE.", "BETA": "OFFLINE/ONLINE", "GAMMA": "STANDBY", "+": "is 42", "final": "word: DELTA",
+         None: "OFFLINE"}
 
-    from eventkv.splice import SplicePrompt
 
-    torch.manual_seed(0)
+def _answering_runtime(family: str):
+    """The probe tokenizer and profile with a model that answers by construction, not by training
+    (:func:`eventkv.testing.lookup_model`), so its answers are the same on every CPU: after the
+    prompt's last token (the chat tail's newline) it writes the line of the trigger word its
+    layer-0 attention finds in the prompt, a newline, and that line again (a cycle through the
+    newline) until ``max_new_tokens``; with no trigger in sight (a splice at layer 0 hid, zeroed or
+    replaced the span) it cycles through "OFFLINE"; from any other token it stops (``<|im_end|>``).
+    The splice code path it runs is the real one; only its weights are set by hand."""
+    from eventkv.log import encode
+    from eventkv.probes.base import Runtime
+    from eventkv.testing import lookup_model
+
     rt = tiny_runtime(family)
     tok = rt.tokenizer
-    opt = torch.optim.Adam(rt.model.parameters(), lr=1e-2)
-    seqs = []
-    for it, tgt in zip(items, targets):
-        prompt = SplicePrompt.from_text(tok, rt.profile, it["prompt"])
-        ans = tok(tgt, add_special_tokens=False)["input_ids"]
-        seqs.append((torch.tensor([prompt.ids + ans]), torch.tensor([[-100] * prompt.n_rows + ans])))
-    for _ in range(60):
-        for ids, labels in seqs:
-            loss = rt.model(input_ids=ids, labels=labels).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    rt.model.eval()
-    return rt
+    nl = tok.convert_tokens_to_ids("\n")
+    assert encode(tok, rt.profile.chat_tail)[-1] == nl  # the first prediction is made from the newline
+    table = {}
+    for trigger, line in LINES.items():
+        ids = [nl, *encode(tok, line)]
+        assert len(set(ids)) == len(ids), line  # one next token per (trigger, current token)
+        key = None if trigger is None else tok.convert_tokens_to_ids(trigger)
+        table[key] = {ids[i]: ids[(i + 1) % len(ids)] for i in range(len(ids))}
+    model = lookup_model(family, table, fallback=rt.stop_token_ids[0])
+    return Runtime(model, tok, rt.profile)
+
+
+#: per matcher: the clean generation with early exit (ended once its score is fixed) and without (10 tokens)
+CLEAN_TEXTS = {
+    "exact": ["ONLINE.\n", "OFFLINE/", "STANDBY\n", "is", "word"],
+    "word": ["ONLINE.\n", "OFFLINE/ONLINE\n", "STANDBY\n", "is 42\n", "word: DELTA\n"],
+    None: ["ONLINE.\nONLINE.\nONLINE.\nONLINE", "OFFLINE/ONLINE\nOFFLINE/ONLINE\nOFFLINE/", "STANDBY\n" * 5,
+           "is 42\nis 42\n", "word: DELTA\nword: DELTA\n"],
+}
 
 
 @pytest.mark.parametrize("match", ["exact", "word"])
-def test_splice_probe_early_exit_never_changes_a_score_on_trained_answers(match):
-    """Early exit on generations that do contain the answers (a tiny model trained for a few steps
-    on them), so the scored lines are neither all empty nor all wrong."""
-    items, targets = _vocab_items()
-    rt = _trained_runtime("llama", items, targets)
+def test_splice_probe_early_exit_never_changes_a_score_on_right_answers(match):
+    """Early exit on generations that do contain the answers (a model that answers by construction,
+    see _answering_runtime), so the scored lines are neither all empty nor all wrong.
+
+    Expected counts, per item (1 clean + 3 arms x 3 cutoffs x 3 steps = 28 scores): cutoffs 1 and
+    2 leave layer 0 (where the trigger is read) alone, so those 18 cells score as clean; cutoff 0
+    hides the trigger from the splice's step on: step 0 writes "OFFLINE" (right for item 1 only),
+    step 1 keeps the clean first token then stops (right for ONLINE, STANDBY, and OFFLINE from
+    "OFFLINE/"), step 3 keeps three clean tokens (right for items 0 and 2). exact: 25 + 6 + 25 + 0
+    + 0 = 56; word (items 3 and 4 are right in the clean line): 25 + 6 + 25 + 19 + 19 = 94."""
+    items = _vocab_items()
+    rt = _answering_runtime("llama")
     probe = SpliceProbe(task="sentiment", cutoffs="0,1,2", steps=(0, 1, 3), arm_names=("scaffold", "zero-kv", "mask"),
                         max_new_tokens=10, match=match)
     nofast = SpliceProbe(**{**probe.options(), "early_exit": False, "steps": (0, 1, 3)})
     recs = [probe.run_item(rt, it) for it in items]
     full = [nofast.run_item(rt, it) for it in items]
-    n_correct = n_all = n_cut = 0
+    assert [r["clean"]["text"] for r in recs] == CLEAN_TEXTS[match]
+    assert [f["clean"]["text"] for f in full] == CLEAN_TEXTS[None]
+    n_correct = n_all = n_cut = n_moot = 0
     for r, f in zip(recs, full):
         assert r["clean"]["correct"] == f["clean"]["correct"]
         assert [c["correct"] for c in r["cells"]] == [c["correct"] for c in f["cells"]]
         n_correct += r["clean"]["correct"] + sum(c["correct"] for c in r["cells"])
         n_all += 1 + len(r["cells"])
         n_cut += len(r["clean"]["text"]) < len(f["clean"]["text"])
-    assert 0 < n_correct < n_all  # mixed outcomes, so the comparison can fail
-    assert n_cut > 0  # and early exit did end some generations
+        # a splice from a step after the early-ended clean run never takes effect; without early exit it does
+        n_moot += sum(not c["effect"] and fc["effect"] for c, fc in zip(r["cells"], f["cells"]))
+    assert (n_correct, n_all) == ({"exact": 56, "word": 94}[match], 140)  # mixed outcomes: the comparison can fail
+    assert n_cut == 5  # early exit ended every clean generation
+    # 9 cells a step: exact ends the clean runs after 3, 2, 2, 1, 1 tokens (step 3 moot in all, step 1 in the
+    # last two); word after 3, 4, 2, 5, 5 tokens (step 3 moot in items 0 and 2)
+    assert n_moot == {"exact": 9 + 9 + 9 + 18 + 18, "word": 9 + 0 + 9 + 0 + 0}[match]
 
 
 def test_splice_probe_choice_readout_on_a_tiny_model():
-    items, targets = _vocab_items()
-    rt = _trained_runtime("qwen2", items, targets)
+    items = _vocab_items()
+    rt = _answering_runtime("qwen2")
     probe = SpliceProbe(task="sentiment", cutoffs="all", arm_names=("scaffold", "zero-kv", "mask"), readout="choice")
     probe.validate()
     item = items[2]
@@ -256,13 +302,19 @@ def test_splice_probe_choice_readout_on_a_tiny_model():
     n = rec["n_layers"]
     assert len(rec["cells"]) == 3 * (n + 1)
     assert set(rec["clean"]["logprobs"]) == set(STATES)
-    assert rec["clean"]["correct"] and rec["clean"]["pred"] == "STANDBY"  # trained: the gold option wins
+    assert rec["clean"]["correct"] and rec["clean"]["pred"] == "STANDBY"  # by construction: the gold option wins
+    assert rec["clean"]["logprobs"]["STANDBY"] > -1e-3 and rec["clean"]["logprobs"]["ONLINE"] < -30
     for c in rec["cells"]:
         assert c["step"] == 0 and set(c["logprobs"]) == set(STATES)
         if c["cutoff"] == n:  # nothing spliced: the clean scores
             assert c["pred"] == rec["clean"]["pred"]
             for o in STATES:
                 assert c["logprobs"][o] == pytest.approx(rec["clean"]["logprobs"][o], abs=1e-4)
+        # the trigger is read in layer 0: a cutoff above it changes nothing; cutoff 0 hides it and the
+        # model falls back to its no-trigger answer, OFFLINE, by a margin of more than 10 nats
+        want = "OFFLINE" if c["cutoff"] == 0 else "STANDBY"
+        assert (c["pred"], c["correct"]) == (want, want == "STANDBY"), c
+        assert c["logprobs"][want] > max(lp for o, lp in c["logprobs"].items() if o != want) + 10
     zero0 = next(c for c in rec["cells"] if c["arm"] == "zero-kv" and c["cutoff"] == 0)
     assert any(abs(zero0["logprobs"][o] - rec["clean"]["logprobs"][o]) > 1e-3 for o in STATES)
     s = probe.summarize([rec])
