@@ -10,7 +10,7 @@ import torch
 from eventkv.errors import EventKVError
 from eventkv.log import Event, EventLog, tokenize, tokenize_query
 from eventkv.prefill import EventKV, prefill
-from eventkv.probes.batched import read_out
+from eventkv.readout import read_out
 from eventkv.readout import candidate_logprobs, generate
 from eventkv.serve import serve
 from eventkv.testing import tiny_lm

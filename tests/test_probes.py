@@ -11,7 +11,7 @@ from probe_fixtures import tiny_runtime
 from eventkv.errors import EventKVError
 from eventkv.log import TokenizedLog, tokenize_query
 from eventkv.probes import DonorPair, get_probe, load_probes
-from eventkv.probes.batched import read_out
+from eventkv.readout import read_out
 from eventkv.probes.donor_pair import donor_d, last_state, log_odds, outcome, summarize_donor_pairs
 from eventkv.readout import candidate_logprobs, generate
 from eventkv.serve import serve

@@ -1,11 +1,27 @@
-"""Readouts: answer a query from a served cache (Study 1, "Donor pair", readouts).
+"""Readouts: answer a query from served caches (Study 1, "Donor pair", readouts).
 
-* :func:`generate` — our own greedy decode loop (max new tokens, stops on EOS/end-of-turn).
+One implementation, batched: :func:`read_out` answers one query from several served caches at
+once, and the single-cache functions are that same path with a batch of one.
+
+* :func:`generate` — greedy decoding (max new tokens, stops on EOS/end-of-turn).
 * :func:`candidate_logprobs` — forced choice: every candidate's full continuation is scored
   (sum of its tokens' log-probabilities), all candidates in one batched forward.
+* :func:`token_logprobs` — the one place a log-probability is computed: a float64 log-softmax
+  of the float32 logits, so sums over many tokens and a large vocabulary match a float64
+  reference within 1e-5 nats (a float32 log-softmax over a 49k vocabulary drifted by up to
+  2.4e-4 nats on 12-token candidates).
 
-Both take the query's token ids (question + chat tail) and place them at positions starting
-at ``served.next_position`` (right after the full history). Neither modifies the served cache.
+Queries are placed at positions starting at ``served.next_position`` (right after the full
+history). Nothing here modifies a served cache.
+
+Why batching is the default: on a CPU a decode step costs about the same for 1 or 8 sequences
+(reading the weights dominates), so every arm of a donor pair is answered in one batch: the
+served caches are left-padded with masked rows to a common row count, the query runs once for
+the whole batch, candidate scoring branches off the query's cache in one forward, and greedy
+decoding runs the generating arms together. Pad rows are masked out of attention (weight
+exactly 0), every sequence keeps its own position ids, and on sliding-window layers the window
+still counts the sequence's own rows (padding sits before the header, outside any window that
+reaches real rows before it would reach the pad).
 """
 
 from __future__ import annotations
@@ -14,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from eventkv.errors import EventKVError
 from eventkv.prefill import check_context, model_forward
@@ -44,34 +62,281 @@ class CandidateScore:
     prob: float = 0.0
 
 
-def _device(model) -> torch.device:
-    return next(model.parameters()).device
+@dataclass
+class Readout:
+    """What one served cache answered: its greedy generation (or None) and its candidate scores
+    (empty when not asked)."""
+
+    generation: Generation | None
+    candidates: list[CandidateScore]
 
 
-def _start(model, served: ServedCache, query_ids: Sequence[int], max_context: int | None, extra: int = 0):
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities (nats, float64) of ``token_ids`` under ``logits``.
+
+    Args:
+        logits: ``[..., vocab]`` (any float dtype; promoted to float64 before the log-softmax).
+        token_ids: ``[...]`` int64, the same leading shape.
+
+    Returns:
+        ``[...]`` float64.
+    """
+    lp = torch.log_softmax(logits.double(), dim=-1)
+    return lp.gather(-1, token_ids.to(lp.device).unsqueeze(-1)).squeeze(-1)
+
+
+class GrowingLayer(DynamicLayer):
+    """A cache layer over a preallocated buffer ``[batch, kv_heads, capacity, head_dim]``: new rows
+    are written in place (no ``torch.cat`` of the whole cache per decode step); ``keys`` and
+    ``values`` are views of the filled rows. The buffer doubles when full."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
+        super().__init__()
+        b, h, n, d = keys.shape
+        cap = max(capacity, n)
+        self._k = keys.new_empty(b, h, cap, d)
+        self._v = values.new_empty(b, h, cap, values.shape[3])
+        self._k[:, :, :n] = keys
+        self._v[:, :, :n] = values
+        self.n = n
+        self.device = keys.device
+        self.is_initialized = True
+        self._views()
+
+    def _views(self) -> None:
+        self.keys = self._k[:, :, : self.n]
+        self.values = self._v[:, :, : self.n]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        q = key_states.shape[-2]
+        if self.n + q > self._k.shape[2]:
+            cap = 2 * (self.n + q)
+            k, v = self._k.new_empty(*self._k.shape[:2], cap, self._k.shape[3]), self._v.new_empty(*self._v.shape[:2], cap, self._v.shape[3])
+            k[:, :, : self.n], v[:, :, : self.n] = self.keys, self.values
+            self._k, self._v = k, v
+        self._k[:, :, self.n: self.n + q] = key_states
+        self._v[:, :, self.n: self.n + q] = value_states
+        self.n += q
+        self._views()
+        return self.keys, self.values
+
+
+def growing_cache(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], capacity: int) -> DynamicCache:
+    """A ``DynamicCache`` whose layers are :class:`GrowingLayer` s holding these rows (copied)."""
+    cache = DynamicCache()
+    cache.layers = [GrowingLayer(k, v, capacity) for k, v in zip(keys, values)]
+    return cache
+
+
+@dataclass
+class Batch:
+    """Several served caches stacked on the batch axis.
+
+    cache: a DynamicCache of GrowingLayers, per layer ``[batch, kv_heads, rows, head_dim]``
+    (left-padded with zero rows); mask: ``[batch, rows]`` bool, False on pad rows and on rows a
+    native cache hides; next_position: ``[batch]`` int64, each sequence's first query position.
+    """
+
+    cache: DynamicCache
+    mask: torch.Tensor
+    next_position: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return int(self.mask.shape[0])
+
+    def select(self, idx: Sequence[int], capacity: int) -> "Batch":
+        """A copy of the sub-batch at ``idx`` (indices may repeat) with room for ``capacity`` rows."""
+        i = torch.tensor(list(idx), dtype=torch.long, device=self.mask.device)
+        layers = self.cache.layers
+        cache = growing_cache([l.keys.index_select(0, i) for l in layers],
+                              [l.values.index_select(0, i) for l in layers], capacity)
+        return Batch(cache, self.mask.index_select(0, i), self.next_position.index_select(0, i.cpu()))
+
+    def forward(self, model, ids: torch.Tensor, offset: int, logits_to_keep: int = 0) -> torch.Tensor:
+        """Append ``ids [batch, q]`` (at positions ``next_position + offset + arange(q)``) to this
+        batch's rows; returns logits ``[batch, q or logits_to_keep, vocab]``."""
+        dev = self.mask.device
+        b, q = ids.shape
+        pos = self.next_position.to(dev).unsqueeze(1) + offset + torch.arange(q, device=dev).unsqueeze(0)
+        self.mask = torch.cat([self.mask, torch.ones(b, q, dtype=torch.bool, device=dev)], dim=1)
+        return model_forward(model, ids.to(dev), pos, self.cache, self.mask, logits_to_keep=logits_to_keep)
+
+
+def stack(served: Sequence[ServedCache], extra: int = 0) -> Batch:
+    """Left-pad the served caches to a common row count and stack them (``[batch, ...]``), with
+    room for ``extra`` more rows."""
+    if not served:
+        raise EventKVError("nothing to read out: give at least one served cache.")
+    n = max(s.n_rows for s in served)
+    dev = served[0].keys[0].device
+    layers = []
+    for layer in range(len(served[0].keys)):
+        k0, v0 = served[0].keys[layer], served[0].values[layer]
+        k = k0.new_zeros(len(served), k0.shape[1], n + extra, k0.shape[3])
+        v = v0.new_zeros(len(served), v0.shape[1], n + extra, v0.shape[3])
+        for i, s in enumerate(served):
+            r = s.n_rows
+            k[i, :, n - r: n] = s.keys[layer][0]
+            v[i, :, n - r: n] = s.values[layer][0]
+        gl = GrowingLayer.__new__(GrowingLayer)
+        DynamicLayer.__init__(gl)
+        gl._k, gl._v, gl.n, gl.device, gl.is_initialized = k, v, n, dev, True
+        gl._views()
+        layers.append(gl)
+    cache = DynamicCache()
+    cache.layers = layers
+    mask = torch.zeros(len(served), n, dtype=torch.bool, device=dev)
+    for i, s in enumerate(served):
+        vis = s.visible if s.visible is not None else torch.ones(s.n_rows, dtype=torch.bool)
+        mask[i, n - s.n_rows:] = vis.to(dev)
+    nxt = torch.tensor([s.next_position for s in served], dtype=torch.long)
+    return Batch(cache, mask, nxt)
+
+
+@torch.inference_mode()
+def read_out(model, served: Sequence[ServedCache], query_ids: Sequence[int], *, generate: Sequence[bool],
+             score: Sequence[bool], candidates: Sequence[Sequence[int]] = (), candidate_texts: Sequence[str] = (),
+             answer_prefix_ids: Sequence[int] = (), max_new_tokens: int = 64, stop_token_ids: Sequence[int] = (),
+             tokenizer=None, max_context: int | None = None, keep_logits: bool = False) -> list[Readout]:
+    """Answer one query from several served caches in batched forwards.
+
+    Args:
+        served: the served caches (any modes, any row counts).
+        query_ids: the query's token ids (question + chat tail), the same for every cache.
+        generate: per cache, whether to decode greedily (up to ``max_new_tokens``, stopping on
+            ``stop_token_ids``, which are not emitted).
+        score: per cache, whether to score the candidates.
+        candidates: token ids per candidate; each is scored as the continuation of
+            ``query_ids + answer_prefix_ids`` (full continuation: sum of its tokens' log-probs, nats).
+        answer_prefix_ids: forced answer opener placed before the candidates (e.g. ``"Answer:"``).
+        keep_logits: keep each generated step's logits ``[vocab]`` in ``Generation.logits``.
+
+    Returns:
+        one Readout per served cache, in order.
+
+    Raises:
+        EventKVError: ``generate`` or ``score`` not one flag per served cache, empty query, empty
+            candidate, or history + query beyond the model's context.
+    """
+    if len(generate) != len(served) or len(score) != len(served):
+        raise EventKVError(f"read_out got {len(served)} served caches but {len(generate)} generate and {len(score)} "
+                           f"score flags: give one generate flag and one score flag per served cache.")
     if not query_ids:
         raise EventKVError("the query is empty: give a question.")
-    check_context(served.next_position + len(query_ids) + extra, max_context, what="history plus query")
-    dev = _device(model)
-    cache = served.to_cache()
-    ids = torch.tensor([list(query_ids)], device=dev)
-    pos = torch.arange(served.next_position, served.next_position + len(query_ids), device=dev).unsqueeze(0)
-    mask = served.attention_mask(len(query_ids))
-    logits = model_forward(model, ids, pos, cache, mask, logits_to_keep=1)[0, -1]
-    return cache, logits
+    if any(score) and (not candidates or any(len(c) == 0 for c in candidates)):
+        raise EventKVError("candidate scoring needs at least one candidate and no empty candidate.")
+    longest = max([len(c) for c in candidates], default=0) + len(answer_prefix_ids)
+    for s in served:
+        check_context(s.next_position + len(query_ids) + max(max_new_tokens, longest), max_context,
+                      what="history plus query")
+    batch = stack(served, extra=q_len_extra(query_ids, max_new_tokens, longest))
+    dev = batch.mask.device
+    q = len(query_ids)
+    first = batch.forward(model, torch.tensor([list(query_ids)] * batch.size, device=dev), 0, logits_to_keep=1)[:, -1]
+    out = [Readout(None, []) for _ in served]
 
+    scored = [i for i, f in enumerate(score) if f]
+    if scored:
+        _score(model, batch, first, scored, q, candidates, candidate_texts, list(answer_prefix_ids), out)
+    gens = [i for i, f in enumerate(generate) if f]
+    if gens:
+        sub = batch if len(gens) == batch.size else batch.select(gens, batch.mask.shape[1] + max_new_tokens)
+        _generate(model, sub, first[gens], gens, q, max_new_tokens,
+                  set(int(t) for t in stop_token_ids), tokenizer, out, keep_logits)
+    return out
+
+
+def q_len_extra(query_ids: Sequence[int], max_new_tokens: int, longest: int) -> int:
+    """Rows a batch must have room for beyond its served rows: the query plus the longer of the
+    generation and the candidate continuation."""
+    return len(query_ids) + max(max_new_tokens, longest)
+
+
+def _score(model, batch: Batch, first: torch.Tensor, scored: list[int], q: int, candidates, texts,
+           prefix: list[int], out: list[Readout]) -> None:
+    n_c = len(candidates)
+    seqs = [prefix + list(c) for c in candidates]
+    width = max(len(s) for s in seqs) - 1
+    # the first token of every sequence is scored from the query's logits, token k > 0 from the
+    # branch forward's output k - 1; targets are right-padded with token 0 (those entries are unread)
+    first_lp = token_logprobs(first[scored].unsqueeze(1).expand(-1, n_c, -1),
+                              torch.tensor([[s[0] for s in seqs]] * len(scored)))        # [scored, n_c]
+    lp = None
+    if width > 0:
+        sub = batch.select([i for i in scored for _ in range(n_c)], batch.mask.shape[1] + width)
+        ids = torch.zeros(sub.size, width, dtype=torch.long)
+        targets = torch.zeros(sub.size, width, dtype=torch.long)
+        for r in range(sub.size):
+            s = seqs[r % n_c]
+            ids[r, : len(s) - 1] = torch.tensor(s[:-1])
+            targets[r, : len(s) - 1] = torch.tensor(s[1:])
+        lp = token_logprobs(sub.forward(model, ids, q), targets).cpu()                 # [scored * n_c, width]
+    first_lp = first_lp.cpu()
+    for a, i in enumerate(scored):
+        per = []
+        for c, s in enumerate(seqs):
+            r = a * n_c + c
+            per.append([float(first_lp[a, c]) if k == 0 else float(lp[r, k - 1]) for k in range(len(prefix), len(s))])
+        totals = torch.tensor([sum(t) for t in per], dtype=torch.float64)
+        probs = torch.softmax(totals, dim=0)
+        out[i].candidates = [CandidateScore(texts[c] if texts else "", list(candidates[c]), float(totals[c]),
+                                            per[c], float(probs[c])) for c in range(n_c)]
+
+
+def _generate(model, batch: Batch, logits: torch.Tensor, owners: list[int], q: int, max_new: int,
+              stops: set[int], tokenizer, out: list[Readout], keep_logits: bool = False) -> None:
+    """Greedy decoding of the whole batch; a sequence that has stopped keeps being fed its last
+    token (its rows are never read) so the batch never has to be copied."""
+    gens = [Generation(tokens=[]) for _ in owners]
+    done = [max_new <= 0] * len(owners)
+    step = 0
+    while not all(done):
+        toks = torch.argmax(logits, dim=-1).tolist()
+        feed = []
+        for r, g in enumerate(gens):
+            t = int(toks[r])
+            if not done[r]:
+                if keep_logits:
+                    g.logits.append(logits[r])
+                if t in stops:
+                    g.stopped = True
+                    done[r] = True
+                else:
+                    g.tokens.append(t)
+                    done[r] = len(g.tokens) >= max_new
+            feed.append(t)
+        if all(done):
+            break
+        logits = batch.forward(model, torch.tensor(feed, dtype=torch.long).unsqueeze(1), q + step, logits_to_keep=1)[:, -1]
+        step += 1
+    for g, i in zip(gens, owners):
+        if tokenizer is not None:
+            g.text = tokenizer.decode(g.tokens, skip_special_tokens=True)
+        out[i].generation = g
+
+
+# ------------------------------------------------------------------ one served cache: a batch of one
 
 @torch.inference_mode()
 def query_logits(model, served: ServedCache, query_ids: Sequence[int], max_context: int | None = None) -> torch.Tensor:
-    """Next-token logits ``[vocab]`` (float32) after the query."""
-    return _start(model, served, query_ids, max_context)[1]
+    """Next-token logits ``[vocab]`` (float32) after the query.
+
+    Raises:
+        EventKVError: empty query, or history + query beyond the model's context.
+    """
+    if not query_ids:
+        raise EventKVError("the query is empty: give a question.")
+    check_context(served.next_position + len(query_ids), max_context, what="history plus query")
+    batch = stack([served], extra=len(query_ids))
+    ids = torch.tensor([list(query_ids)], device=batch.mask.device)
+    return batch.forward(model, ids, 0, logits_to_keep=1)[0, -1]
 
 
-@torch.inference_mode()
 def generate(model, served: ServedCache, query_ids: Sequence[int], *, max_new_tokens: int = 64,
              stop_token_ids: Sequence[int] = (), tokenizer=None, max_context: int | None = None,
              keep_logits: bool = False) -> Generation:
-    """Greedy decoding from a served cache.
+    """Greedy decoding from a served cache (:func:`read_out` with one cache).
 
     Args:
         query_ids: the query's token ids (placed at ``served.next_position`` onwards).
@@ -83,36 +348,14 @@ def generate(model, served: ServedCache, query_ids: Sequence[int], *, max_new_to
     Raises:
         EventKVError: empty query, or history + query + new tokens beyond the model's context.
     """
-    cache, logits = _start(model, served, query_ids, max_context, extra=max_new_tokens)
-    dev = _device(model)
-    stops = set(int(t) for t in stop_token_ids)
-    out = Generation(tokens=[])
-    pos = served.next_position + len(query_ids)
-    n_rows_new = len(query_ids)
-    for _ in range(max_new_tokens):
-        if keep_logits:
-            out.logits.append(logits)
-        tok = int(torch.argmax(logits))
-        if tok in stops:
-            out.stopped = True
-            break
-        out.tokens.append(tok)
-        if len(out.tokens) == max_new_tokens:
-            break
-        n_rows_new += 1
-        mask = served.attention_mask(n_rows_new)
-        logits = model_forward(model, torch.tensor([[tok]], device=dev), torch.tensor([[pos]], device=dev),
-                               cache, mask, logits_to_keep=1)[0, -1]
-        pos += 1
-    if tokenizer is not None:
-        out.text = tokenizer.decode(out.tokens, skip_special_tokens=True)
-    return out
+    return read_out(model, [served], query_ids, generate=[True], score=[False], max_new_tokens=max_new_tokens,
+                    stop_token_ids=stop_token_ids, tokenizer=tokenizer, max_context=max_context,
+                    keep_logits=keep_logits)[0].generation
 
 
-@torch.inference_mode()
 def candidate_logprobs(model, served: ServedCache, query_ids: Sequence[int], candidates: Sequence[Sequence[int]],
                        texts: Sequence[str] | None = None, max_context: int | None = None) -> list[CandidateScore]:
-    """Score each candidate continuation of the query (forced choice).
+    """Score each candidate continuation of the query (forced choice; :func:`read_out` with one cache).
 
     Args:
         candidates: token ids per candidate (non-empty each); scored in one batched forward of
@@ -120,34 +363,12 @@ def candidate_logprobs(model, served: ServedCache, query_ids: Sequence[int], can
         texts: optional display text per candidate.
 
     Returns:
-        one CandidateScore per candidate, in input order; ``logprob`` in nats.
+        one CandidateScore per candidate, in input order; ``logprob`` in nats (float64 sums).
 
     Raises:
-        EventKVError: no candidates or an empty candidate.
+        EventKVError: no candidates or an empty candidate; history + query beyond the context.
     """
     if not candidates or any(len(c) == 0 for c in candidates):
         raise EventKVError("candidate scoring needs at least one candidate and no empty candidate.")
-    longest = max(len(c) for c in candidates)
-    cache, logits = _start(model, served, query_ids, max_context, extra=longest)
-    first = torch.log_softmax(logits, dim=-1)
-    per_token = [[float(first[c[0]])] for c in candidates]
-    if longest > 1:
-        dev = _device(model)
-        b, n = len(candidates), longest - 1
-        ids = torch.zeros(b, n, dtype=torch.long, device=dev)
-        for i, c in enumerate(candidates):
-            ids[i, : len(c) - 1] = torch.tensor(list(c[:-1]))
-        start = served.next_position + len(query_ids)
-        pos = torch.arange(start, start + n, device=dev).unsqueeze(0).expand(b, -1)
-        for layer in cache.layers:
-            layer.keys = layer.keys.expand(b, -1, -1, -1)
-            layer.values = layer.values.expand(b, -1, -1, -1)
-        base = served.attention_mask(len(query_ids) + n, batch=b)
-        lp = torch.log_softmax(model_forward(model, ids, pos, cache, base), dim=-1)
-        for i, c in enumerate(candidates):
-            for j in range(1, len(c)):
-                per_token[i].append(float(lp[i, j - 1, c[j]]))
-    totals = torch.tensor([sum(t) for t in per_token], dtype=torch.float64)
-    probs = torch.softmax(totals, dim=0)
-    return [CandidateScore(texts[i] if texts else "", list(c), float(totals[i]), per_token[i], float(probs[i]))
-            for i, c in enumerate(candidates)]
+    return read_out(model, [served], query_ids, generate=[False], score=[True], candidates=candidates,
+                    candidate_texts=texts or (), max_new_tokens=0, max_context=max_context)[0].candidates

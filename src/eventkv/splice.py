@@ -61,6 +61,7 @@ import torch
 from eventkv.errors import EventKVError
 from eventkv.log import encode
 from eventkv.prefill import cache_from_rows, check_context, model_forward
+from eventkv.readout import token_logprobs
 
 ARMS = ("clean", "scaffold", "zero-kv", "zero-k", "zero-v", "mask", "mean")
 TAILS = ("clean", "spliced")
@@ -568,13 +569,12 @@ def splice_choice(model, run: CleanRun, splices: Sequence[Splice], options: Sequ
         pos = torch.arange(r0, r0 + width, device=dev).unsqueeze(0).expand(b * n_opt, -1)
         with span_masked(model, (lo, hi), plan, head_plan or None):
             logits = model_forward(model, batch_ids, pos, cache_from_rows(keys, values))
-        lp = torch.log_softmax(logits, dim=-1)
         for e in range(b):
             row = []
             for c, o in enumerate(options):
                 x = e * n_opt + c
-                at = torch.arange(len(forced) - 1, len(forced) - 1 + len(o), device=lp.device)
-                row.append(float(lp[x, at, torch.tensor(list(o), device=lp.device)].double().sum()))
+                at = torch.arange(len(forced) - 1, len(forced) - 1 + len(o), device=logits.device)
+                row.append(float(token_logprobs(logits[x, at], torch.tensor(list(o))).sum()))
             out.append(row)
     return out
 

@@ -59,7 +59,7 @@ from eventkv.errors import EventKVError, OptionError
 from eventkv.log import TokenizedLog, tokenize_query
 from eventkv.options import check_choices, check_max_new_tokens, check_slots
 from eventkv.probes.base import Arm, Probe, Runtime, Summary, Table, register
-from eventkv.probes.batched import read_out
+from eventkv.readout import read_out
 from eventkv.serve import ServedCache, serve
 from eventkv.stats import format_p, median, require_finite, sign_test, sign_test_d, wilcoxon_d, wilson
 

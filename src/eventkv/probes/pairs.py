@@ -40,7 +40,7 @@ from eventkv.log import HEADER_ID, TokenizedLog, tokenize_query
 from eventkv.options import check_max_new_tokens, check_slots
 from eventkv.prefill import EventKV
 from eventkv.probes.base import Arm, Probe, Runtime
-from eventkv.probes.batched import read_out
+from eventkv.readout import read_out
 from eventkv.probes.donor_pair import donor_d, outcome
 from eventkv.serve import ServedCache, serve
 
