@@ -11,10 +11,10 @@ from probe_fixtures import tiny_runtime
 from eventkv.errors import EventKVError
 from eventkv.log import TokenizedLog, tokenize_query
 from eventkv.probes import DonorPair, get_probe, load_probes
-from eventkv.readout import read_out
 from eventkv.probes.donor_pair import donor_d, last_state, log_odds, outcome, summarize_donor_pairs
-from eventkv.readout import candidate_logprobs, generate
+from eventkv.readout import candidate_logprobs, generate, read_out
 from eventkv.serve import serve
+from eventkv.testing import assert_same_greedy
 
 
 # ---------------------------------------------------------------- registry: every probe, tiny models
@@ -56,10 +56,12 @@ def test_batched_readout_equals_single_readouts(family):
     prefix = rt.encode("Answer:")
     batched = read_out(rt.model, served, query, generate=[True] * 4, score=[True] * 4, candidates=cands,
                        candidate_texts=["ONLINE", "OFFLINE", "X"], answer_prefix_ids=prefix, max_new_tokens=12,
-                       stop_token_ids=rt.stop_token_ids + [rt.encode("[")[0]])
+                       stop_token_ids=rt.stop_token_ids + [rt.encode("[")[0]], keep_logits=True)
     for s, b in zip(served, batched):
-        g = generate(rt.model, s, query, max_new_tokens=12, stop_token_ids=rt.stop_token_ids + [rt.encode("[")[0]])
-        assert b.generation.tokens == g.tokens and b.generation.stopped == g.stopped
+        g = generate(rt.model, s, query, max_new_tokens=12, stop_token_ids=rt.stop_token_ids + [rt.encode("[")[0]],
+                     keep_logits=True)
+        assert_same_greedy(b.generation.tokens, b.generation.logits, g.tokens, g.logits, tol=1e-4)
+        assert b.generation.stopped == g.stopped
         single = candidate_logprobs(rt.model, s, query + prefix, cands)
         for x, y in zip(b.candidates, single):
             assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
