@@ -30,7 +30,7 @@ BAD_LINES = [
     (b'{"id": " e1", "text": "hi"}', 'has id = " e1": give a non-empty string without commas or surrounding spaces'),
     (b'{"id": "e1", "text": "hi", "role": 5}', "has role = 5: give a non-empty string"),
     (b'{"id": "e1", "text": "hi", "role": ""}', 'has role = "": give a non-empty string'),
-    (b'{"id": "e1", "text": "hi", "budjet": 5}', "has an unknown key 'budjet': an event's keys are id, text, role, budget"),
+    (b'{"id": "e1", "text": "hi", "budjet": 5}', "has an unknown key 'budjet': the keys of an event are id, text, role, budget"),
     (b'{"id": "e1"}', "has no 'text'"),
     (b'{"text": "hi"}', "has no 'id'"),
     (b'[1, 2]', "is list [1, 2]: an event is a JSON object"),
@@ -88,7 +88,7 @@ def test_prefill_refuses_a_bad_chunk_size(chunk_size):
 
     lm = tiny_lm("llama")
     tlog = tokenize(EventLog([Event("a", "some history")]), lm.tokenizer, lm.profile)
-    with pytest.raises(EventKVError, match=r"^chunk_size=\S+: give a positive number of tokens per forward"):
+    with pytest.raises(EventKVError, match=r"^chunk_size \S+: give a positive number of tokens per forward"):
         prefill(lm.model, tlog, chunk_size=chunk_size)
 
 
@@ -109,3 +109,38 @@ def test_cli_query_gives_one_line_and_exit_2_before_loading(tmp_path, monkeypatc
     assert err.startswith("error: ") and "Traceback" not in err
     assert message in err.replace("\n", "")
     assert not store.exists()
+
+
+TASK_LINES = [
+    (b'{"prompt": 5, "answer": "x"}', "has prompt = 5: give the prompt as a non-empty string"),
+    (b'{"prompt": "p", "answer": " "}', 'has answer = " ": give the answer as a non-empty string'),
+    (b'{"prompt": "p", "answer": "x", "case_sensitive": "no"}', 'has case_sensitive = "no": give true or false'),
+    (b'{"prompt": "p", "answer": "x", "options": ["a", "b"]}', 'has options = ["a", "b"]: give a list of distinct '
+                                                                 "non-empty strings that includes the answer"),
+    (b'{"prompt": "p", "answer": "x", "options": ["x", "X"]}', 'has options = ["x", "X"]: give a list of distinct'),
+    (b'{"prompt": "p", "answer": "x", "options": ["x", 3]}', "has options[1] = 3: give a list"),
+    (b'{"prompt": "p", "answer": "x", "options": "x,y"}', 'has options = "x,y": give a list'),
+    (b'{"prompt": "p", "answer": "x", "opts": []}', "has an unknown key 'opts': the keys of a task item are prompt"),
+    (b'{"prompt": "p", "answer": "X", "options": ["x", "y"], "case_sensitive": true}', 'has options = ["x", "y"]'),
+    (b'{"prompt": "caf\xe9", "answer": "x"}', "is not UTF-8 text (byte 0xe9 at offset 15, line 1)"),
+]
+
+
+@pytest.mark.parametrize("line, message", TASK_LINES, ids=[m[:30] for _, m in TASK_LINES])
+def test_splice_task_files_use_the_same_strict_schema(tmp_path, line, message):
+    from eventkv.splice_tasks import load_jsonl
+
+    p = tmp_path / "task.jsonl"
+    p.write_bytes(line + b"\n")
+    with pytest.raises(EventKVError) as exc:
+        load_jsonl(p)
+    assert message in str(exc.value)
+
+
+def test_a_good_task_line_keeps_its_values(tmp_path):
+    from eventkv.splice_tasks import load_jsonl
+
+    p = tmp_path / "task.jsonl"
+    p.write_text('{"prompt": "Which is red?", "answer": "Cherry", "options": ["cherry", "lime"]}\n')
+    assert load_jsonl(p) == [{"index": 0, "prompt": "Which is red?", "answer": "Cherry",
+                              "options": ["cherry", "lime"], "case_sensitive": False}]

@@ -95,31 +95,47 @@ _FIELD_RULES = {
 }
 
 
-def check_event(obj, where: str) -> EventSchema:
-    """Validate one event record (a dict, e.g. a parsed JSONL line) against :class:`EventSchema`.
+def check_record(schema: type[BaseModel], obj, where: str, rules: dict[str, str], what: str):
+    """Validate one JSON record against a pydantic ``schema`` (strict, no extra keys), turning the
+    first problem into one line.
 
     Args:
-        where: how to name the record in the message (``"events.jsonl:3"``, ``"event 'e1'"``).
+        where: how to name the record (``"events.jsonl:3"``, ``"event 'e1'"``).
+        rules: per field, what is allowed and how to fix it (every field of ``schema``).
+        what: what one record is, for the not-an-object message (``"an event"``).
+
+    Returns:
+        the validated ``schema`` instance.
 
     Raises:
-        EventKVError: one line naming the record, the field, the bad value and what is allowed.
+        EventKVError: naming the record, the field, the bad value and what is allowed.
     """
+    keys = ", ".join(repr(k) for k in rules)
     if not isinstance(obj, dict):
-        raise EventKVError(f"{where} is {type(obj).__name__} {_short(obj)}: an event is a JSON object "
-                           f"with keys 'id', 'text' and optional 'role', 'budget'.")
+        raise EventKVError(f"{where} is {type(obj).__name__} {_short(obj)}: {what} is a JSON object with keys {keys}.")
     try:
-        return EventSchema.model_validate(obj)
+        return schema.model_validate(obj)
     except ValidationError as exc:
         err = exc.errors()[0]
         key = str(err["loc"][0]) if err["loc"] else "?"
         more = f" (and {exc.error_count() - 1} more problem(s))" if exc.error_count() > 1 else ""
         if err["type"] == "missing":
-            msg = f"{where} has no {key!r}: {_FIELD_RULES[key]}"
+            msg = f"{where} has no {key!r}: {rules[key]}"
         elif err["type"] == "extra_forbidden":
-            msg = f"{where} has an unknown key {key!r}: an event's keys are {', '.join(_FIELD_RULES)}"
+            msg = f"{where} has an unknown key {key!r}: the keys of {what} are {', '.join(rules)}"
         else:
-            msg = f"{where} has {key} = {_short(err['input'])}: {_FIELD_RULES[key]}"
+            at = "".join(f"[{i}]" for i in err["loc"][1:])
+            msg = f"{where} has {key}{at} = {_short(err['input'])}: {rules.get(key, err['msg'])}"
         raise EventKVError(msg + more + ".") from None
+
+
+def check_event(obj, where: str) -> EventSchema:
+    """Validate one event record (a dict, e.g. a parsed JSONL line) against :class:`EventSchema`.
+
+    Raises:
+        EventKVError: one line naming the record, the field, the bad value and what is allowed.
+    """
+    return check_record(EventSchema, obj, where, _FIELD_RULES, "an event")
 
 
 def _short(v) -> str:

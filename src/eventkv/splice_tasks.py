@@ -45,8 +45,10 @@ import string
 from pathlib import Path
 from typing import Callable, Sequence
 
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+
 from eventkv.errors import EventKVError
-from eventkv.log import read_jsonl
+from eventkv.log import check_record, read_jsonl
 
 STRIP = ".,;:!?\"'`*()[]"
 MATCHERS = ("exact", "word")
@@ -142,24 +144,58 @@ def builtin_items(task: str, seed: int, indices: Sequence[int]) -> list[dict]:
     return [TASKS[task](seed, int(i)) for i in indices]
 
 
+class TaskItemSchema(BaseModel):
+    """One line of a user task file: ``prompt`` and ``answer`` (non-blank strings), optional
+    ``options`` (distinct non-blank strings that include the answer) and ``case_sensitive`` (a JSON
+    boolean). Strict: no coercion (``"case_sensitive": "no"`` is refused, not read as true) and no
+    other keys."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    prompt: str
+    answer: str
+    case_sensitive: bool = False       # before options: the options' check reads it
+    options: list[str] = []
+
+    @field_validator("prompt", "answer")
+    @classmethod
+    def _not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("blank")
+        return v
+
+    @field_validator("options")
+    @classmethod
+    def _distinct_with_the_answer(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        norm = (lambda t: t.strip()) if info.data.get("case_sensitive") else (lambda t: t.strip().lower())  # noqa: E731
+        if any(not o.strip() for o in v) or len({norm(o) for o in v}) != len(v):
+            raise ValueError("blank or repeated option")
+        if v and "answer" in info.data and norm(info.data["answer"]) not in {norm(o) for o in v}:
+            raise ValueError("answer not among options")
+        return v
+
+
+_TASK_RULES = {
+    "prompt": "give the prompt as a non-empty string",
+    "answer": "give the answer as a non-empty string (one of 'options' when the item has options)",
+    "options": "give a list of distinct non-empty strings that includes the answer, or leave the key out",
+    "case_sensitive": "give true or false (a JSON boolean), or leave the key out",
+}
+
+
 def load_jsonl(path: str | Path) -> list[dict]:
-    """Read a user dataset: one JSON object per line with ``prompt`` and ``answer`` (strings),
-    optional ``options`` (list of strings) and ``case_sensitive`` (bool). Blank lines are skipped;
-    items are indexed in file order.
+    """Read a user dataset: one JSON object per line checked against :class:`TaskItemSchema`.
+    Blank lines are skipped; items are indexed in file order.
 
     Raises:
-        EventKVError: missing file, a line that is not JSON, a missing or empty field, or no items.
+        EventKVError: missing file, a file that is not UTF-8, a line that is not JSON or breaks
+            the schema (the message names the line, the field and the bad value), or no items.
     """
     p = Path(path)
     items = []
-    for n, line, obj in read_jsonl(p, "task file", "'prompt' and 'answer' per line"):
-        if not isinstance(obj, dict) or not str(obj.get("prompt", "")).strip() or not str(obj.get("answer", "")).strip():
-            raise EventKVError(f"{p}:{n} needs non-empty 'prompt' and 'answer' (got {line[:60]!r}).")
-        options = obj.get("options") or []
-        if not isinstance(options, list):
-            raise EventKVError(f"{p}:{n}: 'options' must be a list of strings (got {options!r}).")
-        items.append(_item(len(items), str(obj["prompt"]), str(obj["answer"]), [str(o) for o in options],
-                           bool(obj.get("case_sensitive", False))))
+    for n, _line, obj in read_jsonl(p, "task file", "'prompt' and 'answer' per line"):
+        t = check_record(TaskItemSchema, obj, f"{p}:{n}", _TASK_RULES, "a task item")
+        items.append(_item(len(items), t.prompt, t.answer, t.options, t.case_sensitive))
     if not items:
         raise EventKVError(f"task file {str(p)!r} holds no items: write one JSON object per line.")
     return items
