@@ -58,19 +58,21 @@ def query(
 ) -> None:
     """Answer a question from the served events' KV rows (prefills the log once, then reuses it)."""
     from eventkv.log import EventLog
-    from eventkv.models import load
+    from eventkv.models import load, resolve_dtype
     from eventkv.query import answer, check_query
 
     elog = EventLog.from_jsonl(log, instruction=instruction)
-    cands = [c for c in (candidates or "").split(",") if c.strip()]
+    cands = candidates.split(",") if candidates is not None else []
     check_query(elog, serve, question, mode=mode, candidates=cands, max_new_tokens=max_new_tokens,
-                chunk_size=chunk_size)   # fail before the model loads
+                chunk_size=chunk_size, store=store)   # fail before the model loads
+    resolve_dtype(dtype)
     with console.status(f"loading {model}"):
         lm = load(model, dtype=dtype)
     with console.status("prefill / serve / answer"):
         ans = answer(lm, elog, serve, question, mode=mode, candidates=cands, max_new_tokens=max_new_tokens,
                      store=store, chunk_size=chunk_size)
-    console.print(f"[dim]served {', '.join(ans.served)} ({mode}): {ans.n_rows_served} of {ans.n_rows_total} rows; "
+    console.print(f"[dim]{lm.profile.dtype} ({lm.profile.dtype_reason}); served {', '.join(ans.served)} ({mode}): "
+                  f"{ans.n_rows_served} of {ans.n_rows_total} rows; "
                   f"EventKV {'reused' if ans.reused else 'prefilled'} at {ans.store}[/dim]")
     console.print(f"[bold]answer:[/bold] {ans.generation.text.strip()}")
     if ans.candidates:

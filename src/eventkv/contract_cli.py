@@ -168,7 +168,7 @@ def contract(
 
         from eventkv.contract import plan, run_contract
         from eventkv.models import load, resolve_dtype
-        from eventkv.options import check_threads
+        from eventkv.options import check_out_dir, check_threads
         from eventkv.probes.base import Runtime
 
         if items is None:
@@ -176,8 +176,10 @@ def contract(
         plan(items, quick)   # bad --items fails here, before the model loads or --out is made
         if check_threads(threads) is not None:
             torch.set_num_threads(threads)
+        resolved = resolve_dtype(dtype)[0]   # a bad --dtype fails here, before the model loads
         if out is None:
-            out = Path("runs") / "contract" / f"{Path(model).name}-{resolve_dtype(dtype)[0]}{'-quick' if quick else ''}"
+            out = Path("runs") / "contract" / f"{Path(model).name}-{resolved}{'-quick' if quick else ''}"
+        check_out_dir(out)
         console = Console()
         with console.status(f"loading {model} ({dtype})"):
             lm = load(model, dtype=dtype)

@@ -42,7 +42,7 @@ def read_jsonl(path: str | Path, what: str, hint: str):
         raise EventKVError(f"{what} {str(p)!r} does not exist: give the path of a JSONL file ({hint}).")
     raw = p.read_bytes()
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")   # a leading byte-order mark (Windows editors) is dropped
     except UnicodeDecodeError as exc:
         line_no = raw.count(b"\n", 0, exc.start) + 1
         raise EventKVError(
@@ -52,10 +52,28 @@ def read_jsonl(path: str | Path, what: str, hint: str):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = json.loads(line, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as exc:
             raise EventKVError(f"{p}:{n} is not valid JSON ({exc.msg}): write one JSON object per line.") from None
+        except _DuplicateKey as exc:
+            raise EventKVError(f"{p}:{n} gives the key {exc.key!r} twice: give each key once (JSON would silently "
+                               f"keep the last).") from None
         yield n, line, obj
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """``json.loads`` hook: a JSON object, refusing a key given twice (json keeps the last silently)."""
+    seen: set[str] = set()
+    for k, _ in pairs:
+        if k in seen:
+            raise _DuplicateKey(k)
+        seen.add(k)
+    return dict(pairs)
 
 
 class EventSchema(BaseModel):
@@ -214,8 +232,13 @@ class EventLog:
         """
         p = Path(path)
         events = []
+        first_line: dict[str, int] = {}
         for n, _line, obj in read_jsonl(p, "event log", "one event per line"):
             ev = check_event(obj, f"{p}:{n}")
+            if ev.id in first_line:
+                raise EventKVError(f"{p}:{n} repeats event id {ev.id!r} (first on line {first_line[ev.id]}): event ids "
+                                   f"must be unique within a log.")
+            first_line[ev.id] = n
             events.append(Event(id=ev.id, text=ev.text, role=ev.role, budget=ev.budget))
         if not events:
             raise EventKVError(f"event log {str(p)!r} has no events: write one JSON object per line.")

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from eventkv import cache_dir
-from eventkv.errors import EventKVError
+from eventkv.errors import EventKVError, OptionError
 from eventkv.log import encode
 from eventkv.options import DTYPE_CHOICES
 
@@ -480,7 +480,7 @@ def pull(name: str, progress: bool = True, *, force: bool = False) -> Path:
 
 def _parse_dtype(dtype: str) -> torch.dtype:
     if dtype not in _DTYPES:
-        raise EventKVError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPE_CHOICES)}")
+        raise OptionError("dtype", dtype, f"not supported; use one of {', '.join(DTYPE_CHOICES)}.")
     return _DTYPES[dtype]
 
 

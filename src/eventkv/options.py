@@ -13,6 +13,7 @@ same error before a model loads; the CLI prints it under the flag's name (``--ma
 from __future__ import annotations
 
 import math
+import os
 from typing import Iterable, Sequence
 
 from eventkv.errors import OptionError
@@ -82,9 +83,26 @@ def check_items(items) -> int:
 
 
 def check_threads(threads) -> int | None:
-    """``--threads``: None (torch decides) or at least 1."""
-    return check_optional_int("threads", threads, "give at least 1 torch CPU thread (or leave it out and torch "
-                                                  "decides).")
+    """``--threads``: None (torch decides) or 1 .. the machine's logical cores (more threads than cores
+    only slow torch down, and a huge count fails to start threads)."""
+    cores = os.cpu_count() or 1
+    check_optional_int("threads", threads, f"give 1 to {cores} torch CPU threads (this machine has {cores} logical "
+                                           "cores), or leave it out and torch decides.")
+    if threads is not None and threads > cores:
+        raise OptionError("threads", threads, f"give 1 to {cores} torch CPU threads (this machine has {cores} "
+                                              "logical cores), or leave it out and torch decides.")
+    return threads
+
+
+def check_out_dir(path, field: str = "out") -> None:
+    """An output directory (``--out``, ``--store``) must be a directory or not exist yet.
+
+    Raises:
+        OptionError: ``path`` exists and is not a directory (e.g. a file).
+    """
+    if path is not None and os.path.exists(path) and not os.path.isdir(path):
+        raise OptionError(field, str(path), "that path is a file, not a directory: give a directory that is "
+                                            "new or was made by eventkv.")
 
 
 def check_max_new_tokens(max_new_tokens) -> int:

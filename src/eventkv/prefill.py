@@ -79,12 +79,23 @@ def check_rows_match(model, cache: DynamicCache) -> int:
     bare error in others; stored rows must be cast on purpose (:meth:`EventKV.to`), never by accident.
 
     Raises:
-        EventKVError: rows of another dtype or device than the model's parameters.
+        EventKVError: rows of another layout (layers, KV heads, head dim: rows made by another
+            model) or of another dtype or device than the model's parameters.
     """
     layer = cache.layers[0] if cache.layers else None
     keys = getattr(layer, "keys", None) if getattr(layer, "is_initialized", False) else None
     if keys is None:
         return 0
+    cfg = model.config.get_text_config()
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    want = (cfg.num_hidden_layers, kv_heads, head_dim)
+    got = (len(cache.layers), int(keys.shape[1]), int(keys.shape[-1]))
+    if got != want:
+        raise EventKVError(
+            f"the KV rows have {got[0]} layers x {got[1]} KV heads x head dim {got[2]} but the model has "
+            f"{want[0]} x {want[1]} x {want[2]}: they were made by another model; prefill again with this one "
+            f"(EventKV.load(dir, expect_digest=profile.weights_digest) catches this at load).")
     p = next(model.parameters())
     if keys.dtype != p.dtype or keys.device != p.device:
         kd, pd = str(keys.dtype).removeprefix("torch."), str(p.dtype).removeprefix("torch.")
@@ -191,10 +202,24 @@ class EventKV:
         idx = [r for s in spans for r in range(s.row_start, s.row_end)]
         return torch.tensor(sorted(set(idx)), dtype=torch.long)
 
-    def to(self, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> "EventKV":
-        """A copy of this EventKV with its rows cast to ``dtype`` and/or moved to ``device`` (the
-        explicit cast a model of another dtype needs; rounding to a narrower dtype loses precision,
-        so rows cast from bfloat16 to float32 are *not* what a float32 prefill computes)."""
+    def to(self, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None) -> "EventKV":
+        """A copy of this EventKV with its rows cast to ``dtype`` (a floating torch dtype or its name,
+        e.g. ``"float32"``) and/or moved to ``device`` — the explicit cast a model of another dtype
+        needs. Rows cast from bfloat16 to float32 are *not* what a float32 prefill computes.
+
+        Raises:
+            EventKVError: a dtype that is not a floating-point type, or a device torch does not know.
+        """
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype, None) if dtype in ("float32", "bfloat16", "float16", "float64") else dtype
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise EventKVError(f"EventKV.to(dtype={dtype!r}): give a floating-point dtype, e.g. torch.float32 or "
+                               f"'bfloat16'.")
+        try:
+            device = torch.device(device) if device is not None else None
+        except (RuntimeError, TypeError) as exc:
+            raise EventKVError(f"EventKV.to(device={device!r}): not a torch device ({exc}); use e.g. 'cpu' or "
+                               f"'cuda:0'.") from None
         keys = [k.to(dtype=dtype, device=device) for k in self.keys]
         values = [v.to(dtype=dtype, device=device) for v in self.values]
         return EventKV(self.log, keys, values, self.positions, self.weights_digest, dict(self.meta))

@@ -12,8 +12,8 @@ from typing import Sequence
 from eventkv.cache_dir import cache_root
 from eventkv.errors import EventKVError, OptionError
 from eventkv.log import HEADER_ID, EventLog, encode, tokenize, tokenize_query
-from eventkv.options import check_chunk_size, check_max_new_tokens
-from eventkv.prefill import EventKV, prefill
+from eventkv.options import check_chunk_size, check_max_new_tokens, check_out_dir
+from eventkv.prefill import EventKV, check_context, prefill
 from eventkv.readout import CandidateScore, Generation, candidate_logprobs, generate
 from eventkv.serve import ALL, SERVE_MODES, serve
 
@@ -40,22 +40,46 @@ def store_dir_for(lm, tlog) -> Path:
     return cache_root() / "kv" / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
-def prefill_or_load(lm, log: EventLog, store: Path | None = None, chunk_size: int | None = None) -> tuple[EventKV, bool, Path]:
+def prefill_or_load(lm, log: EventLog, store: Path | None = None, chunk_size: int | None = None, *,
+                    query_tokens: int = 0, max_new_tokens: int = 0) -> tuple[EventKV, bool, Path]:
     """Tokenize and globally prefill ``log``, reusing the EventKV stored at ``store`` when it was made
-    from the same tokens by the same weights. Returns (EventKV, reused?, store directory).
+    from the same tokens by the same weights in the same dtype. Returns (EventKV, reused?, store
+    directory).
+
+    The default store is content-addressed (model, dtype, tokens), so it only ever holds this very
+    EventKV; a corrupted one there is prefilled again. A ``store`` given by the caller that holds a
+    *different* EventKV (another log, model or dtype) is refused, never overwritten.
+
+    ``query_tokens`` and ``max_new_tokens`` (tokens a query will add) are checked against the
+    model's context *before* anything is computed or written.
 
     Raises:
-        EventKVError: history longer than the model's context.
+        EventKVError: history (+ query) longer than the model's context; a given ``store`` holding
+            another EventKV (or a corrupted one).
+        OptionError: ``max_new_tokens`` past the context left after history and query.
     """
     tlog = tokenize(log, lm.tokenizer, lm.profile)
-    store = Path(store) if store else store_dir_for(lm, tlog)
+    ctx = lm.profile.max_context
+    check_context(tlog.history_end, ctx)
+    check_context(tlog.history_end + query_tokens, ctx, what="history plus query")
+    if ctx is not None and tlog.history_end + query_tokens + max_new_tokens > ctx:
+        used = tlog.history_end + query_tokens
+        raise OptionError("max_new_tokens", max_new_tokens, f"the history and the query take {used} of the model's "
+                                                            f"{ctx} positions: give at most {ctx - used} new tokens.")
+    given = store is not None
+    store = Path(store) if given else store_dir_for(lm, tlog)
+    check_out_dir(store, "store")
     if (store / "eventkv.json").is_file():
         try:
             ekv = EventKV.load(store, expect_digest=lm.profile.weights_digest)
             if ekv.log.to_dict() == tlog.to_dict() and ekv.dtype == lm.profile.dtype:
                 return ekv, True, store
-        except EventKVError:
-            pass  # stale or corrupted: prefill again and overwrite
+            why = "another log" if ekv.log.to_dict() != tlog.to_dict() else f"{ekv.dtype} rows, not {lm.profile.dtype}"
+        except EventKVError as exc:
+            why = str(exc)
+        if given:   # the caller's directory: never overwrite what it holds
+            raise EventKVError(f"--store {str(store)!r} already holds a different EventKV ({why}): give another "
+                               f"directory, delete that one, or leave --store out (a content-addressed store).")
     ekv = prefill(lm.model, tlog, chunk_size=chunk_size, max_context=lm.profile.max_context,
                   weights_digest=lm.profile.weights_digest)
     ekv.save(store)
@@ -63,12 +87,14 @@ def prefill_or_load(lm, log: EventLog, store: Path | None = None, chunk_size: in
 
 
 def check_query(log: EventLog, served: str | Sequence[str], question: str, *, mode: str = "compact",
-                candidates: Sequence[str] = (), max_new_tokens: int = 64, chunk_size: int | None = None) -> None:
+                candidates: Sequence[str] = (), max_new_tokens: int = 64, chunk_size: int | None = None,
+                store: Path | None = None) -> None:
     """Check a query's options against ``log`` before any model work (the CLI calls it before the model loads).
 
     Raises:
-        OptionError: unknown mode, empty served set, empty question, empty or repeated candidate,
-            ``max_new_tokens < 1``, ``chunk_size < 1``.
+        OptionError: unknown mode, empty served set or an empty id in it (``e0,,e5``), empty
+            question, empty or repeated candidate, ``max_new_tokens < 1``, ``chunk_size < 1``, a
+            ``store`` that is a file.
         EventKVError: a served event id that is not in the log.
     """
     if mode not in SERVE_MODES:
@@ -79,6 +105,9 @@ def check_query(log: EventLog, served: str | Sequence[str], question: str, *, mo
     elif not [s for s in ids if s]:
         raise OptionError("served", served, "the served set is empty; give event ids separated by commas, or 'all'.",
                           flag="--serve")
+    elif not all(ids):
+        raise OptionError("served", served, "an entry is empty (two commas in a row, or a trailing comma); give event "
+                                            "ids separated by single commas.", flag="--serve")
     known = set(log.ids)
     for s in ids:
         if s and s not in known and s != HEADER_ID:   # the header is serve()'s to refuse
@@ -91,6 +120,7 @@ def check_query(log: EventLog, served: str | Sequence[str], question: str, *, mo
         raise OptionError("candidates", cands, "give distinct, non-empty candidate answers.")
     check_max_new_tokens(max_new_tokens)
     check_chunk_size(chunk_size)
+    check_out_dir(store, "store")
 
 
 def answer(lm, log: EventLog, served: str | Sequence[str], question: str, *, mode: str = "compact",
@@ -109,9 +139,9 @@ def answer(lm, log: EventLog, served: str | Sequence[str], question: str, *, mod
     """
     check_query(log, served, question, mode=mode, candidates=candidates, max_new_tokens=max_new_tokens,
                 chunk_size=chunk_size)
-    ekv, reused, store = prefill_or_load(lm, log, store, chunk_size)
-    sc = serve(ekv, served, mode, model=lm.model)
     q = tokenize_query(lm.tokenizer, lm.profile, question)
+    ekv, reused, store = prefill_or_load(lm, log, store, chunk_size, query_tokens=len(q), max_new_tokens=max_new_tokens)
+    sc = serve(ekv, served, mode, model=lm.model)
     gen = generate(lm.model, sc, q, max_new_tokens=max_new_tokens, stop_token_ids=lm.profile.stop_token_ids,
                    tokenizer=lm.tokenizer, max_context=lm.profile.max_context)
     scores = []

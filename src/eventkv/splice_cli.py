@@ -91,7 +91,7 @@ def splice(
         import torch
 
         from eventkv.models import load, resolve_dtype
-        from eventkv.options import check_threads
+        from eventkv.options import check_out_dir, check_threads
         from eventkv.probes.base import Runtime
         from eventkv.probes.runner import check_run_items, run_probe
 
@@ -100,9 +100,11 @@ def splice(
         check_run_items(probe, items)
         if check_threads(threads) is not None:
             torch.set_num_threads(threads)
+        resolved = resolve_dtype(dtype)[0]   # a bad --dtype fails here, before the model loads
         if out is None:
             tname = Path(task).stem if probe.task == "jsonl" else task
-            out = Path("runs") / "splice" / f"{Path(model).name}-{tname}-{resolve_dtype(dtype)[0]}-seed{seed}"
+            out = Path("runs") / "splice" / f"{Path(model).name}-{tname}-{resolved}-seed{seed}"
+        check_out_dir(out)
         console = Console()
         with console.status(f"loading {model} ({dtype})"):
             lm = load(model, dtype=dtype)

@@ -84,15 +84,17 @@ def _run(probe, model: str, items: int, seed: int, out: Path | None, dtype: str,
     import torch
 
     from eventkv.models import load, resolve_dtype
-    from eventkv.options import check_threads
+    from eventkv.options import check_out_dir, check_threads
     from eventkv.probes.base import Runtime
     from eventkv.probes.runner import check_run_items, run_probe
 
     check_run_items(probe, items)   # before the model loads (run_probe checks again for library callers)
     if check_threads(threads) is not None:
         torch.set_num_threads(threads)
+    resolved = resolve_dtype(dtype)[0]   # a bad --dtype fails here, before the model loads
     if out is None:
-        out = Path("runs") / probe.name / f"{Path(model).name}-{resolve_dtype(dtype)[0]}-seed{seed}"
+        out = Path("runs") / probe.name / f"{Path(model).name}-{resolved}-seed{seed}"
+    check_out_dir(out)
 
     console = Console()
     with console.status(f"loading {model} ({dtype})"):

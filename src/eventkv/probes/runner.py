@@ -32,7 +32,7 @@ from typing import Sequence
 import torch
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.options import check_items
+from eventkv.options import check_items, check_out_dir
 from eventkv.probes.base import Probe, Runtime, Summary, get_probe
 
 MANIFEST = "manifest.json"
@@ -132,8 +132,10 @@ def check_or_create(directory: Path, ident: dict) -> dict:
     manifest was written) is taken over by the new settings.
 
     Raises:
-        EventKVError: the directory holds records of a run with other options, seed or model.
+        EventKVError: the path is a file, or the directory holds records of a run with other
+            options, seed or model.
     """
+    check_out_dir(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / MANIFEST
     if not path.is_file():
