@@ -25,7 +25,7 @@ def _cpu(monkeypatch, caps: dict, kernels: str) -> None:
     (AVX2_ONLY, "AVX2", "float32"),          # the AVX2-only EPYC of issue 9: bf16 would be ~6x slower
     (AVX512_BF16, "AVX512", "bfloat16"),
     (AMX, "AVX512", "bfloat16"),
-    (AVX512_BF16, "AVX2", "float32"),        # ATEN_CPU_CAPABILITY=avx2 on a bf16 CPU: torch runs AVX2 kernels
+    (AVX512_BF16, "AVX2", "bfloat16"),       # ATEN_CPU_CAPABILITY=avx2 on a bf16 CPU: oneDNN's bf16 matmuls stay native
     (AVX2_ONLY, "AVX512", "float32"),        # AVX-512 without the BF16 extension
 ])
 def test_auto_dtype_follows_the_cpu(monkeypatch, caps, kernels, want):
