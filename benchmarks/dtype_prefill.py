@@ -39,7 +39,7 @@ def main() -> None:
         lm = load(args.model, dtype=dtype)
         tlog = tokenize(make_log(lm.tokenizer, lm.profile, args.tokens), lm.tokenizer, lm.profile)
         prefill(lm.model, tlog)                                   # warm-up
-        seconds[dtype], _ = timed(lambda: prefill(lm.model, tlog), args.repeats)
+        seconds[dtype], _ = timed(lambda m=lm.model, t=tlog: prefill(m, t), args.repeats)
         print(f"{dtype}: prefill of {tlog.n_rows} tokens, median {seconds[dtype]:.2f} s over {args.repeats}")
         del lm
         gc.collect()
