@@ -32,17 +32,22 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--profile", action="store_true", help="print a cProfile of the timed pairs")
-    ap.add_argument("--baseline", action="store_true",
-                    help="also time the same pairs the way Study 1's script runs them (per variant a full "
-                         "prefill; generations for kv and text-all one at a time; no isolated arm, no candidates)")
+    ap.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also time the same pairs the way Study 1's script runs them (per variant a full "
+        "prefill; generations for kv and text-all one at a time; no isolated arm, no candidates)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
     t = time.perf_counter()
     lm = load(args.model, dtype=args.dtype)
-    print(f"model {args.model} ({args.dtype}) loaded in {time.perf_counter() - t:.1f} s; "
-          f"torch threads {torch.get_num_threads()}")
+    print(
+        f"model {args.model} ({args.dtype}) loaded in {time.perf_counter() - t:.1f} s; "
+        f"torch threads {torch.get_num_threads()}"
+    )
     rt = Runtime(lm.model, lm.tokenizer, lm.profile)
     probe = DonorPair(max_new_tokens=args.max_new_tokens)
     items = probe.items(args.seed, range(args.pairs + 1))
@@ -64,9 +69,11 @@ def main() -> None:
         gen = sum(rec["arms"][a][v].get("n_tokens", 0) for a in rec["arms"] for v in "AB")
         walls.append(wall)
         fwds.append(timer.seconds)
-        print(f"pair {it['index']}: {wall:6.2f} s wall, {timer.seconds:6.2f} s in {timer.calls} forwards "
-              f"(ratio {wall / timer.seconds:.3f}); history {rec['history_end']} positions; "
-              f"{gen} tokens generated over the arms")
+        print(
+            f"pair {it['index']}: {wall:6.2f} s wall, {timer.seconds:6.2f} s in {timer.calls} forwards "
+            f"(ratio {wall / timer.seconds:.3f}); history {rec['history_end']} positions; "
+            f"{gen} tokens generated over the arms"
+        )
     if prof is not None:
         import pstats
 
@@ -80,8 +87,10 @@ def main() -> None:
         base = [baseline_pair(rt, probe, it) for it in items[1:]]
         for it, b in zip(items[1:], base):
             print(f"baseline pair {it['index']}: {b:6.2f} s wall")
-        print(f"baseline pairs/hour: {3600 / statistics.mean(base):.0f} (study-style: 2 full prefills, "
-              f"4 one-at-a-time generations, no isolated arm, no candidate scoring)")
+        print(
+            f"baseline pairs/hour: {3600 / statistics.mean(base):.0f} (study-style: 2 full prefills, "
+            f"4 one-at-a-time generations, no isolated arm, no candidate scoring)"
+        )
         print(f"speed-up over baseline: {statistics.mean(base) / mean:.2f}x")
 
 
@@ -105,8 +114,13 @@ def baseline_pair(rt: Runtime, probe: DonorPair, item: dict) -> float:
         log = TokenizedLog(header, ids, toks[v], [budget if i == m else None for i in range(probe.n_events)])
         ekv = prefill(rt.model, log)
         for served in ([probe.event_id(probe.decoy_slot), probe.event_id(probe.root_slot)], "all"):
-            generate(rt.model, serve(ekv, served, "compact"), query, max_new_tokens=probe.max_new_tokens,
-                     stop_token_ids=rt.stop_token_ids)
+            generate(
+                rt.model,
+                serve(ekv, served, "compact"),
+                query,
+                max_new_tokens=probe.max_new_tokens,
+                stop_token_ids=rt.stop_token_ids,
+            )
     return time.perf_counter() - t
 
 

@@ -32,13 +32,15 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     caps = torch.cpu.get_capabilities()
-    print(f"CPU {caps.get('cpu_name')}: avx512_bf16={caps.get('avx512_bf16')} amx_bf16={caps.get('amx_bf16')}, "
-          f"torch kernels {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads")
+    print(
+        f"CPU {caps.get('cpu_name')}: avx512_bf16={caps.get('avx512_bf16')} amx_bf16={caps.get('amx_bf16')}, "
+        f"torch kernels {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads"
+    )
     seconds = {}
     for dtype in ("float32", "bfloat16"):
         lm = load(args.model, dtype=dtype)
         tlog = tokenize(make_log(lm.tokenizer, lm.profile, args.tokens), lm.tokenizer, lm.profile)
-        prefill(lm.model, tlog)                                   # warm-up
+        prefill(lm.model, tlog)  # warm-up
         seconds[dtype], _ = timed(lambda m=lm.model, t=tlog: prefill(m, t), args.repeats)
         print(f"{dtype}: prefill of {tlog.n_rows} tokens, median {seconds[dtype]:.2f} s over {args.repeats}")
         del lm

@@ -20,20 +20,23 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
 from eventkv.log import Event, EventLog, tokenize, tokenize_query
 from eventkv.models import load
 from eventkv.prefill import EventKV, model_forward, prefill
 from eventkv.readout import generate
 from eventkv.serve import serve
-from transformers import DynamicCache
 
 
 def make_log(tokenizer, profile, target_tokens: int, seed: int = 0) -> EventLog:
     rng = random.Random(seed)
     events, n, i = [], len(tokenizer(profile.chat_head)["input_ids"]), 0
     while n < target_tokens:
-        text = f"<step {i}> action: refresh register R{rng.randrange(100)} observation: register R{rng.randrange(100)} refreshed to {rng.randrange(1000):03d}"
+        text = (
+            f"<step {i}> action: refresh register R{rng.randrange(100)} "
+            f"observation: register R{rng.randrange(100)} refreshed to {rng.randrange(1000):03d}"
+        )
         events.append(Event(f"e{i}", text))
         n += len(tokenizer(text + "\n", add_special_tokens=False)["input_ids"])
         i += 1
@@ -69,8 +72,11 @@ def main() -> None:
     rng = random.Random(1)
     served = sorted(rng.sample(log.ids, max(1, round(args.served_fraction * len(log.ids)))), key=log.ids.index)
     query = tokenize_query(lm.tokenizer, lm.profile, f"What was register R{rng.randrange(100)} last refreshed to?")
-    print(f"model {args.model} ({lm.profile.dtype}), history {tlog.n_rows} tokens in {len(log.ids)} events, "
-          f"served {len(served)} events ({args.served_fraction:.0%}), query {len(query)} tokens, {args.new_tokens} new tokens")
+    print(
+        f"model {args.model} ({lm.profile.dtype}), history {tlog.n_rows} tokens in {len(log.ids)} events, "
+        f"served {len(served)} events ({args.served_fraction:.0%}), query {len(query)} tokens, "
+        f"{args.new_tokens} new tokens"
+    )
 
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
@@ -96,7 +102,9 @@ def main() -> None:
                 toks.append(tok)
                 if len(toks) == args.new_tokens:
                     break
-                logits = model_forward(lm.model, torch.tensor([[tok]]), torch.tensor([[p]]), cache, logits_to_keep=1)[0, -1]
+                logits = model_forward(lm.model, torch.tensor([[tok]]), torch.tensor([[p]]), cache, logits_to_keep=1)[
+                    0, -1
+                ]
                 p += 1
             return toks
 
@@ -112,8 +120,10 @@ def main() -> None:
     print(f"answer from stored EventKV (load + serve + query + {args.new_tokens} tokens): {t_serve * 1000:.1f} ms")
     print(f"answer by re-prefilling the history: {t_full * 1000:.1f} ms")
     print(f"speed-up: {t_full / t_serve:.1f}x")
-    print(f"stored EventKV: {stored_bytes} bytes for {tlog.n_rows} tokens = {per_token:.1f} bytes/token; "
-          f"physical 2 x {prof.num_layers} x {prof.num_kv_heads} x {prof.head_dim} x {elem} = {physical} bytes/token")
+    print(
+        f"stored EventKV: {stored_bytes} bytes for {tlog.n_rows} tokens = {per_token:.1f} bytes/token; "
+        f"physical 2 x {prof.num_layers} x {prof.num_kv_heads} x {prof.head_dim} x {elem} = {physical} bytes/token"
+    )
     print(f"bytes-per-token ratio: {per_token / physical:.3f}x")
 
 

@@ -36,9 +36,11 @@ def main() -> None:
 
     if args.model == "tiny":
         from eventkv.testing import tiny_lm
+
         lm = tiny_lm("llama")
     else:
         from eventkv.models import load
+
         lm = load(args.model)
     model, tok, prof = lm.model, lm.tokenizer, lm.profile
     n_layers = model.config.get_text_config().num_hidden_layers
@@ -49,9 +51,11 @@ def main() -> None:
     items = builtin_items(args.task, 0, range(args.items))
     stops = list(prof.stop_token_ids)
     kw = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=stops)
-    print(f"model {args.model} ({n_layers} layers), {args.items} items x {len(cells)} cells "
-          f"({len(arms)} arms x {len(cutoffs)} cutoffs x {len(steps)} steps), max {args.max_new_tokens} new tokens, "
-          f"torch threads {torch.get_num_threads()}")
+    print(
+        f"model {args.model} ({n_layers} layers), {args.items} items x {len(cells)} cells "
+        f"({len(arms)} arms x {len(cutoffs)} cutoffs x {len(steps)} steps), max {args.max_new_tokens} new tokens, "
+        f"torch threads {torch.get_num_threads()}"
+    )
 
     prompts = [SplicePrompt.from_text(tok, prof, it["prompt"]) for it in items]
     fills = [filler_ids(tok, len(p.span_ids)) for p in prompts]
@@ -65,11 +69,21 @@ def main() -> None:
     def sweep(early: bool):
         out = []
         for it, p, f in zip(items, prompts, fills):
-            dec = (lambda toks, it=it: outcome_decided(tok.decode(toks, skip_special_tokens=True), it, args.match)) if early else None
+            dec = (
+                (lambda toks, it=it: outcome_decided(tok.decode(toks, skip_special_tokens=True), it, args.match))
+                if early
+                else None
+            )
             run = clean_run(model, p, decided=dec, **kw)
             donors = {"scaffold": donor_rows(model, run, f)}
-            out.append([r.tokens for r in splice_sweep(model, run, cells, donors=donors, batch_size=args.batch_size,
-                                                       decided=dec, **kw)])
+            out.append(
+                [
+                    r.tokens
+                    for r in splice_sweep(
+                        model, run, cells, donors=donors, batch_size=args.batch_size, decided=dec, **kw
+                    )
+                ]
+            )
         return out
 
     t0 = time.perf_counter()
@@ -81,14 +95,21 @@ def main() -> None:
 
     n = len(cells) * len(items)
     same = sum(a == b for xs, ys in zip(naive, fast) for a, b in zip(xs, ys))
-    same_score = sum(score(tok.decode(a, skip_special_tokens=True), it, args.match)[0]
-                     == score(tok.decode(b, skip_special_tokens=True), it, args.match)[0]
-                     for it, xs, ys in zip(items, naive, early) for a, b in zip(xs, ys))
+    same_score = sum(
+        score(tok.decode(a, skip_special_tokens=True), it, args.match)[0]
+        == score(tok.decode(b, skip_special_tokens=True), it, args.match)[0]
+        for it, xs, ys in zip(items, naive, early)
+        for a, b in zip(xs, ys)
+    )
     print(f"naive loop (prefills + decode per cell):        {t_naive:8.1f} s")
-    print(f"sweep (shared prefills, batched splices):       {t_fast:8.1f} s   speed-up x{t_naive / t_fast:.1f}   "
-          f"same tokens as naive: {same}/{n}")
-    print(f"sweep + {args.match}-matcher early exit:          {t_early:8.1f} s   speed-up x{t_naive / t_early:.1f}   "
-          f"same score as naive: {same_score}/{n}")
+    print(
+        f"sweep (shared prefills, batched splices):       {t_fast:8.1f} s   speed-up x{t_naive / t_fast:.1f}   "
+        f"same tokens as naive: {same}/{n}"
+    )
+    print(
+        f"sweep + {args.match}-matcher early exit:          {t_early:8.1f} s   speed-up x{t_naive / t_early:.1f}   "
+        f"same score as naive: {same_score}/{n}"
+    )
 
 
 if __name__ == "__main__":

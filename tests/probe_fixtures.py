@@ -2,9 +2,9 @@
 
 The tokenizer is word-level: every printable ASCII character is a token, and so is every
 alphabetic word of the probes' own texts (instruction, question, event templates, register
-names, state words); digits are characters and other words map to ``<unk>``. Whitespace is its own token, so candidates like " ONLINE" are two tokens
-(multi-token scoring is exercised). Plus two chat special tokens; under 256 ids, the tiny
-models' vocabulary. Built in memory: nothing is downloaded.
+names, state words); digits are characters and other words map to ``<unk>``. Whitespace is its
+own token, so candidates like " ONLINE" are two tokens (multi-token scoring is exercised). Plus
+two chat special tokens; under 256 ids, the tiny models' vocabulary. Built in memory: nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ def _probe_words() -> list[str]:
     from eventkv.probes.donor_pair import INSTRUCTION, NAMES, QUESTION, DonorPair
 
     probe = DonorPair(states=("ONLINE", "OFFLINE", "STANDBY"))
-    text = " ".join([INSTRUCTION, QUESTION, " ".join(NAMES + probe.states), "Answer completed a routine self-test"]
-                    + probe.items(0, [0])[0]["events"][0])
+    text = " ".join(
+        [INSTRUCTION, QUESTION, " ".join(NAMES + probe.states), "Answer completed a routine self-test"]
+        + probe.items(0, [0])[0]["events"][0]
+    )
     return sorted(set(re.findall(r"[A-Za-z_]+", text)))
 
 
@@ -40,8 +42,7 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[A-Za-z_]+|[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
-                                   additional_special_tokens=SPECIAL[1:])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", additional_special_tokens=SPECIAL[1:])
     return fast
 
 

@@ -4,7 +4,6 @@ the figures; a second run resumes (computes nothing) and refuses other settings.
 import json
 
 import pytest
-
 from probe_fixtures import tiny_runtime
 
 from eventkv.contract import CONTRACT_PROBES, plan, run_contract
@@ -26,15 +25,22 @@ def test_contract_battery_on_a_tiny_model(tmp_path, monkeypatch):
     import eventkv.contract as c
     from eventkv.contract import Step
 
-    def tiny_plan(items, quick=False):   # the quick preset, shrunk to a few items and short histories
+    def tiny_plan(items, quick=False):  # the quick preset, shrunk to a few items and short histories
         small = {"readout": "logits"}
-        return [Step("donor-pair", {**small, "n_events": 6, "source_slots": (1, 2), "root_slot": 4}, items),
-                Step("trigger-bank", {**small, "n_events": 8, "source_slots": (2, 3), "carrier_slot": 5}, 3),
-                Step("landing", {**small, "n_events": 10, "source_slots": (2, 3), "root_slot": 5, "edge_slot": 7,
-                                 "mention_slot": 9}, items),
-                Step("access", {**small, "n_events": 8, "source_slots": (2, 3), "root_slot": 5}, 4),
-                Step("carriers", {**small, "n_events": 10, "source_slots": (2, 3), "carrier_slot": 5, "row_slot": 8}, items),
-                Step("patch", {**small, "lengths": (5, 8), "timing_repeats": 1}, 4)]
+        return [
+            Step("donor-pair", {**small, "n_events": 6, "source_slots": (1, 2), "root_slot": 4}, items),
+            Step("trigger-bank", {**small, "n_events": 8, "source_slots": (2, 3), "carrier_slot": 5}, 3),
+            Step(
+                "landing",
+                {**small, "n_events": 10, "source_slots": (2, 3), "root_slot": 5, "edge_slot": 7, "mention_slot": 9},
+                items,
+            ),
+            Step("access", {**small, "n_events": 8, "source_slots": (2, 3), "root_slot": 5}, 4),
+            Step(
+                "carriers", {**small, "n_events": 10, "source_slots": (2, 3), "carrier_slot": 5, "row_slot": 8}, items
+            ),
+            Step("patch", {**small, "lengths": (5, 8), "timing_repeats": 1}, 4),
+        ]
 
     monkeypatch.setattr(c, "plan", tiny_plan)
     rt = tiny_runtime("llama")
@@ -43,7 +49,12 @@ def test_contract_battery_on_a_tiny_model(tmp_path, monkeypatch):
     for clause in ("materialization", "trigger", "landing", "access", "programming", "updates"):
         assert f"| {clause}" in md
     assert "77 ms vs 1033 ms" in md and ".934 (chance .5)" in md
-    for graded in ("graded donor shift d (kv", "graded write-through", "graded donor shift d: root", "graded: donor shift d"):
+    for graded in (
+        "graded donor shift d (kv",
+        "graded write-through",
+        "graded donor shift d: root",
+        "graded: donor shift d",
+    ):
         assert graded in md
     for f in ("trigger.png", "access.png", "patch.png"):
         assert (tmp_path / "figures" / f).stat().st_size > 1000
@@ -75,16 +86,54 @@ def test_cli_run_contract_probes(tmp_path, monkeypatch):
     from eventkv.probes.cli import run_app
 
     tiny = tiny_runtime("qwen2")
-    monkeypatch.setattr(eventkv.models, "load", lambda name, dtype="float32": types.SimpleNamespace(
-        model=tiny.model, tokenizer=tiny.tokenizer, profile=tiny.profile))
+    monkeypatch.setattr(
+        eventkv.models,
+        "load",
+        lambda name, dtype="float32": types.SimpleNamespace(
+            model=tiny.model, tokenizer=tiny.tokenizer, profile=tiny.profile
+        ),
+    )
     app = typer.Typer()
     app.add_typer(run_app, name="run")
-    r = CliRunner().invoke(app, ["run", "patch", "--model", "tiny", "--items", "2", "--lengths", "5,6", "--no-timing",
-                                 "--readout", "logits", "--out", str(tmp_path / "p"), "--no-progress"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "run",
+            "patch",
+            "--model",
+            "tiny",
+            "--items",
+            "2",
+            "--lengths",
+            "5,6",
+            "--no-timing",
+            "--readout",
+            "logits",
+            "--out",
+            str(tmp_path / "p"),
+            "--no-progress",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "patch: 2 pairs" in r.output and len(load_records(tmp_path / "p")) == 2
-    r = CliRunner().invoke(app, ["run", "access", "--model", "tiny", "--items", "2", "--cardinalities", "binary,number",
-                                 "--max-new-tokens", "2", "--out", str(tmp_path / "a"), "--no-progress"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "run",
+            "access",
+            "--model",
+            "tiny",
+            "--items",
+            "2",
+            "--cardinalities",
+            "binary,number",
+            "--max-new-tokens",
+            "2",
+            "--out",
+            str(tmp_path / "a"),
+            "--no-progress",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert [x["cardinality"] for x in load_records(tmp_path / "a")] == ["binary", "number"]
     r = CliRunner().invoke(app, ["run", "patch", "--model", "tiny", "--lengths", "2", "--out", str(tmp_path / "x")])

@@ -6,9 +6,8 @@ import math
 
 import pytest
 import torch
-from scipy import stats as st
-
 from probe_fixtures import tiny_runtime
+from scipy import stats as st
 
 from eventkv.equivalence import mean_effect, tost
 from eventkv.errors import EventKVError
@@ -33,8 +32,8 @@ def test_every_answer_free_carrier_arm_is_answer_free_and_byte_identical():
             for role in arm.served:
                 a, b = h[0][roles[role]], h[1][roles[role]]
                 if role == "carrier" and arm.history == "explicit":
-                    assert a != b and not is_answer_free(a)        # the upper bound names the value
-                else:   # every other served event is byte-identical; carriers and the shared row name no value
+                    assert a != b and not is_answer_free(a)  # the upper bound names the value
+                else:  # every other served event is byte-identical; carriers and the shared row name no value
                     assert a == b, (arm.name, role)
                     if role != "decoy":
                         assert is_answer_free(a), (arm.name, role, a)
@@ -63,7 +62,7 @@ def test_trigger_bank_items_cover_the_16_constructions_with_dropped_operand_and_
         s = it["source_slot"]
         diff = [i for i in range(24) if A[i] != B[i]]
         if it["family"] == "flag":
-            assert diff == [s, s + 1]                      # operand and verdict differ, both dropped
+            assert diff == [s, s + 1]  # operand and verdict differ, both dropped
             assert "measured" in A[s] and "threshold" in A[s] and f": {it['values'][0]}\n" in A[s + 1]
             assert sorted(it["values"]) == ["EXCEEDED", "NORMAL"]
         else:
@@ -78,11 +77,13 @@ def test_trigger_bank_padding_gives_every_construction_the_same_positions():
     item = probe.items(0, [0])[0]
     n = item["names"]
     ends, carrier_pos = set(), set()
-    for fam, phrase in CONSTRUCTIONS:   # the same skeleton with each construction's texts in the padded slots
+    for fam, phrase in CONSTRUCTIONS:  # the same skeleton with each construction's texts in the padded slots
         texts = [list(v) for v in item["histories"]["main"]]
         s = item["source_slot"]
         for v in (0, 1):
-            texts[v][13] = f"<step 14>\naction: reg_op()\nobservation: {carrier_text(fam, phrase, n['target'], n['source'])}\n"
+            texts[v][13] = (
+                f"<step 14>\naction: reg_op()\nobservation: {carrier_text(fam, phrase, n['target'], n['source'])}\n"
+            )
             if fam == "flag":
                 texts[v][s] = item["pad"]["main"][str(s)][2 + v]
                 texts[v][s + 1] = item["pad"]["main"][str(s + 1)][2 + v]
@@ -95,8 +96,12 @@ def test_trigger_bank_padding_gives_every_construction_the_same_positions():
 
 
 def _tb_record(i, phrase, kv, text):
-    return {"index": i, "construction": phrase, "outcomes": {"kv": {"logits": kv}, "text": {"logits": text}},
-            "d": {"kv": 0.5 if kv == "follow" else -0.5}}
+    return {
+        "index": i,
+        "construction": phrase,
+        "outcomes": {"kv": {"logits": kv}, "text": {"logits": text}},
+        "d": {"kv": 0.5 if kv == "follow" else -0.5},
+    }
 
 
 def test_trigger_bank_summary_exact_counts_and_scipy_p_values():
@@ -118,10 +123,10 @@ def test_graded_donor_shift_d_counts_and_scipy_p_values():
     from eventkv.probes.pairs import PairArm, d_stats, d_table
 
     d = [0.5, 0.25, 0.125, -0.0625, 0.0, 0.75, 0.3, -0.2, 0.0, 0.4]
-    recs = [{"d": {"kv": x}} for x in d] + [{"d": {}}]   # a record without the arm is skipped
+    recs = [{"d": {"kv": x}} for x in d] + [{"d": {}}]  # a record without the arm is skipped
     s = d_stats(recs, "kv")
     assert (s["n"], s["pos"], s["neg"], s["zero"]) == (10, 6, 2, 2)
-    assert s["median"] == pytest.approx(0.1875)   # (0.125 + 0.25) / 2
+    assert s["median"] == pytest.approx(0.1875)  # (0.125 + 0.25) / 2
     assert s["sign_p"] == pytest.approx(st.binomtest(6, 8).pvalue)
     nz = [x for x in d if x != 0]
     assert s["wilcoxon_p"] == pytest.approx(st.wilcoxon(nz).pvalue)
@@ -139,7 +144,7 @@ def test_tost_matches_two_scipy_one_sided_t_tests():
     hi = st.ttest_1samp(x, 0.075, alternative="less").pvalue
     assert t.p_lower == pytest.approx(lo) and t.p_upper == pytest.approx(hi) and t.p == pytest.approx(max(lo, hi))
     assert t.p < 0.05
-    assert tost([0.3, 0.4, 0.2, 0.5], 0.075).p > 0.5           # far outside the band: not equivalent
+    assert tost([0.3, 0.4, 0.2, 0.5], 0.075).p > 0.5  # far outside the band: not equivalent
     m = mean_effect(x)
     assert m.p_zero == pytest.approx(st.ttest_1samp(x, 0).pvalue)
     assert tost([0.0, 0.0, 0.0], 0.075).p == 0.0 and math.isnan(tost([0.1], 0.075).p)
@@ -152,9 +157,13 @@ def test_factorial_effects_by_hand():
         return {"answer": ans}
 
     # root rows decide (root effect 1), the mention's rows do not (mention effect 0)
-    r = {"values": ["ONLINE", "OFFLINE"],
-         "arms": {"root+mention": {"A": out("ONLINE"), "B": out("OFFLINE")},
-                  "factorial": {"A": out("ONLINE"), "B": out("OFFLINE")}}}
+    r = {
+        "values": ["ONLINE", "OFFLINE"],
+        "arms": {
+            "root+mention": {"A": out("ONLINE"), "B": out("OFFLINE")},
+            "factorial": {"A": out("ONLINE"), "B": out("OFFLINE")},
+        },
+    }
     assert factorial_effects([r], "generate") == ([1.0], [0.0])
     # the mention decides
     r["arms"]["factorial"] = {"A": out("OFFLINE"), "B": out("ONLINE")}
@@ -171,10 +180,12 @@ def test_serve_mixed_takes_swapped_rows_from_the_other_variant():
     ids = [event_id(item["roles"]["main"][r]) for r in ("decoy", "root", "mention")]
     plain = serve(A, ids, "compact")
     same = serve_mixed(A, B, ids, [])
-    assert all(torch.equal(x, y) for x, y in zip(plain.keys, same.keys)) and torch.equal(plain.positions, same.positions)
+    assert all(torch.equal(x, y) for x, y in zip(plain.keys, same.keys)) and torch.equal(
+        plain.positions, same.positions
+    )
     mixed = serve_mixed(A, B, ids, [ids[2]])
     m = B.log.span(ids[2])
-    assert torch.equal(mixed.keys[0][:, :, -m.n_tokens:], B.keys[0][:, :, m.row_start:m.row_end])
+    assert torch.equal(mixed.keys[0][:, :, -m.n_tokens :], B.keys[0][:, :, m.row_start : m.row_end])
     assert torch.equal(mixed.positions, plain.positions)
     # shared-prefix prefill equals a fresh one
     fresh = rt.prefill(logs[1])
@@ -192,7 +203,7 @@ def test_access_items_and_menus():
             a, b = it["values"]
             assert len(a) == len(b) == 3 and a[0] != b[0] and it["gold_candidates"] == [a[0], b[0]]
         else:
-            assert all(c in q for c in it["candidates"])       # the menu is enumerated in the question
+            assert all(c in q for c in it["candidates"])  # the menu is enumerated in the question
             assert it["decoy_value"] in it["candidates"]
         A, B = it["histories"]["main"]
         assert [i for i in range(24) if A[i] != B[i]] == [it["source_slot"]]
@@ -203,10 +214,16 @@ def test_access_recovery_counts_and_binomial_against_chance():
     def rec(card, ok_a, ok_b):
         vals = ["NORTH", "EAST"] if card == "compass" else ["ONLINE", "OFFLINE"]
         wrong = "WEST" if card == "compass" else "X"
-        arms = {arm: {"A": {"choice": vals[0] if ok_a else wrong}, "B": {"choice": vals[1] if ok_b else wrong}}
-                for arm in ("kv", "text")}
-        return {"cardinality": card, "values": vals, "arms": arms,
-                "outcomes": {"kv": {"logits": "other"}, "text": {"logits": "other"}}}
+        arms = {
+            arm: {"A": {"choice": vals[0] if ok_a else wrong}, "B": {"choice": vals[1] if ok_b else wrong}}
+            for arm in ("kv", "text")
+        }
+        return {
+            "cardinality": card,
+            "values": vals,
+            "arms": arms,
+            "outcomes": {"kv": {"logits": "other"}, "text": {"logits": "other"}},
+        }
 
     recs = [rec("compass", True, True)] * 3 + [rec("compass", True, False)] * 2 + [rec("compass", False, False)] * 5
     s = summarize_access(recs, Access(readout="logits"))
@@ -225,9 +242,10 @@ def test_patch_items_and_leak_counts():
         assert len(P[0]) == it["n_events"] + 1 and len(R[0]) == it["n_events"]
         assert it["values"] == it["old_values"][::-1]
         assert P[0][-1].endswith(f"now set to state {it['values'][0]}\n")
-    recs = [{"old_values": ["ONLINE", "OFFLINE"],
-             "arms": {"x": {"A": {"answer": a}, "B": {"answer": b}}}}
-            for a, b in (("ONLINE", "OFFLINE"), ("ONLINE", "ONLINE"), ("OFFLINE", "ONLINE"))]
+    recs = [
+        {"old_values": ["ONLINE", "OFFLINE"], "arms": {"x": {"A": {"answer": a}, "B": {"answer": b}}}}
+        for a, b in (("ONLINE", "OFFLINE"), ("ONLINE", "ONLINE"), ("OFFLINE", "ONLINE"))
+    ]
     w = leak_rate(recs, "x", "generate")
     assert (w.k, w.n) == (3, 6)
 

@@ -21,13 +21,16 @@ def _cpu(monkeypatch, caps: dict, kernels: str) -> None:
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: kernels)
 
 
-@pytest.mark.parametrize("caps, kernels, want", [
-    (AVX2_ONLY, "AVX2", "float32"),          # the AVX2-only EPYC of issue 9: bf16 would be ~6x slower
-    (AVX512_BF16, "AVX512", "bfloat16"),
-    (AMX, "AVX512", "bfloat16"),
-    (AVX512_BF16, "AVX2", "bfloat16"),       # ATEN_CPU_CAPABILITY=avx2 on a bf16 CPU: oneDNN's bf16 matmuls stay native
-    (AVX2_ONLY, "AVX512", "float32"),        # AVX-512 without the BF16 extension
-])
+@pytest.mark.parametrize(
+    "caps, kernels, want",
+    [
+        (AVX2_ONLY, "AVX2", "float32"),  # the AVX2-only EPYC of issue 9: bf16 would be ~6x slower
+        (AVX512_BF16, "AVX512", "bfloat16"),
+        (AMX, "AVX512", "bfloat16"),
+        (AVX512_BF16, "AVX2", "bfloat16"),  # ATEN_CPU_CAPABILITY=avx2 on a bf16 CPU: oneDNN's bf16 matmuls stay native
+        (AVX2_ONLY, "AVX512", "float32"),  # AVX-512 without the BF16 extension
+    ],
+)
 def test_auto_dtype_follows_the_cpu(monkeypatch, caps, kernels, want):
     _cpu(monkeypatch, caps, kernels)
     dtype, reason = resolve_dtype("auto", "cpu")
@@ -53,7 +56,7 @@ def test_load_records_the_choice_and_the_reason(tmp_path, monkeypatch):
     tiny_model("llama").save_pretrained(d)
     tiny_tokenizer().save_pretrained(d)
     _cpu(monkeypatch, AVX2_ONLY, "AVX2")
-    lm = load(str(d))                       # default dtype is "auto"
+    lm = load(str(d))  # default dtype is "auto"
     assert lm.profile.dtype == "float32" and lm.model.dtype == torch.float32
     assert lm.profile.dtype_reason.startswith("auto: CPU AMD EPYC has no native bf16")
     _cpu(monkeypatch, AVX512_BF16, "AVX512")
@@ -73,10 +76,26 @@ def test_run_manifest_records_the_dtype_reason(tmp_path, monkeypatch):
     tiny_tokenizer().save_pretrained(d)
     _cpu(monkeypatch, AVX2_ONLY, "AVX2")
     monkeypatch.chdir(tmp_path)
-    res = CliRunner().invoke(app, ["run", "donor-pair", "--model", str(d), "--items", "1", "--readout", "logits",
-                                   "--no-progress", "--n-events", "16", "--root-slot", "13"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "run",
+            "donor-pair",
+            "--model",
+            str(d),
+            "--items",
+            "1",
+            "--readout",
+            "logits",
+            "--no-progress",
+            "--n-events",
+            "16",
+            "--root-slot",
+            "13",
+        ],
+    )
     assert res.exit_code == 0, res.output
-    out = tmp_path / "runs" / "donor-pair" / "tiny-float32-seed0"      # the resolved dtype names the folder
+    out = tmp_path / "runs" / "donor-pair" / "tiny-float32-seed0"  # the resolved dtype names the folder
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["identity"]["dtype"] == "float32"
     assert manifest["profile"]["dtype_reason"].startswith("auto: CPU AMD EPYC has no native bf16")

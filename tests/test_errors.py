@@ -95,6 +95,7 @@ def test_answer_reuses_store(tmp_path, lm, log):
 
 # ------------------------------------------------------------------------------------- CLI
 
+
 def run_cli(monkeypatch, capsys, *args):
     monkeypatch.setattr(sys, "argv", ["eventkv", *args])
     with pytest.raises(SystemExit) as exc:
@@ -130,26 +131,44 @@ def test_cli_empty_log_exits_2(monkeypatch, capsys, tmp_path, fake_load):
 
 
 def test_cli_unknown_alias_exits_2(monkeypatch, capsys, jsonl):
-    code, out, err = run_cli(monkeypatch, capsys, "query", "-m", "no-such-model", "--log", str(jsonl), "--serve", "a", "-q", "x")
+    code, out, err = run_cli(
+        monkeypatch, capsys, "query", "-m", "no-such-model", "--log", str(jsonl), "--serve", "a", "-q", "x"
+    )
     assert code == 2 and "no-such-model" in err and "Traceback" not in err
 
 
 def test_cli_query_prints_answer(monkeypatch, capsys, tmp_path, jsonl, fake_load):
     monkeypatch.setenv("EVENTKV_CACHE", str(tmp_path / "cache"))
-    code, out, err = run_cli(monkeypatch, capsys, "query", "--log", str(jsonl), "--serve", "a,c", "-q", "which?",
-                             "--candidates", "a,c", "--max-new-tokens", "3")
+    code, out, err = run_cli(
+        monkeypatch,
+        capsys,
+        "query",
+        "--log",
+        str(jsonl),
+        "--serve",
+        "a,c",
+        "-q",
+        "which?",
+        "--candidates",
+        "a,c",
+        "--max-new-tokens",
+        "3",
+    )
     assert code in (0, None)
     assert "answer:" in out and "log-prob" in out
 
 
-@pytest.mark.parametrize("args, message", [
-    (["query", "--mode", "bogus", "--serve", "a", "-q", "x"], "--mode 'bogus'"),
-    (["query", "--serve", ",", "-q", "x"], "served set is empty"),
-    (["run", "donor-pair", "--items", "0"], "--items 0"),
-    (["contract", "--items", "1"], "--items 1"),
-    (["splice", "--cutoffs", "5-2"], "runs backwards"),
-    (["run", "patch", "--lengths", "2"], "--lengths 2:"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["query", "--mode", "bogus", "--serve", "a", "-q", "x"], "--mode 'bogus'"),
+        (["query", "--serve", ",", "-q", "x"], "served set is empty"),
+        (["run", "donor-pair", "--items", "0"], "--items 0"),
+        (["contract", "--items", "1"], "--items 1"),
+        (["splice", "--cutoffs", "5-2"], "runs backwards"),
+        (["run", "patch", "--lengths", "2"], "--lengths 2:"),
+    ],
+)
 def test_cli_bad_options_fail_before_the_model_loads(monkeypatch, capsys, tmp_path, jsonl, args, message):
     def no_load(*a, **k):
         raise AssertionError("the model must not load for a bad option")
@@ -251,8 +270,11 @@ _BAD_OPTIONS = [
 def _cli_args(args, jsonl, out_dir):
     if args[0] == "query":
         given = set(args)
-        base = ["query", "--log", str(jsonl)] + ([] if "--serve" in given else ["--serve", "a"]) \
+        base = (
+            ["query", "--log", str(jsonl)]
+            + ([] if "--serve" in given else ["--serve", "a"])
             + ([] if "-q" in given else ["-q", "which?"])
+        )
         return base + args[1:]
     return [*args, "--out", str(out_dir), "--no-progress"]
 
@@ -272,17 +294,20 @@ def test_every_bad_option_is_one_line_before_the_model_loads(monkeypatch, capsys
 
     monkeypatch.setattr(eventkv.models, "load", no_load)
     monkeypatch.setenv("EVENTKV_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("COLUMNS", "400")   # one line, however long the message
+    monkeypatch.setenv("COLUMNS", "400")  # one line, however long the message
     out_dir = tmp_path / "out"
     code, out, err = run_cli(monkeypatch, capsys, *_cli_args(args, jsonl, out_dir))
     _assert_one_line_exit_2(code, out, err, message, out_dir)
     assert not (tmp_path / "cache").exists()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["splice", "--heads", "5"], "--heads 5: this model has 2 KV heads per layer: give heads 0..1."),
-    (["splice", "--cutoffs", "99"], "cutoff 99 is outside 0..2 for this 2-layer model"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["splice", "--heads", "5"], "--heads 5: this model has 2 KV heads per layer: give heads 0..1."),
+        (["splice", "--cutoffs", "99"], "cutoff 99 is outside 0..2 for this 2-layer model"),
+    ],
+)
 def test_options_the_model_decides_leave_no_run_directory(monkeypatch, capsys, tmp_path, fake_load, args, message):
     monkeypatch.setenv("COLUMNS", "400")
     out_dir = tmp_path / "out"
@@ -307,14 +332,16 @@ def test_library_option_errors_name_the_field():
     from eventkv.probes.patch import Patch
     from eventkv.splice_probe import SpliceProbe
 
-    for make, field in ((lambda: DonorPair(max_new_tokens=0), "max_new_tokens 0:"),
-                        (lambda: DonorPair(n_events=24.0), "n_events 24.0:"),
-                        (lambda: DonorPair(arm_names=("kv", "kv")), "arm_names kv,kv:"),
-                        (lambda: Landing(tost_margin=float("nan")), "tost_margin nan:"),
-                        (lambda: Landing(tost_margin=True), "tost_margin True:"),
-                        (lambda: Patch(lengths=(24.5, 48)), "lengths 24.5,48:"),
-                        (lambda: SpliceProbe(steps=(0, "1")).validate(), "steps 0,1:"),
-                        (lambda: SpliceProbe(batch_size=0).validate(), "batch_size 0:")):
+    for make, field in (
+        (lambda: DonorPair(max_new_tokens=0), "max_new_tokens 0:"),
+        (lambda: DonorPair(n_events=24.0), "n_events 24.0:"),
+        (lambda: DonorPair(arm_names=("kv", "kv")), "arm_names kv,kv:"),
+        (lambda: Landing(tost_margin=float("nan")), "tost_margin nan:"),
+        (lambda: Landing(tost_margin=True), "tost_margin True:"),
+        (lambda: Patch(lengths=(24.5, 48)), "lengths 24.5,48:"),
+        (lambda: SpliceProbe(steps=(0, "1")).validate(), "steps 0,1:"),
+        (lambda: SpliceProbe(batch_size=0).validate(), "batch_size 0:"),
+    ):
         with pytest.raises(OptionError) as exc:
             make()
         assert str(exc.value).startswith(field), str(exc.value)

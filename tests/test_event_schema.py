@@ -30,10 +30,13 @@ BAD_LINES = [
     (b'{"id": " e1", "text": "hi"}', 'has id = " e1": give a non-empty string without commas or surrounding spaces'),
     (b'{"id": "e1", "text": "hi", "role": 5}', "has role = 5: give a non-empty string"),
     (b'{"id": "e1", "text": "hi", "role": ""}', 'has role = "": give a non-empty string'),
-    (b'{"id": "e1", "text": "hi", "budjet": 5}', "has an unknown key 'budjet': the keys of an event are id, text, role, budget"),
+    (
+        b'{"id": "e1", "text": "hi", "budjet": 5}',
+        "has an unknown key 'budjet': the keys of an event are id, text, role, budget",
+    ),
     (b'{"id": "e1"}', "has no 'text'"),
     (b'{"text": "hi"}', "has no 'id'"),
-    (b'[1, 2]', "is list [1, 2]: an event is a JSON object"),
+    (b"[1, 2]", "is list [1, 2]: an event is a JSON object"),
     (b'"e1"', 'is str "e1": an event is a JSON object'),
 ]
 
@@ -48,24 +51,30 @@ def test_bad_event_lines_are_refused_with_the_field_and_value(tmp_path, line, me
     assert message in msg
     assert "\n" not in msg.replace("\\n", "")
     if b"\xe9" not in line:
-        assert msg.startswith(f"{p}:2 ")       # the line is named
+        assert msg.startswith(f"{p}:2 ")  # the line is named
 
 
 def test_good_events_keep_their_values(tmp_path):
     p = tmp_path / "events.jsonl"
-    p.write_text('{"id": "e0", "text": "Dana lives in Lyon.", "role": "user", "budget": 12}\n\n'
-                 '{"id": "e1", "text": "café au lait", "role": null}\n', encoding="utf-8")
+    p.write_text(
+        '{"id": "e0", "text": "Dana lives in Lyon.", "role": "user", "budget": 12}\n\n'
+        '{"id": "e1", "text": "café au lait", "role": null}\n',
+        encoding="utf-8",
+    )
     log = EventLog.from_jsonl(p)
     assert log.events == [Event("e0", "Dana lives in Lyon.", "user", 12), Event("e1", "café au lait")]
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(id="e1", text=""), 'event \'e1\' has text = ""'),
-    (dict(id="e1", text="hi", budget=2.5), "event 'e1' has budget = 2.5"),
-    (dict(id="e1", text="hi", budget=0), "event 'e1' has budget = 0"),
-    (dict(id="", text="hi"), 'an event has id = ""'),
-    (dict(id=7, text="hi"), "an event has id = 7"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(id="e1", text=""), "event 'e1' has text = \"\""),
+        (dict(id="e1", text="hi", budget=2.5), "event 'e1' has budget = 2.5"),
+        (dict(id="e1", text="hi", budget=0), "event 'e1' has budget = 0"),
+        (dict(id="", text="hi"), 'an event has id = ""'),
+        (dict(id=7, text="hi"), "an event has id = 7"),
+    ],
+)
 def test_library_events_are_checked_the_same_way(kwargs, message):
     with pytest.raises(EventKVError, match="^" + message.replace("(", r"\(")):
         Event(**kwargs)
@@ -92,16 +101,40 @@ def test_prefill_refuses_a_bad_chunk_size(chunk_size):
         prefill(lm.model, tlog, chunk_size=chunk_size)
 
 
-@pytest.mark.parametrize("line, message", [(BAD_LINES[0][0], "is not UTF-8 text (byte 0xe9 at offset 25, line 1)"),
-                                           BAD_LINES[1], BAD_LINES[5], BAD_LINES[7], BAD_LINES[8]])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        (BAD_LINES[0][0], "is not UTF-8 text (byte 0xe9 at offset 25, line 1)"),
+        BAD_LINES[1],
+        BAD_LINES[5],
+        BAD_LINES[7],
+        BAD_LINES[8],
+    ],
+)
 def test_cli_query_gives_one_line_and_exit_2_before_loading(tmp_path, monkeypatch, capsys, line, message):
     from eventkv.cli import main
 
     p = tmp_path / "events.jsonl"
     p.write_bytes(line + b"\n")
     store = tmp_path / "store"
-    monkeypatch.setattr(sys, "argv", ["eventkv", "query", "--model", "no-such-model-is-loaded", "--log", str(p),
-                                      "--serve", "e1", "-q", "what?", "--store", str(store)])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "eventkv",
+            "query",
+            "--model",
+            "no-such-model-is-loaded",
+            "--log",
+            str(p),
+            "--serve",
+            "e1",
+            "-q",
+            "what?",
+            "--store",
+            str(store),
+        ],
+    )
     with pytest.raises(SystemExit) as exc:
         main()
     err = capsys.readouterr().err
@@ -115,8 +148,10 @@ TASK_LINES = [
     (b'{"prompt": 5, "answer": "x"}', "has prompt = 5: give the prompt as a non-empty string"),
     (b'{"prompt": "p", "answer": " "}', 'has answer = " ": give the answer as a non-empty string'),
     (b'{"prompt": "p", "answer": "x", "case_sensitive": "no"}', 'has case_sensitive = "no": give true or false'),
-    (b'{"prompt": "p", "answer": "x", "options": ["a", "b"]}', 'has options = ["a", "b"]: give a list of distinct '
-                                                                 "non-empty strings that includes the answer"),
+    (
+        b'{"prompt": "p", "answer": "x", "options": ["a", "b"]}',
+        'has options = ["a", "b"]: give a list of distinct non-empty strings that includes the answer',
+    ),
     (b'{"prompt": "p", "answer": "x", "options": ["x", "X"]}', 'has options = ["x", "X"]: give a list of distinct'),
     (b'{"prompt": "p", "answer": "x", "options": ["x", 3]}', "has options[1] = 3: give a list"),
     (b'{"prompt": "p", "answer": "x", "options": "x,y"}', 'has options = "x,y": give a list'),
@@ -142,5 +177,12 @@ def test_a_good_task_line_keeps_its_values(tmp_path):
 
     p = tmp_path / "task.jsonl"
     p.write_text('{"prompt": "Which is red?", "answer": "Cherry", "options": ["cherry", "lime"]}\n')
-    assert load_jsonl(p) == [{"index": 0, "prompt": "Which is red?", "answer": "Cherry",
-                              "options": ["cherry", "lime"], "case_sensitive": False}]
+    assert load_jsonl(p) == [
+        {
+            "index": 0,
+            "prompt": "Which is red?",
+            "answer": "Cherry",
+            "options": ["cherry", "lime"],
+            "case_sensitive": False,
+        }
+    ]

@@ -10,19 +10,21 @@ import torch
 from eventkv.errors import EventKVError
 from eventkv.log import Event, EventLog, tokenize, tokenize_query
 from eventkv.prefill import EventKV, prefill
-from eventkv.readout import read_out
-from eventkv.readout import candidate_logprobs, generate
+from eventkv.readout import candidate_logprobs, generate, read_out
 from eventkv.serve import serve
 from eventkv.testing import tiny_lm
 
-EVENTS = [Event("a", "Dana lives in Lyon.", budget=24), Event("b", "The table is at 19:30.", budget=30),
-          Event("c", "Dana moved to Nantes.")]
+EVENTS = [
+    Event("a", "Dana lives in Lyon.", budget=24),
+    Event("b", "The table is at 19:30.", budget=30),
+    Event("c", "Dana moved to Nantes."),
+]
 
 
 def _setup(family="llama"):
     lm = tiny_lm(family)
     tlog = tokenize(EventLog(EVENTS), lm.tokenizer, lm.profile)
-    assert tlog.n_rows < tlog.history_end          # the budgets leave gaps in the position ids
+    assert tlog.n_rows < tlog.history_end  # the budgets leave gaps in the position ids
     q = tokenize_query(lm.tokenizer, lm.profile, "Where does Dana live?")
     return lm, tlog, q
 
@@ -51,11 +53,11 @@ def test_a_stored_bf16_eventkv_under_a_float32_model_is_refused_until_cast(tmp_p
     lm.model.to(torch.bfloat16)
     prefill(lm.model, tlog, weights_digest="same-weights").save(tmp_path / "kv")
     lm.model.to(torch.float32)
-    ekv = EventKV.load(tmp_path / "kv", expect_digest="same-weights")      # same weights, other dtype
+    ekv = EventKV.load(tmp_path / "kv", expect_digest="same-weights")  # same weights, other dtype
     assert ekv.dtype == "bfloat16"
     with pytest.raises(EventKVError, match="the KV rows are bfloat16 on cpu but the model runs in float32"):
         candidate_logprobs(lm.model, serve(ekv, ["a"]), q, [[5], [7]])
-    cast = ekv.to(dtype=torch.float32)                                      # the explicit cast works
+    cast = ekv.to(dtype=torch.float32)  # the explicit cast works
     assert cast.dtype == "float32" and ekv.dtype == "bfloat16"
     assert torch.equal(cast.keys[0], ekv.keys[0].float())
     scores = candidate_logprobs(lm.model, serve(cast, ["a"]), q, [[5], [7]])
@@ -74,12 +76,22 @@ def test_every_forward_passes_an_explicit_mask(family):
     try:
         ekv = prefill(lm.model, tlog, chunk_size=7)
         for mode in ("compact", "native", "isolated", "text"):
-            served = serve(ekv, ["a", "c"], mode=mode, model=lm.model) if mode in ("isolated", "text") \
+            served = (
+                serve(ekv, ["a", "c"], mode=mode, model=lm.model)
+                if mode in ("isolated", "text")
                 else serve(ekv, ["a", "c"], mode=mode)
+            )
             generate(lm.model, served, q, max_new_tokens=3)
             candidate_logprobs(lm.model, served, q, [[5, 6, 7], [8]])
-            read_out(lm.model, [served, served], q, generate=[True, False], score=[False, True],
-                     candidates=[[5, 6], [8]], max_new_tokens=3)
+            read_out(
+                lm.model,
+                [served, served],
+                q,
+                generate=[True, False],
+                score=[False, True],
+                candidates=[[5, 6], [8]],
+                max_new_tokens=3,
+            )
     finally:
         handle.remove()
     assert len(seen) > 20
@@ -96,9 +108,10 @@ def test_without_a_mask_transformers_reads_position_gaps_as_packed_sequences():
     with torch.inference_mode():
         packed = lm.model(input_ids=ids, position_ids=pos, use_cache=False).logits
         masked = lm.model(input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids, dtype=torch.bool)).logits
-        ours = lm.model(input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids, dtype=torch.bool),
-                        use_cache=False).logits
-    first_gap = tlog.spans[2].row_start           # first row after event a's budget gap
+        ours = lm.model(
+            input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids, dtype=torch.bool), use_cache=False
+        ).logits
+    first_gap = tlog.spans[2].row_start  # first row after event a's budget gap
     assert torch.equal(masked, ours)
     assert torch.allclose(packed[0, :first_gap], masked[0, :first_gap], atol=1e-5)
     assert (packed[0, first_gap:] - masked[0, first_gap:]).abs().max() > 1e-3

@@ -55,7 +55,7 @@ def test_gate_all_events_equals_fresh_prefill(family_model, mode):
     assert len(gen.tokens) == 8
     ids = log.input_ids + QUERY + gen.tokens
     pos = log.position_ids + list(range(log.history_end, log.history_end + len(QUERY) + 8))
-    ref = fresh_logits(model, ids, pos)[log.n_rows + len(QUERY) - 1:]
+    ref = fresh_logits(model, ids, pos)[log.n_rows + len(QUERY) - 1 :]
     assert_same_greedy(gen.tokens, gen.logits, [int(r.argmax()) for r in ref[:8]], list(ref[:8]), TOL)
 
 
@@ -122,7 +122,7 @@ def test_gate_subset_native_equals_masked_fresh_forward(family_model):
         allowed = torch.ones(n, n, dtype=torch.bool).tril()
         if kind == "sliding_attention" and window:
             allowed &= ~torch.ones(n, n, dtype=torch.bool).tril(-window)
-        allowed[log.n_rows:, : log.n_rows] &= keep
+        allowed[log.n_rows :, : log.n_rows] &= keep
         masks[kind] = allowed[None, None]
     mask = masks if fam == "gemma3" else masks["full_attention"]
     with torch.no_grad():

@@ -37,7 +37,7 @@ def test_gate_smollm2_all_events_equals_fresh_prefill(smol):
         pos = tlog.position_ids + list(range(tlog.history_end, tlog.history_end + len(q) + len(gen.tokens)))
         with torch.no_grad():
             ref = smol.model(input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos])).logits[0].float()
-        ref = ref[tlog.n_rows + len(q) - 1:]
+        ref = ref[tlog.n_rows + len(q) - 1 :]
         for step, logits in enumerate(gen.logits):
             assert float((logits - ref[step]).abs().max()) <= TOL, (mode, step)
             assert int(logits.argmax()) == int(ref[step].argmax())

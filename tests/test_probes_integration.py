@@ -16,8 +16,7 @@ def test_donor_pair_on_smollm2(tmp_path):
 
     lm = load("smollm2-135m", dtype="float32")
     rt = Runtime(lm.model, lm.tokenizer, lm.profile)
-    s = run_probe(DonorPair(max_new_tokens=16), rt, model="smollm2-135m", items=2, seed=0, out=tmp_path,
-                  progress=False)
+    s = run_probe(DonorPair(max_new_tokens=16), rt, model="smollm2-135m", items=2, seed=0, out=tmp_path, progress=False)
     recs = load_records(tmp_path)
     assert [r["index"] for r in recs] == [0, 1]
     for r in recs:

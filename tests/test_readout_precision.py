@@ -14,8 +14,8 @@ from eventkv.readout import candidate_logprobs, generate, read_out, token_logpro
 from eventkv.serve import serve
 from eventkv.testing import tiny_model
 
-VOCAB = 49152          # SmolLM2's vocabulary size: where a float32 log-softmax drifted by 2.4e-4 nats
-LOGIT_SCALE = 20.0     # logits scaled toward a real model's range; here a float32 log-softmax is off by 2e-5-5e-5 nats
+VOCAB = 49152  # SmolLM2's vocabulary size: where a float32 log-softmax drifted by 2.4e-4 nats
+LOGIT_SCALE = 20.0  # logits scaled toward a real model's range; here a float32 log-softmax is off by 2e-5-5e-5 nats
 
 
 def _setup():
@@ -37,9 +37,13 @@ def _float64_reference(model, tlog, served_ids, query, cand) -> float:
     seq = list(query) + list(cand[:-1])
     pos = torch.arange(s64.next_position, s64.next_position + len(seq)).unsqueeze(0)
     with torch.inference_mode():
-        out = m64(input_ids=torch.tensor([seq]), position_ids=pos, use_cache=True,
-                  attention_mask=torch.ones(1, s64.n_rows + len(seq), dtype=torch.bool),
-                  cache=cache_from_rows(s64.keys, s64.values)).logits[0]
+        out = m64(
+            input_ids=torch.tensor([seq]),
+            position_ids=pos,
+            use_cache=True,
+            attention_mask=torch.ones(1, s64.n_rows + len(seq), dtype=torch.bool),
+            cache=cache_from_rows(s64.keys, s64.values),
+        ).logits[0]
     lp = torch.log_softmax(out, dim=-1)
     at = torch.arange(len(query) - 1, len(seq))
     return float(lp[at, torch.tensor(cand)].sum())
@@ -56,7 +60,7 @@ def test_candidate_logprobs_and_read_out_match_a_float64_reference_within_1e5():
     assert max(abs(c.logprob - y) for c, y in zip(batched[1].candidates, ref_a)) < 1e-5
     assert [c.logprob for c in batched[1].candidates] == pytest.approx(single, abs=1e-5)
     # the scores are large, so the tolerance is a real constraint (each is a sum over up to 12 tokens)
-    assert min(abs(x) for x in ref_a) > 50      # measured: ours within 2.4e-6 (AVX-512 and AVX2 kernels)
+    assert min(abs(x) for x in ref_a) > 50  # measured: ours within 2.4e-6 (AVX-512 and AVX2 kernels)
 
 
 def test_token_logprobs_is_float64_of_the_given_logits():
@@ -78,12 +82,16 @@ def test_generate_is_read_out_with_one_cache():
     assert [int(torch.argmax(x)) for x in g.logits] == g.tokens
 
 
-@pytest.mark.parametrize("gen, score", [([True], [False, False]), ([True, True], [True]), ([], []),
-                                        ([True, False, True], [False, False])])
+@pytest.mark.parametrize(
+    "gen, score", [([True], [False, False]), ([True, True], [True]), ([], []), ([True, False, True], [False, False])]
+)
 def test_read_out_refuses_flags_that_are_not_one_per_served_cache(gen, score):
     model, tlog, query, cands = _setup()
     ekv = prefill(model, tlog)
     served = [serve(ekv, ["e1"]), serve(ekv, ["e2"])]
-    with pytest.raises(EventKVError, match=rf"^read_out got 2 served caches but {len(gen)} generate and "
-                                           rf"{len(score)} score flags: give one generate flag"):
+    with pytest.raises(
+        EventKVError,
+        match=rf"^read_out got 2 served caches but {len(gen)} generate and "
+        rf"{len(score)} score flags: give one generate flag",
+    ):
         read_out(model, served, query, generate=gen, score=score, candidates=cands)

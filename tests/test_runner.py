@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from probe_fixtures import tiny_runtime
 
 from eventkv.errors import EventKVError
@@ -70,9 +69,11 @@ def test_resume_after_a_crash_recomputes_nothing_finished(rt, reference, tmp_pat
     with pytest.raises(KeyboardInterrupt):
         _run(rt, tmp_path)
     assert [r["index"] for r in load_records(tmp_path)] == [0, 1]
-    monkeypatch.setattr(DonorPair, "run_item", lambda self, rt_, item: calls.append(item["index"]) or real(self, rt_, item))
+    monkeypatch.setattr(
+        DonorPair, "run_item", lambda self, rt_, item: calls.append(item["index"]) or real(self, rt_, item)
+    )
     _run(rt, tmp_path)
-    assert calls == [0, 1, 2, 2]                     # item 2 only is recomputed
+    assert calls == [0, 1, 2, 2]  # item 2 only is recomputed
     assert (tmp_path / RECORDS).read_bytes() == (reference / RECORDS).read_bytes()
 
 
@@ -151,13 +152,35 @@ def test_cli_run_donor_pair_end_to_end(tmp_path, monkeypatch):
     from eventkv.probes.cli import report, run_app
 
     tiny = tiny_runtime("qwen3")
-    monkeypatch.setattr(eventkv.models, "load", lambda name, dtype="float32": types.SimpleNamespace(
-        model=tiny.model, tokenizer=tiny.tokenizer, profile=tiny.profile))
+    monkeypatch.setattr(
+        eventkv.models,
+        "load",
+        lambda name, dtype="float32": types.SimpleNamespace(
+            model=tiny.model, tokenizer=tiny.tokenizer, profile=tiny.profile
+        ),
+    )
     app = typer.Typer()
     app.add_typer(run_app, name="run")
     app.command("report")(report)
-    args = ["run", "donor-pair", "--model", "tiny", "--items", "2", "--seed", "5", "--out", str(tmp_path),
-            "--max-new-tokens", "3", "--source-slots", "7-9", "--decoy", "none", "--no-progress"]
+    args = [
+        "run",
+        "donor-pair",
+        "--model",
+        "tiny",
+        "--items",
+        "2",
+        "--seed",
+        "5",
+        "--out",
+        str(tmp_path),
+        "--max-new-tokens",
+        "3",
+        "--source-slots",
+        "7-9",
+        "--decoy",
+        "none",
+        "--no-progress",
+    ]
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
     assert "donor-pair: 2 pairs" in r.output and "| kv | generate | 2 |" in r.output

@@ -55,7 +55,7 @@ def _layouts():
     t = torch.randn(3, 1, rows, HEADS, DIM, generator=torch.Generator().manual_seed(3))
     yield "non-contiguous (transposed) views", [x.transpose(1, 2) for x in t], [x.transpose(1, 2) for x in t.flip(0)]
     big = torch.randn(1, HEADS, rows + 5, DIM, generator=torch.Generator().manual_seed(4))
-    yield "overlapping row slices of one tensor", [big[:, :, i:i + rows] for i in range(3)], [big[:, :, :rows]] * 3
+    yield "overlapping row slices of one tensor", [big[:, :, i : i + rows] for i in range(3)], [big[:, :, :rows]] * 3
     bf = _rows(2, seed=5, dtype=torch.bfloat16)
     yield "bfloat16, keys aliasing values", bf, [bf[1], bf[0]]
 

@@ -57,14 +57,15 @@ def test_splice_cutoff_beyond_last_layer_equals_clean_exactly(family, tok):
     assert none == ()
     cells = [Splice(a, none, step=t) for a in ARMS for t in (0, 2)]
     for tail, batch in (("clean", 1), ("spliced", len(cells))):
-        for r in splice_sweep(model, run, cells, max_new_tokens=MAX_NEW, donors=donors, tail=tail, batch_size=batch,
-                              keep_logits=True):
+        for r in splice_sweep(
+            model, run, cells, max_new_tokens=MAX_NEW, donors=donors, tail=tail, batch_size=batch, keep_logits=True
+        ):
             # the logits from the splice step on equal the clean run's at those steps
             if tail == "clean":  # the same forwards on the same rows: bit-equal
                 assert r.tokens == run.tokens
-                assert all(torch.equal(got, ref) for got, ref in zip(r.logits, run.logits[r.splice.step:]))
+                assert all(torch.equal(got, ref) for got, ref in zip(r.logits, run.logits[r.splice.step :]))
             else:  # the tail recomputed in a batch: equal within float32 rounding
-                assert_same_greedy(r.tokens, r.logits, run.tokens, run.logits[r.splice.step:], 1e-5)
+                assert_same_greedy(r.tokens, r.logits, run.tokens, run.logits[r.splice.step :], 1e-5)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -105,12 +106,24 @@ def test_splice_mask_on_every_layer_equals_a_prefill_without_the_span(family, to
     kw = {"sliding_window": 128} if family == "gemma3" else {}
     model, prompt = setup(family, tok, **kw)
     ref_toks, ref_logits = _prefill_without_span(model, prompt, MAX_NEW)
-    r = splice_generate(model, prompt, Splice("mask", layers_from(0, n_layers(model))), max_new_tokens=MAX_NEW,
-                        tail="spliced", keep_logits=True)
+    r = splice_generate(
+        model,
+        prompt,
+        Splice("mask", layers_from(0, n_layers(model))),
+        max_new_tokens=MAX_NEW,
+        tail="spliced",
+        keep_logits=True,
+    )
     assert_same_greedy(r.tokens, r.logits, ref_toks, ref_logits, 1e-4)
     # zeroing is not removal: zero-kv on every layer gives other logits than the mask
-    z = splice_generate(model, prompt, Splice("zero-kv", layers_from(0, n_layers(model))), max_new_tokens=MAX_NEW,
-                        tail="spliced", keep_logits=True)
+    z = splice_generate(
+        model,
+        prompt,
+        Splice("zero-kv", layers_from(0, n_layers(model))),
+        max_new_tokens=MAX_NEW,
+        tail="spliced",
+        keep_logits=True,
+    )
     assert (z.logits[0] - ref_logits[0]).abs().max() > 1e-3
 
 
@@ -120,9 +133,14 @@ def test_splice_sweep_equals_the_naive_one_splice_path(family, tok):
     fill = filler_ids(tok, len(prompt.span_ids))
     run = clean_run(model, prompt, max_new_tokens=4)
     donors = {"scaffold": donor_rows(model, run, fill)}
-    cells = [Splice("scaffold", layers_from(1, n_layers(model)), step=0), Splice("zero-kv", (0,), step=1),
-             Splice("mean", layers_from(1, n_layers(model)), step=0), Splice("zero-k", (1,), step=2),
-             Splice("mask", (0,), heads=(1,), step=0), Splice("scaffold", (1,), heads=(0,), step=1)]
+    cells = [
+        Splice("scaffold", layers_from(1, n_layers(model)), step=0),
+        Splice("zero-kv", (0,), step=1),
+        Splice("mean", layers_from(1, n_layers(model)), step=0),
+        Splice("zero-k", (1,), step=2),
+        Splice("mask", (0,), heads=(1,), step=0),
+        Splice("scaffold", (1,), heads=(0,), step=1),
+    ]
     fast = splice_sweep(model, run, cells, max_new_tokens=4, donors=donors, batch_size=4, keep_logits=True)
     for cell, f in zip(cells, fast):
         slow = splice_generate(model, prompt, cell, max_new_tokens=4, donor_ids=fill, keep_logits=True)
@@ -176,7 +194,7 @@ def test_splice_filler_is_length_matched(tok):
     for n in (1, 5, 57, 200):
         ids = filler_ids(tok, n)
         assert len(ids) == n
-        assert tok.decode(ids).startswith("This is a neutral sentence"[: n])
+        assert tok.decode(ids).startswith("This is a neutral sentence"[:n])
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -189,8 +207,9 @@ def test_splice_early_exit_drops_finished_splices_without_changing_the_others(fa
     def decided(toks):  # ends different splices at different steps
         return toks[-1] % 3 == 0
 
-    early = splice_sweep(model, run, cells, max_new_tokens=MAX_NEW, batch_size=len(cells), decided=decided,
-                         keep_logits=True)
+    early = splice_sweep(
+        model, run, cells, max_new_tokens=MAX_NEW, batch_size=len(cells), decided=decided, keep_logits=True
+    )
     for f, e in zip(full, early):  # the batch shrinks as splices finish: equal within float32 rounding
         n = len(e.tokens)
         assert_same_greedy(e.tokens, e.logits, f.tokens[:n], f.logits[: len(e.logits)], 1e-5)
@@ -200,8 +219,11 @@ def test_splice_early_exit_drops_finished_splices_without_changing_the_others(fa
 # ------------------------------------------------------------------ forced-choice readout over the splice
 def _options(tok):
     """Options of 1, 2 and 3 tokens (exercises the right padding)."""
-    return [tok("b", add_special_tokens=False)["input_ids"], tok("7.", add_special_tokens=False)["input_ids"],
-            tok(" c=1", add_special_tokens=False)["input_ids"][:3]]
+    return [
+        tok("b", add_special_tokens=False)["input_ids"],
+        tok("7.", add_special_tokens=False)["input_ids"],
+        tok(" c=1", add_special_tokens=False)["input_ids"][:3],
+    ]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -217,8 +239,9 @@ def test_splice_choice_cutoff_beyond_last_layer_equals_clean_exactly(family, tok
         got = splice_choice(model, run, [Splice(a, none) for a in ARMS], opts, donors=donors, tail=tail, batch_size=1)
         for row in got:
             assert row == clean  # the same floats: nothing spliced is clean, exactly
-        batched = splice_choice(model, run, [Splice(a, none) for a in ARMS], opts, donors=donors, tail=tail,
-                                batch_size=len(ARMS))
+        batched = splice_choice(
+            model, run, [Splice(a, none) for a in ARMS], opts, donors=donors, tail=tail, batch_size=len(ARMS)
+        )
         for row in batched:
             assert row == pytest.approx(clean, abs=1e-5)
     # and the splice arms do move the scores when they splice every layer
@@ -236,8 +259,15 @@ def test_splice_choice_clean_equals_candidate_logprobs_on_a_served_cache(family,
     model, prompt = setup(family, tok)
     run = clean_run(model, prompt, max_new_tokens=0)
     p = prompt.n_rows
-    served = ServedCache([k[:, :, : p - 1] for k in run.keys], [v[:, :, : p - 1] for v in run.values],
-                         torch.arange(p - 1), None, p - 1, "compact", ())
+    served = ServedCache(
+        [k[:, :, : p - 1] for k in run.keys],
+        [v[:, :, : p - 1] for v in run.values],
+        torch.arange(p - 1),
+        None,
+        p - 1,
+        "compact",
+        (),
+    )
     opts = _options(tok)
     ref = [c.logprob for c in candidate_logprobs(model, served, [prompt.ids[-1]], opts)]
     got = splice_choice(model, run, [Splice("clean")], opts)[0]

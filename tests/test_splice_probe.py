@@ -96,13 +96,32 @@ def test_splice_word_matcher(answer, options, cs, text, correct):
     assert score(text, item)[0] is correct  # word is the default
 
 
-EARLY_ITEMS = [{"answer": "Green", "case_sensitive": False, "options": []},
-               {"answer": "positive", "case_sensitive": False, "options": ["positive", "negative"]},
-               {"answer": "42", "case_sensitive": False, "options": []},
-               {"answer": "GREEN", "case_sensitive": True, "options": []}]
-EARLY_TEXTS = ["green", "Green.\nmore", " **green** and", "The value", "greenish", "\n\ngreen!\n", "gre", "* green *x",
-               "\u00e9", "green \" ok", "It is positive", "positive or negative\n", "4", "42", "42\n43", "12 + 30 = 42",
-               "\n*\nGREEN", "The answer is 42 or"]
+EARLY_ITEMS = [
+    {"answer": "Green", "case_sensitive": False, "options": []},
+    {"answer": "positive", "case_sensitive": False, "options": ["positive", "negative"]},
+    {"answer": "42", "case_sensitive": False, "options": []},
+    {"answer": "GREEN", "case_sensitive": True, "options": []},
+]
+EARLY_TEXTS = [
+    "green",
+    "Green.\nmore",
+    " **green** and",
+    "The value",
+    "greenish",
+    "\n\ngreen!\n",
+    "gre",
+    "* green *x",
+    "\u00e9",
+    'green " ok',
+    "It is positive",
+    "positive or negative\n",
+    "4",
+    "42",
+    "42\n43",
+    "12 + 30 = 42",
+    "\n*\nGREEN",
+    "The answer is 42 or",
+]
 EARLY_TAILS = ("", "x", "\n", ".", " green", " negative", " 43", "2", "\nGreen", " positive\n", "-")
 
 
@@ -116,8 +135,12 @@ def test_splice_early_exit_never_changes_a_score(match):
                     n_decided += 1
                     # every continuation of a decided prefix scores the same
                     for tail in EARLY_TAILS:
-                        assert (score(text[:cut] + tail, item, match)[0] == score(text[:cut], item, match)[0]), \
-                            (match, item["answer"], text[:cut], tail)
+                        assert score(text[:cut] + tail, item, match)[0] == score(text[:cut], item, match)[0], (
+                            match,
+                            item["answer"],
+                            text[:cut],
+                            tail,
+                        )
     assert n_decided > 20
     item = EARLY_ITEMS[0]
     assert not outcome_decided("gre", item, match) and outcome_decided("green\n", item, match)
@@ -159,9 +182,15 @@ def test_splice_parse_cutoffs():
 
 
 def test_splice_summary_counts():
-    recs = [{"index": i, "n_layers": 2, "clean": {"correct": c0},
-             "cells": [{"arm": "scaffold", "cutoff": 1, "step": 0, "correct": a}]}
-            for i, (c0, a) in enumerate([(True, True), (True, False), (True, False), (False, True), (False, False)])]
+    recs = [
+        {
+            "index": i,
+            "n_layers": 2,
+            "clean": {"correct": c0},
+            "cells": [{"arm": "scaffold", "cutoff": 1, "step": 0, "correct": a}],
+        }
+        for i, (c0, a) in enumerate([(True, True), (True, False), (True, False), (False, True), (False, False)])
+    ]
     t = cell_table(recs)
     assert t[("clean",)] == {"k": 3, "n": 5}
     assert t[("scaffold", 1, 0)] == {"k": 2, "n": 5, "clean_only": 2, "arm_only": 1}
@@ -177,8 +206,9 @@ def test_splice_probe_records_on_a_tiny_model(match):
     # the answering model (by construction), not a random one: the cells are compared across batch
     # shapes (early exit, batched vs clean decode), which a random model's near-ties could flip on some CPUs
     rt = _answering_runtime("llama")
-    probe = SpliceProbe(cutoffs="all", steps=(0, 2), arm_names=("scaffold", "zero-kv", "mask"), max_new_tokens=4,
-                        match=match)
+    probe = SpliceProbe(
+        cutoffs="all", steps=(0, 2), arm_names=("scaffold", "zero-kv", "mask"), max_new_tokens=4, match=match
+    )
     item = _vocab_items()[0]
     rec = json.loads(json.dumps(probe.run_item(rt, item)))
     n = rec["n_layers"]
@@ -192,8 +222,14 @@ def test_splice_probe_records_on_a_tiny_model(match):
             assert c["pred"] == "OFFLINE" and not c["correct"]
     assert probe.summarize([rec]).tables
     # ending decodes early once the outcome is fixed changes no score
-    full = SpliceProbe(cutoffs="all", steps=(0, 2), arm_names=("scaffold", "zero-kv", "mask"), max_new_tokens=4,
-                       early_exit=False, match=match).run_item(rt, item)
+    full = SpliceProbe(
+        cutoffs="all",
+        steps=(0, 2),
+        arm_names=("scaffold", "zero-kv", "mask"),
+        max_new_tokens=4,
+        early_exit=False,
+        match=match,
+    ).run_item(rt, item)
     assert [c["correct"] for c in full["cells"]] == [c["correct"] for c in rec["cells"]]
     assert full["clean"]["correct"] == rec["clean"]["correct"]
 
@@ -206,19 +242,39 @@ def _vocab_items():
     item and a word item. Each prompt holds one trigger word of :data:`LINES`."""
     items = []
     for i, (name, st_) in enumerate([("ALPHA", "ONLINE"), ("BETA", "OFFLINE"), ("GAMMA", "STANDBY")]):
-        items.append({"index": i, "prompt": f"register {name} is set to {st_}. What is the state of register {name}?",
-                      "answer": st_, "options": STATES, "case_sensitive": False})
+        items.append(
+            {
+                "index": i,
+                "prompt": f"register {name} is set to {st_}. What is the state of register {name}?",
+                "answer": st_,
+                "options": STATES,
+                "case_sensitive": False,
+            }
+        )
     items.append({"index": 3, "prompt": "What is 40 + 2?", "answer": "42", "options": [], "case_sensitive": False})
-    items.append({"index": 4, "prompt": "What is the final word? DELTA", "answer": "DELTA", "options": [],
-                  "case_sensitive": True})
+    items.append(
+        {
+            "index": 4,
+            "prompt": "What is the final word? DELTA",
+            "answer": "DELTA",
+            "options": [],
+            "case_sensitive": True,
+        }
+    )
     return items
 
 
 #: What the answering model writes: with a trigger word in sight, that trigger's line; with no trigger
 #: in sight (None: the span was spliced away), "OFFLINE". Lines are right, wrong or right under one
 #: matcher only (word vs exact) on the items of _vocab_items.
-LINES = {"ALPHA": "ONLINE.", "BETA": "OFFLINE/ONLINE", "GAMMA": "STANDBY", "+": "is 42", "final": "word: DELTA",
-         None: "OFFLINE"}
+LINES = {
+    "ALPHA": "ONLINE.",
+    "BETA": "OFFLINE/ONLINE",
+    "GAMMA": "STANDBY",
+    "+": "is 42",
+    "final": "word: DELTA",
+    None: "OFFLINE",
+}
 
 
 def _answering_runtime(family: str):
@@ -251,8 +307,13 @@ def _answering_runtime(family: str):
 CLEAN_TEXTS = {
     "exact": ["ONLINE.\n", "OFFLINE/", "STANDBY\n", "is", "word"],
     "word": ["ONLINE.\n", "OFFLINE/ONLINE\n", "STANDBY\n", "is 42\n", "word: DELTA\n"],
-    None: ["ONLINE.\nONLINE.\nONLINE.\nONLINE", "OFFLINE/ONLINE\nOFFLINE/ONLINE\nOFFLINE/", "STANDBY\n" * 5,
-           "is 42\nis 42\n", "word: DELTA\nword: DELTA\n"],
+    None: [
+        "ONLINE.\nONLINE.\nONLINE.\nONLINE",
+        "OFFLINE/ONLINE\nOFFLINE/ONLINE\nOFFLINE/",
+        "STANDBY\n" * 5,
+        "is 42\nis 42\n",
+        "word: DELTA\nword: DELTA\n",
+    ],
 }
 
 
@@ -269,8 +330,14 @@ def test_splice_probe_early_exit_never_changes_a_score_on_right_answers(match):
     + 0 = 56; word (items 3 and 4 are right in the clean line): 25 + 6 + 25 + 19 + 19 = 94."""
     items = _vocab_items()
     rt = _answering_runtime("llama")
-    probe = SpliceProbe(task="sentiment", cutoffs="0,1,2", steps=(0, 1, 3), arm_names=("scaffold", "zero-kv", "mask"),
-                        max_new_tokens=10, match=match)
+    probe = SpliceProbe(
+        task="sentiment",
+        cutoffs="0,1,2",
+        steps=(0, 1, 3),
+        arm_names=("scaffold", "zero-kv", "mask"),
+        max_new_tokens=10,
+        match=match,
+    )
     nofast = SpliceProbe(**{**probe.options(), "early_exit": False, "steps": (0, 1, 3)})
     recs = [probe.run_item(rt, it) for it in items]
     full = [nofast.run_item(rt, it) for it in items]
@@ -344,8 +411,26 @@ def test_splice_cli_runs_resumes_and_refuses_other_settings(tmp_path):
     app.command("splice")(splice)
     app.callback()(lambda: None)
     out = tmp_path / "run"
-    args = ["splice", "--model", str(mdir), "--task", "sentiment", "--cutoffs", "0,2", "--steps", "0,1",
-            "--arms", "scaffold,zero-kv", "--items", "2", "--out", str(out), "--max-new-tokens", "3", "--no-progress"]
+    args = [
+        "splice",
+        "--model",
+        str(mdir),
+        "--task",
+        "sentiment",
+        "--cutoffs",
+        "0,2",
+        "--steps",
+        "0,1",
+        "--arms",
+        "scaffold,zero-kv",
+        "--items",
+        "2",
+        "--out",
+        str(out),
+        "--max-new-tokens",
+        "3",
+        "--no-progress",
+    ]
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
     for f in ("manifest.json", "records.jsonl", "summary.md", "figure.png", "heatmap.png"):

@@ -21,7 +21,7 @@ def test_sign_test_matches_scipy_and_hand_values():
 def test_sign_test_study_headline():
     # Study 1: 99:0 on Qwen3-8B gives p = 3.2e-30 (two-sided: 2 * 0.5**99).
     r = sign_test(99, 0)
-    assert r.p_value == pytest.approx(2 * 0.5 ** 99, rel=1e-9)
+    assert r.p_value == pytest.approx(2 * 0.5**99, rel=1e-9)
     assert format_p(r.p_value) == "3.16e-30"
 
 
@@ -103,10 +103,13 @@ def test_nan_is_never_counted_as_a_tie_or_ranked():
 
     d = [math.nan, 0.5, -math.inf, 0.25, math.nan]
     for f in (sign_test_d, wilcoxon_d, median):
-        with pytest.raises(EventKVError, match=r"3 of 5 values are not a finite number "
-                                               r"\(nan at index 0, -inf at index 2, nan at index 4\)"):
+        with pytest.raises(
+            EventKVError,
+            match=r"3 of 5 values are not a finite number "
+            r"\(nan at index 0, -inf at index 2, nan at index 4\)",
+        ):
             f(d)
-    with pytest.raises(EventKVError, match=r"'x' at index 1"):   # not a number at all
+    with pytest.raises(EventKVError, match=r"'x' at index 1"):  # not a number at all
         median([1.0, "x"])
 
 
@@ -115,10 +118,16 @@ def test_require_finite_names_items_and_caps_the_list():
     from eventkv.stats import require_finite
 
     assert require_finite([1, 2.5, -3], "s") == [1.0, 2.5, -3.0]
-    with pytest.raises(EventKVError, match=r"^donor statistic d of arm 'kv': 10 of 12 values are not a finite number "
-                                           r"\(nan at item 2, .*nan at item 9, and 2 more\)"):
-        require_finite([0.1] + [math.nan] * 10 + [0.2], "donor statistic d of arm 'kv'",
-                       labels=[f"item {i + 1}" for i in range(12)])
+    with pytest.raises(
+        EventKVError,
+        match=r"^donor statistic d of arm 'kv': 10 of 12 values are not a finite number "
+        r"\(nan at item 2, .*nan at item 9, and 2 more\)",
+    ):
+        require_finite(
+            [0.1] + [math.nan] * 10 + [0.2],
+            "donor statistic d of arm 'kv'",
+            labels=[f"item {i + 1}" for i in range(12)],
+        )
 
 
 def test_probe_summaries_name_the_arm_and_item_of_a_nan_d():
@@ -126,15 +135,18 @@ def test_probe_summaries_name_the_arm_and_item_of_a_nan_d():
     from eventkv.probes.pairs import d_stats
 
     recs = [{"index": i, "d": {"kv": x}} for i, x in enumerate([0.5, 0.25, math.nan, -0.1])]
-    with pytest.raises(EventKVError, match=r"^donor statistic d of arm 'kv': 1 of 4 values is not a finite number "
-                                           r"\(nan at item 2\)"):
+    with pytest.raises(
+        EventKVError,
+        match=r"^donor statistic d of arm 'kv': 1 of 4 values is not a finite number "
+        r"\(nan at item 2\)",
+    ):
         d_stats(recs, "kv")
 
 
 def test_clean_inputs_still_match_scipy():
     from eventkv.equivalence import mean_effect, tost
 
-    d = CLEAN + [1e300, -1e-300]   # large and tiny finite values pass
+    d = CLEAN + [1e300, -1e-300]  # large and tiny finite values pass
     nz = [x for x in d if x != 0]
     assert sign_test_d(d).p_value == pytest.approx(st.binomtest(6, 9).pvalue, rel=1e-12)
     w, ref = wilcoxon_d(d), st.wilcoxon(nz)

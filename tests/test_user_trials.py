@@ -39,6 +39,7 @@ def jsonl(tmp_path):
 def no_load(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the model must not load for a bad option")
+
     monkeypatch.setattr(eventkv.models, "load", refuse)
 
 
@@ -49,12 +50,18 @@ def _one_line_exit_2(code, out, err, message):
     assert message in err, err
 
 
-@pytest.mark.parametrize("args, message", [
-    (["run", "donor-pair", "--threads", "100000"], f"--threads 100000: give 1 to {os.cpu_count()} torch CPU threads"),
-    (["run", "donor-pair", "--dtype", "fp8"], "--dtype 'fp8': not supported; use one of auto, float32, bfloat16"),
-    (["splice", "--dtype", "bf32"], "--dtype 'bf32': not supported"),
-    (["contract", "--threads", "100000"], "--threads 100000: give 1 to"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["run", "donor-pair", "--threads", "100000"],
+            f"--threads 100000: give 1 to {os.cpu_count()} torch CPU threads",
+        ),
+        (["run", "donor-pair", "--dtype", "fp8"], "--dtype 'fp8': not supported; use one of auto, float32, bfloat16"),
+        (["splice", "--dtype", "bf32"], "--dtype 'bf32': not supported"),
+        (["contract", "--threads", "100000"], "--threads 100000: give 1 to"),
+    ],
+)
 def test_more_bad_run_options(monkeypatch, capsys, tmp_path, no_load, args, message):
     out_dir = tmp_path / "out"
     _one_line_exit_2(*run_cli(monkeypatch, capsys, *args, "--out", str(out_dir)), message)
@@ -65,17 +72,21 @@ def test_more_bad_run_options(monkeypatch, capsys, tmp_path, no_load, args, mess
 def test_out_that_is_a_file_fails_before_the_model_loads(monkeypatch, capsys, tmp_path, no_load, command):
     f = tmp_path / "README.md"
     f.write_text("not a directory\n")
-    _one_line_exit_2(*run_cli(monkeypatch, capsys, *command, "--out", str(f)),
-                     f"--out '{f}': that path is a file, not a directory")
+    _one_line_exit_2(
+        *run_cli(monkeypatch, capsys, *command, "--out", str(f)), f"--out '{f}': that path is a file, not a directory"
+    )
     assert f.read_text() == "not a directory\n"
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--serve", "a,,c"], "--serve 'a,,c': an entry is empty"),
-    (["--serve", "a,"], "--serve 'a,': an entry is empty"),
-    (["--serve", "a", "--candidates", "x,,y"], "--candidates x,,y: give distinct, non-empty candidate answers"),
-    (["--serve", "a", "--store", "FILE"], "that path is a file, not a directory"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--serve", "a,,c"], "--serve 'a,,c': an entry is empty"),
+        (["--serve", "a,"], "--serve 'a,': an entry is empty"),
+        (["--serve", "a", "--candidates", "x,,y"], "--candidates x,,y: give distinct, non-empty candidate answers"),
+        (["--serve", "a", "--store", "FILE"], "that path is a file, not a directory"),
+    ],
+)
 def test_more_bad_query_options(monkeypatch, capsys, tmp_path, jsonl, no_load, extra, message):
     f = tmp_path / "FILE"
     f.write_text("x")
@@ -84,15 +95,33 @@ def test_more_bad_query_options(monkeypatch, capsys, tmp_path, jsonl, no_load, e
 
 
 def test_max_new_tokens_past_the_context_is_named_before_anything_is_written(monkeypatch, capsys, tmp_path, jsonl):
-    lm = tiny_lm("llama")             # max_position_embeddings 4096
+    lm = tiny_lm("llama")  # max_position_embeddings 4096
     monkeypatch.setattr(eventkv.models, "load", lambda *a, **k: lm)
     store = tmp_path / "store"
-    code, out, err = run_cli(monkeypatch, capsys, "query", "--log", str(jsonl), "--serve", "a", "-q", "which?",
-                             "--max-new-tokens", "100000", "--store", str(store))
+    code, out, err = run_cli(
+        monkeypatch,
+        capsys,
+        "query",
+        "--log",
+        str(jsonl),
+        "--serve",
+        "a",
+        "-q",
+        "which?",
+        "--max-new-tokens",
+        "100000",
+        "--store",
+        str(store),
+    )
     tlog = tokenize(EventLog.from_jsonl(jsonl), lm.tokenizer, lm.profile)
     used = tlog.history_end + len(tokenize_query(lm.tokenizer, lm.profile, "which?"))
-    _one_line_exit_2(code, out, err, f"--max-new-tokens 100000: the history and the query take {used} of the "
-                                     f"model's 4096 positions: give at most {4096 - used} new tokens.")
+    _one_line_exit_2(
+        code,
+        out,
+        err,
+        f"--max-new-tokens 100000: the history and the query take {used} of the "
+        f"model's 4096 positions: give at most {4096 - used} new tokens.",
+    )
     assert not store.exists()
 
 
@@ -100,14 +129,40 @@ def test_a_given_store_holding_another_eventkv_is_refused_not_overwritten(monkey
     lm = tiny_lm("llama")
     monkeypatch.setattr(eventkv.models, "load", lambda *a, **k: lm)
     store = tmp_path / "store"
-    code, out, err = run_cli(monkeypatch, capsys, "query", "--log", str(jsonl), "--serve", "a", "-q", "which?",
-                             "--max-new-tokens", "2", "--store", str(store))
+    code, out, err = run_cli(
+        monkeypatch,
+        capsys,
+        "query",
+        "--log",
+        str(jsonl),
+        "--serve",
+        "a",
+        "-q",
+        "which?",
+        "--max-new-tokens",
+        "2",
+        "--store",
+        str(store),
+    )
     assert code is None or code == 0, err
     before = {p.name: p.read_bytes() for p in store.iterdir()}
     other = tmp_path / "other.jsonl"
     other.write_text('{"id": "a", "text": "another history"}\n')
-    code, out, err = run_cli(monkeypatch, capsys, "query", "--log", str(other), "--serve", "a", "-q", "which?",
-                             "--max-new-tokens", "2", "--store", str(store))
+    code, out, err = run_cli(
+        monkeypatch,
+        capsys,
+        "query",
+        "--log",
+        str(other),
+        "--serve",
+        "a",
+        "-q",
+        "which?",
+        "--max-new-tokens",
+        "2",
+        "--store",
+        str(store),
+    )
     _one_line_exit_2(code, out, err, f"--store '{store}' already holds a different EventKV (another log)")
     assert {p.name: p.read_bytes() for p in store.iterdir()} == before
 
@@ -120,16 +175,19 @@ def test_event_log_lines_name_repeats_and_accept_a_bom(tmp_path):
     p.write_bytes(b'{"id": "e0", "text": "hi", "text": "ho"}\n')
     with pytest.raises(EventKVError, match=rf"^{p}:1 gives the key 'text' twice"):
         EventLog.from_jsonl(p)
-    p.write_bytes(b'\xef\xbb\xbf{"id": "e0", "text": "hi"}\n')        # a Windows editor's byte-order mark
+    p.write_bytes(b'\xef\xbb\xbf{"id": "e0", "text": "hi"}\n')  # a Windows editor's byte-order mark
     assert EventLog.from_jsonl(p).events == [Event("e0", "hi")]
 
 
 def test_rows_of_another_model_are_refused_with_their_layout():
-    a, b = tiny_lm("llama"), tiny_lm("gemma3")     # 2 vs 3 layers
+    a, b = tiny_lm("llama"), tiny_lm("gemma3")  # 2 vs 3 layers
     tlog = tokenize(EventLog([Event("a", "hello there")]), a.tokenizer, a.profile)
     ekv = prefill(a.model, tlog)
-    with pytest.raises(EventKVError, match=r"^the KV rows have 2 layers x 2 KV heads x head dim 16 but the model has "
-                                           r"3 x 2 x 16: they were made by another model"):
+    with pytest.raises(
+        EventKVError,
+        match=r"^the KV rows have 2 layers x 2 KV heads x head dim 16 but the model has "
+        r"3 x 2 x 16: they were made by another model",
+    ):
         generate(b.model, serve(ekv, "all"), tokenize_query(a.tokenizer, a.profile, "hi"), max_new_tokens=2)
 
 

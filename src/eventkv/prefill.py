@@ -38,8 +38,14 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def model_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: DynamicCache,
-                  attention_mask: torch.Tensor | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+def model_forward(
+    model,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    cache: DynamicCache,
+    attention_mask: torch.Tensor | None = None,
+    logits_to_keep: int = 0,
+) -> torch.Tensor:
     """One forward pass that appends rows to ``cache`` and returns logits.
 
     Args:
@@ -66,8 +72,14 @@ def model_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, ca
         b, q = input_ids.shape
         attention_mask = torch.ones(b, rows + q, dtype=torch.bool, device=input_ids.device)
     kwargs = {cache_kwarg(model): cache}
-    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
+    out = model(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=attention_mask,
+        use_cache=True,
+        logits_to_keep=logits_to_keep,
+        **kwargs,
+    )
     return out.logits.float()
 
 
@@ -95,14 +107,16 @@ def check_rows_match(model, cache: DynamicCache) -> int:
         raise EventKVError(
             f"the KV rows have {got[0]} layers x {got[1]} KV heads x head dim {got[2]} but the model has "
             f"{want[0]} x {want[1]} x {want[2]}: they were made by another model; prefill again with this one "
-            f"(EventKV.load(dir, expect_digest=profile.weights_digest) catches this at load).")
+            f"(EventKV.load(dir, expect_digest=profile.weights_digest) catches this at load)."
+        )
     p = next(model.parameters())
     if keys.dtype != p.dtype or keys.device != p.device:
         kd, pd = str(keys.dtype).removeprefix("torch."), str(p.dtype).removeprefix("torch.")
         raise EventKVError(
             f"the KV rows are {kd} on {keys.device} but the model runs in {pd} on {p.device}: load the model with "
             f"dtype={kd!r} (the rows' dtype), prefill again with this model, or cast the rows on purpose with "
-            f"EventKV.to(dtype=torch.{pd}, device={str(p.device)!r}).")
+            f"EventKV.to(dtype=torch.{pd}, device={str(p.device)!r})."
+        )
     return int(keys.shape[-2])
 
 
@@ -213,13 +227,15 @@ class EventKV:
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype, None) if dtype in ("float32", "bfloat16", "float16", "float64") else dtype
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise EventKVError(f"EventKV.to(dtype={dtype!r}): give a floating-point dtype, e.g. torch.float32 or "
-                               f"'bfloat16'.")
+            raise EventKVError(
+                f"EventKV.to(dtype={dtype!r}): give a floating-point dtype, e.g. torch.float32 or 'bfloat16'."
+            )
         try:
             device = torch.device(device) if device is not None else None
         except (RuntimeError, TypeError) as exc:
-            raise EventKVError(f"EventKV.to(device={device!r}): not a torch device ({exc}); use e.g. 'cpu' or "
-                               f"'cuda:0'.") from None
+            raise EventKVError(
+                f"EventKV.to(device={device!r}): not a torch device ({exc}); use e.g. 'cpu' or 'cuda:0'."
+            ) from None
         keys = [k.to(dtype=dtype, device=device) for k in self.keys]
         values = [v.to(dtype=dtype, device=device) for v in self.values]
         return EventKV(self.log, keys, values, self.positions, self.weights_digest, dict(self.meta))
@@ -260,10 +276,16 @@ class EventKV:
             save_file(tensors, kv_tmp)
             _fsync_path(kv_tmp)
             manifest = {
-                "format": FORMAT_VERSION, "weights_digest": self.weights_digest, "dtype": self.dtype,
-                "n_layers": self.n_layers, "n_rows": self.n_rows, "history_end": self.log.history_end,
-                "tensors_sha256": sha256_file(kv_tmp), "log": self.log.to_dict(),
-                "spans": [s.__dict__ for s in self.log.spans], "meta": self.meta,
+                "format": FORMAT_VERSION,
+                "weights_digest": self.weights_digest,
+                "dtype": self.dtype,
+                "n_layers": self.n_layers,
+                "n_rows": self.n_rows,
+                "history_end": self.log.history_end,
+                "tensors_sha256": sha256_file(kv_tmp),
+                "log": self.log.to_dict(),
+                "spans": [s.__dict__ for s in self.log.spans],
+                "meta": self.meta,
             }
             man_tmp = _temp_path(d, ".manifest-", temps)
             with open(man_tmp, "w") as f:
@@ -311,20 +333,29 @@ class EventKV:
         """
         d = Path(directory)
         if not (d / MANIFEST).is_file() or not (d / TENSORS).is_file():
-            raise EventKVError(f"{str(d)!r} holds no complete EventKV (missing {MANIFEST} or {TENSORS}): prefill again.")
+            raise EventKVError(
+                f"{str(d)!r} holds no complete EventKV (missing {MANIFEST} or {TENSORS}): prefill again."
+            )
         manifest = json.loads((d / MANIFEST).read_text())
         if verify and sha256_file(d / TENSORS) != manifest["tensors_sha256"]:
-            raise EventKVError(f"{str(d / TENSORS)!r} does not match its manifest checksum (corrupted): delete it and prefill again.")
+            raise EventKVError(
+                f"{str(d / TENSORS)!r} does not match its manifest checksum (corrupted): delete it and prefill again."
+            )
         if expect_digest is not None and manifest["weights_digest"] != expect_digest:
             raise EventKVError(
                 f"the EventKV in {str(d)!r} was made by weights {manifest['weights_digest'][:16]}, not by the model "
-                f"given ({expect_digest[:16]}): prefill again with this model.")
+                f"given ({expect_digest[:16]}): prefill again with this model."
+            )
         t = load_file(d / TENSORS)
         n = manifest["n_layers"]
-        return cls(TokenizedLog.from_dict(manifest["log"]),
-                   [t[f"keys.{i}"].unsqueeze(0) for i in range(n)],
-                   [t[f"values.{i}"].unsqueeze(0) for i in range(n)],
-                   t["positions"], manifest["weights_digest"], manifest.get("meta", {}))
+        return cls(
+            TokenizedLog.from_dict(manifest["log"]),
+            [t[f"keys.{i}"].unsqueeze(0) for i in range(n)],
+            [t[f"values.{i}"].unsqueeze(0) for i in range(n)],
+            t["positions"],
+            manifest["weights_digest"],
+            manifest.get("meta", {}),
+        )
 
 
 def check_context(n_positions: int, max_context: int | None, what: str = "history") -> None:
@@ -332,12 +363,20 @@ def check_context(n_positions: int, max_context: int | None, what: str = "histor
     if max_context is not None and n_positions > max_context:
         raise EventKVError(
             f"the {what} needs {n_positions} positions but the model's context is {max_context} tokens: "
-            f"shorten the log (fewer or shorter events) or use a model with a longer context.")
+            f"shorten the log (fewer or shorter events) or use a model with a longer context."
+        )
 
 
 @torch.inference_mode()
-def prefill(model, log: TokenizedLog, *, chunk_size: int | None = None, prefix: EventKV | None = None,
-            max_context: int | None = None, weights_digest: str = "unhashed") -> EventKV:
+def prefill(
+    model,
+    log: TokenizedLog,
+    *,
+    chunk_size: int | None = None,
+    prefix: EventKV | None = None,
+    max_context: int | None = None,
+    weights_digest: str = "unhashed",
+) -> EventKV:
     """Global prefill of a tokenized log (Study 1, "Setting": header + all events, causally,
     at the log's positions).
 
@@ -366,8 +405,14 @@ def prefill(model, log: TokenizedLog, *, chunk_size: int | None = None, prefix: 
     start = 0
     if prefix is not None:
         p = prefix.n_rows
-        if p > log.n_rows or prefix.log.input_ids[:p] != log.input_ids[:p] or not torch.equal(prefix.positions, pos[0, :p]):
-            raise EventKVError("the prefix EventKV's rows are not the first rows of this log (token ids or positions differ).")
+        if (
+            p > log.n_rows
+            or prefix.log.input_ids[:p] != log.input_ids[:p]
+            or not torch.equal(prefix.positions, pos[0, :p])
+        ):
+            raise EventKVError(
+                "the prefix EventKV's rows are not the first rows of this log (token ids or positions differ)."
+            )
         cache = cache_from_rows(prefix.keys, prefix.values)
         start = p
     else:

@@ -40,8 +40,15 @@ def store_dir_for(lm, tlog) -> Path:
     return cache_root() / "kv" / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
-def prefill_or_load(lm, log: EventLog, store: Path | None = None, chunk_size: int | None = None, *,
-                    query_tokens: int = 0, max_new_tokens: int = 0) -> tuple[EventKV, bool, Path]:
+def prefill_or_load(
+    lm,
+    log: EventLog,
+    store: Path | None = None,
+    chunk_size: int | None = None,
+    *,
+    query_tokens: int = 0,
+    max_new_tokens: int = 0,
+) -> tuple[EventKV, bool, Path]:
     """Tokenize and globally prefill ``log``, reusing the EventKV stored at ``store`` when it was made
     from the same tokens by the same weights in the same dtype. Returns (EventKV, reused?, store
     directory).
@@ -64,8 +71,12 @@ def prefill_or_load(lm, log: EventLog, store: Path | None = None, chunk_size: in
     check_context(tlog.history_end + query_tokens, ctx, what="history plus query")
     if ctx is not None and tlog.history_end + query_tokens + max_new_tokens > ctx:
         used = tlog.history_end + query_tokens
-        raise OptionError("max_new_tokens", max_new_tokens, f"the history and the query take {used} of the model's "
-                                                            f"{ctx} positions: give at most {ctx - used} new tokens.")
+        raise OptionError(
+            "max_new_tokens",
+            max_new_tokens,
+            f"the history and the query take {used} of the model's "
+            f"{ctx} positions: give at most {ctx - used} new tokens.",
+        )
     given = store is not None
     store = Path(store) if given else store_dir_for(lm, tlog)
     check_out_dir(store, "store")
@@ -77,18 +88,33 @@ def prefill_or_load(lm, log: EventLog, store: Path | None = None, chunk_size: in
             why = "another log" if ekv.log.to_dict() != tlog.to_dict() else f"{ekv.dtype} rows, not {lm.profile.dtype}"
         except EventKVError as exc:
             why = str(exc)
-        if given:   # the caller's directory: never overwrite what it holds
-            raise EventKVError(f"--store {str(store)!r} already holds a different EventKV ({why}): give another "
-                               f"directory, delete that one, or leave --store out (a content-addressed store).")
-    ekv = prefill(lm.model, tlog, chunk_size=chunk_size, max_context=lm.profile.max_context,
-                  weights_digest=lm.profile.weights_digest)
+        if given:  # the caller's directory: never overwrite what it holds
+            raise EventKVError(
+                f"--store {str(store)!r} already holds a different EventKV ({why}): give another "
+                f"directory, delete that one, or leave --store out (a content-addressed store)."
+            )
+    ekv = prefill(
+        lm.model,
+        tlog,
+        chunk_size=chunk_size,
+        max_context=lm.profile.max_context,
+        weights_digest=lm.profile.weights_digest,
+    )
     ekv.save(store)
     return ekv, False, store
 
 
-def check_query(log: EventLog, served: str | Sequence[str], question: str, *, mode: str = "compact",
-                candidates: Sequence[str] = (), max_new_tokens: int = 64, chunk_size: int | None = None,
-                store: Path | None = None) -> None:
+def check_query(
+    log: EventLog,
+    served: str | Sequence[str],
+    question: str,
+    *,
+    mode: str = "compact",
+    candidates: Sequence[str] = (),
+    max_new_tokens: int = 64,
+    chunk_size: int | None = None,
+    store: Path | None = None,
+) -> None:
     """Check a query's options against ``log`` before any model work (the CLI calls it before the model loads).
 
     Raises:
@@ -103,14 +129,19 @@ def check_query(log: EventLog, served: str | Sequence[str], question: str, *, mo
     if isinstance(served, str) and served.strip() == ALL:
         ids = []
     elif not [s for s in ids if s]:
-        raise OptionError("served", served, "the served set is empty; give event ids separated by commas, or 'all'.",
-                          flag="--serve")
+        raise OptionError(
+            "served", served, "the served set is empty; give event ids separated by commas, or 'all'.", flag="--serve"
+        )
     elif not all(ids):
-        raise OptionError("served", served, "an entry is empty (two commas in a row, or a trailing comma); give event "
-                                            "ids separated by single commas.", flag="--serve")
+        raise OptionError(
+            "served",
+            served,
+            "an entry is empty (two commas in a row, or a trailing comma); give event ids separated by single commas.",
+            flag="--serve",
+        )
     known = set(log.ids)
     for s in ids:
-        if s and s not in known and s != HEADER_ID:   # the header is serve()'s to refuse
+        if s and s not in known and s != HEADER_ID:  # the header is serve()'s to refuse
             shown = ", ".join(log.ids[:8]) + (" ..." if len(log.ids) > 8 else "")
             raise EventKVError(f"unknown event id {s!r}: the log's events are {shown}.")
     if not isinstance(question, str) or not question.strip():
@@ -123,9 +154,18 @@ def check_query(log: EventLog, served: str | Sequence[str], question: str, *, mo
     check_out_dir(store, "store")
 
 
-def answer(lm, log: EventLog, served: str | Sequence[str], question: str, *, mode: str = "compact",
-           candidates: Sequence[str] = (), max_new_tokens: int = 64, store: Path | None = None,
-           chunk_size: int | None = None) -> Answer:
+def answer(
+    lm,
+    log: EventLog,
+    served: str | Sequence[str],
+    question: str,
+    *,
+    mode: str = "compact",
+    candidates: Sequence[str] = (),
+    max_new_tokens: int = 64,
+    store: Path | None = None,
+    chunk_size: int | None = None,
+) -> Answer:
     """Answer ``question`` from the rows of the served events of ``log`` (Study 1, "Setting").
 
     Args:
@@ -137,15 +177,29 @@ def answer(lm, log: EventLog, served: str | Sequence[str], question: str, *, mod
         EventKVError: unknown event id, empty served set, bad mode or another bad option (see
             :func:`check_query`), history beyond the context.
     """
-    check_query(log, served, question, mode=mode, candidates=candidates, max_new_tokens=max_new_tokens,
-                chunk_size=chunk_size)
+    check_query(
+        log, served, question, mode=mode, candidates=candidates, max_new_tokens=max_new_tokens, chunk_size=chunk_size
+    )
     q = tokenize_query(lm.tokenizer, lm.profile, question)
     ekv, reused, store = prefill_or_load(lm, log, store, chunk_size, query_tokens=len(q), max_new_tokens=max_new_tokens)
     sc = serve(ekv, served, mode, model=lm.model)
-    gen = generate(lm.model, sc, q, max_new_tokens=max_new_tokens, stop_token_ids=lm.profile.stop_token_ids,
-                   tokenizer=lm.tokenizer, max_context=lm.profile.max_context)
+    gen = generate(
+        lm.model,
+        sc,
+        q,
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=lm.profile.stop_token_ids,
+        tokenizer=lm.tokenizer,
+        max_context=lm.profile.max_context,
+    )
     scores = []
     if candidates:
-        scores = candidate_logprobs(lm.model, sc, q, [encode(lm.tokenizer, c) for c in candidates],
-                                    texts=list(candidates), max_context=lm.profile.max_context)
+        scores = candidate_logprobs(
+            lm.model,
+            sc,
+            q,
+            [encode(lm.tokenizer, c) for c in candidates],
+            texts=list(candidates),
+            max_context=lm.profile.max_context,
+        )
     return Answer(gen, scores, sc.served, mode, sc.n_visible, ekv.n_rows, reused, store)

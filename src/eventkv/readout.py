@@ -111,11 +111,14 @@ class GrowingLayer(DynamicLayer):
         q = key_states.shape[-2]
         if self.n + q > self._k.shape[2]:
             cap = 2 * (self.n + q)
-            k, v = self._k.new_empty(*self._k.shape[:2], cap, self._k.shape[3]), self._v.new_empty(*self._v.shape[:2], cap, self._v.shape[3])
+            k, v = (
+                self._k.new_empty(*self._k.shape[:2], cap, self._k.shape[3]),
+                self._v.new_empty(*self._v.shape[:2], cap, self._v.shape[3]),
+            )
             k[:, :, : self.n], v[:, :, : self.n] = self.keys, self.values
             self._k, self._v = k, v
-        self._k[:, :, self.n: self.n + q] = key_states
-        self._v[:, :, self.n: self.n + q] = value_states
+        self._k[:, :, self.n : self.n + q] = key_states
+        self._v[:, :, self.n : self.n + q] = value_states
         self.n += q
         self._views()
         return self.keys, self.values
@@ -149,8 +152,11 @@ class Batch:
         """A copy of the sub-batch at ``idx`` (indices may repeat) with room for ``capacity`` rows."""
         i = torch.tensor(list(idx), dtype=torch.long, device=self.mask.device)
         layers = self.cache.layers
-        cache = growing_cache([l.keys.index_select(0, i) for l in layers],
-                              [l.values.index_select(0, i) for l in layers], capacity)
+        cache = growing_cache(
+            [layer.keys.index_select(0, i) for layer in layers],
+            [layer.values.index_select(0, i) for layer in layers],
+            capacity,
+        )
         return Batch(cache, self.mask.index_select(0, i), self.next_position.index_select(0, i.cpu()))
 
     def forward(self, model, ids: torch.Tensor, offset: int, logits_to_keep: int = 0) -> torch.Tensor:
@@ -177,8 +183,8 @@ def stack(served: Sequence[ServedCache], extra: int = 0) -> Batch:
         v = v0.new_zeros(len(served), v0.shape[1], n + extra, v0.shape[3])
         for i, s in enumerate(served):
             r = s.n_rows
-            k[i, :, n - r: n] = s.keys[layer][0]
-            v[i, :, n - r: n] = s.values[layer][0]
+            k[i, :, n - r : n] = s.keys[layer][0]
+            v[i, :, n - r : n] = s.values[layer][0]
         gl = GrowingLayer.__new__(GrowingLayer)
         DynamicLayer.__init__(gl)
         gl._k, gl._v, gl.n, gl.device, gl.is_initialized = k, v, n, dev, True
@@ -189,16 +195,28 @@ def stack(served: Sequence[ServedCache], extra: int = 0) -> Batch:
     mask = torch.zeros(len(served), n, dtype=torch.bool, device=dev)
     for i, s in enumerate(served):
         vis = s.visible if s.visible is not None else torch.ones(s.n_rows, dtype=torch.bool)
-        mask[i, n - s.n_rows:] = vis.to(dev)
+        mask[i, n - s.n_rows :] = vis.to(dev)
     nxt = torch.tensor([s.next_position for s in served], dtype=torch.long)
     return Batch(cache, mask, nxt)
 
 
 @torch.inference_mode()
-def read_out(model, served: Sequence[ServedCache], query_ids: Sequence[int], *, generate: Sequence[bool],
-             score: Sequence[bool], candidates: Sequence[Sequence[int]] = (), candidate_texts: Sequence[str] = (),
-             answer_prefix_ids: Sequence[int] = (), max_new_tokens: int = 64, stop_token_ids: Sequence[int] = (),
-             tokenizer=None, max_context: int | None = None, keep_logits: bool = False) -> list[Readout]:
+def read_out(
+    model,
+    served: Sequence[ServedCache],
+    query_ids: Sequence[int],
+    *,
+    generate: Sequence[bool],
+    score: Sequence[bool],
+    candidates: Sequence[Sequence[int]] = (),
+    candidate_texts: Sequence[str] = (),
+    answer_prefix_ids: Sequence[int] = (),
+    max_new_tokens: int = 64,
+    stop_token_ids: Sequence[int] = (),
+    tokenizer=None,
+    max_context: int | None = None,
+    keep_logits: bool = False,
+) -> list[Readout]:
     """Answer one query from several served caches in batched forwards.
 
     Args:
@@ -220,16 +238,19 @@ def read_out(model, served: Sequence[ServedCache], query_ids: Sequence[int], *, 
             candidate, or history + query beyond the model's context.
     """
     if len(generate) != len(served) or len(score) != len(served):
-        raise EventKVError(f"read_out got {len(served)} served caches but {len(generate)} generate and {len(score)} "
-                           f"score flags: give one generate flag and one score flag per served cache.")
+        raise EventKVError(
+            f"read_out got {len(served)} served caches but {len(generate)} generate and {len(score)} "
+            f"score flags: give one generate flag and one score flag per served cache."
+        )
     if not query_ids:
         raise EventKVError("the query is empty: give a question.")
     if any(score) and (not candidates or any(len(c) == 0 for c in candidates)):
         raise EventKVError("candidate scoring needs at least one candidate and no empty candidate.")
     longest = max([len(c) for c in candidates], default=0) + len(answer_prefix_ids)
     for s in served:
-        check_context(s.next_position + len(query_ids) + max(max_new_tokens, longest), max_context,
-                      what="history plus query")
+        check_context(
+            s.next_position + len(query_ids) + max(max_new_tokens, longest), max_context, what="history plus query"
+        )
     batch = stack(served, extra=q_len_extra(query_ids, max_new_tokens, longest))
     dev = batch.mask.device
     q = len(query_ids)
@@ -242,8 +263,18 @@ def read_out(model, served: Sequence[ServedCache], query_ids: Sequence[int], *, 
     gens = [i for i, f in enumerate(generate) if f]
     if gens:
         sub = batch if len(gens) == batch.size else batch.select(gens, batch.mask.shape[1] + max_new_tokens)
-        _generate(model, sub, first[gens], gens, q, max_new_tokens,
-                  set(int(t) for t in stop_token_ids), tokenizer, out, keep_logits)
+        _generate(
+            model,
+            sub,
+            first[gens],
+            gens,
+            q,
+            max_new_tokens,
+            set(int(t) for t in stop_token_ids),
+            tokenizer,
+            out,
+            keep_logits,
+        )
     return out
 
 
@@ -253,15 +284,25 @@ def q_len_extra(query_ids: Sequence[int], max_new_tokens: int, longest: int) -> 
     return len(query_ids) + max(max_new_tokens, longest)
 
 
-def _score(model, batch: Batch, first: torch.Tensor, scored: list[int], q: int, candidates, texts,
-           prefix: list[int], out: list[Readout]) -> None:
+def _score(
+    model,
+    batch: Batch,
+    first: torch.Tensor,
+    scored: list[int],
+    q: int,
+    candidates,
+    texts,
+    prefix: list[int],
+    out: list[Readout],
+) -> None:
     n_c = len(candidates)
     seqs = [prefix + list(c) for c in candidates]
     width = max(len(s) for s in seqs) - 1
     # the first token of every sequence is scored from the query's logits, token k > 0 from the
     # branch forward's output k - 1; targets are right-padded with token 0 (those entries are unread)
-    first_lp = token_logprobs(first[scored].unsqueeze(1).expand(-1, n_c, -1),
-                              torch.tensor([[s[0] for s in seqs]] * len(scored)))        # [scored, n_c]
+    first_lp = token_logprobs(
+        first[scored].unsqueeze(1).expand(-1, n_c, -1), torch.tensor([[s[0] for s in seqs]] * len(scored))
+    )  # [scored, n_c]
     lp = None
     if width > 0:
         sub = batch.select([i for i in scored for _ in range(n_c)], batch.mask.shape[1] + width)
@@ -271,7 +312,7 @@ def _score(model, batch: Batch, first: torch.Tensor, scored: list[int], q: int, 
             s = seqs[r % n_c]
             ids[r, : len(s) - 1] = torch.tensor(s[:-1])
             targets[r, : len(s) - 1] = torch.tensor(s[1:])
-        lp = token_logprobs(sub.forward(model, ids, q), targets).cpu()                 # [scored * n_c, width]
+        lp = token_logprobs(sub.forward(model, ids, q), targets).cpu()  # [scored * n_c, width]
     first_lp = first_lp.cpu()
     for a, i in enumerate(scored):
         per = []
@@ -280,12 +321,24 @@ def _score(model, batch: Batch, first: torch.Tensor, scored: list[int], q: int, 
             per.append([float(first_lp[a, c]) if k == 0 else float(lp[r, k - 1]) for k in range(len(prefix), len(s))])
         totals = torch.tensor([sum(t) for t in per], dtype=torch.float64)
         probs = torch.softmax(totals, dim=0)
-        out[i].candidates = [CandidateScore(texts[c] if texts else "", list(candidates[c]), float(totals[c]),
-                                            per[c], float(probs[c])) for c in range(n_c)]
+        out[i].candidates = [
+            CandidateScore(texts[c] if texts else "", list(candidates[c]), float(totals[c]), per[c], float(probs[c]))
+            for c in range(n_c)
+        ]
 
 
-def _generate(model, batch: Batch, logits: torch.Tensor, owners: list[int], q: int, max_new: int,
-              stops: set[int], tokenizer, out: list[Readout], keep_logits: bool = False) -> None:
+def _generate(
+    model,
+    batch: Batch,
+    logits: torch.Tensor,
+    owners: list[int],
+    q: int,
+    max_new: int,
+    stops: set[int],
+    tokenizer,
+    out: list[Readout],
+    keep_logits: bool = False,
+) -> None:
     """Greedy decoding of the whole batch; a sequence that has stopped keeps being fed its last
     token (its rows are never read) so the batch never has to be copied."""
     gens = [Generation(tokens=[]) for _ in owners]
@@ -308,7 +361,9 @@ def _generate(model, batch: Batch, logits: torch.Tensor, owners: list[int], q: i
             feed.append(t)
         if all(done):
             break
-        logits = batch.forward(model, torch.tensor(feed, dtype=torch.long).unsqueeze(1), q + step, logits_to_keep=1)[:, -1]
+        logits = batch.forward(model, torch.tensor(feed, dtype=torch.long).unsqueeze(1), q + step, logits_to_keep=1)[
+            :, -1
+        ]
         step += 1
     for g, i in zip(gens, owners):
         if tokenizer is not None:
@@ -317,6 +372,7 @@ def _generate(model, batch: Batch, logits: torch.Tensor, owners: list[int], q: i
 
 
 # ------------------------------------------------------------------ one served cache: a batch of one
+
 
 @torch.inference_mode()
 def query_logits(model, served: ServedCache, query_ids: Sequence[int], max_context: int | None = None) -> torch.Tensor:
@@ -333,9 +389,17 @@ def query_logits(model, served: ServedCache, query_ids: Sequence[int], max_conte
     return batch.forward(model, ids, 0, logits_to_keep=1)[0, -1]
 
 
-def generate(model, served: ServedCache, query_ids: Sequence[int], *, max_new_tokens: int = 64,
-             stop_token_ids: Sequence[int] = (), tokenizer=None, max_context: int | None = None,
-             keep_logits: bool = False) -> Generation:
+def generate(
+    model,
+    served: ServedCache,
+    query_ids: Sequence[int],
+    *,
+    max_new_tokens: int = 64,
+    stop_token_ids: Sequence[int] = (),
+    tokenizer=None,
+    max_context: int | None = None,
+    keep_logits: bool = False,
+) -> Generation:
     """Greedy decoding from a served cache (:func:`read_out` with one cache).
 
     Args:
@@ -348,13 +412,28 @@ def generate(model, served: ServedCache, query_ids: Sequence[int], *, max_new_to
     Raises:
         EventKVError: empty query, or history + query + new tokens beyond the model's context.
     """
-    return read_out(model, [served], query_ids, generate=[True], score=[False], max_new_tokens=max_new_tokens,
-                    stop_token_ids=stop_token_ids, tokenizer=tokenizer, max_context=max_context,
-                    keep_logits=keep_logits)[0].generation
+    return read_out(
+        model,
+        [served],
+        query_ids,
+        generate=[True],
+        score=[False],
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=stop_token_ids,
+        tokenizer=tokenizer,
+        max_context=max_context,
+        keep_logits=keep_logits,
+    )[0].generation
 
 
-def candidate_logprobs(model, served: ServedCache, query_ids: Sequence[int], candidates: Sequence[Sequence[int]],
-                       texts: Sequence[str] | None = None, max_context: int | None = None) -> list[CandidateScore]:
+def candidate_logprobs(
+    model,
+    served: ServedCache,
+    query_ids: Sequence[int],
+    candidates: Sequence[Sequence[int]],
+    texts: Sequence[str] | None = None,
+    max_context: int | None = None,
+) -> list[CandidateScore]:
     """Score each candidate continuation of the query (forced choice; :func:`read_out` with one cache).
 
     Args:
@@ -370,5 +449,14 @@ def candidate_logprobs(model, served: ServedCache, query_ids: Sequence[int], can
     """
     if not candidates or any(len(c) == 0 for c in candidates):
         raise EventKVError("candidate scoring needs at least one candidate and no empty candidate.")
-    return read_out(model, [served], query_ids, generate=[False], score=[True], candidates=candidates,
-                    candidate_texts=texts or (), max_new_tokens=0, max_context=max_context)[0].candidates
+    return read_out(
+        model,
+        [served],
+        query_ids,
+        generate=[False],
+        score=[True],
+        candidates=candidates,
+        candidate_texts=texts or (),
+        max_new_tokens=0,
+        max_context=max_context,
+    )[0].candidates

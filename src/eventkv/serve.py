@@ -70,8 +70,9 @@ class ServedCache:
         """A fresh ``DynamicCache`` over these rows (tensors shared, never modified), expanded to ``batch``."""
         if batch == 1:
             return cache_from_rows(self.keys, self.values)
-        return cache_from_rows([k.expand(batch, -1, -1, -1) for k in self.keys],
-                               [v.expand(batch, -1, -1, -1) for v in self.values])
+        return cache_from_rows(
+            [k.expand(batch, -1, -1, -1) for k in self.keys], [v.expand(batch, -1, -1, -1) for v in self.values]
+        )
 
     def attention_mask(self, n_new: int, batch: int = 1) -> torch.Tensor | None:
         """``[batch, rows + n_new]`` bool mask by cache row for a forward of ``n_new`` tokens, or None."""
@@ -126,13 +127,15 @@ def serve(ekv: EventKV, served: str | Sequence[str], mode: str = "compact", mode
     log = ekv.log
     if mode == "compact":
         rows = ekv.rows_of(ids)
-        return ServedCache(_select(ekv.keys, rows), _select(ekv.values, rows), ekv.positions[rows],
-                           None, log.history_end, mode, ids)
+        return ServedCache(
+            _select(ekv.keys, rows), _select(ekv.values, rows), ekv.positions[rows], None, log.history_end, mode, ids
+        )
     if mode == "native":
         visible = torch.zeros(ekv.n_rows, dtype=torch.bool)
         visible[ekv.rows_of(ids)] = True
-        return ServedCache(list(ekv.keys), list(ekv.values), ekv.positions, visible.to(ekv.keys[0].device),
-                           log.history_end, mode, ids)
+        return ServedCache(
+            list(ekv.keys), list(ekv.values), ekv.positions, visible.to(ekv.keys[0].device), log.history_end, mode, ids
+        )
     if model is None:
         raise EventKVError(f"serving mode {mode!r} re-encodes events and needs the model: pass model=...")
     device = next(model.parameters()).device
@@ -160,5 +163,12 @@ def serve(ekv: EventKV, served: str | Sequence[str], mode: str = "compact", mode
     cache = DynamicCache()
     pos = torch.arange(len(toks), device=device).unsqueeze(0)
     model_forward(model, torch.tensor([toks], device=device), pos, cache, logits_to_keep=1)
-    return ServedCache([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers],
-                       pos[0].cpu(), None, len(toks), mode, ids)
+    return ServedCache(
+        [layer.keys for layer in cache.layers],
+        [layer.values for layer in cache.layers],
+        pos[0].cpu(),
+        None,
+        len(toks),
+        mode,
+        ids,
+    )

@@ -85,8 +85,10 @@ class SplicePrompt:
         if not self.span_ids:
             raise EventKVError("the splice span is empty: give the prompt some user content.")
         if not self.tail_ids:
-            raise EventKVError("the prompt has no tail after the span (no chat template tail): splicing needs at "
-                               "least one token after the span; load the model with a chat template or plain-text scaffold.")
+            raise EventKVError(
+                "the prompt has no tail after the span (no chat template tail): splicing needs at "
+                "least one token after the span; load the model with a chat template or plain-text scaffold."
+            )
 
     @property
     def ids(self) -> list[int]:
@@ -106,8 +108,11 @@ class SplicePrompt:
         """``profile.chat_head + content + profile.chat_tail``, each piece tokenized on its own
         (without special tokens, `eventkv.log.encode`); the span is ``content``. The pieces' ids equal
         the whole text's at both seams (`eventkv.models.scaffold_seams`; tested for every profile)."""
-        return cls(tuple(encode(tokenizer, profile.chat_head)), tuple(encode(tokenizer, content)),
-                   tuple(encode(tokenizer, profile.chat_tail)))
+        return cls(
+            tuple(encode(tokenizer, profile.chat_head)),
+            tuple(encode(tokenizer, content)),
+            tuple(encode(tokenizer, profile.chat_tail)),
+        )
 
 
 def filler_ids(tokenizer, n_tokens: int, filler: str = DEFAULT_FILLER) -> list[int]:
@@ -152,8 +157,10 @@ def layers_from(cutoff: int, n_layers: int) -> tuple[int, ...]:
         EventKVError: a cutoff outside ``0 .. n_layers``.
     """
     if not 0 <= cutoff <= n_layers:
-        raise EventKVError(f"layer cutoff {cutoff} is outside 0..{n_layers} for this {n_layers}-layer model: "
-                           f"give cutoffs between 0 and {n_layers} ({n_layers} = splice nothing).")
+        raise EventKVError(
+            f"layer cutoff {cutoff} is outside 0..{n_layers} for this {n_layers}-layer model: "
+            f"give cutoffs between 0 and {n_layers} ({n_layers} = splice nothing)."
+        )
     return tuple(range(cutoff, n_layers))
 
 
@@ -204,14 +211,17 @@ def _attention_modules(model) -> list[torch.nn.Module]:
         if name.endswith("self_attn") and hasattr(m, "layer_idx"):
             mods[int(m.layer_idx)] = m
     if not mods:
-        raise EventKVError(f"{type(model).__name__} has no '*.self_attn' modules with a layer_idx: the mask arm "
-                           "supports Hugging Face decoder models (Llama, Qwen, Gemma, ...).")
+        raise EventKVError(
+            f"{type(model).__name__} has no '*.self_attn' modules with a layer_idx: the mask arm "
+            "supports Hugging Face decoder models (Llama, Qwen, Gemma, ...)."
+        )
     return [mods[i] for i in sorted(mods)]
 
 
 @contextmanager
-def span_masked(model, span_rows: tuple[int, int], plan: dict[int, torch.Tensor],
-                heads: dict[int, torch.Tensor] | None = None) -> Iterator[None]:
+def span_masked(
+    model, span_rows: tuple[int, int], plan: dict[int, torch.Tensor], heads: dict[int, torch.Tensor] | None = None
+) -> Iterator[None]:
     """Scoped per-layer removal of a span from attention.
 
     While installed, the attention of layer ``l`` in ``plan`` does not see key rows
@@ -266,9 +276,18 @@ def span_masked(model, span_rows: tuple[int, int], plan: dict[int, torch.Tensor]
 
 
 @torch.inference_mode()
-def _decode(model, keys: list[torch.Tensor], values: list[torch.Tensor], forced: torch.Tensor, start_pos: int,
-            max_new: int, stop_ids: set[int], keep_logits: bool = False, decided: Callable | None = None,
-            masks: Sequence[dict] = ()):
+def _decode(
+    model,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    forced: torch.Tensor,
+    start_pos: int,
+    max_new: int,
+    stop_ids: set[int],
+    keep_logits: bool = False,
+    decided: Callable | None = None,
+    masks: Sequence[dict] = (),
+):
     """Batched greedy decoding. ``keys/values`` per layer ``[B, kv_heads, rows, head_dim]``;
     ``forced`` ``[B, q]`` token ids fed first at positions ``start_pos ..``; then up to ``max_new``
     greedy tokens. ``decided(tokens) -> bool``, if given, ends an element early (its outcome is
@@ -319,9 +338,16 @@ def _decode(model, keys: list[torch.Tensor], values: list[torch.Tensor], forced:
 
 
 @torch.inference_mode()
-def clean_run(model, prompt: SplicePrompt, *, max_new_tokens: int, stop_token_ids: Sequence[int] = (),
-              max_context: int | None = None, keep_logits: bool = False,
-              decided: Callable[[list[int]], bool] | None = None) -> CleanRun:
+def clean_run(
+    model,
+    prompt: SplicePrompt,
+    *,
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int] = (),
+    max_context: int | None = None,
+    keep_logits: bool = False,
+    decided: Callable[[list[int]], bool] | None = None,
+) -> CleanRun:
     """Prefill the prompt (all but its last token), then decode greedily from the last prompt
     token (decoding step 0) for up to ``max_new_tokens`` tokens, keeping every row.
     ``decided(tokens)``, if given, ends the generation once its outcome is known (a splice from a
@@ -341,10 +367,25 @@ def clean_run(model, prompt: SplicePrompt, *, max_new_tokens: int, stop_token_id
         model_forward(model, ids[:, : p - 1], torch.arange(p - 1, device=dev).unsqueeze(0), cache, logits_to_keep=1)
     keys = [layer.keys for layer in cache.layers]
     values = [layer.values for layer in cache.layers]
-    toks, stopped, kept, cache = _decode(model, keys, values, ids[:, p - 1:], p - 1, max_new_tokens,
-                                         set(int(t) for t in stop_token_ids), keep_logits, decided)
-    return CleanRun(prompt, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers],
-                    toks[0], stopped[0], kept[0])
+    toks, stopped, kept, cache = _decode(
+        model,
+        keys,
+        values,
+        ids[:, p - 1 :],
+        p - 1,
+        max_new_tokens,
+        set(int(t) for t in stop_token_ids),
+        keep_logits,
+        decided,
+    )
+    return CleanRun(
+        prompt,
+        [layer.keys for layer in cache.layers],
+        [layer.values for layer in cache.layers],
+        toks[0],
+        stopped[0],
+        kept[0],
+    )
 
 
 @torch.inference_mode()
@@ -358,12 +399,19 @@ def donor_rows(model, run: CleanRun, donor_ids: Sequence[int]) -> tuple[list[tor
     """
     lo, hi = run.prompt.span_rows
     if len(donor_ids) != hi - lo:
-        raise EventKVError(f"the donor has {len(donor_ids)} tokens but the span has {hi - lo}: length-match the filler "
-                           "to the span (see filler_ids).")
+        raise EventKVError(
+            f"the donor has {len(donor_ids)} tokens but the span has {hi - lo}: length-match the filler "
+            "to the span (see filler_ids)."
+        )
     dev = _device(model)
     cache = cache_from_rows([k[:, :, :lo] for k in run.keys], [v[:, :, :lo] for v in run.values])
-    model_forward(model, torch.tensor([list(donor_ids)], device=dev), torch.arange(lo, hi, device=dev).unsqueeze(0),
-                  cache, logits_to_keep=1)
+    model_forward(
+        model,
+        torch.tensor([list(donor_ids)], device=dev),
+        torch.arange(lo, hi, device=dev).unsqueeze(0),
+        cache,
+        logits_to_keep=1,
+    )
     return [layer.keys[:, :, lo:hi] for layer in cache.layers], [layer.values[:, :, lo:hi] for layer in cache.layers]
 
 
@@ -383,10 +431,19 @@ def _replacement(arm: str, run: CleanRun, layer: int, donors: dict) -> tuple[tor
 
 
 @torch.inference_mode()
-def splice_sweep(model, run: CleanRun, splices: Sequence[Splice], *, max_new_tokens: int,
-                 stop_token_ids: Sequence[int] = (), donors: dict | None = None, tail: str = "clean",
-                 batch_size: int = 16, keep_logits: bool = False,
-                 decided: Callable[[list[int]], bool] | None = None) -> list[SpliceResult]:
+def splice_sweep(
+    model,
+    run: CleanRun,
+    splices: Sequence[Splice],
+    *,
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int] = (),
+    donors: dict | None = None,
+    tail: str = "clean",
+    batch_size: int = 16,
+    keep_logits: bool = False,
+    decided: Callable[[list[int]], bool] | None = None,
+) -> list[SpliceResult]:
     """Run many splices of one clean run, batched over the shared rows (see the module docstring
     for what a step and the tail option mean).
 
@@ -420,9 +477,22 @@ def splice_sweep(model, run: CleanRun, splices: Sequence[Splice], *, max_new_tok
             by_step.setdefault(s.step, []).append(i)
     for step, idx in by_step.items():
         for a in range(0, len(idx), batch_size):
-            chunk = idx[a: a + batch_size]
-            for i, r in zip(chunk, _run_batch(model, run, [splices[i] for i in chunk], step, donors, tail,
-                                              max_new_tokens, stops, keep_logits, decided)):
+            chunk = idx[a : a + batch_size]
+            for i, r in zip(
+                chunk,
+                _run_batch(
+                    model,
+                    run,
+                    [splices[i] for i in chunk],
+                    step,
+                    donors,
+                    tail,
+                    max_new_tokens,
+                    stops,
+                    keep_logits,
+                    decided,
+                ),
+            ):
                 results[i] = r
     return results  # type: ignore[return-value]
 
@@ -473,21 +543,41 @@ def _spliced_rows(model, run: CleanRun, splices: Sequence[Splice], r0: int, dono
     return keys, values, plan, head_plan
 
 
-def _run_batch(model, run: CleanRun, splices: list[Splice], step: int, donors: dict, tail: str, max_new: int,
-               stops: set[int], keep_logits: bool, decided: Callable | None = None) -> list[SpliceResult]:
+def _run_batch(
+    model,
+    run: CleanRun,
+    splices: list[Splice],
+    step: int,
+    donors: dict,
+    tail: str,
+    max_new: int,
+    stops: set[int],
+    keep_logits: bool,
+    decided: Callable | None = None,
+) -> list[SpliceResult]:
     prompt = run.prompt
     p = prompt.n_rows
     lo, hi = prompt.span_rows
     all_ids = prompt.ids + run.tokens
     r0 = _start_row(run, step, tail)
-    forced = torch.tensor([all_ids[r0: p + step]], dtype=torch.long)
+    forced = torch.tensor([all_ids[r0 : p + step]], dtype=torch.long)
     b = len(splices)
     keys, values, plan, head_plan = _spliced_rows(model, run, splices, r0, donors)
     with span_masked(model, (lo, hi), plan, head_plan or None):
         prefix = list(run.tokens[:step])
         dec = None if decided is None else (lambda new: decided(prefix + new))
-        toks, stopped, kept, _ = _decode(model, keys, values, forced.expand(b, -1), r0, max_new - step, stops,
-                                         keep_logits, dec, masks=(plan, head_plan))
+        toks, stopped, kept, _ = _decode(
+            model,
+            keys,
+            values,
+            forced.expand(b, -1),
+            r0,
+            max_new - step,
+            stops,
+            keep_logits,
+            dec,
+            masks=(plan, head_plan),
+        )
     return [SpliceResult(s, prefix + toks[e], stopped[e], kept[e]) for e, s in enumerate(splices)]
 
 
@@ -499,18 +589,31 @@ def _check_splices(run: CleanRun, splices: Sequence[Splice], donors: dict, tail:
     n_layers = run.n_layers
     kv_heads = run.keys[0].shape[1]
     for s in splices:
-        bad = [l for l in s.layers if not 0 <= l < n_layers]
+        bad = [layer for layer in s.layers if not 0 <= layer < n_layers]
         if bad:
-            raise EventKVError(f"layer {bad[0]} is out of range for this {n_layers}-layer model: give layers 0..{n_layers - 1}.")
+            raise EventKVError(
+                f"layer {bad[0]} is out of range for this {n_layers}-layer model: give layers 0..{n_layers - 1}."
+            )
         if s.heads is not None and any(not 0 <= h < kv_heads for h in s.heads):
-            raise EventKVError(f"KV heads {list(s.heads)} out of range: this model has {kv_heads} KV heads per layer (0..{kv_heads - 1}).")
+            raise EventKVError(
+                f"KV heads {list(s.heads)} out of range: this model has {kv_heads} KV heads per layer "
+                f"(0..{kv_heads - 1})."
+            )
         if s.arm == "scaffold" and s.donor not in donors:
             raise EventKVError(f"scaffold splice needs donor rows {s.donor!r}: compute them with donor_rows().")
 
 
 @torch.inference_mode()
-def splice_choice(model, run: CleanRun, splices: Sequence[Splice], options: Sequence[Sequence[int]], *,
-                  donors: dict | None = None, tail: str = "clean", batch_size: int = 16) -> list[list[float]]:
+def splice_choice(
+    model,
+    run: CleanRun,
+    splices: Sequence[Splice],
+    options: Sequence[Sequence[int]],
+    *,
+    donors: dict | None = None,
+    tail: str = "clean",
+    batch_size: int = 16,
+) -> list[list[float]]:
     """Forced-choice readout over the spliced cache: for each splice, the log-probability (nats,
     the sum over its tokens) of each option's full continuation right after the prompt, scored
     over the spliced rows — the candidate-logit readout of :func:`eventkv.readout.candidate_logprobs`,
@@ -543,8 +646,10 @@ def splice_choice(model, run: CleanRun, splices: Sequence[Splice], options: Sequ
     if not options or any(len(o) == 0 for o in options):
         raise EventKVError("forced choice needs at least one option and no empty option (check the item's options).")
     if any(s.step != 0 for s in splices):
-        raise EventKVError("the forced-choice readout splices before the first answer token: use decoding step 0 "
-                           "(--steps 0) with --readout choice.")
+        raise EventKVError(
+            "the forced-choice readout splices before the first answer token: use decoding step 0 "
+            "(--steps 0) with --readout choice."
+        )
     prompt = run.prompt
     lo, hi = prompt.span_rows
     r0 = _start_row(run, 0, tail)
@@ -558,13 +663,13 @@ def splice_choice(model, run: CleanRun, splices: Sequence[Splice], options: Sequ
     dev = _device(model)
     out: list[list[float]] = []
     for a in range(0, len(splices), batch_size):
-        chunk = list(splices[a: a + batch_size])
+        chunk = list(splices[a : a + batch_size])
         b = len(chunk)
         keys, values, plan, head_plan = _spliced_rows(model, run, chunk, r0, donors)
         rep = lambda t: t.repeat_interleave(n_opt, dim=0)  # noqa: E731  [b, ...] -> [b * n_opt, ...]
         keys, values = [rep(k) for k in keys], [rep(v) for v in values]
-        plan = {l: rep(m) for l, m in plan.items()}
-        head_plan = {l: rep(m) for l, m in head_plan.items()}
+        plan = {layer: rep(m) for layer, m in plan.items()}
+        head_plan = {layer: rep(m) for layer, m in head_plan.items()}
         batch_ids = ids.repeat(b, 1).to(dev)
         pos = torch.arange(r0, r0 + width, device=dev).unsqueeze(0).expand(b * n_opt, -1)
         with span_masked(model, (lo, hi), plan, head_plan or None):
@@ -580,9 +685,18 @@ def splice_choice(model, run: CleanRun, splices: Sequence[Splice], options: Sequ
 
 
 @torch.inference_mode()
-def splice_generate(model, prompt: SplicePrompt, splice: Splice, *, max_new_tokens: int,
-                    stop_token_ids: Sequence[int] = (), donor_ids: Sequence[int] | None = None, tail: str = "clean",
-                    max_context: int | None = None, keep_logits: bool = False) -> SpliceResult:
+def splice_generate(
+    model,
+    prompt: SplicePrompt,
+    splice: Splice,
+    *,
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int] = (),
+    donor_ids: Sequence[int] | None = None,
+    tail: str = "clean",
+    max_context: int | None = None,
+    keep_logits: bool = False,
+) -> SpliceResult:
     """One splice from scratch: clean prefill and decode, the donor's prefill (``scaffold``:
     ``donor_ids``, the span's length), then the spliced decode. The naive path — a sweep should
     use :func:`clean_run` once and :func:`splice_sweep`.
@@ -590,12 +704,22 @@ def splice_generate(model, prompt: SplicePrompt, splice: Splice, *, max_new_toke
     Raises:
         EventKVError: as :func:`splice_sweep`; a scaffold splice without ``donor_ids``.
     """
-    run = clean_run(model, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
-                    max_context=max_context)
+    run = clean_run(
+        model, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, max_context=max_context
+    )
     donors = {}
     if splice.arm == "scaffold":
         if donor_ids is None:
             raise EventKVError("a scaffold splice needs donor_ids (e.g. filler_ids(tokenizer, len(prompt.span_ids))).")
         donors[splice.donor] = donor_rows(model, run, donor_ids)
-    return splice_sweep(model, run, [splice], max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
-                        donors=donors, tail=tail, batch_size=1, keep_logits=keep_logits)[0]
+    return splice_sweep(
+        model,
+        run,
+        [splice],
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=stop_token_ids,
+        donors=donors,
+        tail=tail,
+        batch_size=1,
+        keep_logits=keep_logits,
+    )[0]

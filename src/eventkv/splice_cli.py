@@ -30,9 +30,20 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
     return vals
 
 
-def build_probe(task: str, cutoffs: str, steps: str, arms: str, filler: Optional[str], heads: Optional[str],
-                layer_set: str, tail: str, max_new_tokens: int, batch_size: int, match: str = "word",
-                readout: str = "generate"):
+def build_probe(
+    task: str,
+    cutoffs: str,
+    steps: str,
+    arms: str,
+    filler: Optional[str],
+    heads: Optional[str],
+    layer_set: str,
+    tail: str,
+    max_new_tokens: int,
+    batch_size: int,
+    match: str = "word",
+    readout: str = "generate",
+):
     """The SpliceProbe for the CLI options (``task`` is a built-in name or a JSONL path)."""
     from eventkv.splice import DEFAULT_FILLER
     from eventkv.splice_probe import SpliceProbe
@@ -43,48 +54,84 @@ def build_probe(task: str, cutoffs: str, steps: str, arms: str, filler: Optional
     if task not in TASKS:
         p = Path(task)
         if not (task.endswith(".jsonl") or p.is_file()):
-            raise EventKVError(f"--task {task!r}: use one of {', '.join(TASKS)} or the path of a JSONL file "
-                               "('prompt', 'answer', optional 'options' per line).")
+            raise EventKVError(
+                f"--task {task!r}: use one of {', '.join(TASKS)} or the path of a JSONL file "
+                "('prompt', 'answer', optional 'options' per line)."
+            )
         if not p.is_file():
             raise EventKVError(f"--task {task!r}: no such file; give an existing JSONL file.")
         name, task_file, digest = "jsonl", str(p.resolve()), file_digest(p)
     arm_names = tuple(a.strip() for a in arms.split(",") if a.strip() and a.strip() != "clean")
-    probe = SpliceProbe(task=name, task_file=task_file, task_digest=digest, cutoffs=cutoffs,
-                        steps=_ints(steps, "--steps"), arm_names=arm_names,
-                        filler=filler if filler is not None else DEFAULT_FILLER,
-                        heads=_ints(heads, "--heads") if heads else None, layer_set=layer_set, tail=tail,
-                        max_new_tokens=max_new_tokens, batch_size=batch_size, match=match, readout=readout)
+    probe = SpliceProbe(
+        task=name,
+        task_file=task_file,
+        task_digest=digest,
+        cutoffs=cutoffs,
+        steps=_ints(steps, "--steps"),
+        arm_names=arm_names,
+        filler=filler if filler is not None else DEFAULT_FILLER,
+        heads=_ints(heads, "--heads") if heads else None,
+        layer_set=layer_set,
+        tail=tail,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        match=match,
+        readout=readout,
+    )
     probe.validate()
     return probe
 
 
 def splice(
-    model: str = typer.Option("smollm2-135m", "--model", help="packaged alias, local HF directory, hub id or GGUF file"),
-    task: str = typer.Option("lookup", "--task", help="lookup | arithmetic | choose | copy | sentiment, or a JSONL "
-                                                      "file with 'prompt', 'answer', optional 'options' per line"),
-    cutoffs: str = typer.Option("all", "--cutoffs", help="'all' (0..n_layers) or a list like 0,4,8-12 (n_layers = no splice)"),
+    model: str = typer.Option(
+        "smollm2-135m", "--model", help="packaged alias, local HF directory, hub id or GGUF file"
+    ),
+    task: str = typer.Option(
+        "lookup",
+        "--task",
+        help="lookup | arithmetic | choose | copy | sentiment, or a JSONL "
+        "file with 'prompt', 'answer', optional 'options' per line",
+    ),
+    cutoffs: str = typer.Option(
+        "all", "--cutoffs", help="'all' (0..n_layers) or a list like 0,4,8-12 (n_layers = no splice)"
+    ),
     steps: str = typer.Option("0", "--steps", help="decoding steps the splice takes effect from, e.g. 0,1,2"),
-    arms: str = typer.Option("scaffold,zero-kv,mask", "--arms",
-                             help="comma list of scaffold, zero-kv, zero-k, zero-v, mask, mean (clean always runs)"),
+    arms: str = typer.Option(
+        "scaffold,zero-kv,mask",
+        "--arms",
+        help="comma list of scaffold, zero-kv, zero-k, zero-v, mask, mean (clean always runs)",
+    ),
     items: int = typer.Option(32, "--items", help="number of items (prompts)"),
     seed: int = typer.Option(0, "--seed", help="task seed (item i depends only on seed and i)"),
-    out: Optional[Path] = typer.Option(None, "--out", help="run directory [default: runs/splice/MODEL-TASK-DTYPE-seedS]"),
+    out: Optional[Path] = typer.Option(
+        None, "--out", help="run directory [default: runs/splice/MODEL-TASK-DTYPE-seedS]"
+    ),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
     filler: Optional[str] = typer.Option(None, "--filler", help="scaffold filler text [default: a neutral sentence]"),
     heads: Optional[str] = typer.Option(None, "--heads", help="KV heads to splice, e.g. 0,1 [default: all]"),
     layer_set: str = typer.Option("from", "--layer-set", help="from = layers >= cutoff; only = the cutoff layer alone"),
-    tail: str = typer.Option("clean", "--tail", help="clean = tail rows keep clean K/V; spliced = recomputed over the splice"),
+    tail: str = typer.Option(
+        "clean", "--tail", help="clean = tail rows keep clean K/V; spliced = recomputed over the splice"
+    ),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", help="greedy generation budget (tokens)"),
     batch_size: int = typer.Option(16, "--batch-size", help="splices decoded together in one batch"),
-    match: str = typer.Option("word", "--match", help="how a generation is scored: word = its first line contains the "
-                                                      "answer as a whole word and no other option/number; exact = "
-                                                      "the first line equals the answer"),
-    readout: str = typer.Option("generate", "--readout", help="generate = greedy answer scored by --match; choice = "
-                                                              "forced choice among the item's options (step 0)"),
+    match: str = typer.Option(
+        "word",
+        "--match",
+        help="how a generation is scored: word = its first line contains the "
+        "answer as a whole word and no other option/number; exact = "
+        "the first line equals the answer",
+    ),
+    readout: str = typer.Option(
+        "generate",
+        "--readout",
+        help="generate = greedy answer scored by --match; choice = forced choice among the item's options (step 0)",
+    ),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads [default: torch's]"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
 ) -> None:
-    """Prompt-KV splice (Study 2): accuracy when the prompt span's K/V in layers >= a cutoff are replaced by a scaffold, zeroed, masked or averaged, from a decoding step; McNemar exact vs clean per cell."""
+    """Prompt-KV splice (Study 2): accuracy when the prompt span's K/V in layers >= a cutoff are replaced
+    by a scaffold, zeroed, masked or averaged, from a decoding step; McNemar exact vs clean per cell."""
     from eventkv.probes.cli import _user_errors
 
     with _user_errors():
@@ -95,12 +142,13 @@ def splice(
         from eventkv.probes.base import Runtime
         from eventkv.probes.runner import check_run_items, run_probe
 
-        probe = build_probe(task, cutoffs, steps, arms, filler, heads, layer_set, tail, max_new_tokens, batch_size,
-                            match, readout)
+        probe = build_probe(
+            task, cutoffs, steps, arms, filler, heads, layer_set, tail, max_new_tokens, batch_size, match, readout
+        )
         check_run_items(probe, items)
         if check_threads(threads) is not None:
             torch.set_num_threads(threads)
-        resolved = resolve_dtype(dtype)[0]   # a bad --dtype fails here, before the model loads
+        resolved = resolve_dtype(dtype)[0]  # a bad --dtype fails here, before the model loads
         if out is None:
             tname = Path(task).stem if probe.task == "jsonl" else task
             out = Path("runs") / "splice" / f"{Path(model).name}-{tname}-{resolved}-seed{seed}"
@@ -109,11 +157,12 @@ def splice(
         with console.status(f"loading {model} ({dtype})"):
             lm = load(model, dtype=dtype)
         rt = Runtime(lm.model, lm.tokenizer, lm.profile)
-        summary = run_probe(probe, rt, model=model, items=items, seed=seed, out=out, progress=progress,
-                            console=console)
+        summary = run_probe(probe, rt, model=model, items=items, seed=seed, out=out, progress=progress, console=console)
         console.print(Markdown(summary.data["markdown"]))
-        console.print(f"records: {out / 'records.jsonl'}  summary: {out / 'summary.md'}  "
-                      f"figures: {out / 'figure.png'}, {out / 'heatmap.png'}")
+        console.print(
+            f"records: {out / 'records.jsonl'}  summary: {out / 'summary.md'}  "
+            f"figures: {out / 'figure.png'}, {out / 'heatmap.png'}"
+        )
 
 
 def main() -> None:  # pragma: no cover - convenience entry point until mounted in eventkv.cli

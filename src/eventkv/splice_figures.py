@@ -6,8 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-ARM_COLORS = {"scaffold": "#2b8cbe", "zero-kv": "#e34a33", "zero-k": "#fdae6b", "zero-v": "#a63603",
-              "mask": "#31a354", "mean": "#756bb1"}
+ARM_COLORS = {
+    "scaffold": "#2b8cbe",
+    "zero-kv": "#e34a33",
+    "zero-k": "#fdae6b",
+    "zero-v": "#a63603",
+    "mask": "#31a354",
+    "mean": "#756bb1",
+}
 
 
 def _plt():

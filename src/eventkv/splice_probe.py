@@ -31,11 +31,21 @@ from typing import ClassVar, Sequence
 from scipy import stats as _st
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.probes.base import Probe, Summary, Table, register
 from eventkv.log import encode
 from eventkv.options import check_choices, check_int, check_ints, check_max_new_tokens
-from eventkv.splice import (ARMS, DEFAULT_FILLER, TAILS, Splice, SplicePrompt, clean_run, donor_rows, filler_ids,
-                            splice_choice, splice_sweep)
+from eventkv.probes.base import Probe, Summary, Table, register
+from eventkv.splice import (
+    ARMS,
+    DEFAULT_FILLER,
+    TAILS,
+    Splice,
+    SplicePrompt,
+    clean_run,
+    donor_rows,
+    filler_ids,
+    splice_choice,
+    splice_sweep,
+)
 from eventkv.splice_tasks import MATCHERS, TASKS, builtin_items, load_jsonl, outcome_decided, score
 from eventkv.stats import TestResult, format_p, wilson
 
@@ -77,18 +87,23 @@ def parse_cutoffs(text: str, n_layers: int) -> list[int]:
             if "-" in part[1:]:
                 a, b = part[0] + part[1:].split("-", 1)[0], part[1:].split("-", 1)[1]
                 if int(b) < int(a):
-                    raise EventKVError(f"--cutoffs {text!r}: the range {part!r} runs backwards; write it low-high "
-                                       f"({b}-{a}).")
+                    raise EventKVError(
+                        f"--cutoffs {text!r}: the range {part!r} runs backwards; write it low-high ({b}-{a})."
+                    )
                 vals = list(range(int(a), int(b) + 1))
             else:
                 vals = [int(part)]
         except ValueError:
-            raise EventKVError(f"--cutoffs {text!r}: give 'all' or comma-separated layer numbers/ranges like 0,4,8-12.") from None
+            raise EventKVError(
+                f"--cutoffs {text!r}: give 'all' or comma-separated layer numbers/ranges like 0,4,8-12."
+            ) from None
         for v in vals:
             v = n_layers + v if v < 0 else v
             if not 0 <= v <= n_layers:
-                raise EventKVError(f"--cutoffs: cutoff {v} is outside 0..{n_layers} for this {n_layers}-layer model "
-                                   f"({n_layers} = splice nothing).")
+                raise EventKVError(
+                    f"--cutoffs: cutoff {v} is outside 0..{n_layers} for this {n_layers}-layer model "
+                    f"({n_layers} = splice nothing)."
+                )
             if v not in out:
                 out.append(v)
     if not out:
@@ -122,8 +137,12 @@ class SpliceProbe(Probe):
 
     name: ClassVar[str] = "splice"
     record_version: ClassVar[int] = 2
-    smoke_options: ClassVar[dict] = {"cutoffs": "0,2", "steps": (0, 1), "arm_names": ("scaffold", "mask"),
-                                     "max_new_tokens": 3}
+    smoke_options: ClassVar[dict] = {
+        "cutoffs": "0,2",
+        "steps": (0, 1),
+        "arm_names": ("scaffold", "mask"),
+        "max_new_tokens": 3,
+    }
 
     task: str = "lookup"
     task_file: str | None = None
@@ -149,20 +168,24 @@ class SpliceProbe(Probe):
 
     def validate(self) -> None:
         if self.task != "jsonl" and self.task not in TASKS:
-            raise EventKVError(f"unknown task {self.task!r}: use one of {', '.join(TASKS)} or the path of a JSONL file.")
+            raise EventKVError(
+                f"unknown task {self.task!r}: use one of {', '.join(TASKS)} or the path of a JSONL file."
+            )
         if self.task == "jsonl" and not self.task_file:
             raise EventKVError("task 'jsonl' needs a task file: pass --task path/to/items.jsonl.")
-        check_choices("arm_names", self.arm_names, SPLICE_ARMS, flag="--arms",
-                      what="splice arms (clean is always run)")
+        check_choices("arm_names", self.arm_names, SPLICE_ARMS, flag="--arms", what="splice arms (clean is always run)")
         check_ints("steps", self.steps, "give distinct decoding steps >= 0 (0 = before the first token), e.g. 0,1,2.")
         if self.heads is not None:
             check_ints("heads", self.heads, "give distinct KV head indices >= 0, e.g. 0,1 (or leave it out for all).")
         if not isinstance(self.filler, str) or not self.filler:
-            raise OptionError("filler", self.filler, "give a non-empty scaffold filler text (or leave it out for the "
-                                                     "default sentence).")
+            raise OptionError(
+                "filler",
+                self.filler,
+                "give a non-empty scaffold filler text (or leave it out for the default sentence).",
+            )
         if self.layer_set not in LAYER_SETS:
             raise EventKVError(f"--layer-set {self.layer_set!r}: use one of {', '.join(LAYER_SETS)}.")
-        parse_cutoffs(self.cutoffs, 1 << 20)   # syntax now; the bounds need the model's layer count (check_model)
+        parse_cutoffs(self.cutoffs, 1 << 20)  # syntax now; the bounds need the model's layer count (check_model)
         if self.tail not in TAILS:
             raise EventKVError(f"--tail {self.tail!r}: use one of {', '.join(TAILS)}.")
         check_max_new_tokens(self.max_new_tokens)
@@ -173,14 +196,20 @@ class SpliceProbe(Probe):
             raise EventKVError(f"--readout {self.readout!r}: use one of {', '.join(READOUTS)}.")
         if self.readout == "choice":
             if self.task != "jsonl" and self.task not in TASKS_WITH_OPTIONS:
-                raise EventKVError(f"--readout choice needs items with options: task {self.task!r} has none; use "
-                                   f"{' or '.join(TASKS_WITH_OPTIONS)}, a JSONL file with 'options', or --readout generate.")
+                raise EventKVError(
+                    f"--readout choice needs items with options: task {self.task!r} has none; use "
+                    f"{' or '.join(TASKS_WITH_OPTIONS)}, a JSONL file with 'options', or --readout generate."
+                )
             if self.steps != (0,):
-                raise EventKVError(f"--readout choice splices before the first answer token: use --steps 0 "
-                                   f"(got {','.join(map(str, self.steps))}).")
+                raise EventKVError(
+                    f"--readout choice splices before the first answer token: use --steps 0 "
+                    f"(got {','.join(map(str, self.steps))})."
+                )
         if max(self.steps) >= self.max_new_tokens:
-            raise EventKVError(f"--steps {max(self.steps)} is not below --max-new-tokens {self.max_new_tokens}: "
-                               "a splice from that step could never take effect; raise --max-new-tokens.")
+            raise EventKVError(
+                f"--steps {max(self.steps)} is not below --max-new-tokens {self.max_new_tokens}: "
+                "a splice from that step could never take effect; raise --max-new-tokens."
+            )
 
     def max_items(self) -> int | None:
         return len(load_jsonl(self.task_file)) if self.task == "jsonl" else None
@@ -191,8 +220,9 @@ class SpliceProbe(Probe):
         parse_cutoffs(self.cutoffs, _n_layers(rt.model))
         kv_heads = getattr(rt.profile, "num_kv_heads", None)
         if self.heads is not None and kv_heads is not None and max(self.heads) >= kv_heads:
-            raise OptionError("heads", self.heads, f"this model has {kv_heads} KV heads per layer: give heads "
-                                                   f"0..{kv_heads - 1}.")
+            raise OptionError(
+                "heads", self.heads, f"this model has {kv_heads} KV heads per layer: give heads 0..{kv_heads - 1}."
+            )
 
     # ------------------------------------------------------------------------- items
     def items(self, seed: int, indices: Sequence[int]) -> list[dict]:
@@ -202,8 +232,10 @@ class SpliceProbe(Probe):
         out = []
         for i in indices:
             if not 0 <= i < len(data):
-                raise EventKVError(f"--items asks for item {i} but {self.task_file!r} holds {len(data)} items: "
-                                   f"use --items {len(data)} or fewer.")
+                raise EventKVError(
+                    f"--items asks for item {i} but {self.task_file!r} holds {len(data)} items: "
+                    f"use --items {len(data)} or fewer."
+                )
             out.append(data[i])
         return out
 
@@ -227,15 +259,32 @@ class SpliceProbe(Probe):
         stops = rt.stop_token_ids
         decided = None
         if self.early_exit:
+
             def decided(toks: list[int]) -> bool:
                 return outcome_decided(tok.decode(toks, skip_special_tokens=True), item, self.match)
-        run = clean_run(model, prompt, max_new_tokens=self.max_new_tokens, stop_token_ids=stops,
-                        max_context=rt.max_context, decided=decided)
+
+        run = clean_run(
+            model,
+            prompt,
+            max_new_tokens=self.max_new_tokens,
+            stop_token_ids=stops,
+            max_context=rt.max_context,
+            decided=decided,
+        )
         donors = self._donors(model, tok, run, prompt)
         cuts = parse_cutoffs(self.cutoffs, n_layers)
         cells = self.cells(n_layers)
-        results = splice_sweep(model, run, cells, max_new_tokens=self.max_new_tokens, stop_token_ids=stops,
-                               donors=donors, tail=self.tail, batch_size=self.batch_size, decided=decided)
+        results = splice_sweep(
+            model,
+            run,
+            cells,
+            max_new_tokens=self.max_new_tokens,
+            stop_token_ids=stops,
+            donors=donors,
+            tail=self.tail,
+            batch_size=self.batch_size,
+            decided=decided,
+        )
         clean_text = tok.decode(run.tokens, skip_special_tokens=True)
         ok, pred = score(clean_text, item, self.match)
         rec_cells = []
@@ -247,8 +296,9 @@ class SpliceProbe(Probe):
                     i += 1
                     text = tok.decode(r.tokens, skip_special_tokens=True)
                     good, p = score(text, item, self.match)
-                    rec_cells.append({"arm": arm, "cutoff": c, "step": t, "pred": p, "correct": good,
-                                      "effect": r.took_effect})
+                    rec_cells.append(
+                        {"arm": arm, "cutoff": c, "step": t, "pred": p, "correct": good, "effect": r.took_effect}
+                    )
         return self._record(item, n_layers, prompt, {"text": clean_text, "pred": pred, "correct": ok}, rec_cells)
 
     def _donors(self, model, tok, run, prompt: SplicePrompt) -> dict:
@@ -258,32 +308,47 @@ class SpliceProbe(Probe):
 
     def _record(self, item: dict, n_layers: int, prompt: SplicePrompt, clean: dict, cells: list[dict]) -> dict:
         lo, hi = prompt.span_rows
-        return {"index": item["index"], "prompt": item["prompt"], "answer": item["answer"],
-                "n_layers": n_layers, "span_rows": [lo, hi], "prompt_rows": prompt.n_rows,
-                "clean": clean, "cells": cells}
+        return {
+            "index": item["index"],
+            "prompt": item["prompt"],
+            "answer": item["answer"],
+            "n_layers": n_layers,
+            "span_rows": [lo, hi],
+            "prompt_rows": prompt.n_rows,
+            "clean": clean,
+            "cells": cells,
+        }
 
     def _run_item_choice(self, rt, item: dict, prompt: SplicePrompt, n_layers: int) -> dict:
         """Forced choice among the item's options, clean and per cell, over the same prompt rows."""
         model, tok = rt.model, rt.tokenizer
         opts = list(item.get("options") or [])
         if item["answer"] not in opts:
-            raise EventKVError(f"--readout choice: item {item['index']} has options {opts} that do not include its "
-                               f"answer {item['answer']!r}; give every item 'options' containing the answer.")
+            raise EventKVError(
+                f"--readout choice: item {item['index']} has options {opts} that do not include its "
+                f"answer {item['answer']!r}; give every item 'options' containing the answer."
+            )
         run = clean_run(model, prompt, max_new_tokens=0, max_context=rt.max_context)
         donors = self._donors(model, tok, run, prompt)
         cells = self.cells(n_layers)
         opt_ids = [option_ids(tok, rt.profile, o) for o in opts]
-        scores = splice_choice(model, run, [Splice("clean")] + cells, opt_ids, donors=donors, tail=self.tail,
-                               batch_size=self.batch_size)
+        scores = splice_choice(
+            model, run, [Splice("clean")] + cells, opt_ids, donors=donors, tail=self.tail, batch_size=self.batch_size
+        )
 
         def entry(lps: list[float]) -> dict:
             best = max(range(len(opts)), key=lambda c: lps[c])
             gold = opts.index(item["answer"])  # correct iff the gold option is strictly highest
-            return {"pred": opts[best], "correct": all(lps[gold] > lp for c, lp in enumerate(lps) if c != gold),
-                    "logprobs": {o: lp for o, lp in zip(opts, lps)}}
+            return {
+                "pred": opts[best],
+                "correct": all(lps[gold] > lp for c, lp in enumerate(lps) if c != gold),
+                "logprobs": {o: lp for o, lp in zip(opts, lps)},
+            }
 
-        rec_cells = [{"arm": s.arm, "cutoff": c, "step": s.step, **entry(lps), "effect": True}
-                     for (s, c), lps in zip(zip(cells, self._cell_cutoffs(n_layers)), scores[1:])]
+        rec_cells = [
+            {"arm": s.arm, "cutoff": c, "step": s.step, **entry(lps), "effect": True}
+            for (s, c), lps in zip(zip(cells, self._cell_cutoffs(n_layers)), scores[1:])
+        ]
         return self._record(item, n_layers, prompt, entry(scores[0]), rec_cells)
 
     def _cell_cutoffs(self, n_layers: int) -> list[int]:
@@ -312,14 +377,18 @@ def option_ids(tokenizer, profile, option: str) -> list[int]:
 
 def _readout_note(probe: "SpliceProbe | None") -> str:
     if probe is not None and probe.readout == "choice":
-        return ("readout: forced choice among the item's options over the spliced cache (sum of the option's token "
-                "log-probabilities right after the prompt; correct iff the gold option scores highest)")
+        return (
+            "readout: forced choice among the item's options over the spliced cache (sum of the option's token "
+            "log-probabilities right after the prompt; correct iff the gold option scores highest)"
+        )
     if probe is not None and probe.match == "exact":
         return "readout: greedy generation; exact match of its first non-empty line (surrounding punctuation stripped)"
-    return ("readout: greedy generation; matcher 'word' (a readout-validity choice made before any splice result was "
-            "seen): the first non-empty line is correct iff it contains the answer as a whole word/number "
-            "(case-insensitive unless the item is case-sensitive) and no other option (items with options) or "
-            "other number (numeric answers without options); 'exact' (line == answer) is available via --match exact")
+    return (
+        "readout: greedy generation; matcher 'word' (a readout-validity choice made before any splice result was "
+        "seen): the first non-empty line is correct iff it contains the answer as a whole word/number "
+        "(case-insensitive unless the item is case-sensitive) and no other option (items with options) or "
+        "other number (numeric answers without options); 'exact' (line == answer) is available via --match exact"
+    )
 
 
 def cell_table(records: Sequence[dict]) -> dict:
@@ -358,15 +427,29 @@ def summarize_splice(records: Sequence[dict], probe: SpliceProbe | None = None) 
                     continue
                 p = wilson(d["k"], d["n"])
                 test = mcnemar_exact(d["clean_only"], d["arm_only"])
-                row.append(f"{p.rate:.3f} [{p.low:.2f}, {p.high:.2f}] p={format_p(test.p_value)} "
-                           f"({d['clean_only']}/{d['arm_only']})")
-                data["cells"][f"{a}|{c}|{t}"] = {"k": d["k"], "n": d["n"], "rate": p.rate, "low": p.low,
-                                                 "high": p.high, "p": test.p_value,
-                                                 "clean_only": d["clean_only"], "arm_only": d["arm_only"]}
+                row.append(
+                    f"{p.rate:.3f} [{p.low:.2f}, {p.high:.2f}] p={format_p(test.p_value)} "
+                    f"({d['clean_only']}/{d['arm_only']})"
+                )
+                data["cells"][f"{a}|{c}|{t}"] = {
+                    "k": d["k"],
+                    "n": d["n"],
+                    "rate": p.rate,
+                    "low": p.low,
+                    "high": p.high,
+                    "p": test.p_value,
+                    "clean_only": d["clean_only"],
+                    "arm_only": d["arm_only"],
+                }
             rows.append(row)
-        tables.append(Table(f"decoding step {t}: accuracy [Wilson 95%], McNemar exact p vs clean "
-                            f"(clean-only/arm-only discordant items); clean = {clean.describe()}",
-                            ["cutoff"] + arms, rows))
+        tables.append(
+            Table(
+                f"decoding step {t}: accuracy [Wilson 95%], McNemar exact p vs clean "
+                f"(clean-only/arm-only discordant items); clean = {clean.describe()}",
+                ["cutoff"] + arms,
+                rows,
+            )
+        )
     notes = [
         f"{len(records)} items; model with {n_layers} layers; cutoff c splices layers >= c "
         f"({n_layers} = nothing spliced, must equal clean)"
@@ -375,7 +458,12 @@ def summarize_splice(records: Sequence[dict], probe: SpliceProbe | None = None) 
         f"{(probe.filler if probe else DEFAULT_FILLER)!r} repeated and truncated to the span's token length, "
         "computed at the same positions over the clean head rows",
         "step t: the first t generated tokens are the clean ones; the splice applies from the forward that "
-        f"predicts token t; tail rows {'keep their clean K/V' if probe is None or probe.tail == 'clean' else 'are recomputed over the spliced cache'}",
+        "predicts token t; tail rows "
+        + (
+            "keep their clean K/V"
+            if probe is None or probe.tail == "clean"
+            else "are recomputed over the spliced cache"
+        ),
         "zero-k / zero-kv: a zero key still takes attention weight exp(0); 'mask' removes the span from "
         "attention in the spliced layers only",
         _readout_note(probe),

@@ -54,8 +54,28 @@ STRIP = ".,;:!?\"'`*()[]"
 MATCHERS = ("exact", "word")
 _NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?!\w)")
 
-WORDS = ("apple", "river", "candle", "garden", "mirror", "pencil", "rocket", "violin", "window", "silver",
-         "forest", "bottle", "castle", "dragon", "jacket", "marble", "orange", "planet", "saddle", "tunnel")
+WORDS = (
+    "apple",
+    "river",
+    "candle",
+    "garden",
+    "mirror",
+    "pencil",
+    "rocket",
+    "violin",
+    "window",
+    "silver",
+    "forest",
+    "bottle",
+    "castle",
+    "dragon",
+    "jacket",
+    "marble",
+    "orange",
+    "planet",
+    "saddle",
+    "tunnel",
+)
 CATEGORIES = {
     "fruit": ("apple", "banana", "cherry", "grape", "lemon", "mango", "peach", "plum"),
     "animal": ("tiger", "horse", "rabbit", "eagle", "whale", "zebra", "monkey", "wolf"),
@@ -73,8 +93,13 @@ def _rng(task: str, seed: int, index: int) -> random.Random:
 
 
 def _item(index: int, prompt: str, answer: str, options: Sequence[str] = (), case_sensitive: bool = False) -> dict:
-    return {"index": index, "prompt": prompt, "answer": answer, "options": list(options),
-            "case_sensitive": case_sensitive}
+    return {
+        "index": index,
+        "prompt": prompt,
+        "answer": answer,
+        "options": list(options),
+        "case_sensitive": case_sensitive,
+    }
 
 
 def lookup(seed: int, index: int) -> dict:
@@ -114,8 +139,12 @@ def copy(seed: int, index: int) -> dict:
     word = r.choice(WORDS)
     if r.random() < 0.5:
         return _item(index, f"Repeat this word exactly: {word}", word, case_sensitive=True)
-    return _item(index, f"Write the word {word} in capital letters. Answer with the word only.", word.upper(),
-                 case_sensitive=True)
+    return _item(
+        index,
+        f"Write the word {word} in capital letters. Answer with the word only.",
+        word.upper(),
+        case_sensitive=True,
+    )
 
 
 def sentiment(seed: int, index: int) -> dict:
@@ -123,13 +152,19 @@ def sentiment(seed: int, index: int) -> dict:
     label = r.choice(("positive", "negative"))
     adj = r.choice(POSITIVE if label == "positive" else NEGATIVE)
     subject = r.choice(SUBJECTS)
-    prompt = (f"Review: {subject[0].upper() + subject[1:]} was {adj}.\n"
-              "Is this review positive or negative? Answer with one word: positive or negative.")
+    prompt = (
+        f"Review: {subject[0].upper() + subject[1:]} was {adj}.\n"
+        "Is this review positive or negative? Answer with one word: positive or negative."
+    )
     return _item(index, prompt, label, ("positive", "negative"))
 
 
 TASKS: dict[str, Callable[[int, int], dict]] = {
-    "lookup": lookup, "arithmetic": arithmetic, "choose": choose, "copy": copy, "sentiment": sentiment,
+    "lookup": lookup,
+    "arithmetic": arithmetic,
+    "choose": choose,
+    "copy": copy,
+    "sentiment": sentiment,
 }
 
 
@@ -154,7 +189,7 @@ class TaskItemSchema(BaseModel):
 
     prompt: str
     answer: str
-    case_sensitive: bool = False       # before options: the options' check reads it
+    case_sensitive: bool = False  # before options: the options' check reads it
     options: list[str] = []
 
     @field_validator("prompt", "answer")
@@ -284,7 +319,7 @@ def outcome_decided(text: str, item: dict, match: str = "word") -> bool:
             y, ans = y.casefold(), ans.casefold()
         if ans.startswith(y):
             return False
-        if y.startswith(ans) and all(ch.isspace() or ch in STRIP for ch in y[len(ans):]):
+        if y.startswith(ans) and all(ch.isspace() or ch in STRIP for ch in y[len(ans) :]):
             return False
         return True
     return False

@@ -70,8 +70,9 @@ def format_p(p: float) -> str:
     return f"{p:.2e}" if p < 1e-3 else f"{p:.4f}"
 
 
-def require_finite(xs: Sequence[float], statistic: str, what: str = "d",
-                   labels: Sequence[str] | None = None) -> list[float]:
+def require_finite(
+    xs: Sequence[float], statistic: str, what: str = "d", labels: Sequence[str] | None = None
+) -> list[float]:
     """``xs`` as floats, after checking that every one is a finite number.
 
     Args:
@@ -97,12 +98,16 @@ def require_finite(xs: Sequence[float], statistic: str, what: str = "d",
         vals.append(v)
     if bad:
         names = list(labels) if labels is not None else [f"index {i}" for i in range(len(vals))]
-        shown = ", ".join(f"{b} at {names[i]}" for i, b in bad[:8]) + (f", and {len(bad) - 8} more" if len(bad) > 8 else "")
+        shown = ", ".join(f"{b} at {names[i]}" for i, b in bad[:8]) + (
+            f", and {len(bad) - 8} more" if len(bad) > 8 else ""
+        )
         raise EventKVError(
             f"{statistic}: {len(bad)} of {len(vals)} values {'is' if len(bad) == 1 else 'are'} not a finite number "
             f"({shown}). A nan or infinite {what} is an error in the readout that produced it (e.g. a candidate "
             f"log-probability of nan or -inf), not a tie or a missing pair: fix the readout (float32 log-probs, "
-            f"every candidate scored) and compute the statistic again, or remove those items explicitly and report them.")
+            "every candidate scored) and compute the statistic again, or remove those items explicitly and "
+            "report them."
+        )
     return vals
 
 
@@ -121,8 +126,12 @@ def wilson(k: int, n: int, confidence: float = CONFIDENCE) -> Proportion:
     return Proportion(k, n, k / n, float(ci.low), float(ci.high), confidence)
 
 
-def sign_test(positive: int, negative: int, labels: tuple[str, str] = ("positive", "negative"),
-              name: str = "exact two-sided sign test") -> TestResult:
+def sign_test(
+    positive: int,
+    negative: int,
+    labels: tuple[str, str] = ("positive", "negative"),
+    name: str = "exact two-sided sign test",
+) -> TestResult:
     """Exact two-sided sign test of ``positive`` vs ``negative`` (ties already excluded):
     ``scipy.stats.binomtest(positive, positive + negative, 0.5)``. The statistic is ``positive``.
     With no observations the p-value is nan."""

@@ -15,8 +15,15 @@ def tiny_config(family: str, vocab_size: int = 320, sliding_window: int = 16):
     """A 2-to-6-layer config of ``family`` with hidden size 64 (float32, sdpa attention)."""
     from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     if family == "llama":
         return LlamaConfig(num_hidden_layers=2, **common)
     if family == "qwen2":
@@ -24,9 +31,13 @@ def tiny_config(family: str, vocab_size: int = 320, sliding_window: int = 16):
     if family == "qwen3":
         return Qwen3Config(num_hidden_layers=2, head_dim=16, **common)
     if family == "gemma3":
-        return Gemma3TextConfig(num_hidden_layers=3, head_dim=16, sliding_window=sliding_window,
-                                layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                                **common)
+        return Gemma3TextConfig(
+            num_hidden_layers=3,
+            head_dim=16,
+            sliding_window=sliding_window,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            **common,
+        )
     raise ValueError(f"unknown tiny family {family!r}; use one of {TINY_FAMILIES}")
 
 
@@ -55,8 +66,10 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, *
     return model.eval()
 
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def tiny_tokenizer():
@@ -229,7 +242,9 @@ def assert_same_greedy(tokens, logits, ref_tokens, ref_logits, tol: float) -> No
         assert diff <= tol, f"step {step}: max |logit difference| {diff:.3g} > {tol:g}"
         top = torch.topk(ref, 2).values
         margin = float(top[0] - top[1])
-        assert margin > 2 * tol, (f"step {step}: the reference's top two logits are {margin:.3g} apart (<= 2 x {tol:g}): "
-                                  "a near-tie, whose argmax depends on the CPU; change the fixture")
+        assert margin > 2 * tol, (
+            f"step {step}: the reference's top two logits are {margin:.3g} apart (<= 2 x {tol:g}): "
+            "a near-tie, whose argmax depends on the CPU; change the fixture"
+        )
         assert int(got.argmax()) == int(ref.argmax()), step
     assert list(tokens) == list(ref_tokens)

@@ -31,21 +31,23 @@ from typing import ClassVar, Sequence
 from eventkv.options import check_choices
 from eventkv.probes.base import Runtime, Summary, Table, register
 from eventkv.probes.donor_pair import INSTRUCTION, event_text, last_state, menu
-from eventkv.probes.pairs import D_CAPTION, PairProbe, PairArm, arm_table, correct, d_table, primary_readout, run_pair
+from eventkv.probes.pairs import D_CAPTION, PairArm, PairProbe, arm_table, correct, d_table, primary_readout, run_pair
 from eventkv.stats import format_p, wilson
 
 PAYLOADS = {
     "binary": ("ONLINE", "OFFLINE"),
     "compass": ("NORTH", "EAST", "SOUTH", "WEST"),
     "phonetic": ("ALFA", "BRAVO", "CHARLIE", "DELTA", "ECHO", "FOXTROT", "GOLF", "HOTEL"),
-    "number": tuple(str(d) for d in range(1, 10)),   # candidates: first digits
+    "number": tuple(str(d) for d in range(1, 10)),  # candidates: first digits
 }
 CARDINALITIES = ("binary", "compass", "phonetic", "number")
 CHANCE = {"binary": 1 / 2, "compass": 1 / 4, "phonetic": 1 / 8, "number": 1 / 900, "number/first-digit": 1 / 9}
 #: register names that are no payload word
 REGISTERS = ("OMEGA", "SIGMA", "KAPPA", "THETA", "LAMBDA", "EPSILON", "GAMMA", "BETA", "ZETA", "IOTA")
-QUESTION = ("\nQuestion: What {what} does register {register} hold? {answer} Locate the mirror statement for that "
-            "register, then end your answer with the final {word}.")
+QUESTION = (
+    "\nQuestion: What {what} does register {register} hold? {answer} Locate the mirror statement for that "
+    "register, then end your answer with the final {word}."
+)
 
 
 def last_number(text: str) -> str | None:
@@ -83,8 +85,10 @@ class Access(PairProbe):
         self.check_readout()
 
     def pair_arms(self) -> list[PairArm]:
-        return [PairArm("kv", "main", ("decoy", "root"), description="compact {decoy, root}"),
-                PairArm("text", "main", "all", "prefill", description="every event as text: comprehension")]
+        return [
+            PairArm("kv", "main", ("decoy", "root"), description="compact {decoy, root}"),
+            PairArm("text", "main", "all", "prefill", description="every event as text: comprehension"),
+        ]
 
     def _item(self, seed: int, index: int) -> dict:
         rng = random.Random(f"access:{seed}:{index}")
@@ -108,7 +112,9 @@ class Access(PairProbe):
             word = "state word"
             body_of = lambda reg, v: f"register {reg} set to state {v}"  # noqa: E731
         others = [r for r in REGISTERS if r not in (dec, src, root)]
-        fill = {i: f"register {rng.choice(others)} refreshed to {rng.randrange(100, 1000)}" for i in range(self.n_events)}
+        fill = {
+            i: f"register {rng.choice(others)} refreshed to {rng.randrange(100, 1000)}" for i in range(self.n_events)
+        }
         events = []
         for value in (a, b):
             body = dict(fill)
@@ -116,21 +122,49 @@ class Access(PairProbe):
             body[slot] = body_of(src, value)
             body[self.root_slot] = f"register {root} mirrors register {src}"
             events.append([event_text(i, body[i]) for i in range(self.n_events)])
-        return {"index": index, "cardinality": card, "names": {"decoy": dec, "source": src, "root": root},
-                "source_slot": slot, "values": [a, b], "gold_candidates": gold, "decoy_value": dv,
-                "candidates": list(PAYLOADS[card]), "histories": {"main": events},
-                "roles": {"main": {"decoy": self.decoy_slot, "root": self.root_slot}},
-                "questions": {"main": QUESTION.format(what=what, register=root, answer=answer, word=word)}}
+        return {
+            "index": index,
+            "cardinality": card,
+            "names": {"decoy": dec, "source": src, "root": root},
+            "source_slot": slot,
+            "values": [a, b],
+            "gold_candidates": gold,
+            "decoy_value": dv,
+            "candidates": list(PAYLOADS[card]),
+            "histories": {"main": events},
+            "roles": {"main": {"decoy": self.decoy_slot, "root": self.root_slot}},
+            "questions": {"main": QUESTION.format(what=what, register=root, answer=answer, word=word)},
+        }
 
     def run_item(self, rt: Runtime, item: dict) -> dict:
         card = item["cardinality"]
         parse = last_number if card == "number" else (lambda t: last_state(t, PAYLOADS[card]))
-        res = run_pair(rt, item, self.pair_arms(), instruction=self.instruction, readouts=self.readouts, parse=parse,
-                       max_new_tokens=self.max_new_tokens, answer_prefix=self.answer_prefix)
-        keep = ("index", "cardinality", "names", "source_slot", "values", "gold_candidates", "decoy_value", "candidates",
-                "questions")
-        return {**{k: item[k] for k in keep}, "events": {"A": item["histories"]["main"][0], "B": item["histories"]["main"][1]},
-                **res}
+        res = run_pair(
+            rt,
+            item,
+            self.pair_arms(),
+            instruction=self.instruction,
+            readouts=self.readouts,
+            parse=parse,
+            max_new_tokens=self.max_new_tokens,
+            answer_prefix=self.answer_prefix,
+        )
+        keep = (
+            "index",
+            "cardinality",
+            "names",
+            "source_slot",
+            "values",
+            "gold_candidates",
+            "decoy_value",
+            "candidates",
+            "questions",
+        )
+        return {
+            **{k: item[k] for k in keep},
+            "events": {"A": item["histories"]["main"][0], "B": item["histories"]["main"][1]},
+            **res,
+        }
 
     def summarize(self, records: Sequence[dict]) -> Summary:
         return summarize_access(records, self)
@@ -153,21 +187,30 @@ def recovery_rows(records: Sequence[dict], readouts: Sequence[str]) -> tuple[lis
             continue
         for arm in ("kv", "text"):
             for ro in readouts:
-                label = "first-digit" if (card == "number" and ro == "logits") else ("exact" if card == "number" else "")
+                label = (
+                    "first-digit" if (card == "number" and ro == "logits") else ("exact" if card == "number" else "")
+                )
                 chance = CHANCE["number/first-digit"] if label == "first-digit" else CHANCE[card]
                 k = sum(sum(correct(r, arm, ro)) for r in rs)
                 n = 2 * len(rs)
                 w = wilson(k, n)
                 p = float(st.binomtest(k, n, chance, alternative="greater").pvalue)
                 data[f"{card}/{arm}/{ro}"] = {"rate": w.__dict__, "chance": chance, "p": p, "measure": label or "exact"}
-                rows.append([card + (f" ({label})" if label else ""), arm, ro, f"{chance:.3g}", w.describe(3), format_p(p)])
+                rows.append(
+                    [card + (f" ({label})" if label else ""), arm, ro, f"{chance:.3g}", w.describe(3), format_p(p)]
+                )
     return rows, data
 
 
 def summarize_access(records: Sequence[dict], probe: Access) -> Summary:
     rows, data = recovery_rows(records, probe.readouts)
-    tables = [Table(f"Access: recovery per answer vs chance ({len(records)} pairs, 2 answers each)",
-                    ["payload", "arm", "readout", "chance", "recovery [Wilson 95%]", "p (> chance, exact binomial)"], rows)]
+    tables = [
+        Table(
+            f"Access: recovery per answer vs chance ({len(records)} pairs, 2 answers each)",
+            ["payload", "arm", "readout", "chance", "recovery [Wilson 95%]", "p (> chance, exact binomial)"],
+            rows,
+        )
+    ]
     d: dict = {"recovery": data, "primary": primary_readout(probe.readouts), "arms": {}}
     for card in CARDINALITIES:
         rs = [r for r in records if r["cardinality"] == card]
@@ -177,8 +220,10 @@ def summarize_access(records: Sequence[dict], probe: Access) -> Summary:
             dt = d_table(rs, probe.pair_arms(), f"{card}: " + D_CAPTION, sub)
             tables += [dt] if dt else []
             d["arms"][card] = sub
-    notes = ["recovery counts each variant's answer (2 per pair, not independent within a pair: the Wilson interval "
-             "treats them as independent and is therefore somewhat narrow); the pair-level outcome tables are exact.",
-             "number: 'exact' = the generated 3-digit number equals the source's; 'first-digit' = the candidate probe over "
-             "1..9 picks the source's first digit."]
+    notes = [
+        "recovery counts each variant's answer (2 per pair, not independent within a pair: the Wilson interval "
+        "treats them as independent and is therefore somewhat narrow); the pair-level outcome tables are exact.",
+        "number: 'exact' = the generated 3-digit number equals the source's; 'first-digit' = the candidate probe over "
+        "1..9 picks the source's first digit.",
+    ]
     return Summary(f"access: {len(records)} pairs", tables, [], notes, d)

@@ -25,9 +25,8 @@ from typing import Any, ClassVar, Iterator, Sequence
 import torch
 
 from eventkv.errors import EventKVError
-from eventkv.log import encode, header_text
+from eventkv.log import TokenizedLog, encode, header_text
 from eventkv.prefill import EventKV, prefill
-from eventkv.log import TokenizedLog
 
 #: Encodings an arm can name (Study 1, "Setting"):
 #: ``compact`` — the served events' rows from the global prefill, at their original positions;
@@ -69,8 +68,12 @@ class Table:
     rows: list[list[str]]
 
     def to_markdown(self) -> str:
-        out = [f"**{self.caption}**", "", "| " + " | ".join(self.columns) + " |",
-               "|" + "|".join("---" for _ in self.columns) + "|"]
+        out = [
+            f"**{self.caption}**",
+            "",
+            "| " + " | ".join(self.columns) + " |",
+            "|" + "|".join("---" for _ in self.columns) + "|",
+        ]
         out.extend("| " + " | ".join(r) + " |" for r in self.rows)
         return "\n".join(out)
 
@@ -169,8 +172,7 @@ class Runtime:
         return self._headers[ids]
 
     def prefill(self, log: TokenizedLog, prefix: EventKV | None = None) -> EventKV:
-        return prefill(self.model, log, prefix=prefix, max_context=self.max_context,
-                       weights_digest=self.weights_digest)
+        return prefill(self.model, log, prefix=prefix, max_context=self.max_context, weights_digest=self.weights_digest)
 
 
 @torch.inference_mode()
@@ -189,7 +191,7 @@ def _prefill_header(model, header_ids: list[int], digest: str) -> EventKV:
     pos = torch.arange(len(header_ids), dtype=torch.long)
     model_forward(model, torch.tensor([header_ids], device=dev), pos.unsqueeze(0).to(dev), cache, logits_to_keep=1)
     log = TokenizedLog.from_ids(header_ids, [("<none>", [0], None)])
-    return EventKV(log, [l.keys for l in cache.layers], [l.values for l in cache.layers], pos, digest)
+    return EventKV(log, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], pos, digest)
 
 
 class Probe:
@@ -242,8 +244,15 @@ class Probe:
 PROBES: dict[str, type[Probe]] = {}
 
 #: modules that register probes; :func:`load_probes` imports them all
-PROBE_MODULES = ("eventkv.probes.donor_pair", "eventkv.splice_probe", "eventkv.probes.trigger_bank",
-                 "eventkv.probes.landing", "eventkv.probes.access", "eventkv.probes.carriers", "eventkv.probes.patch")
+PROBE_MODULES = (
+    "eventkv.probes.donor_pair",
+    "eventkv.splice_probe",
+    "eventkv.probes.trigger_bank",
+    "eventkv.probes.landing",
+    "eventkv.probes.access",
+    "eventkv.probes.carriers",
+    "eventkv.probes.patch",
+)
 
 
 def load_probes() -> dict[str, type[Probe]]:

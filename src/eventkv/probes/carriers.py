@@ -37,13 +37,15 @@ from eventkv.errors import EventKVError
 from eventkv.options import check_choices
 from eventkv.probes.base import Runtime, Summary, register
 from eventkv.probes.donor_pair import INSTRUCTION, NAMES, event_text, last_state, menu
-from eventkv.probes.pairs import D_CAPTION, PairProbe, PairArm, arm_table, d_table, primary_readout, run_pair
+from eventkv.probes.pairs import D_CAPTION, PairArm, PairProbe, arm_table, d_table, primary_readout, run_pair
 
 STATES = ("ONLINE", "OFFLINE")
 KINDS = ("passive", "binding", "directive", "compute", "explicit")
 ANSWER_FREE = ("passive", "binding", "directive", "compute")
-QUESTION = ("\nQuestion: What state is register {register} in? Answer {menu}. Use what the trajectory says about "
-            "that register, then end your answer with the final state word.")
+QUESTION = (
+    "\nQuestion: What state is register {register} in? Answer {menu}. Use what the trajectory says about "
+    "that register, then end your answer with the final state word."
+)
 
 
 def carrier_body(kind: str, register: str, step: int, value: str) -> str:
@@ -56,8 +58,10 @@ def carrier_body(kind: str, register: str, step: int, value: str) -> str:
     if kind == "directive":
         return f"[remember] state of register {register}"
     if kind == "compute":
-        return (f"note: to answer about register {register} later, look back at step {step} and take the state "
-                f"written there")
+        return (
+            f"note: to answer about register {register} later, look back at step {step} and take the state "
+            f"written there"
+        )
     if kind == "explicit":
         return f"register {register} is in state {value}"
     raise EventKVError(f"unknown carrier kind {kind!r}: use one of {', '.join(KINDS)}.")
@@ -74,8 +78,13 @@ class Carriers(PairProbe):
     """Programmed carrier arms: passive note, binding sentence, directive tag, compute note, explicit value."""
 
     name: ClassVar[str] = "carriers"
-    smoke_options: ClassVar[dict] = {"max_new_tokens": 3, "n_events": 10, "source_slots": (2, 3), "carrier_slot": 5,
-                                     "row_slot": 8}
+    smoke_options: ClassVar[dict] = {
+        "max_new_tokens": 3,
+        "n_events": 10,
+        "source_slots": (2, 3),
+        "carrier_slot": 5,
+        "row_slot": 8,
+    }
 
     n_events: int = 24
     decoy_slot: int = 0
@@ -104,9 +113,18 @@ class Carriers(PairProbe):
         arms = [PairArm("row", "none", ("decoy", "row"), fixed_position=fx, description="shared downstream row alone")]
         for k in self.kinds:
             arms.append(PairArm(k, k, ("decoy", "carrier"), fixed_position=fx, description=f"{k} carrier served alone"))
-            arms.append(PairArm(f"{k}+row", k, ("decoy", "carrier", "row"), fixed_position=fx,
-                                description=f"{k} carrier beside the shared row"))
-        arms.append(PairArm("text", "none", "all", "prefill", fixed_position=fx, description="every event: comprehension"))
+            arms.append(
+                PairArm(
+                    f"{k}+row",
+                    k,
+                    ("decoy", "carrier", "row"),
+                    fixed_position=fx,
+                    description=f"{k} carrier beside the shared row",
+                )
+            )
+        arms.append(
+            PairArm("text", "none", "all", "prefill", fixed_position=fx, description="every event: comprehension")
+        )
         return arms
 
     def _item(self, seed: int, index: int) -> dict:
@@ -116,7 +134,9 @@ class Carriers(PairProbe):
         a, b = rng.sample(STATES, 2)
         dv = rng.choice(STATES)
         others = [r for r in NAMES if r not in (dec, src)]
-        fill = {i: f"register {rng.choice(others)} refreshed to {rng.randrange(100, 1000)}" for i in range(self.n_events)}
+        fill = {
+            i: f"register {rng.choice(others)} refreshed to {rng.randrange(100, 1000)}" for i in range(self.n_events)
+        }
         hist: dict[str, list] = {}
         for kind in ("none",) + self.kinds:
             hist[kind] = []
@@ -128,39 +148,67 @@ class Carriers(PairProbe):
                 if kind != "none":
                     body[self.carrier_slot] = carrier_body(kind, src, slot + 1, value)
                 hist[kind].append([event_text(i, body[i]) for i in range(self.n_events)])
-        for kind in self.kinds:   # the contract of a programmed carrier, checked on every item
+        for kind in self.kinds:  # the contract of a programmed carrier, checked on every item
             ca, cb = (hist[kind][v][self.carrier_slot] for v in (0, 1))
             if kind in ANSWER_FREE and not (ca == cb and is_answer_free(ca)):
                 raise EventKVError(f"carrier {kind!r} is not answer-free and donor-identical: {ca!r} / {cb!r}.")
         pad = [event_text(self.carrier_slot, carrier_body(k, src, slot + 1, v)) for k in KINDS for v in STATES]
         pad.append(event_text(self.carrier_slot, fill[self.carrier_slot]))
         roles = {"decoy": self.decoy_slot, "carrier": self.carrier_slot, "row": self.row_slot}
-        return {"index": index, "names": {"decoy": dec, "source": src}, "source_slot": slot, "values": [a, b],
-                "decoy_value": dv, "candidates": list(STATES), "histories": hist,
-                "roles": {k: roles for k in hist}, "pad": {k: {str(self.carrier_slot): pad} for k in hist},
-                "questions": {"main": QUESTION.format(register=src, menu=menu(STATES))}}
+        return {
+            "index": index,
+            "names": {"decoy": dec, "source": src},
+            "source_slot": slot,
+            "values": [a, b],
+            "decoy_value": dv,
+            "candidates": list(STATES),
+            "histories": hist,
+            "roles": {k: roles for k in hist},
+            "pad": {k: {str(self.carrier_slot): pad} for k in hist},
+            "questions": {"main": QUESTION.format(register=src, menu=menu(STATES))},
+        }
 
     def run_item(self, rt: Runtime, item: dict) -> dict:
-        res = run_pair(rt, item, self.pair_arms(), instruction=self.instruction, readouts=self.readouts,
-                       parse=lambda x: last_state(x, STATES), max_new_tokens=self.max_new_tokens,
-                       answer_prefix=self.answer_prefix)
+        res = run_pair(
+            rt,
+            item,
+            self.pair_arms(),
+            instruction=self.instruction,
+            readouts=self.readouts,
+            parse=lambda x: last_state(x, STATES),
+            max_new_tokens=self.max_new_tokens,
+            answer_prefix=self.answer_prefix,
+        )
         keep = ("index", "names", "source_slot", "values", "decoy_value", "candidates", "questions")
         carriers = {k: [item["histories"][k][v][self.carrier_slot] for v in (0, 1)] for k in self.kinds}
-        return {**{k: item[k] for k in keep}, "carriers": carriers, "events": {"A": item["histories"]["none"][0],
-                                                                                "B": item["histories"]["none"][1]}, **res}
+        return {
+            **{k: item[k] for k in keep},
+            "carriers": carriers,
+            "events": {"A": item["histories"]["none"][0], "B": item["histories"]["none"][1]},
+            **res,
+        }
 
     def summarize(self, records: Sequence[dict]) -> Summary:
         data: dict = {"pairs": len(records), "primary": primary_readout(self.readouts), "arms": {}}
-        t = arm_table(records, self.pair_arms(), self.readouts,
-                      f"Programmed carriers: donor-aligned recovery (follow rate) per arm ({len(records)} pairs)", data["arms"])
+        t = arm_table(
+            records,
+            self.pair_arms(),
+            self.readouts,
+            f"Programmed carriers: donor-aligned recovery (follow rate) per arm ({len(records)} pairs)",
+            data["arms"],
+        )
         dt = d_table(records, self.pair_arms(), D_CAPTION, data["arms"])
         pos = "at the item's common query position" if self.fix_query_position else "right after each history"
-        notes = ["donor-aligned recovery = follow rate: both variants answer their own (unserved) source's value.",
-                 f"every arm asks S's state {pos}; 'explicit' states the value (not answer-free): the upper bound.",
-                 "the answer-free carriers are byte-identical in the two variants (checked when the items are built)."]
+        notes = [
+            "donor-aligned recovery = follow rate: both variants answer their own (unserved) source's value.",
+            f"every arm asks S's state {pos}; 'explicit' states the value (not answer-free): the upper bound.",
+            "the answer-free carriers are byte-identical in the two variants (checked when the items are built).",
+        ]
         return Summary(f"carriers: {len(records)} pairs", [t] + ([dt] if dt else []), [], notes, data)
 
     def figure(self, records: Sequence[dict], path) -> None:
         from eventkv.contract_figures import arm_bars
 
-        arm_bars(records, [a.name for a in self.pair_arms()], primary_readout(self.readouts), "programmed carriers", path)
+        arm_bars(
+            records, [a.name for a in self.pair_arms()], primary_readout(self.readouts), "programmed carriers", path
+        )

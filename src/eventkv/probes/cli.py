@@ -17,8 +17,11 @@ from rich.markup import escape
 from eventkv.errors import EventKVError, cli_message
 from eventkv.options import DTYPE_HELP
 
-run_app = typer.Typer(help="Run a probe on a model: writes manifest.json, records.jsonl and summary.md "
-                           "into --out, and resumes an interrupted run.", no_args_is_help=True)
+run_app = typer.Typer(
+    help="Run a probe on a model: writes manifest.json, records.jsonl and summary.md "
+    "into --out, and resumes an interrupted run.",
+    no_args_is_help=True,
+)
 _err = Console(stderr=True)
 
 
@@ -52,10 +55,17 @@ def _list(text: str, what: str) -> tuple[str, ...]:
 
 @run_app.command("donor-pair")
 def donor_pair(
-    model: str = typer.Option("qwen2.5-coder-1.5b", "--model", help="packaged alias, local HF directory, hub id or GGUF file (default: the smallest packaged model whose donor-pair results are not at chance; see README)"),
+    model: str = typer.Option(
+        "qwen2.5-coder-1.5b",
+        "--model",
+        help="packaged alias, local HF directory, hub id or GGUF file (default: the smallest packaged model "
+        "whose donor-pair results are not at chance; see README)",
+    ),
     items: int = typer.Option(16, "--items", help="number of donor pairs"),
     seed: int = typer.Option(0, "--seed", help="item seed (item i depends only on seed and i)"),
-    out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: runs/donor-pair/MODEL-DTYPE-seedSEED)"),
+    out: Optional[Path] = typer.Option(
+        None, "--out", help="run directory (default: runs/donor-pair/MODEL-DTYPE-seedSEED)"
+    ),
     readout: str = typer.Option("both", "--readout", help="generate | logits | both"),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
     n_events: int = typer.Option(24, "--n-events", help="events per history"),
@@ -66,21 +76,32 @@ def donor_pair(
     states: str = typer.Option("ONLINE,OFFLINE", "--states", help="state words, comma-separated"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="greedy generation length limit"),
     arms: str = typer.Option("kv,isolated,text-all,kv-all", "--arms", help="arms to run (kv is required)"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch decides; 1 is faster on a busy machine)"),
+    threads: Optional[int] = typer.Option(
+        None, "--threads", help="torch CPU threads (default: torch decides; 1 is faster on a busy machine)"
+    ),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
 ) -> None:
     """Donor pairs (Study 1): does the answer follow an omitted source through the served rows?"""
     with _user_errors():
         from eventkv.probes.donor_pair import DonorPair
 
-        probe = DonorPair(n_events=n_events, decoy_slot=decoy_slot, source_slots=_slots(source_slots),
-                          root_slot=root_slot, decoy=decoy, states=_list(states, "--states"), readout=readout,
-                          max_new_tokens=max_new_tokens, arm_names=_list(arms, "--arms"))
+        probe = DonorPair(
+            n_events=n_events,
+            decoy_slot=decoy_slot,
+            source_slots=_slots(source_slots),
+            root_slot=root_slot,
+            decoy=decoy,
+            states=_list(states, "--states"),
+            readout=readout,
+            max_new_tokens=max_new_tokens,
+            arm_names=_list(arms, "--arms"),
+        )
         _run(probe, model, items, seed, out, dtype, threads, progress)
 
 
-def _run(probe, model: str, items: int, seed: int, out: Path | None, dtype: str, threads: int | None,
-         progress: bool) -> None:
+def _run(
+    probe, model: str, items: int, seed: int, out: Path | None, dtype: str, threads: int | None, progress: bool
+) -> None:
     import torch
 
     from eventkv.models import load, resolve_dtype
@@ -88,10 +109,10 @@ def _run(probe, model: str, items: int, seed: int, out: Path | None, dtype: str,
     from eventkv.probes.base import Runtime
     from eventkv.probes.runner import check_run_items, run_probe
 
-    check_run_items(probe, items)   # before the model loads (run_probe checks again for library callers)
+    check_run_items(probe, items)  # before the model loads (run_probe checks again for library callers)
     if check_threads(threads) is not None:
         torch.set_num_threads(threads)
-    resolved = resolve_dtype(dtype)[0]   # a bad --dtype fails here, before the model loads
+    resolved = resolve_dtype(dtype)[0]  # a bad --dtype fails here, before the model loads
     if out is None:
         out = Path("runs") / probe.name / f"{Path(model).name}-{resolved}-seed{seed}"
     check_out_dir(out)
@@ -110,9 +131,15 @@ def _print_summary(console: Console, summary) -> None:
     console.print(summary.data["markdown"], markup=False, highlight=False, soft_wrap=True)
 
 
-def report(directory: Path = typer.Argument(..., help="a run directory: the --out of 'eventkv run' or 'eventkv splice', "
-                                             "or a probe folder DIR/<probe> of 'eventkv contract'")) -> None:
-    """Re-render summary.md and the figures (figure.png; heatmap.png for splice) of a run directory from its records alone, and print the summary."""
+def report(
+    directory: Path = typer.Argument(
+        ...,
+        help="a run directory: the --out of 'eventkv run' or 'eventkv splice', "
+        "or a probe folder DIR/<probe> of 'eventkv contract'",
+    ),
+) -> None:
+    """Re-render summary.md and the figures (figure.png; heatmap.png for splice) of a run directory
+    from its records alone, and print the summary."""
     with _user_errors():
         from eventkv.probes.runner import render
 

@@ -64,10 +64,14 @@ from eventkv.serve import ServedCache, serve
 from eventkv.stats import format_p, median, require_finite, sign_test, sign_test_d, wilcoxon_d, wilson
 
 NAMES = ("ALPHA", "BETA", "GAMMA", "DELTA", "OMEGA", "SIGMA", "KAPPA", "THETA", "LAMBDA", "EPSILON")
-INSTRUCTION = ("You are reviewing a completed agent trajectory. Use it to answer the question precisely.\n\n"
-               "Task: run register maintenance and report values faithfully.\n\nTrajectory:")
-QUESTION = ("\nQuestion: What state is register {register} in? Answer {menu}. Locate the mirror statement "
-            "for that register, then end your answer with the final state word.")
+INSTRUCTION = (
+    "You are reviewing a completed agent trajectory. Use it to answer the question precisely.\n\n"
+    "Task: run register maintenance and report values faithfully.\n\nTrajectory:"
+)
+QUESTION = (
+    "\nQuestion: What state is register {register} in? Answer {menu}. Locate the mirror statement "
+    "for that register, then end your answer with the final state word."
+)
 DECOYS = ("independent", "opposite", "none")
 OUTCOMES = ("follow", "anti", "constant", "other")
 ARM_NAMES = ("kv", "isolated", "text-all", "kv-all")
@@ -149,27 +153,38 @@ class DonorPair(Probe):
 
     # ------------------------------------------------------------------ recipe
     def validate(self) -> None:
-        check_slots(n_events=self.n_events, decoy_slot=self.decoy_slot, source_slots=self.source_slots,
-                    root_slot=self.root_slot)
+        check_slots(
+            n_events=self.n_events, decoy_slot=self.decoy_slot, source_slots=self.source_slots, root_slot=self.root_slot
+        )
         n, lo, hi = self.n_events, *self.source_slots
         if n < 3:
             raise OptionError("n_events", n, "a donor pair needs at least 3 events (decoy, source, root).")
-        for what, s in (("decoy_slot", self.decoy_slot), ("root_slot", self.root_slot),
-                        ("source_slots", self.source_slots)):
+        for what, s in (
+            ("decoy_slot", self.decoy_slot),
+            ("root_slot", self.root_slot),
+            ("source_slots", self.source_slots),
+        ):
             if not all(0 <= v < n for v in (s if isinstance(s, tuple) else (s,))):
                 raise OptionError(what, s, f"outside the history's slots 0..{n - 1}: choose slots below n_events={n}.")
         if lo > hi:
             raise OptionError("source_slots", self.source_slots, "the first slot must not exceed the last (e.g. 8-11).")
         if not hi < self.root_slot:
-            raise OptionError("root_slot", self.root_slot, f"the root must come after every source slot (last {hi}): "
-                                                           "move it later.")
+            raise OptionError(
+                "root_slot", self.root_slot, f"the root must come after every source slot (last {hi}): move it later."
+            )
         if lo <= self.decoy_slot <= hi or self.decoy_slot == self.root_slot:
-            raise OptionError("decoy_slot", self.decoy_slot, f"collides with the source slots {lo}-{hi} or the root "
-                                                             f"{self.root_slot}: move it.")
+            raise OptionError(
+                "decoy_slot",
+                self.decoy_slot,
+                f"collides with the source slots {lo}-{hi} or the root {self.root_slot}: move it.",
+            )
         if self.decoy not in DECOYS:
             raise OptionError("decoy", self.decoy, f"use one of {', '.join(DECOYS)}.")
-        if (len(self.states) < 2 or not all(isinstance(s, str) and s.strip() for s in self.states)
-                or len(set(s.upper() for s in self.states)) != len(self.states)):
+        if (
+            len(self.states) < 2
+            or not all(isinstance(s, str) and s.strip() for s in self.states)
+            or len(set(s.upper() for s in self.states)) != len(self.states)
+        ):
             raise OptionError("states", self.states, "give at least two distinct state words (e.g. ONLINE,OFFLINE).")
         if len(set(self.registers)) < 4:
             raise EventKVError("registers: give at least 4 distinct register names (decoy, source, root and a filler).")
@@ -178,8 +193,12 @@ class DonorPair(Probe):
         check_max_new_tokens(self.max_new_tokens)
         check_choices("arm_names", self.arm_names, ARM_NAMES, required=("kv",), flag="--arms", what="arms")
         if "kv-all" in self.arm_names and "text-all" not in self.arm_names:
-            raise OptionError("arm_names", self.arm_names, "kv-all is checked against text-all; add text-all or drop "
-                                                           "kv-all.", flag="--arms")
+            raise OptionError(
+                "arm_names",
+                self.arm_names,
+                "kv-all is checked against text-all; add text-all or drop kv-all.",
+                flag="--arms",
+            )
 
     @property
     def readouts(self) -> tuple[str, ...]:
@@ -211,18 +230,29 @@ class DonorPair(Probe):
         else:
             decoys = [None, None]
         others = [r for r in self.registers if r not in (dec, src, root)]
-        fill = {i: f"register {rng.choice(others)} refreshed to {rng.randrange(100, 1000)}" for i in range(self.n_events)}
+        fill = {
+            i: f"register {rng.choice(others)} refreshed to {rng.randrange(100, 1000)}" for i in range(self.n_events)
+        }
         events = []
         for value, dv in zip((a, b), decoys):
             body = dict(fill)
-            body[self.decoy_slot] = (f"register {dec} set to state {dv}" if dv is not None
-                                     else f"register {dec} completed a routine self-test")
+            body[self.decoy_slot] = (
+                f"register {dec} set to state {dv}"
+                if dv is not None
+                else f"register {dec} completed a routine self-test"
+            )
             body[slot] = f"register {src} set to state {value}"
             body[self.root_slot] = f"register {root} mirrors register {src}"
             events.append([event_text(i, body[i]) for i in range(self.n_events)])
-        return {"index": index, "registers": {"decoy": dec, "source": src, "root": root}, "source_slot": slot,
-                "values": [a, b], "decoy_values": decoys, "events": events,
-                "question": self.question.format(register=root, menu=menu(self.states))}
+        return {
+            "index": index,
+            "registers": {"decoy": dec, "source": src, "root": root},
+            "source_slot": slot,
+            "values": [a, b],
+            "decoy_values": decoys,
+            "events": events,
+            "question": self.question.format(register=root, menu=menu(self.states)),
+        }
 
     @staticmethod
     def event_id(slot: int) -> str:
@@ -236,8 +266,9 @@ class DonorPair(Probe):
         ids = [self.event_id(i) for i in range(self.n_events)]
         header = rt.header_ids(self.instruction)
         toks = [[rt.encode(t) for t in ev] for ev in item["events"]]
-        budgets = [max(len(toks[0][i]), len(toks[1][i])) if toks[0][i] != toks[1][i] else None
-                   for i in range(self.n_events)]
+        budgets = [
+            max(len(toks[0][i]), len(toks[1][i])) if toks[0][i] != toks[1][i] else None for i in range(self.n_events)
+        ]
         logs = [TokenizedLog(header, ids, toks[v], budgets) for v in (0, 1)]
         shared = next(i for i in range(self.n_events) if toks[0][i] != toks[1][i])
         prefix = rt.header_kv(self.instruction)
@@ -251,8 +282,13 @@ class DonorPair(Probe):
         entries: list[tuple[str, tuple[int, ...], ServedCache]] = []  # (arm, variants answered, cache)
         for v, ekv in enumerate(ekvs):
             entries.append(("kv", (v,), serve(ekv, served_ids, "compact")))
-            entries.append(("text-all", (v,), ServedCache(ekv.keys, ekv.values, ekv.positions, None,
-                                                         ekv.log.history_end, "prefill", tuple(ids))))
+            entries.append(
+                (
+                    "text-all",
+                    (v,),
+                    ServedCache(ekv.keys, ekv.values, ekv.positions, None, ekv.log.history_end, "prefill", tuple(ids)),
+                )
+            )
         if "isolated" in arms:
             if served_identical:  # identical served tokens at identical positions: one encoding answers both
                 entries.append(("isolated", (0, 1), serve(ekvs[0], served_ids, "isolated", model=rt.model)))
@@ -264,27 +300,38 @@ class DonorPair(Probe):
             same = []
             for ekv in ekvs:
                 s = serve(ekv, "all", "compact")
-                same.append(s.next_position == ekv.log.history_end and torch.equal(s.positions, ekv.positions)
-                            and all(torch.equal(x, y) for x, y in zip(s.keys + s.values, ekv.keys + ekv.values)))
+                same.append(
+                    s.next_position == ekv.log.history_end
+                    and torch.equal(s.positions, ekv.positions)
+                    and all(torch.equal(x, y) for x, y in zip(s.keys + s.values, ekv.keys + ekv.values))
+                )
             check = {"rows_and_positions_equal": all(same)}
 
         query = tokenize_query(rt.tokenizer, rt.profile, item["question"])
         cands = [rt.encode(" " + s) for s in self.states]
         results = read_out(
-            rt.model, [e[2] for e in entries], query,
+            rt.model,
+            [e[2] for e in entries],
+            query,
             generate=["generate" in arms[e[0]].readouts for e in entries],
             score=["logits" in arms[e[0]].readouts for e in entries],
-            candidates=cands, candidate_texts=list(self.states), answer_prefix_ids=rt.encode(self.answer_prefix),
-            max_new_tokens=self.max_new_tokens, stop_token_ids=rt.stop_token_ids, tokenizer=rt.tokenizer,
-            max_context=rt.max_context)
+            candidates=cands,
+            candidate_texts=list(self.states),
+            answer_prefix_ids=rt.encode(self.answer_prefix),
+            max_new_tokens=self.max_new_tokens,
+            stop_token_ids=rt.stop_token_ids,
+            tokenizer=rt.tokenizer,
+            max_context=rt.max_context,
+        )
 
         answers: dict[str, list[dict | None]] = {a: [None, None] for a in arms}
         for (arm, variants, _), res in zip(entries, results):
             out: dict = {}
             if res.generation is not None:
                 g = res.generation
-                out.update(text=g.text, n_tokens=len(g.tokens), stopped=g.stopped,
-                           answer=last_state(g.text, self.states))
+                out.update(
+                    text=g.text, n_tokens=len(g.tokens), stopped=g.stopped, answer=last_state(g.text, self.states)
+                )
             if res.candidates:
                 lps = {c.text: c.logprob for c in res.candidates}
                 out.update(logprobs=lps, choice=max(lps, key=lps.get))
@@ -307,18 +354,28 @@ class DonorPair(Probe):
         served_rows = {}
         for arm in arms:
             sv = served_ids if arms[arm].served != "all" else ids
-            served_rows[arm] = {"events": list(sv),
-                                "rows": [len(header) + sum(len(toks[v][ids.index(e)]) for e in sv) for v in (0, 1)]}
+            served_rows[arm] = {
+                "events": list(sv),
+                "rows": [len(header) + sum(len(toks[v][ids.index(e)]) for e in sv) for v in (0, 1)],
+            }
         spans = {e: [logs[0].span(e).pos_start, logs[0].span(e).n_tokens] for e in served_ids}
         return {
-            "index": item["index"], "registers": item["registers"], "source_slot": item["source_slot"],
-            "values": item["values"], "decoy_values": item["decoy_values"], "question": item["question"],
+            "index": item["index"],
+            "registers": item["registers"],
+            "source_slot": item["source_slot"],
+            "values": item["values"],
+            "decoy_values": item["decoy_values"],
+            "question": item["question"],
             "events": {"A": item["events"][0], "B": item["events"][1]},
             "budgets": {self.event_id(i): bb for i, bb in enumerate(budgets) if bb is not None},
-            "history_end": logs[0].history_end, "served": served_rows, "served_positions": spans,
+            "history_end": logs[0].history_end,
+            "served": served_rows,
+            "served_positions": spans,
             "served_identical": served_identical,
             "arms": {arm: {"A": answers[arm][0], "B": answers[arm][1]} for arm in arms if arm != "kv-all"},
-            "outcomes": outcomes, "d": d, "kv_all_vs_text_all": check,
+            "outcomes": outcomes,
+            "d": d,
+            "kv_all_vs_text_all": check,
         }
 
     # ------------------------------------------------------------------ statistics
@@ -345,31 +402,84 @@ def summarize_donor_pairs(records: Sequence[dict], probe: DonorPair) -> Summary:
             c = {o: sum(1 for r in records if r["outcomes"][arm][ro] == o) for o in OUTCOMES}
             sens = c["follow"] + c["anti"]
             prev = wilson(sens, n)
-            st = sign_test(c["follow"], c["anti"], ("follow", "anti"),
-                           name=f"{arm}/{ro}: exact two-sided sign test, follow vs anti among donor-sensitive pairs")
+            st = sign_test(
+                c["follow"],
+                c["anti"],
+                ("follow", "anti"),
+                name=f"{arm}/{ro}: exact two-sided sign test, follow vs anti among donor-sensitive pairs",
+            )
             data["outcomes"][f"{arm}/{ro}"] = {**c, "prevalence": prev.__dict__, "p": st.p_value}
-            rows.append([arm, ro, str(n), str(c["follow"]), str(c["anti"]), str(c["constant"]), str(c["other"]),
-                         prev.describe(), format_p(st.p_value)])
+            rows.append(
+                [
+                    arm,
+                    ro,
+                    str(n),
+                    str(c["follow"]),
+                    str(c["anti"]),
+                    str(c["constant"]),
+                    str(c["other"]),
+                    prev.describe(),
+                    format_p(st.p_value),
+                ]
+            )
             if arm == "kv":
                 tests.append(st.describe())
-    outcome_table = Table(f"Donor pairs: outcomes per arm ({n} pairs)",
-                          ["arm", "readout", "pairs", "follow", "anti", "constant", "other",
-                           "sensitive (Wilson 95%)", "p (follow vs anti)"], rows)
+    outcome_table = Table(
+        f"Donor pairs: outcomes per arm ({n} pairs)",
+        [
+            "arm",
+            "readout",
+            "pairs",
+            "follow",
+            "anti",
+            "constant",
+            "other",
+            "sensitive (Wilson 95%)",
+            "p (follow vs anti)",
+        ],
+        rows,
+    )
     tables = [outcome_table]
     if "logits" in probe.readouts:
         drows = []
         for arm in arms:
-            d = require_finite([r["d"][arm] for r in records], f"donor statistic d of arm {arm!r}",
-                               labels=[f"item {r['index']}" for r in records])
+            d = require_finite(
+                [r["d"][arm] for r in records],
+                f"donor statistic d of arm {arm!r}",
+                labels=[f"item {r['index']}" for r in records],
+            )
             s, w = sign_test_d(d), wilcoxon_d(d)
-            data["d"][arm] = {"values": d, "n": len(d), "median": median(d), "sign_p": s.p_value, "wilcoxon_p": w.p_value,
-                              "pos": s.counts["d>0"], "neg": s.counts["d<0"], "zero": s.counts["d=0 dropped"]}
-            drows.append([arm, str(len(d)), f"{median(d):+.3f}" if d else "n/a", str(s.counts["d>0"]),
-                          str(s.counts["d<0"]), str(s.counts["d=0 dropped"]), format_p(s.p_value), format_p(w.p_value)])
+            data["d"][arm] = {
+                "values": d,
+                "n": len(d),
+                "median": median(d),
+                "sign_p": s.p_value,
+                "wilcoxon_p": w.p_value,
+                "pos": s.counts["d>0"],
+                "neg": s.counts["d<0"],
+                "zero": s.counts["d=0 dropped"],
+            }
+            drows.append(
+                [
+                    arm,
+                    str(len(d)),
+                    f"{median(d):+.3f}" if d else "n/a",
+                    str(s.counts["d>0"]),
+                    str(s.counts["d<0"]),
+                    str(s.counts["d=0 dropped"]),
+                    format_p(s.p_value),
+                    format_p(w.p_value),
+                ]
+            )
             if arm == "kv":
                 tests += [s.describe(), w.describe() + f" (median d = {median(d):+.3f} nats)"]
-        tables.append(Table("Donor statistic d (candidate log-odds, nats)",
-                            ["arm", "pairs", "median d", "d>0", "d<0", "d=0", "p sign", "p Wilcoxon"], drows))
+        tables.append(
+            Table(
+                "Donor statistic d (candidate log-odds, nats)",
+                ["arm", "pairs", "median d", "d>0", "d<0", "d=0", "p sign", "p Wilcoxon"],
+                drows,
+            )
+        )
     comp_rows = []
     if "text-all" in arms:
         for ro in probe.readouts:
@@ -377,7 +487,9 @@ def summarize_donor_pairs(records: Sequence[dict], probe: DonorPair) -> Summary:
             p = wilson(k, n)
             data[f"comprehension/{ro}"] = p.__dict__
             comp_rows.append([ro, p.describe()])
-            tests.append(f"text-all/{ro}: comprehension rate (both variants answered correctly), Wilson 95%: {p.describe()}")
+            tests.append(
+                f"text-all/{ro}: comprehension rate (both variants answered correctly), Wilson 95%: {p.describe()}"
+            )
         tables.append(Table("Comprehension (text-all)", ["readout", "rate [Wilson 95%] (pairs)"], comp_rows))
     notes = [
         "follow: each variant answers its own (unserved) source's value; anti: each answers the other's; "
@@ -389,9 +501,13 @@ def summarize_donor_pairs(records: Sequence[dict], probe: DonorPair) -> Summary:
     if checks:
         same = sum(1 for c in checks if c["rows_and_positions_equal"])
         data["kv_all_check"] = {"equal": same, "n": len(checks)}
-        notes.append(f"kv-all (every event through serve()) has rows and positions bitwise equal to text-all's in "
-                     f"{same}/{len(checks)} pairs, so its answers are text-all's.")
+        notes.append(
+            f"kv-all (every event through serve()) has rows and positions bitwise equal to text-all's in "
+            f"{same}/{len(checks)} pairs, so its answers are text-all's."
+        )
     if probe.decoy == "opposite":
-        notes.append("decoy=opposite: the served decoy differs between the two variants, so these are not served-identical "
-                     "pairs and 'follow' is confounded with decoy elimination.")
+        notes.append(
+            "decoy=opposite: the served decoy differs between the two variants, so these are not served-identical "
+            "pairs and 'follow' is confounded with decoy elimination."
+        )
     return Summary(f"donor-pair: {n} pairs", tables, tests, notes, data)

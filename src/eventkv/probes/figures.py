@@ -35,7 +35,9 @@ def donor_pair_figure(records: Sequence[dict], path: str | Path) -> Path:
             ys.append(p.rate)
             lo.append(p.rate - p.low)
             hi.append(p.high - p.rate)
-        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=o, color=OUTCOME_COLORS[o], edgecolor="black", linewidth=0.4)
+        ax.bar(
+            xs, ys, width, yerr=[lo, hi], capsize=2, label=o, color=OUTCOME_COLORS[o], edgecolor="black", linewidth=0.4
+        )
     ax.set_xticks(range(len(keys)), labels, fontsize=8)
     ax.set_ylim(0, 1.2)
     ax.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])

@@ -43,8 +43,17 @@ from eventkv.equivalence import mean_effect, tost
 from eventkv.options import check_float
 from eventkv.probes.base import Runtime, Summary, Table, register
 from eventkv.probes.donor_pair import INSTRUCTION, NAMES, QUESTION, event_text, last_state, menu
-from eventkv.probes.pairs import (D_CAPTION, PairProbe, PairArm, arm_table, candidate_share, d_table, pair_stats,
-                                  primary_readout, run_pair)
+from eventkv.probes.pairs import (
+    D_CAPTION,
+    PairArm,
+    PairProbe,
+    arm_table,
+    candidate_share,
+    d_table,
+    pair_stats,
+    primary_readout,
+    run_pair,
+)
 from eventkv.stats import format_p
 
 STATES = ("ONLINE", "OFFLINE")
@@ -56,8 +65,14 @@ class Landing(PairProbe):
     """Root vs reference edge, co-served mention, root x mention factorial, depth-3 chains."""
 
     name: ClassVar[str] = "landing"
-    smoke_options: ClassVar[dict] = {"max_new_tokens": 3, "n_events": 10, "source_slots": (2, 3), "root_slot": 5,
-                                     "edge_slot": 7, "mention_slot": 9}
+    smoke_options: ClassVar[dict] = {
+        "max_new_tokens": 3,
+        "n_events": 10,
+        "source_slots": (2, 3),
+        "root_slot": 5,
+        "edge_slot": 7,
+        "mention_slot": 9,
+    }
 
     n_events: int = 24
     decoy_slot: int = 0
@@ -77,23 +92,62 @@ class Landing(PairProbe):
 
     def validate(self) -> None:
         self.check_layout(("root", self.root_slot), ("edge", self.edge_slot), ("mention", self.mention_slot))
-        check_float("tost_margin", self.tost_margin, "give a margin strictly between 0 and 1 (e.g. 0.075).",
-                    low=0, high=1)
+        check_float(
+            "tost_margin", self.tost_margin, "give a margin strictly between 0 and 1 (e.g. 0.075).", low=0, high=1
+        )
         self.check_readout()
 
     def pair_arms(self) -> list[PairArm]:
         P = PairArm
         return [
             P("root", "main", ("decoy", "root"), question="M", description="{decoy, root}, asks M"),
-            P("root+mention", "main", ("decoy", "root", "mention"), question="M", description="co-served benign mention"),
-            P("edge", "main", ("decoy", "edge"), question="T", description="reference edge T mirrors M, without the root"),
+            P(
+                "root+mention",
+                "main",
+                ("decoy", "root", "mention"),
+                question="M",
+                description="co-served benign mention",
+            ),
+            P(
+                "edge",
+                "main",
+                ("decoy", "edge"),
+                question="T",
+                description="reference edge T mirrors M, without the root",
+            ),
             P("edge+root", "main", ("decoy", "root", "edge"), question="T", description="edge served with the root"),
-            P("factorial", "main", ("decoy", "root", "mention"), question="M", swap=("mention",),
-              description="root rows of this variant, mention rows of the other"),
+            P(
+                "factorial",
+                "main",
+                ("decoy", "root", "mention"),
+                question="M",
+                swap=("mention",),
+                description="root rows of this variant, mention rows of the other",
+            ),
             P("chain3", "chain", ("decoy", "link3"), question="U", description="depth-3 link alone, asks U"),
-            P("chain3+links", "chain", ("decoy", "root", "edge", "link3"), question="U", description="whole chain served"),
-            P("root@pos", "main", ("decoy", "root"), question="M", fixed_position=True, description="root, query at the common position"),
-            P("chain3@pos", "chain", ("decoy", "link3"), question="U", fixed_position=True, description="chain3, query at the common position"),
+            P(
+                "chain3+links",
+                "chain",
+                ("decoy", "root", "edge", "link3"),
+                question="U",
+                description="whole chain served",
+            ),
+            P(
+                "root@pos",
+                "main",
+                ("decoy", "root"),
+                question="M",
+                fixed_position=True,
+                description="root, query at the common position",
+            ),
+            P(
+                "chain3@pos",
+                "chain",
+                ("decoy", "link3"),
+                question="U",
+                fixed_position=True,
+                description="chain3, query at the common position",
+            ),
             P("text", "main", "all", "prefill", question="M", description="comprehension, asks M"),
             P("text-chain", "chain", "all", "prefill", question="U", description="comprehension of the chain, asks U"),
         ]
@@ -105,7 +159,9 @@ class Landing(PairProbe):
         a, b = rng.sample(STATES, 2)
         dv = rng.choice(STATES)
         others = [r for r in NAMES if r not in (dec, src, m, t, u)]
-        fill = {i: f"register {rng.choice(others)} refreshed to {rng.randrange(100, 1000)}" for i in range(self.n_events)}
+        fill = {
+            i: f"register {rng.choice(others)} refreshed to {rng.randrange(100, 1000)}" for i in range(self.n_events)
+        }
         hist = {"main": [], "chain": []}
         for value in (a, b):
             body = dict(fill)
@@ -119,19 +175,42 @@ class Landing(PairProbe):
             hist["main"].append([event_text(i, main[i]) for i in range(self.n_events)])
             hist["chain"].append([event_text(i, chain[i]) for i in range(self.n_events)])
         mn = menu(STATES)
-        return {"index": index, "names": {"decoy": dec, "source": src, "root": m, "edge": t, "link3": u},
-                "source_slot": slot, "values": [a, b], "decoy_value": dv, "candidates": list(STATES),
-                "histories": hist,
-                "roles": {"main": {"decoy": self.decoy_slot, "root": self.root_slot, "edge": self.edge_slot,
-                                   "mention": self.mention_slot},
-                          "chain": {"decoy": self.decoy_slot, "root": self.root_slot, "edge": self.edge_slot,
-                                    "link3": self.mention_slot}},
-                "questions": {k: QUESTION.format(register=r, menu=mn) for k, r in (("M", m), ("T", t), ("U", u))}}
+        return {
+            "index": index,
+            "names": {"decoy": dec, "source": src, "root": m, "edge": t, "link3": u},
+            "source_slot": slot,
+            "values": [a, b],
+            "decoy_value": dv,
+            "candidates": list(STATES),
+            "histories": hist,
+            "roles": {
+                "main": {
+                    "decoy": self.decoy_slot,
+                    "root": self.root_slot,
+                    "edge": self.edge_slot,
+                    "mention": self.mention_slot,
+                },
+                "chain": {
+                    "decoy": self.decoy_slot,
+                    "root": self.root_slot,
+                    "edge": self.edge_slot,
+                    "link3": self.mention_slot,
+                },
+            },
+            "questions": {k: QUESTION.format(register=r, menu=mn) for k, r in (("M", m), ("T", t), ("U", u))},
+        }
 
     def run_item(self, rt: Runtime, item: dict) -> dict:
-        res = run_pair(rt, item, self.pair_arms(), instruction=self.instruction, readouts=self.readouts,
-                       parse=lambda x: last_state(x, STATES), max_new_tokens=self.max_new_tokens,
-                       answer_prefix=self.answer_prefix)
+        res = run_pair(
+            rt,
+            item,
+            self.pair_arms(),
+            instruction=self.instruction,
+            readouts=self.readouts,
+            parse=lambda x: last_state(x, STATES),
+            max_new_tokens=self.max_new_tokens,
+            answer_prefix=self.answer_prefix,
+        )
         keep = ("index", "names", "source_slot", "values", "decoy_value", "candidates", "questions")
         return {**{k: item[k] for k in keep}, "events": item["histories"], **res}
 
@@ -150,14 +229,14 @@ def factorial_effects(records: Sequence[dict], readout: str) -> tuple[list[float
     for r in records:
         a = r["values"][0]
 
-        def p(arm: str, v: str) -> float:
+        def p(arm: str, v: str, r=r, a=a) -> float:
             out = r["arms"][arm][v]
             if readout == "logits":
                 return candidate_share(out, a)
             return 1.0 if out.get("answer") == a else 0.0
 
         aa, bb = p("root+mention", "A"), p("root+mention", "B")
-        ab, ba = p("factorial", "A"), p("factorial", "B")   # factorial A: root A, mention B; B: root B, mention A
+        ab, ba = p("factorial", "A"), p("factorial", "B")  # factorial A: root A, mention B; B: root B, mention A
         roots.append(0.5 * ((aa - ba) + (ab - bb)))
         mentions.append(0.5 * ((aa - ab) + (ba - bb)))
     return roots, mentions
@@ -168,7 +247,9 @@ def summarize_landing(records: Sequence[dict], probe: Landing) -> Summary:
     the study reads: root vs root+mention sensitivity, edge vs edge+root, chain3 vs chain3@pos."""
     arms = probe.pair_arms()
     data: dict = {"pairs": len(records), "primary": primary_readout(probe.readouts), "arms": {}}
-    tables = [arm_table(records, arms, probe.readouts, f"Landing: outcomes per arm ({len(records)} pairs)", data["arms"])]
+    tables = [
+        arm_table(records, arms, probe.readouts, f"Landing: outcomes per arm ({len(records)} pairs)", data["arms"])
+    ]
     dt = d_table(records, arms, D_CAPTION, data["arms"])
     tables += [dt] if dt else []
     tests = []
@@ -178,26 +259,52 @@ def summarize_landing(records: Sequence[dict], probe: Landing) -> Summary:
         re_, me_ = mean_effect(roots), mean_effect(mentions)
         t = tost(mentions, probe.tost_margin)
         tr = tost(roots, probe.tost_margin)
-        data[f"factorial/{ro}"] = {"root": re_.__dict__, "mention": me_.__dict__, "tost_mention_p": t.p,
-                                   "tost_root_p": tr.p, "margin": probe.tost_margin}
+        data[f"factorial/{ro}"] = {
+            "root": re_.__dict__,
+            "mention": me_.__dict__,
+            "tost_mention_p": t.p,
+            "tost_root_p": tr.p,
+            "margin": probe.tost_margin,
+        }
         frows.append([ro, re_.describe(), me_.describe(), format_p(t.p), format_p(tr.p)])
         tests.append(f"{ro}: mention-donor effect, {t.describe()}")
         tests.append(f"{ro}: root-donor effect, t-test vs 0: {re_.describe()}")
     unit = "P(A's value) from candidate shares (logits) or answer indicators (generate)"
-    tables.append(Table(f"Root donor x mention donor factorial ({unit})",
-                        ["readout", "root effect [95% CI]", "mention effect [95% CI]",
-                         f"TOST p, mention (margin {probe.tost_margin})", "TOST p, root"], frows))
+    tables.append(
+        Table(
+            f"Root donor x mention donor factorial ({unit})",
+            [
+                "readout",
+                "root effect [95% CI]",
+                "mention effect [95% CI]",
+                f"TOST p, mention (margin {probe.tost_margin})",
+                "TOST p, root",
+            ],
+            frows,
+        )
+    )
     crow = []
     for ro in probe.readouts:
-        for a1, a2, what in (("root", "root+mention", "co-served mention"), ("edge", "edge+root", "root beside the edge"),
-                             ("root", "root@pos", "query at common position"), ("chain3", "chain3@pos", "query at common position"),
-                             ("chain3", "chain3+links", "whole chain served")):
+        for a1, a2, what in (
+            ("root", "root+mention", "co-served mention"),
+            ("edge", "edge+root", "root beside the edge"),
+            ("root", "root@pos", "query at common position"),
+            ("chain3", "chain3@pos", "query at common position"),
+            ("chain3", "chain3+links", "whole chain served"),
+        ):
             s1, s2 = pair_stats(records, a1, ro), pair_stats(records, a2, ro)
             crow.append([ro, f"{a1} -> {a2}", what, s1["prevalence"].describe(2), s2["prevalence"].describe(2)])
-    tables.append(Table("Donor sensitivity (follow + anti) in the comparisons the study reads",
-                        ["readout", "arms", "change", "sensitive before", "sensitive after"], crow))
-    notes = ["factorial: P[r, m] is the probability of variant A's value when the root's rows come from variant r and the "
-             "mention's rows from variant m; the mention effect is equivalent to zero when the TOST p < .05.",
-             "@pos arms answer with the query at the larger of the two histories' ends (same absolute position for every "
-             "@pos arm of a pair); other arms answer right after their own history."]
+    tables.append(
+        Table(
+            "Donor sensitivity (follow + anti) in the comparisons the study reads",
+            ["readout", "arms", "change", "sensitive before", "sensitive after"],
+            crow,
+        )
+    )
+    notes = [
+        "factorial: P[r, m] is the probability of variant A's value when the root's rows come from variant r and the "
+        "mention's rows from variant m; the mention effect is equivalent to zero when the TOST p < .05.",
+        "@pos arms answer with the query at the larger of the two histories' ends (same absolute position for every "
+        "@pos arm of a pair); other arms answer right after their own history.",
+    ]
     return Summary(f"landing: {len(records)} pairs", tables, tests, notes, data)

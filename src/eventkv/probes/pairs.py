@@ -40,8 +40,8 @@ from eventkv.log import HEADER_ID, TokenizedLog, tokenize_query
 from eventkv.options import check_max_new_tokens, check_slots
 from eventkv.prefill import EventKV
 from eventkv.probes.base import Arm, Probe, Runtime
-from eventkv.readout import read_out
 from eventkv.probes.donor_pair import donor_d, outcome
+from eventkv.readout import read_out
 from eventkv.serve import ServedCache, serve
 
 VARIANTS = ("A", "B")
@@ -58,14 +58,20 @@ class PairProbe(Probe):
     def check_layout(self, *later: tuple[str, int]) -> None:
         """Raises EventKVError unless ``0 <= decoy_slot < source_slots[0] <= source_slots[1] <``
         each of ``later`` (``(name, slot)`` pairs, in order) ``< n_events``."""
-        check_slots(n_events=self.n_events, decoy_slot=self.decoy_slot, source_slots=self.source_slots,
-                    **{f"{name}_slot": slot for name, slot in later})
+        check_slots(
+            n_events=self.n_events,
+            decoy_slot=self.decoy_slot,
+            source_slots=self.source_slots,
+            **{f"{name}_slot": slot for name, slot in later},
+        )
         lo, hi = self.source_slots
         chain = [hi, *(slot for _, slot in later), self.n_events]
         if not (0 <= self.decoy_slot < lo <= hi and all(a < b for a, b in zip(chain, chain[1:]))):
             middle = "".join(f"{name} {slot} < " for name, slot in later)
-            raise EventKVError(f"layout decoy {self.decoy_slot} < source {lo}-{hi} < {middle}n_events "
-                               f"{self.n_events} does not hold: reorder the slots.")
+            raise EventKVError(
+                f"layout decoy {self.decoy_slot} < source {lo}-{hi} < {middle}n_events "
+                f"{self.n_events} does not hold: reorder the slots."
+            )
 
     def check_readout(self) -> None:
         """Raises OptionError when ``self.readout`` is not generate, logits or both, or ``self.max_new_tokens``
@@ -115,8 +121,13 @@ class PairArm:
     description: str = ""
 
     def arm(self, readouts: Sequence[str]) -> Arm:
-        return Arm(self.name, self.served, self.encoding if self.encoding != "prefill" else "prefill",
-                   tuple(readouts), self.description)
+        return Arm(
+            self.name,
+            self.served,
+            self.encoding if self.encoding != "prefill" else "prefill",
+            tuple(readouts),
+            self.description,
+        )
 
 
 def event_id(slot: int) -> str:
@@ -145,12 +156,20 @@ def serve_mixed(own: EventKV, other: EventKV, served: Sequence[str], swap: Seque
             ks[layer].append(src.keys[layer].index_select(2, rows.to(src.keys[layer].device)))
             vs[layer].append(src.values[layer].index_select(2, rows.to(src.values[layer].device)))
         ps.append(src.positions[rows])
-    return ServedCache([torch.cat(k, dim=2) for k in ks], [torch.cat(v, dim=2) for v in vs], torch.cat(ps), None,
-                       own.log.history_end, "compact", tuple(order[1:]))
+    return ServedCache(
+        [torch.cat(k, dim=2) for k in ks],
+        [torch.cat(v, dim=2) for v in vs],
+        torch.cat(ps),
+        None,
+        own.log.history_end,
+        "compact",
+        tuple(order[1:]),
+    )
 
 
-def tokenize_pair(rt: Runtime, instruction: str, texts: Sequence[Sequence[str]],
-                  pad: dict | None = None) -> list[TokenizedLog]:
+def tokenize_pair(
+    rt: Runtime, instruction: str, texts: Sequence[Sequence[str]], pad: dict | None = None
+) -> list[TokenizedLog]:
     """The two variants of one history as TokenizedLogs with shared positions: a slot whose tokens
     differ gets the longer length as its budget; a slot in ``pad`` gets the longest tokenization
     of its alternatives (and of its own texts)."""
@@ -215,13 +234,23 @@ def _truncate(ekv: EventKV, n_events: int) -> EventKV:
     log = ekv.log
     sub = TokenizedLog(log.header_ids, log.event_ids[:n_events], log.event_tokens[:n_events], log.budgets[:n_events])
     r = sub.n_rows
-    return EventKV(sub, [k[:, :, :r] for k in ekv.keys], [v[:, :, :r] for v in ekv.values], ekv.positions[:r],
-                   ekv.weights_digest)
+    return EventKV(
+        sub, [k[:, :, :r] for k in ekv.keys], [v[:, :, :r] for v in ekv.values], ekv.positions[:r], ekv.weights_digest
+    )
 
 
-def run_pair(rt: Runtime, item: dict, arms: Sequence[PairArm], *, instruction: str, readouts: Sequence[str],
-             parse: Callable[[str], str | None], max_new_tokens: int, answer_prefix: str,
-             cache: PrefillCache | None = None) -> dict:
+def run_pair(
+    rt: Runtime,
+    item: dict,
+    arms: Sequence[PairArm],
+    *,
+    instruction: str,
+    readouts: Sequence[str],
+    parse: Callable[[str], str | None],
+    max_new_tokens: int,
+    answer_prefix: str,
+    cache: PrefillCache | None = None,
+) -> dict:
     """Run every arm on both variants of one item (one prefill per history and variant, one
     batched readout for all arms) and score each arm as a donor pair.
 
@@ -259,11 +288,21 @@ def run_pair(rt: Runtime, item: dict, arms: Sequence[PairArm], *, instruction: s
         pair = ekvs[arm.history]
         caches: list[tuple[tuple[int, ...], ServedCache]] = []
         if arm.encoding == "prefill":
-            caches = [((v,), ServedCache(e.keys, e.values, e.positions, None, e.log.history_end, "prefill",
-                                         tuple(e.log.event_ids))) for v, e in enumerate(pair)]
+            caches = [
+                (
+                    (v,),
+                    ServedCache(
+                        e.keys, e.values, e.positions, None, e.log.history_end, "prefill", tuple(e.log.event_ids)
+                    ),
+                )
+                for v, e in enumerate(pair)
+            ]
         elif arm.encoding == "isolated":
-            same = all(logs[arm.history][0].event_tokens[log0.event_ids.index(e)]
-                       == logs[arm.history][1].event_tokens[log0.event_ids.index(e)] for e in ids)
+            same = all(
+                logs[arm.history][0].event_tokens[log0.event_ids.index(e)]
+                == logs[arm.history][1].event_tokens[log0.event_ids.index(e)]
+                for e in ids
+            )
             if same:  # identical served tokens at identical positions: one encoding answers both variants
                 caches = [((0, 1), serve(pair[0], ids, "isolated", model=rt.model))]
             else:
@@ -276,10 +315,17 @@ def run_pair(rt: Runtime, item: dict, arms: Sequence[PairArm], *, instruction: s
         qpos[arm.name] = p
         for vs, sc in caches:
             entries.append((arm.name, vs, dataclasses.replace(sc, next_position=p)))
-        served_rec[arm.name] = {"events": ids if arm.served != "all" else "all", "swap": swap,
-                                "rows": [int(rt.header_ids(instruction).__len__()
-                                             + sum(logs[arm.history][v].spans[log0.event_ids.index(e) + 1].n_tokens
-                                                   for e in ids)) for v in (0, 1)]}
+        served_rec[arm.name] = {
+            "events": ids if arm.served != "all" else "all",
+            "swap": swap,
+            "rows": [
+                int(
+                    rt.header_ids(instruction).__len__()
+                    + sum(logs[arm.history][v].spans[log0.event_ids.index(e) + 1].n_tokens for e in ids)
+                )
+                for v in (0, 1)
+            ],
+        }
 
     cand_texts = list(item["candidates"])
     cands = [rt.encode(" " + c) for c in cand_texts]
@@ -292,11 +338,20 @@ def run_pair(rt: Runtime, item: dict, arms: Sequence[PairArm], *, instruction: s
         if q not in item["questions"]:
             raise EventKVError(f"question {q!r} is not in the item (has {', '.join(item['questions'])}).")
         query = tokenize_query(rt.tokenizer, rt.profile, item["questions"][q])
-        res = read_out(rt.model, [entries[k][2] for k in ks], query,
-                       generate=["generate" in readouts] * len(ks), score=["logits" in readouts] * len(ks),
-                       candidates=cands, candidate_texts=cand_texts, answer_prefix_ids=rt.encode(answer_prefix),
-                       max_new_tokens=max_new_tokens, stop_token_ids=rt.stop_token_ids, tokenizer=rt.tokenizer,
-                       max_context=rt.max_context)
+        res = read_out(
+            rt.model,
+            [entries[k][2] for k in ks],
+            query,
+            generate=["generate" in readouts] * len(ks),
+            score=["logits" in readouts] * len(ks),
+            candidates=cands,
+            candidate_texts=cand_texts,
+            answer_prefix_ids=rt.encode(answer_prefix),
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=rt.stop_token_ids,
+            tokenizer=rt.tokenizer,
+            max_context=rt.max_context,
+        )
         for k, r in zip(ks, res):
             results[k] = r
 
@@ -325,8 +380,14 @@ def run_pair(rt: Runtime, item: dict, arms: Sequence[PairArm], *, instruction: s
         if "logits" in readouts:
             outcomes[arm.name]["logits"] = outcome(A["choice"], B["choice"], ca, cb)
             d[arm.name] = donor_d(A["logprobs"], B["logprobs"], ca, cb) if ca != cb and len(A["logprobs"]) > 1 else 0.0
-    return {"arms": {n: {"A": x[0], "B": x[1]} for n, x in answers.items()}, "outcomes": outcomes, "d": d,
-            "query_position": qpos, "history_end": {h: logs[h][0].history_end for h in used}, "served": served_rec}
+    return {
+        "arms": {n: {"A": x[0], "B": x[1]} for n, x in answers.items()},
+        "outcomes": outcomes,
+        "d": d,
+        "query_position": qpos,
+        "history_end": {h: logs[h][0].history_end for h in used},
+        "served": served_rec,
+    }
 
 
 def correct(record: dict, arm: str, readout: str, value_key: str = "values") -> list[bool]:
@@ -356,8 +417,9 @@ def primary_readout(readouts: Sequence[str]) -> str:
     return "logits" if "logits" in readouts else "generate"
 
 
-def arm_table(records: Sequence[dict], arms: Sequence[PairArm], readouts: Sequence[str], caption: str,
-              data: dict | None = None):
+def arm_table(
+    records: Sequence[dict], arms: Sequence[PairArm], readouts: Sequence[str], caption: str, data: dict | None = None
+):
     """One row per arm and readout: pairs, follow, anti, constant, other, the follow rate and the
     prevalence (follow + anti) with Wilson 95% intervals, and the exact sign test follow vs anti.
     Fills ``data[f"{arm}/{readout}"]`` when given."""
@@ -369,13 +431,46 @@ def arm_table(records: Sequence[dict], arms: Sequence[PairArm], readouts: Sequen
         for ro in readouts:
             s = pair_stats(records, a.name, ro)
             if data is not None:
-                data[f"{a.name}/{ro}"] = {"n": s["n"], "follow": s["follow"], "anti": s["anti"], "constant": s["constant"],
-                                          "other": s["other"], "rate": s["rate"].__dict__,
-                                          "prevalence": s["prevalence"].__dict__, "p": s["sign"].p_value}
-            rows.append([a.name, ro, str(s["n"]), str(s["follow"]), str(s["anti"]), str(s["constant"]), str(s["other"]),
-                         s["rate"].describe(2), s["prevalence"].describe(2), format_p(s["sign"].p_value)])
-    return Table(caption, ["arm", "readout", "pairs", "follow", "anti", "constant", "other", "follow rate [Wilson 95%]",
-                           "sensitive [Wilson 95%]", "p (follow vs anti)"], rows)
+                data[f"{a.name}/{ro}"] = {
+                    "n": s["n"],
+                    "follow": s["follow"],
+                    "anti": s["anti"],
+                    "constant": s["constant"],
+                    "other": s["other"],
+                    "rate": s["rate"].__dict__,
+                    "prevalence": s["prevalence"].__dict__,
+                    "p": s["sign"].p_value,
+                }
+            rows.append(
+                [
+                    a.name,
+                    ro,
+                    str(s["n"]),
+                    str(s["follow"]),
+                    str(s["anti"]),
+                    str(s["constant"]),
+                    str(s["other"]),
+                    s["rate"].describe(2),
+                    s["prevalence"].describe(2),
+                    format_p(s["sign"].p_value),
+                ]
+            )
+    return Table(
+        caption,
+        [
+            "arm",
+            "readout",
+            "pairs",
+            "follow",
+            "anti",
+            "constant",
+            "other",
+            "follow rate [Wilson 95%]",
+            "sensitive [Wilson 95%]",
+            "p (follow vs anti)",
+        ],
+        rows,
+    )
 
 
 def d_stats(records: Sequence[dict], arm: str) -> dict | None:
@@ -387,13 +482,21 @@ def d_stats(records: Sequence[dict], arm: str) -> dict | None:
     from eventkv.stats import median, require_finite, sign_test_d, wilcoxon_d
 
     with_d = [(r.get("index", i), r["d"][arm]) for i, r in enumerate(records) if arm in r.get("d", {})]
-    ds = require_finite([x for _, x in with_d], f"donor statistic d of arm {arm!r}",
-                        labels=[f"item {i}" for i, _ in with_d])
+    ds = require_finite(
+        [x for _, x in with_d], f"donor statistic d of arm {arm!r}", labels=[f"item {i}" for i, _ in with_d]
+    )
     if not ds:
         return None
     s, w = sign_test_d(ds), wilcoxon_d(ds)
-    return {"n": len(ds), "median": median(ds), "pos": s.counts["d>0"], "neg": s.counts["d<0"],
-            "zero": s.counts["d=0 dropped"], "sign_p": s.p_value, "wilcoxon_p": w.p_value}
+    return {
+        "n": len(ds),
+        "median": median(ds),
+        "pos": s.counts["d>0"],
+        "neg": s.counts["d<0"],
+        "zero": s.counts["d=0 dropped"],
+        "sign_p": s.p_value,
+        "wilcoxon_p": w.p_value,
+    }
 
 
 def describe_d(s: dict) -> str:
@@ -414,15 +517,27 @@ def d_table(records: Sequence[dict], arms: Sequence[PairArm], caption: str, data
             continue
         if data is not None:
             data[f"d/{a.name}"] = s
-        rows.append([a.name, str(s["n"]), f"{round(s['median'], 3) + 0.0:+.3f}", str(s["pos"]), str(s["neg"]), str(s["zero"]),
-                     format_p(s["sign_p"]), format_p(s["wilcoxon_p"])])
+        rows.append(
+            [
+                a.name,
+                str(s["n"]),
+                f"{round(s['median'], 3) + 0.0:+.3f}",
+                str(s["pos"]),
+                str(s["neg"]),
+                str(s["zero"]),
+                format_p(s["sign_p"]),
+                format_p(s["wilcoxon_p"]),
+            ]
+        )
     if not rows:
         return None
     return Table(caption, ["arm", "pairs", "median d (nats)", "d>0", "d<0", "d=0", "p sign", "p Wilcoxon"], rows)
 
 
-D_CAPTION = ("Graded donor shift d (candidate log-odds of each variant's own value, own minus other variant, nats; "
-             "d > 0 leans toward the unserved source)")
+D_CAPTION = (
+    "Graded donor shift d (candidate log-odds of each variant's own value, own minus other variant, nats; "
+    "d > 0 leans toward the unserved source)"
+)
 
 
 def candidate_share(out: dict, candidate: str) -> float:

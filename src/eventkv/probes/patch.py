@@ -34,8 +34,16 @@ from eventkv.log import TokenizedLog
 from eventkv.options import check_int, check_ints
 from eventkv.probes.base import Runtime, Summary, Table, register
 from eventkv.probes.donor_pair import INSTRUCTION, NAMES, QUESTION, event_text, last_state, menu
-from eventkv.probes.pairs import (D_CAPTION, PairProbe, PairArm, arm_table, d_table, event_id, primary_readout, run_pair,
-                                  tokenize_pair)
+from eventkv.probes.pairs import (
+    D_CAPTION,
+    PairArm,
+    PairProbe,
+    arm_table,
+    d_table,
+    primary_readout,
+    run_pair,
+    tokenize_pair,
+)
 from eventkv.stats import wilson
 
 STATES = ("ONLINE", "OFFLINE")
@@ -63,17 +71,20 @@ class Patch(PairProbe):
         self.validate()
 
     def validate(self) -> None:
-        check_ints("lengths", self.lengths, "give distinct history lengths of at least 4 events (e.g. 24,48,96).",
-                   minimum=4)
+        check_ints(
+            "lengths", self.lengths, "give distinct history lengths of at least 4 events (e.g. 24,48,96).", minimum=4
+        )
         check_int("timing_repeats", self.timing_repeats, "time each update at least once.")
         self.check_readout()
 
     def pair_arms(self) -> list[PairArm]:
-        return [PairArm("patch-served", "patched", ("decoy", "source", "patch"), description="stale source + patch"),
-                PairArm("patch-not-served", "patched", ("decoy", "source"), description="stale source, patch dropped"),
-                PairArm("patch-only", "patched", ("decoy", "patch"), description="patch without the source"),
-                PairArm("rewrite", "rewritten", ("decoy", "source"), description="rewritten history, re-prefilled"),
-                PairArm("text", "patched", "all", "prefill", description="patched history as text")]
+        return [
+            PairArm("patch-served", "patched", ("decoy", "source", "patch"), description="stale source + patch"),
+            PairArm("patch-not-served", "patched", ("decoy", "source"), description="stale source, patch dropped"),
+            PairArm("patch-only", "patched", ("decoy", "patch"), description="patch without the source"),
+            PairArm("rewrite", "rewritten", ("decoy", "source"), description="rewritten history, re-prefilled"),
+            PairArm("text", "patched", "all", "prefill", description="patched history as text"),
+        ]
 
     def _item(self, seed: int, index: int) -> dict:
         rng = random.Random(f"patch:{seed}:{index}")
@@ -93,19 +104,47 @@ class Patch(PairProbe):
             hist["patched"].append(orig + [event_text(n, PATCH.format(register=src, value=new))])
             body[slot] = f"register {src} set to state {new}"
             hist["rewritten"].append([event_text(i, body[i]) for i in range(n)])
-        return {"index": index, "n_events": n, "names": {"decoy": dec, "source": src}, "source_slot": slot,
-                "values": [old_b, old_a], "old_values": [old_a, old_b], "decoy_value": dv, "candidates": list(STATES),
-                "histories": hist,
-                "roles": {"patched": {"decoy": 0, "source": slot, "patch": n}, "rewritten": {"decoy": 0, "source": slot}},
-                "questions": {"main": QUESTION.format(register=src, menu=menu(STATES))}}
+        return {
+            "index": index,
+            "n_events": n,
+            "names": {"decoy": dec, "source": src},
+            "source_slot": slot,
+            "values": [old_b, old_a],
+            "old_values": [old_a, old_b],
+            "decoy_value": dv,
+            "candidates": list(STATES),
+            "histories": hist,
+            "roles": {"patched": {"decoy": 0, "source": slot, "patch": n}, "rewritten": {"decoy": 0, "source": slot}},
+            "questions": {"main": QUESTION.format(register=src, menu=menu(STATES))},
+        }
 
     def run_item(self, rt: Runtime, item: dict) -> dict:
-        res = run_pair(rt, item, self.pair_arms(), instruction=self.instruction, readouts=self.readouts,
-                       parse=lambda x: last_state(x, STATES), max_new_tokens=self.max_new_tokens,
-                       answer_prefix=self.answer_prefix)
-        keep = ("index", "n_events", "names", "source_slot", "values", "old_values", "decoy_value", "candidates", "questions")
-        rec = {**{k: item[k] for k in keep}, "events": {h: {"A": v[0], "B": v[1]} for h, v in item["histories"].items()},
-               **res}
+        res = run_pair(
+            rt,
+            item,
+            self.pair_arms(),
+            instruction=self.instruction,
+            readouts=self.readouts,
+            parse=lambda x: last_state(x, STATES),
+            max_new_tokens=self.max_new_tokens,
+            answer_prefix=self.answer_prefix,
+        )
+        keep = (
+            "index",
+            "n_events",
+            "names",
+            "source_slot",
+            "values",
+            "old_values",
+            "decoy_value",
+            "candidates",
+            "questions",
+        )
+        rec = {
+            **{k: item[k] for k in keep},
+            "events": {h: {"A": v[0], "B": v[1]} for h, v in item["histories"].items()},
+            **res,
+        }
         if self.timing:
             rec["timing"] = self.time_updates(rt, item)
         return rec
@@ -116,7 +155,9 @@ class Patch(PairProbe):
         patched = tokenize_pair(rt, self.instruction, item["histories"]["patched"])[0]
         rewritten = tokenize_pair(rt, self.instruction, item["histories"]["rewritten"])[0]
         n = item["n_events"]
-        orig_log = TokenizedLog(patched.header_ids, patched.event_ids[:n], patched.event_tokens[:n], patched.budgets[:n])
+        orig_log = TokenizedLog(
+            patched.header_ids, patched.event_ids[:n], patched.event_tokens[:n], patched.budgets[:n]
+        )
         header = rt.header_kv(self.instruction)
         orig = rt.prefill(orig_log, prefix=header)
         t_patch, t_rewrite = math.inf, math.inf
@@ -127,9 +168,13 @@ class Patch(PairProbe):
             t0 = time.perf_counter()
             rt.prefill(rewritten, prefix=header)
             t_rewrite = min(t_rewrite, time.perf_counter() - t0)
-        return {"L_tokens": orig_log.n_rows, "p_tokens": len(patched.event_tokens[n]),
-                "patch_ms": round(1000 * t_patch, 3), "rewrite_ms": round(1000 * t_rewrite, 3),
-                "rewrite_tokens": rewritten.n_rows - len(rewritten.header_ids)}
+        return {
+            "L_tokens": orig_log.n_rows,
+            "p_tokens": len(patched.event_tokens[n]),
+            "patch_ms": round(1000 * t_patch, 3),
+            "rewrite_ms": round(1000 * t_rewrite, 3),
+            "rewrite_tokens": rewritten.n_rows - len(rewritten.header_ids),
+        }
 
     def summarize(self, records: Sequence[dict]) -> Summary:
         return summarize_patch(records, self)
@@ -151,19 +196,39 @@ def summarize_patch(records: Sequence[dict], probe: Patch) -> Summary:
     import numpy as np
 
     arms = probe.pair_arms()
-    data: dict = {"pairs": len(records), "primary": primary_readout(probe.readouts), "leak": {}, "timing": {}, "arms": {}}
+    data: dict = {
+        "pairs": len(records),
+        "primary": primary_readout(probe.readouts),
+        "leak": {},
+        "timing": {},
+        "arms": {},
+    }
     lrows = []
     for a in arms:
         for ro in probe.readouts:
             w = leak_rate(records, a.name, ro)
             data["leak"][f"{a.name}/{ro}"] = w.__dict__
             lrows.append([a.name, ro, w.describe(3)])
-    tables = [Table("Stale-value leak rate (answers equal to the OLD value; 2 per pair)",
-                    ["arm", "readout", "leak [Wilson 95%]"], lrows),
-              arm_table(records, arms, probe.readouts, "Update outcomes (follow = both variants answer their NEW value, "
-                        "anti = both their OLD one)", data["arms"])]
-    dt = d_table(records, arms, D_CAPTION.replace("own value", "own NEW value").replace("unserved source", "NEW value"),
-                 data["arms"])
+    tables = [
+        Table(
+            "Stale-value leak rate (answers equal to the OLD value; 2 per pair)",
+            ["arm", "readout", "leak [Wilson 95%]"],
+            lrows,
+        ),
+        arm_table(
+            records,
+            arms,
+            probe.readouts,
+            "Update outcomes (follow = both variants answer their NEW value, anti = both their OLD one)",
+            data["arms"],
+        ),
+    ]
+    dt = d_table(
+        records,
+        arms,
+        D_CAPTION.replace("own value", "own NEW value").replace("unserved source", "NEW value"),
+        data["arms"],
+    )
     tables += [dt] if dt else []
     tests = []
     timed = [r for r in records if r.get("timing")]
@@ -171,23 +236,48 @@ def summarize_patch(records: Sequence[dict], probe: Patch) -> Summary:
         trows = []
         for L in sorted({r["n_events"] for r in timed}):
             ts = [r["timing"] for r in timed if r["n_events"] == L]
-            med = lambda k: float(np.median([t[k] for t in ts]))  # noqa: E731
-            row = {"events": L, "L_tokens": med("L_tokens"), "p_tokens": med("p_tokens"), "patch_ms": med("patch_ms"),
-                   "rewrite_ms": med("rewrite_ms"), "n": len(ts)}
+            med = lambda k, ts=ts: float(np.median([t[k] for t in ts]))  # noqa: E731
+            row = {
+                "events": L,
+                "L_tokens": med("L_tokens"),
+                "p_tokens": med("p_tokens"),
+                "patch_ms": med("patch_ms"),
+                "rewrite_ms": med("rewrite_ms"),
+                "n": len(ts),
+            }
             data["timing"][str(L)] = row
-            trows.append([str(L), f"{row['L_tokens']:.0f}", f"{row['p_tokens']:.0f}", str(len(ts)), f"{row['patch_ms']:.1f}",
-                          f"{row['rewrite_ms']:.1f}", f"{row['rewrite_ms'] / max(row['patch_ms'], 1e-9):.1f}x"])
-        tables.append(Table("Update cost: patch event vs re-prefilling the rewritten history (median over items, ms)",
-                            ["events", "L (tokens)", "p (tokens)", "items", "patch ms", "re-prefill ms", "ratio"], trows))
+            trows.append(
+                [
+                    str(L),
+                    f"{row['L_tokens']:.0f}",
+                    f"{row['p_tokens']:.0f}",
+                    str(len(ts)),
+                    f"{row['patch_ms']:.1f}",
+                    f"{row['rewrite_ms']:.1f}",
+                    f"{row['rewrite_ms'] / max(row['patch_ms'], 1e-9):.1f}x",
+                ]
+            )
+        tables.append(
+            Table(
+                "Update cost: patch event vs re-prefilling the rewritten history (median over items, ms)",
+                ["events", "L (tokens)", "p (tokens)", "items", "patch ms", "re-prefill ms", "ratio"],
+                trows,
+            )
+        )
         pts = list(data["timing"].values())
         if len(pts) >= 2:
             x = np.log([p["L_tokens"] for p in pts])
             for k in ("patch_ms", "rewrite_ms"):
                 slope = float(np.polyfit(x, np.log([max(p[k], 1e-6) for p in pts]), 1)[0])
                 data["timing"][f"slope/{k}"] = slope
-                tests.append(f"log-log slope of {k.replace('_ms', '')} time against L over {len(pts)} lengths: {slope:.2f} "
-                             "(1 = linear, 2 = quadratic)")
-    notes = ["On a CPU at short L the weight-bound linear terms dominate both costs, so the re-prefill's slope is expected to sit "
-             "between 1 and 2 and approaches 2 only at long L; the patch's cost grows with L through attention only.",
-             "timings are wall-clock on this machine (minimum of the repeats, median over items)."]
+                tests.append(
+                    f"log-log slope of {k.replace('_ms', '')} time against L over {len(pts)} lengths: {slope:.2f} "
+                    "(1 = linear, 2 = quadratic)"
+                )
+    notes = [
+        "On a CPU at short L the weight-bound linear terms dominate both costs, so the re-prefill's slope is "
+        "expected to sit "
+        "between 1 and 2 and approaches 2 only at long L; the patch's cost grows with L through attention only.",
+        "timings are wall-clock on this machine (minimum of the repeats, median over items).",
+    ]
     return Summary(f"patch: {len(records)} pairs", tables, tests, notes, data)

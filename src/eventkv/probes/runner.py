@@ -39,14 +39,31 @@ MANIFEST = "manifest.json"
 RECORDS = "records.jsonl"
 SUMMARY = "summary.md"
 FIGURE = "figure.png"
-PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "gguf", "scipy", "numpy", "typer", "rich", "matplotlib")
+PACKAGES = (
+    "torch",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "gguf",
+    "scipy",
+    "numpy",
+    "typer",
+    "rich",
+    "matplotlib",
+)
 
 
 def identity(probe: Probe, model: str, rt: Runtime, seed: int) -> dict:
     """What must match for two invocations to write into the same directory."""
-    return {"probe": probe.name, "record_version": probe.record_version, "options": probe.options(),
-            "seed": seed, "model": model, "weights_digest": rt.weights_digest,
-            "dtype": str(getattr(rt.profile, "dtype", "")).removeprefix("torch.")}
+    return {
+        "probe": probe.name,
+        "record_version": probe.record_version,
+        "options": probe.options(),
+        "seed": seed,
+        "model": model,
+        "weights_digest": rt.weights_digest,
+        "dtype": str(getattr(rt.profile, "dtype", "")).removeprefix("torch."),
+    }
 
 
 def environment() -> dict:
@@ -62,15 +79,31 @@ def environment() -> dict:
     commit, dirty = None, None
     here = Path(__file__).resolve().parent
     try:
-        commit = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True,
-                                timeout=10).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or None
+        )
         if commit:
-            dirty = bool(subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
-                                        capture_output=True, text=True, timeout=10).stdout.strip())
+            dirty = bool(
+                subprocess.run(
+                    ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
+                ).stdout.strip()
+            )
     except (OSError, subprocess.SubprocessError):
         pass
-    return {"eventkv": __version__, "git_commit": commit, "git_dirty": dirty, "packages": versions,
-            "python": platform.python_version(), "platform": platform.platform()}
+    return {
+        "eventkv": __version__,
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "packages": versions,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
 
 
 def _write_json_atomic(path: Path, obj: dict) -> None:
@@ -103,8 +136,10 @@ def load_records(directory: str | Path, repair: bool = False) -> list[dict]:
             if n == len(complete) and not tail:
                 tail = line  # the last newline-terminated line is broken: treat as cut short
                 break
-            raise EventKVError(f"{path}:{n} is not a JSON record: the file is damaged; delete that line "
-                               "(the item will be recomputed) and run again.") from None
+            raise EventKVError(
+                f"{path}:{n} is not a JSON record: the file is damaged; delete that line "
+                "(the item will be recomputed) and run again."
+            ) from None
         good_bytes += len(line) + 1
     if tail and repair:
         with open(path, "r+b") as f:
@@ -140,8 +175,10 @@ def check_or_create(directory: Path, ident: dict) -> dict:
     path = directory / MANIFEST
     if not path.is_file():
         if (directory / RECORDS).is_file():
-            raise EventKVError(f"{str(directory)!r} has {RECORDS} but no {MANIFEST}: it was not made by eventkv run; "
-                               "choose another --out directory.")
+            raise EventKVError(
+                f"{str(directory)!r} has {RECORDS} but no {MANIFEST}: it was not made by eventkv run; "
+                "choose another --out directory."
+            )
         return {}
     old = json.loads(path.read_text())
     prev = old.get("identity", {})
@@ -153,16 +190,30 @@ def check_or_create(directory: Path, ident: dict) -> dict:
         for k in sorted(set(prev) | set(ident)):
             if k == "options":
                 po, no = prev.get(k, {}), ident.get(k, {})
-                diffs += [f"{o}: {po.get(o)!r} -> {no.get(o)!r}" for o in sorted(set(po) | set(no)) if po.get(o) != no.get(o)]
+                diffs += [
+                    f"{o}: {po.get(o)!r} -> {no.get(o)!r}" for o in sorted(set(po) | set(no)) if po.get(o) != no.get(o)
+                ]
             elif prev.get(k) != ident.get(k):
                 diffs.append(f"{k}: {prev.get(k)!r} -> {ident.get(k)!r}")
-        raise EventKVError(f"{str(directory)!r} holds a run made with different settings ({'; '.join(diffs)}): "
-                           "give a new --out directory, or repeat the original settings to resume it.")
+        raise EventKVError(
+            f"{str(directory)!r} holds a run made with different settings ({'; '.join(diffs)}): "
+            "give a new --out directory, or repeat the original settings to resume it."
+        )
     return old
 
 
-def run_probe(probe: Probe, rt: Runtime, *, model: str, items: int, seed: int, out: str | Path,
-              progress: bool = True, console=None, figure: bool = True) -> Summary:
+def run_probe(
+    probe: Probe,
+    rt: Runtime,
+    *,
+    model: str,
+    items: int,
+    seed: int,
+    out: str | Path,
+    progress: bool = True,
+    console=None,
+    figure: bool = True,
+) -> Summary:
     """Run ``probe`` on ``items`` items into ``out`` (resuming), then write summary.md and the figure.
 
     Returns:
@@ -205,20 +256,26 @@ def open_run(probe: Probe, rt: Runtime, *, model: str, items: int, seed: int, ou
     """
     probe.validate()
     check_run_items(probe, items)
-    probe.check_model(rt)   # before the directory is made: a bad option leaves nothing behind
+    probe.check_model(rt)  # before the directory is made: a bad option leaves nothing behind
     ident = identity(probe, model, rt, seed)
     old = check_or_create(out, ident)
     done = {r["index"] for r in load_records(out, repair=True)}
     profile = rt.profile.to_dict() if hasattr(rt.profile, "to_dict") else dict(vars(rt.profile))
-    manifest = {"identity": ident, "items": max(items, old.get("items", 0)), "profile": profile,
-                "environment": environment(), "created": old.get("created") or _now(),
-                "invocations": old.get("invocations", [])}
+    manifest = {
+        "identity": ident,
+        "items": max(items, old.get("items", 0)),
+        "profile": profile,
+        "environment": environment(),
+        "created": old.get("created") or _now(),
+        "invocations": old.get("invocations", []),
+    }
     _write_json_atomic(out / MANIFEST, manifest)
     return manifest, [i for i in range(items) if i not in done]
 
 
-def run_items(probe: Probe, rt: Runtime, seed: int, out: Path, manifest: dict, todo: Sequence[int],
-              before=None, after=None) -> None:
+def run_items(
+    probe: Probe, rt: Runtime, seed: int, out: Path, manifest: dict, todo: Sequence[int], before=None, after=None
+) -> None:
     """Compute the items ``todo`` in order, appending each record to ``out/records.jsonl`` as it
     finishes (``before(i)`` / ``after(i)`` are called around item ``i``, e.g. for a progress bar),
     then add this invocation (start, items computed, seconds, torch threads) to the manifest."""
@@ -231,9 +288,14 @@ def run_items(probe: Probe, rt: Runtime, seed: int, out: Path, manifest: dict, t
             after(i)
     # torch CPU threads change the reduction order, so bfloat16 scores are reproducible bit for bit
     # only at the same thread count: record it with every invocation.
-    manifest["invocations"].append({"started": started, "items_computed": len(todo),
-                                    "seconds": round(time.perf_counter() - t0, 3),
-                                    "torch_threads": torch.get_num_threads()})
+    manifest["invocations"].append(
+        {
+            "started": started,
+            "items_computed": len(todo),
+            "seconds": round(time.perf_counter() - t0, 3),
+            "torch_threads": torch.get_num_threads(),
+        }
+    )
     _write_json_atomic(out / MANIFEST, manifest)
 
 
@@ -246,8 +308,10 @@ def render(directory: str | Path, figure: bool = True) -> Summary:
     """
     d = Path(directory)
     if not (d / MANIFEST).is_file():
-        raise EventKVError(f"{str(d)!r} is not a run directory (no {MANIFEST}): give the --out directory of an "
-                           "'eventkv run' invocation.")
+        raise EventKVError(
+            f"{str(d)!r} is not a run directory (no {MANIFEST}): give the --out directory of an "
+            "'eventkv run' invocation."
+        )
     manifest = json.loads((d / MANIFEST).read_text())
     ident = manifest["identity"]
     probe = get_probe(ident["probe"])(**ident["options"])
@@ -255,9 +319,11 @@ def render(directory: str | Path, figure: bool = True) -> Summary:
     if not records:
         raise EventKVError(f"{str(d)!r} has no records yet: run the probe into it first.")
     summary = probe.summarize(records)
-    head = (f"model: {ident['model']} ({ident['dtype']}, weights {str(ident['weights_digest'])[:12]}), "
-            f"seed {ident['seed']}, {len(records)} items; eventkv {manifest['environment'].get('eventkv')} "
-            f"@ {str(manifest['environment'].get('git_commit'))[:10]}")
+    head = (
+        f"model: {ident['model']} ({ident['dtype']}, weights {str(ident['weights_digest'])[:12]}), "
+        f"seed {ident['seed']}, {len(records)} items; eventkv {manifest['environment'].get('eventkv')} "
+        f"@ {str(manifest['environment'].get('git_commit'))[:10]}"
+    )
     text = summary.to_markdown().replace("\n", f"\n\n{head}\n", 1)
     (d / SUMMARY).write_text(text)
     if figure:
@@ -275,10 +341,23 @@ def progress_bar(enabled: bool, console):
     manager, or ``contextlib.nullcontext()`` (which yields ``None``) when disabled."""
     if not enabled:
         return contextlib.nullcontext()
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), console=console)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    )
 
 
 def records_equal(a: Sequence[dict], b: Sequence[dict]) -> bool:

@@ -45,18 +45,36 @@ from eventkv.errors import EventKVError
 from eventkv.options import check_choices, check_slots
 from eventkv.probes.base import Runtime, Summary, Table, register
 from eventkv.probes.donor_pair import INSTRUCTION, NAMES, QUESTION, event_text, last_state, menu
-from eventkv.probes.pairs import PairProbe, PairArm, d_stats, describe_d, pair_stats, primary_readout, run_pair
+from eventkv.probes.pairs import PairArm, PairProbe, d_stats, describe_d, pair_stats, primary_readout, run_pair
 from eventkv.stats import format_p, median, require_finite, sign_test, sign_test_d
 
-MIRROR_VERBS = ("mirrors", "tracks", "copies", "matches", "follows", "shadows", "is kept equal to",
-                "is synchronized with")
-FLAG_PHRASES = ("was set according to", "was set in line with", "was set reflecting", "was set recording",
-                "was assigned from", "was written from", "was made consistent with", "was updated accordingly with")
+MIRROR_VERBS = (
+    "mirrors",
+    "tracks",
+    "copies",
+    "matches",
+    "follows",
+    "shadows",
+    "is kept equal to",
+    "is synchronized with",
+)
+FLAG_PHRASES = (
+    "was set according to",
+    "was set in line with",
+    "was set reflecting",
+    "was set recording",
+    "was assigned from",
+    "was written from",
+    "was made consistent with",
+    "was updated accordingly with",
+)
 CONSTRUCTIONS = tuple(("mirror", v) for v in MIRROR_VERBS) + tuple(("flag", p) for p in FLAG_PHRASES)
 MIRROR_STATES = ("ONLINE", "OFFLINE")
 FLAG_STATES = ("EXCEEDED", "NORMAL")
-FLAG_QUESTION = ("\nQuestion: What value does flag {flag} hold? Answer {menu}. Locate the statement for that flag, "
-                 "then end your answer with the final value word.")
+FLAG_QUESTION = (
+    "\nQuestion: What value does flag {flag} hold? Answer {menu}. Locate the statement for that flag, "
+    "then end your answer with the final value word."
+)
 ARM_NAMES = ("kv", "text", "isolated")
 
 
@@ -91,20 +109,29 @@ class TriggerBank(PairProbe):
         self.validate()
 
     def validate(self) -> None:
-        check_slots(n_events=self.n_events, decoy_slot=self.decoy_slot, source_slots=self.source_slots,
-                    carrier_slot=self.carrier_slot)
+        check_slots(
+            n_events=self.n_events,
+            decoy_slot=self.decoy_slot,
+            source_slots=self.source_slots,
+            carrier_slot=self.carrier_slot,
+        )
         lo, hi = self.source_slots
         if not (0 <= self.decoy_slot < lo <= hi and hi + 1 < self.carrier_slot < self.n_events):
-            raise EventKVError(f"layout decoy {self.decoy_slot}, source block {lo}-{hi + 1}, carrier {self.carrier_slot}, "
-                               f"n_events {self.n_events}: needs decoy < source slots, source slot + 1 < carrier < n_events.")
+            raise EventKVError(
+                f"layout decoy {self.decoy_slot}, source block {lo}-{hi + 1}, carrier {self.carrier_slot}, "
+                f"n_events {self.n_events}: needs decoy < source slots, source slot + 1 < carrier < n_events."
+            )
         self.check_readout()
         check_choices("arm_names", self.arm_names, ARM_NAMES, required=("kv",), flag="--arms", what="arms")
 
     def pair_arms(self) -> list[PairArm]:
-        table = {"kv": PairArm("kv", "main", ("decoy", "carrier"), description="write-through: serve {decoy, carrier}"),
-                 "text": PairArm("text", "main", "all", "prefill", description="comprehension: every event as text"),
-                 "isolated": PairArm("isolated", "main", ("decoy", "carrier"), "isolated",
-                                     description="{decoy, carrier}, each encoded alone")}
+        table = {
+            "kv": PairArm("kv", "main", ("decoy", "carrier"), description="write-through: serve {decoy, carrier}"),
+            "text": PairArm("text", "main", "all", "prefill", description="comprehension: every event as text"),
+            "isolated": PairArm(
+                "isolated", "main", ("decoy", "carrier"), "isolated", description="{decoy, carrier}, each encoded alone"
+            ),
+        }
         return [table[a] for a in ARM_NAMES if a in self.arm_names]
 
     def _item(self, seed: int, index: int) -> dict:
@@ -112,12 +139,14 @@ class TriggerBank(PairProbe):
         family, phrase = CONSTRUCTIONS[index % len(CONSTRUCTIONS)]
         dec, src, tgt = rng.sample(NAMES, 3)
         slot = rng.randint(*self.source_slots)
-        first = rng.randrange(2)               # which answer variant A holds (index into the family's states)
+        first = rng.randrange(2)  # which answer variant A holds (index into the family's states)
         decoy_idx = rng.randrange(2)
         threshold = rng.randrange(200, 800)
         margins = (rng.randrange(20, 150), rng.randrange(20, 150))
         others = [r for r in NAMES if r not in (dec, src, tgt)]
-        fill = {i: f"register {rng.choice(others)} refreshed to {rng.randrange(100, 1000)}" for i in range(self.n_events)}
+        fill = {
+            i: f"register {rng.choice(others)} refreshed to {rng.randrange(100, 1000)}" for i in range(self.n_events)
+        }
         states = MIRROR_STATES if family == "mirror" else FLAG_STATES
         a, b = states[first], states[1 - first]
 
@@ -125,12 +154,17 @@ class TriggerBank(PairProbe):
             if fam == "mirror":
                 return f"register {src} set to state {MIRROR_STATES[k]}", fill[slot + 1]
             g = threshold + margins[0] if FLAG_STATES[k] == "EXCEEDED" else threshold - margins[1]
-            return (f"sensor {src} measured {g}; the alert threshold is {threshold}",
-                    f"check on sensor {src}: {FLAG_STATES[k]}")
+            return (
+                f"sensor {src} measured {g}; the alert threshold is {threshold}",
+                f"check on sensor {src}: {FLAG_STATES[k]}",
+            )
 
         def decoy_text(fam: str) -> str:
-            return (f"register {dec} set to state {MIRROR_STATES[decoy_idx]}" if fam == "mirror"
-                    else f"flag {dec} set to {FLAG_STATES[decoy_idx]}")
+            return (
+                f"register {dec} set to state {MIRROR_STATES[decoy_idx]}"
+                if fam == "mirror"
+                else f"flag {dec} set to {FLAG_STATES[decoy_idx]}"
+            )
 
         events = []
         for k in (first, 1 - first):
@@ -145,20 +179,53 @@ class TriggerBank(PairProbe):
             slot + 1: [event_text(slot + 1, source_block(f, k)[1]) for f in ("mirror", "flag") for k in (0, 1)],
             self.carrier_slot: [event_text(self.carrier_slot, carrier_text(f, p, tgt, src)) for f, p in CONSTRUCTIONS],
         }
-        q = (QUESTION.format(register=tgt, menu=menu(states)) if family == "mirror"
-             else FLAG_QUESTION.format(flag=tgt, menu=menu(states)))
-        return {"index": index, "construction": phrase, "family": family, "names": {"decoy": dec, "source": src, "target": tgt},
-                "source_slot": slot, "values": [a, b], "decoy_value": states[decoy_idx], "candidates": list(states),
-                "histories": {"main": events}, "roles": {"main": {"decoy": self.decoy_slot, "carrier": self.carrier_slot}},
-                "pad": {"main": {str(k): v for k, v in pad.items()}}, "questions": {"main": q}}
+        q = (
+            QUESTION.format(register=tgt, menu=menu(states))
+            if family == "mirror"
+            else FLAG_QUESTION.format(flag=tgt, menu=menu(states))
+        )
+        return {
+            "index": index,
+            "construction": phrase,
+            "family": family,
+            "names": {"decoy": dec, "source": src, "target": tgt},
+            "source_slot": slot,
+            "values": [a, b],
+            "decoy_value": states[decoy_idx],
+            "candidates": list(states),
+            "histories": {"main": events},
+            "roles": {"main": {"decoy": self.decoy_slot, "carrier": self.carrier_slot}},
+            "pad": {"main": {str(k): v for k, v in pad.items()}},
+            "questions": {"main": q},
+        }
 
     def run_item(self, rt: Runtime, item: dict) -> dict:
-        res = run_pair(rt, item, self.pair_arms(), instruction=self.instruction, readouts=self.readouts,
-                       parse=lambda t: last_state(t, item["candidates"]), max_new_tokens=self.max_new_tokens,
-                       answer_prefix=self.answer_prefix)
-        keep = ("index", "construction", "family", "names", "source_slot", "values", "decoy_value", "candidates", "questions")
-        return {**{k: item[k] for k in keep}, "events": {"A": item["histories"]["main"][0], "B": item["histories"]["main"][1]},
-                **res}
+        res = run_pair(
+            rt,
+            item,
+            self.pair_arms(),
+            instruction=self.instruction,
+            readouts=self.readouts,
+            parse=lambda t: last_state(t, item["candidates"]),
+            max_new_tokens=self.max_new_tokens,
+            answer_prefix=self.answer_prefix,
+        )
+        keep = (
+            "index",
+            "construction",
+            "family",
+            "names",
+            "source_slot",
+            "values",
+            "decoy_value",
+            "candidates",
+            "questions",
+        )
+        return {
+            **{k: item[k] for k in keep},
+            "events": {"A": item["histories"]["main"][0], "B": item["histories"]["main"][1]},
+            **res,
+        }
 
     def summarize(self, records: Sequence[dict]) -> Summary:
         return summarize_trigger_bank(records, self.readouts, [a.name for a in self.pair_arms()])
@@ -173,8 +240,12 @@ class TriggerBank(PairProbe):
 def dissociation(records: Sequence[dict], readout: str):
     """Exact McNemar test (sign test on the discordant pairs): text follows but kv does not, vs
     kv follows but text does not."""
-    t_not_k = sum(1 for r in records if r["outcomes"]["text"][readout] == "follow" and r["outcomes"]["kv"][readout] != "follow")
-    k_not_t = sum(1 for r in records if r["outcomes"]["kv"][readout] == "follow" and r["outcomes"]["text"][readout] != "follow")
+    t_not_k = sum(
+        1 for r in records if r["outcomes"]["text"][readout] == "follow" and r["outcomes"]["kv"][readout] != "follow"
+    )
+    k_not_t = sum(
+        1 for r in records if r["outcomes"]["kv"][readout] == "follow" and r["outcomes"]["text"][readout] != "follow"
+    )
     return sign_test(t_not_k, k_not_t, ("text only", "kv only"), name="exact McNemar test, text-only vs kv-only follow")
 
 
@@ -184,8 +255,12 @@ def summarize_trigger_bank(records: Sequence[dict], readouts: Sequence[str], arm
     across constructions, Spearman's rho between the two rates."""
     from scipy import stats as st
 
-    data: dict = {"pairs": len(records), "readouts": list(readouts), "primary": primary_readout(readouts),
-                  "constructions": {}}
+    data: dict = {
+        "pairs": len(records),
+        "readouts": list(readouts),
+        "primary": primary_readout(readouts),
+        "constructions": {},
+    }
     tables, tests = [], []
     for ro in readouts:
         rows, wts, comps = [], [], []
@@ -194,14 +269,24 @@ def summarize_trigger_bank(records: Sequence[dict], readouts: Sequence[str], arm
             if not rs:
                 continue
             kv = pair_stats(rs, "kv", ro)
-            row = {"family": fam, "n": kv["n"], "write_through": kv["rate"].__dict__, "follow": kv["follow"],
-                   "anti": kv["anti"], "p_sign": kv["sign"].p_value}
+            row = {
+                "family": fam,
+                "n": kv["n"],
+                "write_through": kv["rate"].__dict__,
+                "follow": kv["follow"],
+                "anti": kv["anti"],
+                "p_sign": kv["sign"].p_value,
+            }
             cells = [fam, phrase, str(kv["n"]), kv["rate"].describe(2)]
             if "text" in arms:
                 tx = pair_stats(rs, "text", ro)
                 dis = dissociation(rs, ro)
-                row.update(comprehension=tx["rate"].__dict__, p_dissociation=dis.p_value,
-                           text_only=dis.counts["text only"], kv_only=dis.counts["kv only"])
+                row.update(
+                    comprehension=tx["rate"].__dict__,
+                    p_dissociation=dis.p_value,
+                    text_only=dis.counts["text only"],
+                    kv_only=dis.counts["kv only"],
+                )
                 cells += [tx["rate"].describe(2)]
                 wts.append(kv["rate"].rate)
                 comps.append(tx["rate"].rate)
@@ -209,8 +294,11 @@ def summarize_trigger_bank(records: Sequence[dict], readouts: Sequence[str], arm
             if "text" in arms:
                 cells += [f"{row['text_only']}:{row['kv_only']}", format_p(row["p_dissociation"])]
             if ro == "logits":
-                ds = require_finite([r["d"]["kv"] for r in rs], f"donor statistic d of arm 'kv', construction {phrase!r}",
-                                    labels=[f"item {r['index']}" for r in rs])
+                ds = require_finite(
+                    [r["d"]["kv"] for r in rs],
+                    f"donor statistic d of arm 'kv', construction {phrase!r}",
+                    labels=[f"item {r['index']}" for r in rs],
+                )
                 sd = sign_test_d(ds)
                 row.update(median_d=median(ds), p_d=sd.p_value)
                 cells += [f"{round(median(ds), 2) + 0.0:+.2f}", format_p(sd.p_value)]
@@ -224,27 +312,45 @@ def summarize_trigger_bank(records: Sequence[dict], readouts: Sequence[str], arm
             cols += ["text-only:kv-only", "p McNemar"]
         if ro == "logits":
             cols += ["median d", "p sign (d)"]
-        tables.append(Table(f"Trigger bank, {ro} readout: write-through (kv, served {{decoy, carrier}}) and "
-                            f"comprehension (text)", cols, rows))
+        tables.append(
+            Table(
+                f"Trigger bank, {ro} readout: write-through (kv, served {{decoy, carrier}}) and comprehension (text)",
+                cols,
+                rows,
+            )
+        )
         if "text" in arms and len(wts) >= 3:
             finite = [(w, c) for w, c in zip(wts, comps) if not (math.isnan(w) or math.isnan(c))]
             if len({w for w, _ in finite}) > 1 and len({c for _, c in finite}) > 1:
                 rho = st.spearmanr([w for w, _ in finite], [c for _, c in finite])
                 data[f"spearman/{ro}"] = {"rho": float(rho.statistic), "p": float(rho.pvalue), "n": len(finite)}
-                tests.append(f"{ro}: Spearman correlation of write-through and comprehension over {len(finite)} "
-                             f"constructions: rho = {float(rho.statistic):+.3f}, p = {format_p(float(rho.pvalue))}")
+                tests.append(
+                    f"{ro}: Spearman correlation of write-through and comprehension over {len(finite)} "
+                    f"constructions: rho = {float(rho.statistic):+.3f}, p = {format_p(float(rho.pvalue))}"
+                )
             else:
-                tests.append(f"{ro}: Spearman correlation not computed (one of the rates is constant across constructions)")
+                tests.append(
+                    f"{ro}: Spearman correlation not computed (one of the rates is constant across constructions)"
+                )
     pooled = d_stats(records, "kv")
     if pooled:
         data["d/kv"] = pooled
-        tests.append(f"kv, all constructions pooled: donor shift {describe_d(pooled)}; exact sign test p = "
-                     f"{format_p(pooled['sign_p'])}, Wilcoxon p = {format_p(pooled['wilcoxon_p'])}")
-    notes = ["write-through = pairs where the kv arm answers each variant's own (unserved) value; comprehension = the "
-             "same for the text arm. A construction that is comprehended but does not write shows as a significant "
-             "McNemar dissociation (text-only >> kv-only).",
-             "Positions: the carrier, decoy and source-block slots carry position budgets equal to the longest "
-             "tokenization over all 16 constructions, so later events and the query sit at the same positions "
-             "whatever the construction."]
-    return Summary(f"trigger-bank: {len(records)} pairs over {len({r['construction'] for r in records})} constructions",
-                   tables, tests, notes, data)
+        tests.append(
+            f"kv, all constructions pooled: donor shift {describe_d(pooled)}; exact sign test p = "
+            f"{format_p(pooled['sign_p'])}, Wilcoxon p = {format_p(pooled['wilcoxon_p'])}"
+        )
+    notes = [
+        "write-through = pairs where the kv arm answers each variant's own (unserved) value; comprehension = the "
+        "same for the text arm. A construction that is comprehended but does not write shows as a significant "
+        "McNemar dissociation (text-only >> kv-only).",
+        "Positions: the carrier, decoy and source-block slots carry position budgets equal to the longest "
+        "tokenization over all 16 constructions, so later events and the query sit at the same positions "
+        "whatever the construction.",
+    ]
+    return Summary(
+        f"trigger-bank: {len(records)} pairs over {len({r['construction'] for r in records})} constructions",
+        tables,
+        tests,
+        notes,
+        data,
+    )
