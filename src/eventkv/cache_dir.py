@@ -14,7 +14,6 @@ with no model code, so it can be tested without torch.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -22,11 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eventkv.files import sha256_file, write_json_atomic  # noqa: F401  (sha256_file: re-exported, it lived here)
+
 CACHE_ENV = "EVENTKV_CACHE"
 MANIFEST_NAME = "eventkv-cache.json"
 MANIFEST_FORMAT = 1
-
-_CHUNK = 8 * 1024 * 1024  # bytes read per hashing step
 
 
 def cache_root() -> Path:
@@ -38,15 +37,6 @@ def cache_root() -> Path:
 def model_dir(alias: str) -> Path:
     """The directory that holds (or will hold) the converted model of ``alias``."""
     return cache_root() / "models" / alias
-
-
-def sha256_file(path: Path) -> str:
-    """Full sha256 (hex) of one file, read in 8 MiB chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def hash_files(directory: Path, names: list[str], workers: int | None = None) -> dict[str, str]:
@@ -93,12 +83,7 @@ def write_manifest(directory: Path, info: dict[str, Any]) -> dict[str, Any]:
         **info,
         "files": {n: {"size": (directory / n).stat().st_size, "sha256": digests[n]} for n in names},
     }
-    tmp = directory / f"{MANIFEST_NAME}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / MANIFEST_NAME)
+    write_json_atomic(directory / MANIFEST_NAME, manifest, sort_keys=True, newline=False)
     return manifest
 
 
@@ -157,11 +142,8 @@ def _write_stamp(directory: Path, names: list[str]) -> None:
     stamps = _file_stamps(directory, names)
     if any(st[1] > time.time_ns() - 2_000_000_000 for st in stamps.values()):
         return
-    tmp = directory / f"{STAMP_NAME}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "w") as f:
-            json.dump(stamps, f)
-        os.replace(tmp, directory / STAMP_NAME)
+        write_json_atomic(directory / STAMP_NAME, stamps, indent=None, newline=False)
     except OSError:
         pass  # a read-only cache is still usable; it is re-hashed next time
 

@@ -24,12 +24,12 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from eventkv.files import write_json_atomic
 from eventkv.options import check_int
 from eventkv.probes.base import Runtime, get_probe
 from eventkv.probes.pairs import describe_d
 from eventkv.probes.runner import (
     MANIFEST,
-    _write_json_atomic,
     environment,
     load_records,
     open_run,
@@ -112,7 +112,7 @@ def run_contract(
         jobs.append(
             (s, probe, out / s.probe, *open_run(probe, rt, model=model, items=s.items, seed=seed, out=out / s.probe))
         )
-    _write_json_atomic(
+    write_json_atomic(
         out / "contract-manifest.json",
         {
             "model": model,
@@ -536,7 +536,7 @@ def write_contract(out: Path, model: str, summaries: dict, quick: bool = False) 
         "provenance": prov,
         **js,
     }
-    _write_json_atomic(out / "contract.json", _clean(js))
+    write_json_atomic(out / "contract.json", _clean(js))
     table = Table(
         f"Memory contract of {model}",
         ["clause", "measure", "measured", "interval / test", "study (Qwen3-8B et al.)"],

@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
-from eventkv.cache_dir import sha256_file
 from eventkv.errors import EventKVError
+from eventkv.files import sha256_file
 from eventkv.log import HEADER_ID, TokenizedLog
 from eventkv.options import check_chunk_size
 

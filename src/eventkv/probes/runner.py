@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import subprocess
-import tempfile
 import time
 from datetime import datetime, timezone
 from importlib import metadata
@@ -32,6 +31,7 @@ from typing import Sequence
 import torch
 
 from eventkv.errors import EventKVError, OptionError
+from eventkv.files import write_json_atomic
 from eventkv.options import check_items, check_out_dir
 from eventkv.probes.base import Probe, Runtime, Summary, get_probe
 
@@ -104,15 +104,6 @@ def environment() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
     }
-
-
-def _write_json_atomic(path: Path, obj: dict) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
 
 
 def load_records(directory: str | Path, repair: bool = False) -> list[dict]:
@@ -269,7 +260,7 @@ def open_run(probe: Probe, rt: Runtime, *, model: str, items: int, seed: int, ou
         "created": old.get("created") or _now(),
         "invocations": old.get("invocations", []),
     }
-    _write_json_atomic(out / MANIFEST, manifest)
+    write_json_atomic(out / MANIFEST, manifest)
     return manifest, [i for i in range(items) if i not in done]
 
 
@@ -296,7 +287,7 @@ def run_items(
             "torch_threads": torch.get_num_threads(),
         }
     )
-    _write_json_atomic(out / MANIFEST, manifest)
+    write_json_atomic(out / MANIFEST, manifest)
 
 
 def render(directory: str | Path, figure: bool = True) -> Summary:
