@@ -75,13 +75,13 @@ def test_contract_battery_on_a_tiny_model(tmp_path, monkeypatch):
 
 
 def test_cli_run_contract_probes(tmp_path, monkeypatch):
-    """`eventkv run patch|access ...` (registered by eventkv.contract_cli) with a tiny model."""
+    """`eventkv run patch|access ...` (mounted by eventkv.cli from contract_cli.RUN_COMMANDS) with a tiny model."""
     import types
 
     import typer
     from typer.testing import CliRunner
 
-    import eventkv.contract_cli  # noqa: F401  (registers the run commands)
+    import eventkv.cli  # noqa: F401  (mounts the run commands)
     import eventkv.models
     from eventkv.probes.cli import run_app
 

@@ -126,21 +126,17 @@ def query(
 
 
 def _mount_probes() -> None:
-    """Mount the probe commands: ``run <probe>``, ``report``, ``splice`` and ``contract``."""
-    import importlib
-
+    """Mount the probe commands explicitly: ``run <probe>`` (donor-pair and the contract clauses),
+    ``report``, ``splice`` and ``contract``."""
+    from eventkv import contract_cli, splice_cli
     from eventkv.probes.cli import report, run_app
 
+    for name, command in contract_cli.RUN_COMMANDS.items():
+        run_app.command(name)(command)
     app.add_typer(run_app, name="run", help="Run a registered probe.")
     app.command("report")(report)
-    for module, name in (("eventkv.splice_cli", "splice"), ("eventkv.contract_cli", "contract")):
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
-            continue  # not part of this build yet
-        app.command(name)(getattr(mod, name))
+    app.command("splice")(splice_cli.splice)
+    app.command("contract")(contract_cli.contract)
 
 
 _mount_probes()

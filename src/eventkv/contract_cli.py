@@ -1,5 +1,5 @@
 """Command line of the memory contract: ``eventkv run trigger-bank|landing|access|carriers|patch``
-(registered on the probes' ``run_app`` when this module is imported) and ``eventkv contract``.
+(mounted on ``eventkv run`` by ``eventkv.cli`` from :data:`RUN_COMMANDS`) and ``eventkv contract``.
 
 The main app mounts the battery with ``app.command("contract")(contract)``. User errors print
 one line (no traceback) and exit 2.
@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 
 from eventkv.options import DTYPE_HELP
-from eventkv.probes.cli import _list, _run, _user_errors, run_app
+from eventkv.probes.cli import _list, _run, _user_errors
 
 _MODEL = typer.Option(
     "qwen2.5-coder-1.5b",
@@ -43,7 +43,6 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
     return vals
 
 
-@run_app.command("trigger-bank")
 def trigger_bank(
     model: str = _MODEL,
     items: int = typer.Option(32, "--items", help="donor pairs; item i uses construction i mod 16"),
@@ -66,7 +65,6 @@ def trigger_bank(
         _run(probe, model, items, seed, out, dtype, threads, progress)
 
 
-@run_app.command("landing")
 def landing(
     model: str = _MODEL,
     items: int = typer.Option(16, "--items", help=_ITEMS),
@@ -89,7 +87,6 @@ def landing(
         _run(probe, model, items, seed, out, dtype, threads, progress)
 
 
-@run_app.command("access")
 def access(
     model: str = _MODEL,
     items: int = typer.Option(32, "--items", help="donor pairs; item i uses cardinality i mod 4"),
@@ -112,7 +109,6 @@ def access(
         _run(probe, model, items, seed, out, dtype, threads, progress)
 
 
-@run_app.command("carriers")
 def carriers(
     model: str = _MODEL,
     items: int = typer.Option(16, "--items", help=_ITEMS),
@@ -143,7 +139,6 @@ def carriers(
         _run(probe, model, items, seed, out, dtype, threads, progress)
 
 
-@run_app.command("patch")
 def patch(
     model: str = _MODEL,
     items: int = typer.Option(16, "--items", help="items; item i uses length i mod len(--lengths)"),
@@ -217,3 +212,13 @@ def contract(
         )
         console.print(js["markdown_table"], markup=False, highlight=False, soft_wrap=True)
         console.print(f"contract: {out / 'contract.md'}  json: {out / 'contract.json'}  figures: {out / 'figures'}")
+
+
+RUN_COMMANDS = {
+    "trigger-bank": trigger_bank,
+    "landing": landing,
+    "access": access,
+    "carriers": carriers,
+    "patch": patch,
+}
+"""The contract clauses as ``eventkv run <name>`` commands (mounted explicitly by ``eventkv.cli``)."""
