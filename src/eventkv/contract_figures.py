@@ -7,22 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path) -> Path:
-    path = Path(path)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    _plt().close(fig)
-    return path
+from eventkv.probes.figures import pyplot, save_figure
 
 
 def trigger_scatter(data: dict, path) -> Path:
@@ -31,7 +16,7 @@ def trigger_scatter(data: dict, path) -> Path:
     comprehends'. Constructions at the same point share one stacked label. Right (when the
     candidate readout was run): the graded write-through, median kv donor shift d per
     construction (nats), starred where the sign test on d gives p < .05."""
-    plt = _plt()
+    plt = pyplot()
     ro = data["primary"]
     graded = {k: v["logits"] for k, v in data["constructions"].items() if "median_d" in v.get("logits", {})}
     fig, axes = plt.subplots(1, 2 if graded else 1, figsize=(12.4 if graded else 8.4, 5.6), squeeze=False)
@@ -86,13 +71,13 @@ def trigger_scatter(data: dict, path) -> Path:
         ax.invert_yaxis()
         ax.set_xlabel("median kv donor shift d (nats; > 0 leans to the unserved source)")
         ax.set_title("graded write-through (* sign test on d, p < .05)")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def access_figure(data: dict, path) -> Path:
     """Recovery (kv and text, primary readout) per payload cardinality with Wilson 95% bars, and
     the chance rate of each as a short black line."""
-    plt = _plt()
+    plt = pyplot()
     ro = data["primary"]
     rec = data["recovery"]
     cards = [c for c in ("binary", "compass", "phonetic", "number") if f"{c}/kv/{ro}" in rec]
@@ -118,13 +103,13 @@ def access_figure(data: dict, path) -> Path:
     ax.set_ylabel("recovery per answer (Wilson 95%)")
     ax.set_title(f"access: recovery vs chance by cardinality ({ro} readout)")
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def patch_figure(data: dict, path) -> Path:
     """Patch vs re-prefill time (ms) against L (tokens), log-log axes, with slope-1 and slope-2
     guides through the first re-prefill point."""
-    plt = _plt()
+    plt = pyplot()
     pts = [v for k, v in data["timing"].items() if not k.startswith("slope/")]
     fig, ax = plt.subplots(figsize=(6.0, 4.2))
     if pts:
@@ -141,14 +126,14 @@ def patch_figure(data: dict, path) -> Path:
         ax.legend(fontsize=7)
     else:
         ax.text(0.5, 0.5, "no timings recorded (run with --timing)", ha="center", va="center", transform=ax.transAxes)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def arm_bars(records: Sequence[dict], arms: Sequence[str], readout: str, title: str, path) -> Path:
     """Follow rate and anti rate per arm (one readout), Wilson 95% bars."""
     from eventkv.stats import wilson
 
-    plt = _plt()
+    plt = pyplot()
     n = len(records)
     fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(arms) + 2), 4.2))
     for j, o in enumerate(("follow", "anti")):
@@ -163,4 +148,4 @@ def arm_bars(records: Sequence[dict], arms: Sequence[str], readout: str, title: 
     ax.set_ylabel(f"fraction of pairs (n={n}), Wilson 95%")
     ax.set_title(f"{title} ({readout} readout)")
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)

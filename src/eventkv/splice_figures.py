@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from eventkv.probes.figures import pyplot, save_figure
+
 ARM_COLORS = {
     "scaffold": "#2b8cbe",
     "zero-kv": "#e34a33",
@@ -16,22 +18,13 @@ ARM_COLORS = {
 }
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def accuracy_figure(records: Sequence[dict], path: str | Path) -> Path:
     """One panel per decoding step: accuracy vs cutoff for each arm (line + Wilson band), clean as a
     horizontal line with its band."""
     from eventkv.splice_probe import cell_table
     from eventkv.stats import wilson
 
-    plt = _plt()
+    plt = pyplot()
     table = cell_table(records)
     keys = [k for k in table if len(k) == 3]
     arms = list(dict.fromkeys(k[0] for k in keys))
@@ -52,11 +45,7 @@ def accuracy_figure(records: Sequence[dict], path: str | Path) -> Path:
         ax.set_ylabel(f"accuracy (n={clean.n}), Wilson 95%")
         ax.set_title(f"splice from decoding step {t}")
         ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def heatmap_figure(records: Sequence[dict], path: str | Path, arm: str = "scaffold") -> Path | None:
@@ -67,7 +56,7 @@ def heatmap_figure(records: Sequence[dict], path: str | Path, arm: str = "scaffo
     keys = [k for k in table if len(k) == 3 and k[0] == arm]
     if not keys:
         return None
-    plt = _plt()
+    plt = pyplot()
     steps = sorted({k[2] for k in keys})
     cutoffs = sorted({k[1] for k in keys})
     grid = [[table[(arm, c, t)]["k"] / table[(arm, c, t)]["n"] for c in cutoffs] for t in steps]
@@ -80,8 +69,4 @@ def heatmap_figure(records: Sequence[dict], path: str | Path, arm: str = "scaffo
     ax.set_ylabel("decoding step")
     ax.set_title(f"{arm}: accuracy (clean {clean['k']}/{clean['n']})")
     fig.colorbar(im, ax=ax)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

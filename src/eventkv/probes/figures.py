@@ -10,13 +10,29 @@ from eventkv.stats import wilson
 OUTCOME_COLORS = {"follow": "#2b8cbe", "anti": "#e34a33", "constant": "#999999", "other": "#dddddd"}
 
 
-def donor_pair_figure(records: Sequence[dict], path: str | Path) -> Path:
-    """Two panels: (left) per arm and readout, the rate of each outcome with its Wilson 95%
-    interval; (right) the distribution of d per arm (strip + box), when candidate scores exist."""
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (files only, no display), imported on first use."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: str | Path) -> Path:
+    """Lay out ``fig``, write it to ``path`` (PNG, 110 dpi), close it and return the path."""
+    path = Path(path)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+    return path
+
+
+def donor_pair_figure(records: Sequence[dict], path: str | Path) -> Path:
+    """Two panels: (left) per arm and readout, the rate of each outcome with its Wilson 95%
+    interval; (right) the distribution of d per arm (strip + box), when candidate scores exist."""
+    plt = pyplot()
 
     n = len(records)
     cells = list(records[0]["outcomes"].items())
@@ -56,8 +72,4 @@ def donor_pair_figure(records: Sequence[dict], path: str | Path) -> Path:
         ax.axhline(0, color="black", linewidth=0.6)
         ax.set_ylabel("d (nats): log-odds toward the omitted source")
         ax.set_title("distribution of d")
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
