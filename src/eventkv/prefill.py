@@ -26,6 +26,9 @@ from eventkv.files import sha256_file
 from eventkv.log import HEADER_ID, TokenizedLog
 from eventkv.options import check_chunk_size
 
+LayerRows = torch.Tensor
+"""One layer's keys or values: ``[batch, kv_heads, rows, head_dim]`` (batch 1 in an EventKV)."""
+
 MANIFEST = "eventkv.json"
 TENSORS = "kv.safetensors"
 FORMAT_VERSION = 1
@@ -120,7 +123,7 @@ def check_rows_match(model, cache: DynamicCache) -> int:
     return int(keys.shape[-2])
 
 
-def cache_from_rows(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> DynamicCache:
+def cache_from_rows(keys: Sequence[LayerRows], values: Sequence[LayerRows]) -> DynamicCache:
     """A fresh config-less ``DynamicCache`` holding the given per-layer rows
     (``[batch, kv_heads, rows, head_dim]`` each). Tensors are shared, never written in place."""
     return DynamicCache(ddp_cache_data=list(zip(keys, values)))
@@ -185,8 +188,8 @@ class EventKV:
     """
 
     log: TokenizedLog
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    keys: list[LayerRows]
+    values: list[LayerRows]
     positions: torch.Tensor
     weights_digest: str = "unhashed"
     meta: dict = field(default_factory=dict)

@@ -15,7 +15,7 @@ from eventkv.log import HEADER_ID, EventLog, encode, tokenize, tokenize_query
 from eventkv.options import check_chunk_size, check_max_new_tokens, check_out_dir
 from eventkv.prefill import EventKV, check_context, prefill
 from eventkv.readout import CandidateScore, Generation, candidate_logprobs, generate
-from eventkv.serve import ALL, SERVE_MODES, serve
+from eventkv.serve import ALL, SERVE_MODES, ServeMode, serve
 
 
 @dataclass
@@ -26,7 +26,7 @@ class Answer:
     generation: Generation
     candidates: list[CandidateScore] = field(default_factory=list)
     served: tuple[str, ...] = ()
-    mode: str = "compact"
+    mode: ServeMode = "compact"
     n_rows_served: int = 0
     n_rows_total: int = 0
     reused: bool = False
@@ -109,7 +109,7 @@ def check_query(
     served: str | Sequence[str],
     question: str,
     *,
-    mode: str = "compact",
+    mode: ServeMode = "compact",
     candidates: Sequence[str] = (),
     max_new_tokens: int = 64,
     chunk_size: int | None = None,
@@ -160,7 +160,7 @@ def answer(
     served: str | Sequence[str],
     question: str,
     *,
-    mode: str = "compact",
+    mode: ServeMode = "compact",
     candidates: Sequence[str] = (),
     max_new_tokens: int = 64,
     store: Path | None = None,

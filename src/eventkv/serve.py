@@ -25,16 +25,18 @@ In compact, native and isolated modes the query starts at the first position aft
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Literal, Sequence, get_args
 
 import torch
 from transformers import DynamicCache
 
 from eventkv.errors import EventKVError
 from eventkv.log import HEADER_ID
-from eventkv.prefill import EventKV, cache_from_rows, model_forward
+from eventkv.prefill import EventKV, LayerRows, cache_from_rows, model_forward
 
-SERVE_MODES = ("compact", "native", "isolated", "text")
+ServeMode = Literal["compact", "native", "isolated", "text"]
+"""How a served set is presented to the query (see the module docstring)."""
+SERVE_MODES: tuple[ServeMode, ...] = get_args(ServeMode)
 ALL = "all"
 
 
@@ -50,12 +52,12 @@ class ServedCache:
         mode: the serving mode; served: the served event ids, in log order.
     """
 
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    keys: list[LayerRows]
+    values: list[LayerRows]
     positions: torch.Tensor
     visible: torch.Tensor | None
     next_position: int
-    mode: str
+    mode: ServeMode
     served: tuple[str, ...]
 
     @property
@@ -106,7 +108,7 @@ def _select(tensors: list[torch.Tensor], rows: torch.Tensor) -> list[torch.Tenso
 
 
 @torch.inference_mode()
-def serve(ekv: EventKV, served: str | Sequence[str], mode: str = "compact", model=None) -> ServedCache:
+def serve(ekv: EventKV, served: str | Sequence[str], mode: ServeMode = "compact", model=None) -> ServedCache:
     """Build the served cache for a served set (Study 1, "Setting": sparse serving and controls).
 
     Args:

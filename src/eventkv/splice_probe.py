@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Sequence
+from typing import ClassVar, Literal, Sequence, get_args
 
 from scipy import stats as _st
 
@@ -50,7 +50,9 @@ from eventkv.splice_tasks import MATCHERS, TASKS, builtin_items, load_jsonl, out
 from eventkv.stats import TestResult, format_p, wilson
 
 LAYER_SETS = ("from", "only")
-READOUTS = ("generate", "choice")
+SpliceReadout = Literal["generate", "choice"]
+"""How a splice cell is answered: greedy generation, or forced choice among the item's options."""
+SPLICE_READOUTS: tuple[SpliceReadout, ...] = get_args(SpliceReadout)
 #: built-in tasks whose items carry options (the ones the forced-choice readout can score)
 TASKS_WITH_OPTIONS = ("choose", "sentiment")
 SPLICE_ARMS = tuple(a for a in ARMS if a != "clean")
@@ -158,7 +160,7 @@ class SpliceProbe(Probe):
     batch_size: int = 16
     early_exit: bool = True
     match: str = "word"
-    readout: str = "generate"
+    readout: SpliceReadout = "generate"
 
     def __post_init__(self) -> None:
         self.steps = tuple(self.steps)
@@ -192,8 +194,8 @@ class SpliceProbe(Probe):
         check_int("batch_size", self.batch_size, "decode at least 1 splice per batch.")
         if self.match not in MATCHERS:
             raise EventKVError(f"--match {self.match!r}: use one of {', '.join(MATCHERS)}.")
-        if self.readout not in READOUTS:
-            raise EventKVError(f"--readout {self.readout!r}: use one of {', '.join(READOUTS)}.")
+        if self.readout not in SPLICE_READOUTS:
+            raise EventKVError(f"--readout {self.readout!r}: use one of {', '.join(SPLICE_READOUTS)}.")
         if self.readout == "choice":
             if self.task != "jsonl" and self.task not in TASKS_WITH_OPTIONS:
                 raise EventKVError(

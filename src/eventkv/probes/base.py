@@ -20,7 +20,7 @@ import dataclasses
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator, Sequence
+from typing import Any, ClassVar, Iterator, Literal, Sequence, get_args
 
 import torch
 
@@ -33,7 +33,9 @@ from eventkv.prefill import EventKV, prefill
 #: ``isolated`` — each served event encoded alone after the header, at its original positions;
 #: ``prefill`` — the global prefill itself, continued by the query (every row, no serving step).
 ENCODINGS = ("compact", "native", "isolated", "prefill")
-READOUTS = ("generate", "logits")
+Readout = Literal["generate", "logits"]
+"""How an arm is answered: greedy generation, or candidate log-probabilities (logits)."""
+READOUTS: tuple[Readout, ...] = get_args(Readout)
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class Arm:
     name: str
     served: tuple[str, ...] | str
     encoding: str
-    readouts: tuple[str, ...] = READOUTS
+    readouts: tuple[Readout, ...] = READOUTS
     description: str = ""
 
     def __post_init__(self) -> None:
