@@ -24,12 +24,12 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def fsync_dir(directory: str | Path) -> None:
-    """Flush a directory's entries (a rename into it) to disk; a no-op where directories cannot be
-    opened (Windows)."""
-    if os.name == "nt":
+def fsync_path(path: str | Path) -> None:
+    """Flush a file's data, or a directory's entries (a rename into it), to disk (``os.fsync``).
+    Directories cannot be opened for fsync on Windows; there the directory sync is skipped."""
+    if os.name == "nt" and os.path.isdir(path):
         return
-    fd = os.open(directory, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -63,4 +63,4 @@ def write_json_atomic(
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    fsync_dir(path.parent)
+    fsync_path(path.parent)

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
 from eventkv.errors import EventKVError
-from eventkv.files import sha256_file
+from eventkv.files import fsync_path, sha256_file
 from eventkv.log import HEADER_ID, TokenizedLog
 from eventkv.options import check_chunk_size
 
@@ -162,18 +162,6 @@ def _temp_path(directory: Path, prefix: str, temps: list[Path]) -> Path:
     return temps[-1]
 
 
-def _fsync_path(path: Path) -> None:
-    """Flush a file's data, or a directory's entries, to disk (``os.fsync``). Directories cannot be
-    opened for fsync on Windows; there the directory sync is skipped."""
-    if path.is_dir() and os.name == "nt":
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @dataclass
 class EventKV:
     """The K/V rows of a globally prefilled event log.
@@ -277,7 +265,7 @@ class EventKV:
         try:
             kv_tmp = _temp_path(d, ".kv-", temps)
             save_file(tensors, kv_tmp)
-            _fsync_path(kv_tmp)
+            fsync_path(kv_tmp)
             manifest = {
                 "format": FORMAT_VERSION,
                 "weights_digest": self.weights_digest,
@@ -310,7 +298,7 @@ class EventKV:
             replaced = True
             os.replace(man_tmp, d / MANIFEST)
             replaced = False
-            _fsync_path(d)
+            fsync_path(d)
         except BaseException:
             if replaced and backup is not None:
                 os.replace(backup, d / TENSORS)
