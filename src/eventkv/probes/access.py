@@ -31,7 +31,7 @@ from typing import ClassVar, Sequence
 from eventkv.options import check_choices
 from eventkv.probes.base import Runtime, Summary, Table, register
 from eventkv.probes.donor_pair import INSTRUCTION, event_text, last_state, menu
-from eventkv.probes.pairs import D_CAPTION, PairArm, PairProbe, arm_table, correct, d_table, primary_readout, run_pair
+from eventkv.probes.pairs import D_CAPTION, PairArm, PairProbe, arm_table, correct, d_table, primary_readout
 from eventkv.stats import format_p, wilson
 
 PAYLOADS = {
@@ -139,16 +139,7 @@ class Access(PairProbe):
     def run_item(self, rt: Runtime, item: dict) -> dict:
         card = item["cardinality"]
         parse = last_number if card == "number" else (lambda t: last_state(t, PAYLOADS[card]))
-        res = run_pair(
-            rt,
-            item,
-            self.pair_arms(),
-            instruction=self.instruction,
-            readouts=self.readouts,
-            parse=parse,
-            max_new_tokens=self.max_new_tokens,
-            answer_prefix=self.answer_prefix,
-        )
+        res = self.run_arms(rt, item, parse=parse)
         keep = (
             "index",
             "cardinality",

@@ -37,7 +37,7 @@ from eventkv.errors import EventKVError
 from eventkv.options import check_choices
 from eventkv.probes.base import Runtime, Summary, register
 from eventkv.probes.donor_pair import INSTRUCTION, NAMES, event_text, last_state, menu
-from eventkv.probes.pairs import D_CAPTION, PairArm, PairProbe, arm_table, d_table, primary_readout, run_pair
+from eventkv.probes.pairs import D_CAPTION, PairArm, PairProbe, arm_table, d_table, primary_readout
 
 STATES = ("ONLINE", "OFFLINE")
 KINDS = ("passive", "binding", "directive", "compute", "explicit")
@@ -169,16 +169,7 @@ class Carriers(PairProbe):
         }
 
     def run_item(self, rt: Runtime, item: dict) -> dict:
-        res = run_pair(
-            rt,
-            item,
-            self.pair_arms(),
-            instruction=self.instruction,
-            readouts=self.readouts,
-            parse=lambda x: last_state(x, STATES),
-            max_new_tokens=self.max_new_tokens,
-            answer_prefix=self.answer_prefix,
-        )
+        res = self.run_arms(rt, item, parse=lambda x: last_state(x, STATES))
         keep = ("index", "names", "source_slot", "values", "decoy_value", "candidates", "questions")
         carriers = {k: [item["histories"][k][v][self.carrier_slot] for v in (0, 1)] for k in self.kinds}
         return {

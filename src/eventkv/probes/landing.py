@@ -52,7 +52,6 @@ from eventkv.probes.pairs import (
     d_table,
     pair_stats,
     primary_readout,
-    run_pair,
 )
 from eventkv.stats import format_p
 
@@ -201,16 +200,7 @@ class Landing(PairProbe):
         }
 
     def run_item(self, rt: Runtime, item: dict) -> dict:
-        res = run_pair(
-            rt,
-            item,
-            self.pair_arms(),
-            instruction=self.instruction,
-            readouts=self.readouts,
-            parse=lambda x: last_state(x, STATES),
-            max_new_tokens=self.max_new_tokens,
-            answer_prefix=self.answer_prefix,
-        )
+        res = self.run_arms(rt, item, parse=lambda x: last_state(x, STATES))
         keep = ("index", "names", "source_slot", "values", "decoy_value", "candidates", "questions")
         return {**{k: item[k] for k in keep}, "events": item["histories"], **res}
 

@@ -93,6 +93,20 @@ class PairProbe(Probe):
     def items(self, seed: int, indices: Sequence[int]) -> list[dict]:
         return [self._item(seed, i) for i in indices]
 
+    def run_arms(self, rt: Runtime, item: dict, parse: Callable[[str], str | None]) -> dict:
+        """:func:`run_pair` on ``item`` with this probe's arms and options (instruction, readouts,
+        max new tokens, answer prefix); ``parse`` reads the answer out of a generation."""
+        return run_pair(
+            rt,
+            item,
+            self.pair_arms(),
+            instruction=self.instruction,
+            readouts=self.readouts,
+            parse=parse,
+            max_new_tokens=self.max_new_tokens,
+            answer_prefix=self.answer_prefix,
+        )
+
 
 @dataclass(frozen=True)
 class PairArm:

@@ -41,7 +41,6 @@ from eventkv.probes.pairs import (
     arm_table,
     d_table,
     primary_readout,
-    run_pair,
     tokenize_pair,
 )
 from eventkv.stats import wilson
@@ -119,16 +118,7 @@ class Patch(PairProbe):
         }
 
     def run_item(self, rt: Runtime, item: dict) -> dict:
-        res = run_pair(
-            rt,
-            item,
-            self.pair_arms(),
-            instruction=self.instruction,
-            readouts=self.readouts,
-            parse=lambda x: last_state(x, STATES),
-            max_new_tokens=self.max_new_tokens,
-            answer_prefix=self.answer_prefix,
-        )
+        res = self.run_arms(rt, item, parse=lambda x: last_state(x, STATES))
         keep = (
             "index",
             "n_events",

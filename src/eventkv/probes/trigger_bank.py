@@ -45,7 +45,7 @@ from eventkv.errors import EventKVError
 from eventkv.options import check_choices, check_slots
 from eventkv.probes.base import Runtime, Summary, Table, register
 from eventkv.probes.donor_pair import INSTRUCTION, NAMES, QUESTION, event_text, last_state, menu
-from eventkv.probes.pairs import PairArm, PairProbe, d_stats, describe_d, pair_stats, primary_readout, run_pair
+from eventkv.probes.pairs import PairArm, PairProbe, d_stats, describe_d, pair_stats, primary_readout
 from eventkv.stats import format_p, median, require_finite, sign_test, sign_test_d
 
 MIRROR_VERBS = (
@@ -200,16 +200,7 @@ class TriggerBank(PairProbe):
         }
 
     def run_item(self, rt: Runtime, item: dict) -> dict:
-        res = run_pair(
-            rt,
-            item,
-            self.pair_arms(),
-            instruction=self.instruction,
-            readouts=self.readouts,
-            parse=lambda t: last_state(t, item["candidates"]),
-            max_new_tokens=self.max_new_tokens,
-            answer_prefix=self.answer_prefix,
-        )
+        res = self.run_arms(rt, item, parse=lambda t: last_state(t, item["candidates"]))
         keep = (
             "index",
             "construction",
