@@ -1,12 +1,11 @@
 """Bad input raises EventKVError with a clear message; the CLI exits 2 without a traceback."""
 
 import json
-import sys
 
 import pytest
+from cli_fixtures import run_cli
 
 import eventkv.models
-from eventkv.cli import main
 from eventkv.errors import EventKVError
 from eventkv.log import Event, EventLog, TokenizedLog, tokenize
 from eventkv.prefill import EventKV, prefill
@@ -94,21 +93,6 @@ def test_answer_reuses_store(tmp_path, lm, log):
 
 
 # ------------------------------------------------------------------------------------- CLI
-
-
-def run_cli(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["eventkv", *args])
-    with pytest.raises(SystemExit) as exc:
-        main()
-    out = capsys.readouterr()
-    return exc.value.code, out.out, out.err
-
-
-@pytest.fixture()
-def jsonl(tmp_path):
-    p = tmp_path / "events.jsonl"
-    p.write_text("\n".join(json.dumps({"id": i, "text": f"event {i}"}) for i in ("a", "b", "c")) + "\n")
-    return p
 
 
 @pytest.fixture()

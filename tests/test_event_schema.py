@@ -3,9 +3,8 @@ the boundary; the message names the record, the field, the bad value and what is
 
 from __future__ import annotations
 
-import sys
-
 import pytest
+from cli_fixtures import run_cli
 
 from eventkv.errors import EventKVError
 from eventkv.log import Event, EventLog, tokenize
@@ -112,33 +111,25 @@ def test_prefill_refuses_a_bad_chunk_size(chunk_size):
     ],
 )
 def test_cli_query_gives_one_line_and_exit_2_before_loading(tmp_path, monkeypatch, capsys, line, message):
-    from eventkv.cli import main
-
     p = tmp_path / "events.jsonl"
     p.write_bytes(line + b"\n")
     store = tmp_path / "store"
-    monkeypatch.setattr(
-        sys,
-        "argv",
-        [
-            "eventkv",
-            "query",
-            "--model",
-            "no-such-model-is-loaded",
-            "--log",
-            str(p),
-            "--serve",
-            "e1",
-            "-q",
-            "what?",
-            "--store",
-            str(store),
-        ],
+    code, _, err = run_cli(
+        monkeypatch,
+        capsys,
+        "query",
+        "--model",
+        "no-such-model-is-loaded",
+        "--log",
+        str(p),
+        "--serve",
+        "e1",
+        "-q",
+        "what?",
+        "--store",
+        str(store),
     )
-    with pytest.raises(SystemExit) as exc:
-        main()
-    err = capsys.readouterr().err
-    assert exc.value.code == 2
+    assert code == 2
     assert err.startswith("error: ") and "Traceback" not in err
     assert message in err.replace("\n", "")
     assert not store.exists()

@@ -3,36 +3,19 @@ each gives one line and exit 2 with nothing written, or the right value."""
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 
 import pytest
 import torch
+from cli_fixtures import run_cli
 
 import eventkv.models
-from eventkv.cli import main
 from eventkv.errors import EventKVError
 from eventkv.log import Event, EventLog, tokenize, tokenize_query
 from eventkv.prefill import prefill
 from eventkv.readout import generate
 from eventkv.serve import serve
 from eventkv.testing import tiny_lm
-
-
-def run_cli(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["eventkv", *args])
-    with pytest.raises(SystemExit) as exc:
-        main()
-    out = capsys.readouterr()
-    return exc.value.code, out.out, out.err
-
-
-@pytest.fixture()
-def jsonl(tmp_path):
-    p = tmp_path / "events.jsonl"
-    p.write_text("\n".join(json.dumps({"id": i, "text": f"event {i}"}) for i in ("a", "b", "c")) + "\n")
-    return p
 
 
 @pytest.fixture()
