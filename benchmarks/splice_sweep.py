@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from eventkv.splice import Splice, SplicePrompt, clean_run, donor_rows, filler_ids, splice_generate, splice_sweep
-from eventkv.splice_tasks import builtin_items, outcome_decided, score
+from eventkv.splice.engine import Splice, SplicePrompt, clean_run, donor_rows, filler_ids, splice_generate, splice_sweep
+from eventkv.splice.tasks import builtin_items, outcome_decided, score
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ import json
 import pytest
 from probe_fixtures import tiny_runtime
 
-from eventkv.contract import CONTRACT_PROBES, plan, run_contract
+from eventkv.contract.battery import CONTRACT_PROBES, plan, run_contract
 from eventkv.errors import EventKVError
 from eventkv.probes.runner import load_records
 
@@ -22,8 +22,8 @@ def test_plan_sizes():
 
 
 def test_contract_battery_on_a_tiny_model(tmp_path, monkeypatch):
-    import eventkv.contract as c
-    from eventkv.contract import Step
+    import eventkv.contract.battery as c
+    from eventkv.contract.battery import Step
 
     def tiny_plan(items, quick=False):  # the quick preset, shrunk to a few items and short histories
         small = {"readout": "logits"}
@@ -83,7 +83,7 @@ def test_cli_run_contract_probes(tmp_path, monkeypatch):
 
     import eventkv.cli  # noqa: F401  (mounts the run commands)
     import eventkv.models
-    from eventkv.probes.cli import run_app
+    from eventkv.cli.run import run_app
 
     tiny = tiny_runtime("qwen2")
     monkeypatch.setattr(

@@ -9,7 +9,6 @@ import torch
 from probe_fixtures import tiny_runtime
 from scipy import stats as st
 
-from eventkv.equivalence import mean_effect, tost
 from eventkv.errors import EventKVError
 from eventkv.probes.access import Access, last_number, summarize_access
 from eventkv.probes.carriers import ANSWER_FREE, KINDS, Carriers, is_answer_free
@@ -18,6 +17,7 @@ from eventkv.probes.pairs import PrefillCache, event_id, serve_mixed, tokenize_p
 from eventkv.probes.patch import Patch, leak_rate
 from eventkv.probes.trigger_bank import CONSTRUCTIONS, TriggerBank, carrier_text, summarize_trigger_bank
 from eventkv.serve import serve
+from eventkv.stats import mean_effect, tost
 
 
 # ---------------------------------------------------------------- carriers: answer-free, donor-identical

@@ -314,7 +314,7 @@ def test_library_option_errors_name_the_field():
     from eventkv.probes.donor_pair import DonorPair
     from eventkv.probes.landing import Landing
     from eventkv.probes.patch import Patch
-    from eventkv.splice_probe import SpliceProbe
+    from eventkv.splice.probe import SpliceProbe
 
     for make, field in (
         (lambda: DonorPair(max_new_tokens=0), "max_new_tokens 0:"),

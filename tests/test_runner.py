@@ -124,7 +124,7 @@ def test_cli_report_and_errors(reference, tmp_path):
     import typer
     from typer.testing import CliRunner
 
-    from eventkv.probes.cli import report, run_app
+    from eventkv.cli.run import report, run_app
 
     app = typer.Typer()
     app.add_typer(run_app, name="run")
@@ -149,7 +149,7 @@ def test_cli_run_donor_pair_end_to_end(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     import eventkv.models
-    from eventkv.probes.cli import report, run_app
+    from eventkv.cli.run import report, run_app
 
     tiny = tiny_runtime("qwen3")
     monkeypatch.setattr(

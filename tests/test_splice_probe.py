@@ -10,22 +10,22 @@ from probe_fixtures import tiny_runtime
 from scipy import stats as st
 from typer.testing import CliRunner
 
+from eventkv.cli.splice import build_probe, splice
 from eventkv.errors import EventKVError
-from eventkv.splice_cli import build_probe, splice
-from eventkv.splice_probe import (
+from eventkv.splice.probe import (
     SpliceProbe,
     cell_table,
-    mcnemar_exact,
     parse_cutoffs,
     summarize_splice,
 )
-from eventkv.splice_tasks import (
+from eventkv.splice.tasks import (
     TASKS,
     builtin_items,
     load_jsonl,
     outcome_decided,
     score,
 )
+from eventkv.stats import mcnemar_exact
 
 
 # ---------------------------------------------------------------- tasks

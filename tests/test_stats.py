@@ -72,7 +72,7 @@ CLEAN = [0.5, 1.2, -0.1, 0.0, 2.0, 0.3, -0.7, 0.9]
 
 
 def _statistics():
-    from eventkv.equivalence import mean_effect, tost
+    from eventkv.stats import mean_effect, tost
 
     return {
         "exact two-sided sign test on d": sign_test_d,
@@ -144,7 +144,7 @@ def test_probe_summaries_name_the_arm_and_item_of_a_nan_d():
 
 
 def test_clean_inputs_still_match_scipy():
-    from eventkv.equivalence import mean_effect, tost
+    from eventkv.stats import mean_effect, tost
 
     d = CLEAN + [1e300, -1e-300]  # large and tiny finite values pass
     nz = [x for x in d if x != 0]

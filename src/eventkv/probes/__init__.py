@@ -1,7 +1,7 @@
 """Probes: declarative recipes over the data path (see :mod:`eventkv.probes.base`).
 
-Every probe is registered in :data:`PROBES` by its module; :func:`load_probes` imports them all
-(``eventkv.probes.base.PROBE_MODULES``).
+Probes are declared in the ``eventkv.probes`` entry-point group (pyproject.toml);
+:func:`get_probe` imports one by name and :func:`load_probes` imports them all into :data:`PROBES`.
 """
 
 from eventkv.probes.base import PROBES, Arm, Probe, Runtime, Summary, Table, get_probe, load_probes, register

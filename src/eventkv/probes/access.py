@@ -161,7 +161,7 @@ class Access(PairProbe):
         return summarize_access(records, self)
 
     def figure(self, records: Sequence[dict], path) -> None:
-        from eventkv.contract_figures import access_figure
+        from eventkv.probes.figures import access_figure
 
         access_figure(self.summarize(records).data, path)
 

@@ -245,25 +245,37 @@ class Probe:
 
 PROBES: dict[str, type[Probe]] = {}
 
-#: modules that register probes; :func:`load_probes` imports them all
-PROBE_MODULES = (
-    "eventkv.probes.donor_pair",
-    "eventkv.splice_probe",
-    "eventkv.probes.trigger_bank",
-    "eventkv.probes.landing",
-    "eventkv.probes.access",
-    "eventkv.probes.carriers",
-    "eventkv.probes.patch",
-)
+#: the entry-point group through which packages (eventkv's own and third-party) declare probes:
+#: ``name = "module:Class"`` under ``[project.entry-points."eventkv.probes"]`` in pyproject.toml
+ENTRY_POINT_GROUP = "eventkv.probes"
+
+
+def _declared() -> dict:
+    """The probe entry points installed in this environment, by name."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def _load_entry_point(ep) -> type[Probe]:
+    cls = ep.load()
+    if not (isinstance(cls, type) and issubclass(cls, Probe)) or cls.name != ep.name:
+        raise EventKVError(
+            f"entry point {ep.name!r} = {ep.value!r} in group {ENTRY_POINT_GROUP!r} is not a Probe named "
+            f"{ep.name!r}: declare the probe class whose `name` is the entry point's name."
+        )
+    return register(cls)
 
 
 def load_probes() -> dict[str, type[Probe]]:
-    """Import every module in :data:`PROBE_MODULES` (each registers its probes) and return
-    :data:`PROBES`."""
-    import importlib
+    """Import every probe declared in the ``eventkv.probes`` entry-point group and return
+    :data:`PROBES` (plus any registered in-process with :func:`register`).
 
-    for m in PROBE_MODULES:
-        importlib.import_module(m)
+    Raises:
+        EventKVError: an entry point that does not name a :class:`Probe` of the same name.
+    """
+    for ep in _declared().values():
+        _load_entry_point(ep)
     return PROBES
 
 
@@ -284,7 +296,11 @@ def get_probe(name: str) -> type[Probe]:
         EventKVError: unknown probe (the message lists the registered ones).
     """
     if name not in PROBES:
-        load_probes()
+        declared = _declared()
+        if name in declared:
+            _load_entry_point(declared[name])
+        else:
+            load_probes()
     try:
         return PROBES[name]
     except KeyError:

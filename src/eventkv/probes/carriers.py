@@ -198,7 +198,7 @@ class Carriers(PairProbe):
         return Summary(f"carriers: {len(records)} pairs", [t] + ([dt] if dt else []), [], notes, data)
 
     def figure(self, records: Sequence[dict], path) -> None:
-        from eventkv.contract_figures import arm_bars
+        from eventkv.probes.figures import arm_bars
 
         arm_bars(
             records, [a.name for a in self.pair_arms()], primary_readout(self.readouts), "programmed carriers", path

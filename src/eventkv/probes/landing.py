@@ -39,7 +39,6 @@ import random
 from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
-from eventkv.equivalence import mean_effect, tost
 from eventkv.options import check_float
 from eventkv.probes.base import Runtime, Summary, Table, register
 from eventkv.probes.donor_pair import INSTRUCTION, NAMES, QUESTION, event_text, last_state, menu
@@ -53,7 +52,7 @@ from eventkv.probes.pairs import (
     pair_stats,
     primary_readout,
 )
-from eventkv.stats import format_p
+from eventkv.stats import format_p, mean_effect, tost
 
 STATES = ("ONLINE", "OFFLINE")
 
@@ -208,7 +207,7 @@ class Landing(PairProbe):
         return summarize_landing(records, self)
 
     def figure(self, records: Sequence[dict], path) -> None:
-        from eventkv.contract_figures import arm_bars
+        from eventkv.probes.figures import arm_bars
 
         arm_bars(records, [a.name for a in self.pair_arms()], primary_readout(self.readouts), "landing", path)
 

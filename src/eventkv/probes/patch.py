@@ -170,7 +170,7 @@ class Patch(PairProbe):
         return summarize_patch(records, self)
 
     def figure(self, records: Sequence[dict], path) -> None:
-        from eventkv.contract_figures import patch_figure
+        from eventkv.probes.figures import patch_figure
 
         patch_figure(self.summarize(records).data, path)
 

@@ -222,7 +222,7 @@ class TriggerBank(PairProbe):
         return summarize_trigger_bank(records, self.readouts, [a.name for a in self.pair_arms()])
 
     def figure(self, records: Sequence[dict], path) -> None:
-        from eventkv.contract_figures import trigger_scatter
+        from eventkv.probes.figures import trigger_scatter
 
         s = self.summarize(records)
         trigger_scatter(s.data, path)

@@ -4,7 +4,6 @@ Wilson 95% bands and the clean line, and a cutoff x decoding-step heatmap of the
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
 
 from eventkv.probes.figures import pyplot, save_figure
 
@@ -18,14 +17,13 @@ ARM_COLORS = {
 }
 
 
-def accuracy_figure(records: Sequence[dict], path: str | Path) -> Path:
+def accuracy_figure(table: dict, path: str | Path) -> Path:
     """One panel per decoding step: accuracy vs cutoff for each arm (line + Wilson band), clean as a
-    horizontal line with its band."""
-    from eventkv.splice_probe import cell_table
+    horizontal line with its band. ``table`` is the probe's cell table
+    (:func:`eventkv.splice.probe.cell_table` of the records)."""
     from eventkv.stats import wilson
 
     plt = pyplot()
-    table = cell_table(records)
     keys = [k for k in table if len(k) == 3]
     arms = list(dict.fromkeys(k[0] for k in keys))
     steps = sorted({k[2] for k in keys})
@@ -48,11 +46,9 @@ def accuracy_figure(records: Sequence[dict], path: str | Path) -> Path:
     return save_figure(fig, path)
 
 
-def heatmap_figure(records: Sequence[dict], path: str | Path, arm: str = "scaffold") -> Path | None:
-    """Accuracy of ``arm`` over cutoff (x) x decoding step (y); None (no file) when the arm was not run."""
-    from eventkv.splice_probe import cell_table
-
-    table = cell_table(records)
+def heatmap_figure(table: dict, path: str | Path, arm: str = "scaffold") -> Path | None:
+    """Accuracy of ``arm`` over cutoff (x) x decoding step (y), from the probe's cell table; None (no
+    file) when the arm was not run."""
     keys = [k for k in table if len(k) == 3 and k[0] == arm]
     if not keys:
         return None

@@ -45,9 +45,9 @@ def build_probe(
     readout: str = "generate",
 ):
     """The SpliceProbe for the CLI options (``task`` is a built-in name or a JSONL path)."""
-    from eventkv.splice import DEFAULT_FILLER
-    from eventkv.splice_probe import SpliceProbe
-    from eventkv.splice_tasks import TASKS, file_digest
+    from eventkv.splice.engine import DEFAULT_FILLER
+    from eventkv.splice.probe import SpliceProbe
+    from eventkv.splice.tasks import TASKS, file_digest
 
     task_file = digest = None
     name = task
@@ -132,9 +132,9 @@ def splice(
 ) -> None:
     """Prompt-KV splice (Study 2): accuracy when the prompt span's K/V in layers >= a cutoff are replaced
     by a scaffold, zeroed, masked or averaged, from a decoding step; McNemar exact vs clean per cell."""
-    from eventkv.probes.cli import _user_errors
+    from eventkv.cli.common import user_errors
 
-    with _user_errors():
+    with user_errors():
         import torch
 
         from eventkv.models import load, resolve_dtype

@@ -3,13 +3,13 @@ user-content span's K/V are spliced at layers >= a cutoff, from a decoding step,
 
 Readouts (option ``readout``): ``generate`` — greedy generation scored on its first non-empty
 line by the matcher ``match`` (``word``, the default: the answer as a whole word and no competing
-option/number; ``exact``: the line equals the answer; see :mod:`eventkv.splice_tasks`);
+option/number; ``exact``: the line equals the answer; see :mod:`eventkv.splice.tasks`);
 ``choice`` — for items with options, forced choice over the spliced cache
 (:func:`eventkv.splice.splice_choice`): correct iff the gold option's full continuation has the
 highest log-probability. The choice readout splices from decoding step 0 only.
 
 One item = one prompt. Per item the clean prefill + clean greedy decode and the scaffold donor's
-rows are computed once (:mod:`eventkv.splice`); every (arm, cutoff, step) cell is then a batched
+rows are computed once (:mod:`eventkv.splice.engine`); every (arm, cutoff, step) cell is then a batched
 splice + decode over those rows. The record holds the clean answer and one entry per cell.
 
 Statistics (:meth:`SpliceProbe.summarize`): per cell, accuracy with a Wilson 95% interval, and
@@ -23,18 +23,15 @@ the probe runner (manifest.json / records.jsonl / summary.md, resumable) runs it
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal, Sequence, get_args
-
-from scipy import stats as _st
 
 from eventkv.errors import EventKVError, OptionError
 from eventkv.log import encode
 from eventkv.options import check_choices, check_int, check_ints, check_max_new_tokens
 from eventkv.probes.base import Probe, Summary, Table, register
-from eventkv.splice import (
+from eventkv.splice.engine import (
     ARMS,
     DEFAULT_FILLER,
     TAILS,
@@ -46,8 +43,8 @@ from eventkv.splice import (
     splice_choice,
     splice_sweep,
 )
-from eventkv.splice_tasks import MATCHERS, TASKS, builtin_items, load_jsonl, outcome_decided, score
-from eventkv.stats import TestResult, format_p, wilson
+from eventkv.splice.tasks import MATCHERS, TASKS, builtin_items, load_jsonl, outcome_decided, score
+from eventkv.stats import format_p, mcnemar_exact, wilson
 
 LAYER_SETS = ("from", "only")
 SpliceReadout = Literal["generate", "choice"]
@@ -56,19 +53,6 @@ SPLICE_READOUTS: tuple[SpliceReadout, ...] = get_args(SpliceReadout)
 #: built-in tasks whose items carry options (the ones the forced-choice readout can score)
 TASKS_WITH_OPTIONS = ("choose", "sentiment")
 SPLICE_ARMS = tuple(a for a in ARMS if a != "clean")
-
-
-def mcnemar_exact(clean_only: int, arm_only: int) -> TestResult:
-    """McNemar's exact test on paired binary outcomes: among the discordant items, ``clean_only``
-    (clean correct, arm wrong) vs ``arm_only`` (arm correct, clean wrong), two-sided
-    ``scipy.stats.binomtest(clean_only, clean_only + arm_only, 0.5)``. No discordant items: p = nan."""
-    n = clean_only + arm_only
-    counts = {"clean only": clean_only, "arm only": arm_only, "discordant": n}
-    name = "McNemar exact test vs clean"
-    if n == 0:
-        return TestResult(name, math.nan, math.nan, counts, "no discordant items")
-    p = _st.binomtest(clean_only, n, 0.5, alternative="two-sided").pvalue
-    return TestResult(name, float(p), float(clean_only), counts)
 
 
 def parse_cutoffs(text: str, n_layers: int) -> list[int]:
@@ -122,18 +106,18 @@ def _n_layers(model) -> int:
 class SpliceProbe(Probe):
     """Options (all part of a run's identity):
 
-    task: a built-in task (:data:`eventkv.splice_tasks.TASKS`) or ``"jsonl"`` with ``task_file``.
+    task: a built-in task (:data:`eventkv.splice.tasks.TASKS`) or ``"jsonl"`` with ``task_file``.
     cutoffs: ``"all"`` or a comma list (see :func:`parse_cutoffs`).
     steps: decoding steps the splice takes effect from (0 = before the first token).
     arm_names: splice arms (clean is always run as the reference).
     filler: the scaffold's filler text (repeated, truncated to the span's token length).
     heads: KV heads to splice (None = all).
     layer_set: ``from`` = layers >= cutoff (the study's splice); ``only`` = the cutoff layer alone.
-    tail: ``clean`` | ``spliced`` (see :mod:`eventkv.splice`).
+    tail: ``clean`` | ``spliced`` (see :mod:`eventkv.splice.engine`).
     max_new_tokens: greedy generation budget. batch_size: splices per batched decode.
     early_exit: end a generation once its outcome under ``match`` is fixed
-    (:func:`eventkv.splice_tasks.outcome_decided`); scores are unchanged, recorded texts are cut there.
-    match: ``word`` | ``exact`` — how a generation is scored (:func:`eventkv.splice_tasks.score`).
+    (:func:`eventkv.splice.tasks.outcome_decided`); scores are unchanged, recorded texts are cut there.
+    match: ``word`` | ``exact`` — how a generation is scored (:func:`eventkv.splice.tasks.score`).
     readout: ``generate`` | ``choice`` (forced choice among the item's options, step 0 only).
     """
 
@@ -363,10 +347,11 @@ class SpliceProbe(Probe):
         return summarize_splice(records, self)
 
     def figure(self, records: Sequence[dict], path) -> None:
-        from eventkv.splice_figures import accuracy_figure, heatmap_figure
+        from eventkv.splice.figures import accuracy_figure, heatmap_figure
 
-        accuracy_figure(records, path)
-        heatmap_figure(records, Path(path).with_name("heatmap.png"))
+        table = cell_table(records)
+        accuracy_figure(table, path)
+        heatmap_figure(table, Path(path).with_name("heatmap.png"))
 
 
 def option_ids(tokenizer, profile, option: str) -> list[int]:

@@ -13,8 +13,8 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from eventkv.cli.common import comma_list, run_probe_command, user_errors
 from eventkv.options import DTYPE_HELP
-from eventkv.probes.cli import _list, _run, _user_errors
 
 _MODEL = typer.Option(
     "qwen2.5-coder-1.5b",
@@ -58,11 +58,11 @@ def trigger_bank(
     progress: bool = _PROGRESS,
 ) -> None:
     """Trigger bank (Study 1): write-through vs comprehension over 16 carrier constructions."""
-    with _user_errors():
+    with user_errors():
         from eventkv.probes.trigger_bank import TriggerBank
 
-        probe = TriggerBank(readout=readout, arm_names=_list(arms, "--arms"), max_new_tokens=max_new_tokens)
-        _run(probe, model, items, seed, out, dtype, threads, progress)
+        probe = TriggerBank(readout=readout, arm_names=comma_list(arms, "--arms"), max_new_tokens=max_new_tokens)
+        run_probe_command(probe, model, items, seed, out, dtype, threads, progress)
 
 
 def landing(
@@ -80,11 +80,11 @@ def landing(
     progress: bool = _PROGRESS,
 ) -> None:
     """Landing (Study 1): root vs reference edge, co-served mention, root x mention factorial (TOST), depth-3 chains."""
-    with _user_errors():
+    with user_errors():
         from eventkv.probes.landing import Landing
 
         probe = Landing(readout=readout, tost_margin=tost_margin, max_new_tokens=max_new_tokens)
-        _run(probe, model, items, seed, out, dtype, threads, progress)
+        run_probe_command(probe, model, items, seed, out, dtype, threads, progress)
 
 
 def access(
@@ -100,13 +100,13 @@ def access(
     progress: bool = _PROGRESS,
 ) -> None:
     """Access (Study 1): recovery vs chance for binary, 4-way, 8-way and 3-digit payloads."""
-    with _user_errors():
+    with user_errors():
         from eventkv.probes.access import Access
 
         probe = Access(
-            readout=readout, cardinalities=_list(cardinalities, "--cardinalities"), max_new_tokens=max_new_tokens
+            readout=readout, cardinalities=comma_list(cardinalities, "--cardinalities"), max_new_tokens=max_new_tokens
         )
-        _run(probe, model, items, seed, out, dtype, threads, progress)
+        run_probe_command(probe, model, items, seed, out, dtype, threads, progress)
 
 
 def carriers(
@@ -127,16 +127,16 @@ def carriers(
     progress: bool = _PROGRESS,
 ) -> None:
     """Programmed carriers (Study 1): answer-free carriers served alone and beside the shared row."""
-    with _user_errors():
+    with user_errors():
         from eventkv.probes.carriers import Carriers
 
         probe = Carriers(
             readout=readout,
-            kinds=_list(kinds, "--kinds"),
+            kinds=comma_list(kinds, "--kinds"),
             fix_query_position=fix_query_position,
             max_new_tokens=max_new_tokens,
         )
-        _run(probe, model, items, seed, out, dtype, threads, progress)
+        run_probe_command(probe, model, items, seed, out, dtype, threads, progress)
 
 
 def patch(
@@ -154,7 +154,7 @@ def patch(
     progress: bool = _PROGRESS,
 ) -> None:
     """Served patches (Study 1, Updates): patch event vs re-prefill time against L, stale-value leak."""
-    with _user_errors():
+    with user_errors():
         from eventkv.probes.patch import Patch
 
         probe = Patch(
@@ -164,7 +164,7 @@ def patch(
             timing_repeats=timing_repeats,
             max_new_tokens=max_new_tokens,
         )
-        _run(probe, model, items, seed, out, dtype, threads, progress)
+        run_probe_command(probe, model, items, seed, out, dtype, threads, progress)
 
 
 def contract(
@@ -186,10 +186,10 @@ def contract(
 ) -> None:
     """The memory contract (Study 1): run the whole battery (donor pair, trigger bank, landing, access,
     programmed carriers, patches), resumably, and write contract.md, contract.json and figures."""
-    with _user_errors():
+    with user_errors():
         import torch
 
-        from eventkv.contract import plan, run_contract
+        from eventkv.contract.battery import plan, run_contract
         from eventkv.models import load, resolve_dtype
         from eventkv.options import check_out_dir, check_threads
         from eventkv.probes.base import Runtime

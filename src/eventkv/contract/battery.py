@@ -513,8 +513,8 @@ def contract_rows(summaries: dict) -> tuple[list[list[str]], dict]:
 
 def write_contract(out: Path, model: str, summaries: dict, quick: bool = False) -> dict:
     """Write contract.md, contract.json and the figures from the probes' summaries."""
-    from eventkv.contract_figures import access_figure, patch_figure, trigger_scatter
     from eventkv.probes.base import Table
+    from eventkv.probes.figures import access_figure, patch_figure, trigger_scatter
 
     rows, js = contract_rows(summaries)
     figs = out / "figures"

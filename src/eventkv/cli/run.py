@@ -6,15 +6,14 @@ Mounted into the main app as ``app.add_typer(run_app, name="run")`` and
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 
-from eventkv.errors import EventKVError, cli_message
+from eventkv.cli.common import comma_list, print_summary, run_probe_command, user_errors
+from eventkv.errors import EventKVError
 from eventkv.options import DTYPE_HELP
 
 run_app = typer.Typer(
@@ -23,15 +22,6 @@ run_app = typer.Typer(
     no_args_is_help=True,
 )
 _err = Console(stderr=True)
-
-
-@contextmanager
-def _user_errors():
-    try:
-        yield
-    except EventKVError as exc:
-        _err.print(f"[bold red]error:[/] {escape(cli_message(exc))}", markup=True, highlight=False, soft_wrap=True)
-        raise typer.Exit(2) from None
 
 
 def _slots(text: str) -> tuple[int, int]:
@@ -44,13 +34,6 @@ def _slots(text: str) -> tuple[int, int]:
     except ValueError:
         pass
     raise EventKVError(f"--source-slots {text!r}: give a slot range like 8-11 (0-based slots, inclusive) or one slot.")
-
-
-def _list(text: str, what: str) -> tuple[str, ...]:
-    items = tuple(s.strip() for s in text.split(",") if s.strip())
-    if not items:
-        raise EventKVError(f"{what} {text!r}: give a comma-separated list.")
-    return items
 
 
 @run_app.command("donor-pair")
@@ -82,7 +65,7 @@ def donor_pair(
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
 ) -> None:
     """Donor pairs (Study 1): does the answer follow an omitted source through the served rows?"""
-    with _user_errors():
+    with user_errors():
         from eventkv.probes.donor_pair import DonorPair
 
         probe = DonorPair(
@@ -91,44 +74,12 @@ def donor_pair(
             source_slots=_slots(source_slots),
             root_slot=root_slot,
             decoy=decoy,
-            states=_list(states, "--states"),
+            states=comma_list(states, "--states"),
             readout=readout,
             max_new_tokens=max_new_tokens,
-            arm_names=_list(arms, "--arms"),
+            arm_names=comma_list(arms, "--arms"),
         )
-        _run(probe, model, items, seed, out, dtype, threads, progress)
-
-
-def _run(
-    probe, model: str, items: int, seed: int, out: Path | None, dtype: str, threads: int | None, progress: bool
-) -> None:
-    import torch
-
-    from eventkv.models import load, resolve_dtype
-    from eventkv.options import check_out_dir, check_threads
-    from eventkv.probes.base import Runtime
-    from eventkv.probes.runner import check_run_items, run_probe
-
-    check_run_items(probe, items)  # before the model loads (run_probe checks again for library callers)
-    if check_threads(threads) is not None:
-        torch.set_num_threads(threads)
-    resolved = resolve_dtype(dtype)[0]  # a bad --dtype fails here, before the model loads
-    if out is None:
-        out = Path("runs") / probe.name / f"{Path(model).name}-{resolved}-seed{seed}"
-    check_out_dir(out)
-
-    console = Console()
-    with console.status(f"loading {model} ({dtype})"):
-        lm = load(model, dtype=dtype)
-    rt = Runtime(lm.model, lm.tokenizer, lm.profile)
-    summary = run_probe(probe, rt, model=model, items=items, seed=seed, out=out, progress=progress, console=console)
-    _print_summary(console, summary)
-    console.print(f"records: {out / 'records.jsonl'}  summary: {out / 'summary.md'}  figure: {out / 'figure.png'}")
-
-
-def _print_summary(console: Console, summary) -> None:
-    """Print summary.md as it is written (plain markdown: tables stay copy-pastable)."""
-    console.print(summary.data["markdown"], markup=False, highlight=False, soft_wrap=True)
+        run_probe_command(probe, model, items, seed, out, dtype, threads, progress)
 
 
 def report(
@@ -140,10 +91,10 @@ def report(
 ) -> None:
     """Re-render summary.md and the figures (figure.png; heatmap.png for splice) of a run directory
     from its records alone, and print the summary."""
-    with _user_errors():
+    with user_errors():
         from eventkv.probes.runner import render
 
         summary = render(directory)
         console = Console()
-        _print_summary(console, summary)
+        print_summary(console, summary)
         console.print(f"summary: {Path(directory) / 'summary.md'}  figure: {Path(directory) / 'figure.png'}")

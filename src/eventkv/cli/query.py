@@ -1,0 +1,87 @@
+"""``eventkv query``: answer a question from the served events' KV rows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from eventkv.options import DTYPE_HELP
+
+console = Console()
+
+
+def query(
+    model: str = typer.Option(
+        "smollm2-135m", "--model", "-m", help="Packaged alias, HF model directory or hub id, or .gguf file."
+    ),
+    log: Path = typer.Option(
+        ...,
+        "--log",
+        help="Event log, JSONL: one event per line with 'id', 'text', optional 'role' and 'budget' (position "
+        "budget, tokens).",
+    ),
+    serve: str = typer.Option(..., "--serve", help="Served set: comma-separated event ids, or 'all'."),
+    question: str = typer.Option(..., "--question", "-q", help="The question to answer from the served rows."),
+    mode: str = typer.Option("compact", "--mode", help="compact | native | isolated | text."),
+    candidates: Optional[str] = typer.Option(
+        None, "--candidates", help="Comma-separated answers to score by log-probability."
+    ),
+    instruction: str = typer.Option(
+        "", "--instruction", help="Task instruction placed in the header before the events."
+    ),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Greedy decoding budget (tokens)."),
+    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    store: Optional[Path] = typer.Option(
+        None, "--store", help="Where the EventKV is stored/reused (default: content-addressed under the cache)."
+    ),
+    chunk_size: Optional[int] = typer.Option(
+        None, "--chunk-size", help="Prefill at most this many tokens per forward."
+    ),
+) -> None:
+    """Answer a question from the served events' KV rows (prefills the log once, then reuses it)."""
+    from eventkv.log import EventLog
+    from eventkv.models import load, resolve_dtype
+    from eventkv.query import answer, check_query
+
+    elog = EventLog.from_jsonl(log, instruction=instruction)
+    cands = candidates.split(",") if candidates is not None else []
+    check_query(
+        elog,
+        serve,
+        question,
+        mode=mode,
+        candidates=cands,
+        max_new_tokens=max_new_tokens,
+        chunk_size=chunk_size,
+        store=store,
+    )  # fail before the model loads
+    resolve_dtype(dtype)
+    with console.status(f"loading {model}"):
+        lm = load(model, dtype=dtype)
+    with console.status("prefill / serve / answer"):
+        ans = answer(
+            lm,
+            elog,
+            serve,
+            question,
+            mode=mode,
+            candidates=cands,
+            max_new_tokens=max_new_tokens,
+            store=store,
+            chunk_size=chunk_size,
+        )
+    console.print(
+        f"[dim]{lm.profile.dtype} ({lm.profile.dtype_reason}); served {', '.join(ans.served)} ({mode}): "
+        f"{ans.n_rows_served} of {ans.n_rows_total} rows; "
+        f"EventKV {'reused' if ans.reused else 'prefilled'} at {ans.store}[/dim]"
+    )
+    console.print(f"[bold]answer:[/bold] {ans.generation.text.strip()}")
+    if ans.candidates:
+        table = Table("candidate", "log-prob (nats)", "share")
+        for c in sorted(ans.candidates, key=lambda c: -c.logprob):
+            table.add_row(c.text, f"{c.logprob:.3f}", f"{c.prob:.3f}")
+        console.print(table)
