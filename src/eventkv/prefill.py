@@ -15,7 +15,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -26,6 +26,9 @@ from eventkv.files import fsync_path, sha256_file
 from eventkv.log import HEADER_ID, TokenizedLog
 from eventkv.options import check_chunk_size
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 LayerRows = torch.Tensor
 """One layer's keys or values: ``[batch, kv_heads, rows, head_dim]`` (batch 1 in an EventKV)."""
 
@@ -34,7 +37,7 @@ TENSORS = "kv.safetensors"
 FORMAT_VERSION = 1
 
 
-def cache_kwarg(model) -> str:
+def cache_kwarg(model: PreTrainedModel) -> str:
     """Name of the cache keyword of ``model.forward``: ``cache`` (transformers >= 5.2x) or
     ``past_key_values`` (older 5.x)."""
     params = inspect.signature(model.forward).parameters
@@ -42,7 +45,7 @@ def cache_kwarg(model) -> str:
 
 
 def model_forward(
-    model,
+    model: PreTrainedModel,
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
     cache: DynamicCache,
@@ -86,7 +89,7 @@ def model_forward(
     return out.logits.float()
 
 
-def check_rows_match(model, cache: DynamicCache) -> int:
+def check_rows_match(model: PreTrainedModel, cache: DynamicCache) -> int:
     """The number of rows in ``cache``, after checking that they have the model's dtype and device.
 
     Why: torch promotes mixed dtypes silently in some attention kernels (bfloat16 rows under a
@@ -360,7 +363,7 @@ def check_context(n_positions: int, max_context: int | None, what: str = "histor
 
 @torch.inference_mode()
 def prefill(
-    model,
+    model: PreTrainedModel,
     log: TokenizedLog,
     *,
     chunk_size: int | None = None,
@@ -387,6 +390,17 @@ def prefill(
     Raises:
         EventKVError: ``chunk_size`` not a positive int; history longer than the context; a prefix
             that is not a prefix of the log.
+
+    Example (a tiny random model; a real one comes from :func:`eventkv.models.load`):
+
+        >>> from eventkv.testing import tiny_lm
+        >>> from eventkv.log import Event, EventLog, tokenize
+        >>> lm = tiny_lm("llama")
+        >>> events = [Event("a", "register A set to ON"), Event("b", "register B mirrors A")]
+        >>> log = tokenize(EventLog(events), lm.tokenizer, lm.profile)
+        >>> ekv = prefill(lm.model, log)
+        >>> ekv.n_rows == log.n_rows, tuple(ekv.keys[0].shape)  # [batch, kv_heads, rows, head_dim]
+        (True, (1, 2, 48, 16))
     """
     check_chunk_size(chunk_size)
     check_context(log.history_end, max_context)

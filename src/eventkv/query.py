@@ -7,7 +7,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from eventkv.cache_dir import cache_root
 from eventkv.errors import EventKVError, OptionError
@@ -16,6 +16,10 @@ from eventkv.options import check_chunk_size, check_max_new_tokens, check_out_di
 from eventkv.prefill import EventKV, check_context, prefill
 from eventkv.readout import CandidateScore, Generation, candidate_logprobs, generate
 from eventkv.serve import ALL, SERVE_MODES, ServeMode, serve
+
+if TYPE_CHECKING:
+    from eventkv.log import TokenizedLog
+    from eventkv.models import LoadedModel
 
 
 @dataclass
@@ -33,7 +37,7 @@ class Answer:
     store: Path | None = None
 
 
-def store_dir_for(lm, tlog) -> Path:
+def store_dir_for(lm: LoadedModel, tlog: TokenizedLog) -> Path:
     """Default EventKV store of a (model, dtype, tokenized log): a content-addressed directory
     under ``cache_root()/kv``."""
     key = json.dumps([lm.profile.weights_digest, lm.profile.dtype, tlog.to_dict()], sort_keys=True)
@@ -41,7 +45,7 @@ def store_dir_for(lm, tlog) -> Path:
 
 
 def prefill_or_load(
-    lm,
+    lm: LoadedModel,
     log: EventLog,
     store: Path | None = None,
     chunk_size: int | None = None,
@@ -155,7 +159,7 @@ def check_query(
 
 
 def answer(
-    lm,
+    lm: LoadedModel,
     log: EventLog,
     served: str | Sequence[str],
     question: str,

@@ -27,7 +27,7 @@ reaches real rows before it would reach the pad).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -36,6 +36,9 @@ from transformers.cache_utils import DynamicLayer
 from eventkv.errors import EventKVError
 from eventkv.prefill import check_context, model_forward
 from eventkv.serve import ServedCache
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 @dataclass
@@ -159,7 +162,7 @@ class Batch:
         )
         return Batch(cache, self.mask.index_select(0, i), self.next_position.index_select(0, i.cpu()))
 
-    def forward(self, model, ids: torch.Tensor, offset: int, logits_to_keep: int = 0) -> torch.Tensor:
+    def forward(self, model: PreTrainedModel, ids: torch.Tensor, offset: int, logits_to_keep: int = 0) -> torch.Tensor:
         """Append ``ids [batch, q]`` (at positions ``next_position + offset + arange(q)``) to this
         batch's rows; returns logits ``[batch, q or logits_to_keep, vocab]``."""
         dev = self.mask.device
@@ -202,7 +205,7 @@ def stack(served: Sequence[ServedCache], extra: int = 0) -> Batch:
 
 @torch.inference_mode()
 def read_out(
-    model,
+    model: PreTrainedModel,
     served: Sequence[ServedCache],
     query_ids: Sequence[int],
     *,
@@ -213,7 +216,7 @@ def read_out(
     answer_prefix_ids: Sequence[int] = (),
     max_new_tokens: int = 64,
     stop_token_ids: Sequence[int] = (),
-    tokenizer=None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     max_context: int | None = None,
     keep_logits: bool = False,
 ) -> list[Readout]:
@@ -285,7 +288,7 @@ def q_len_extra(query_ids: Sequence[int], max_new_tokens: int, longest: int) -> 
 
 
 def _score(
-    model,
+    model: PreTrainedModel,
     batch: Batch,
     first: torch.Tensor,
     scored: list[int],
@@ -328,14 +331,14 @@ def _score(
 
 
 def _generate(
-    model,
+    model: PreTrainedModel,
     batch: Batch,
     logits: torch.Tensor,
     owners: list[int],
     q: int,
     max_new: int,
     stops: set[int],
-    tokenizer,
+    tokenizer: PreTrainedTokenizerBase,
     out: list[Readout],
     keep_logits: bool = False,
 ) -> None:
@@ -375,7 +378,9 @@ def _generate(
 
 
 @torch.inference_mode()
-def query_logits(model, served: ServedCache, query_ids: Sequence[int], max_context: int | None = None) -> torch.Tensor:
+def query_logits(
+    model: PreTrainedModel, served: ServedCache, query_ids: Sequence[int], max_context: int | None = None
+) -> torch.Tensor:
     """Next-token logits ``[vocab]`` (float32) after the query.
 
     Raises:
@@ -390,13 +395,13 @@ def query_logits(model, served: ServedCache, query_ids: Sequence[int], max_conte
 
 
 def generate(
-    model,
+    model: PreTrainedModel,
     served: ServedCache,
     query_ids: Sequence[int],
     *,
     max_new_tokens: int = 64,
     stop_token_ids: Sequence[int] = (),
-    tokenizer=None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     max_context: int | None = None,
     keep_logits: bool = False,
 ) -> Generation:
@@ -427,7 +432,7 @@ def generate(
 
 
 def candidate_logprobs(
-    model,
+    model: PreTrainedModel,
     served: ServedCache,
     query_ids: Sequence[int],
     candidates: Sequence[Sequence[int]],

@@ -25,7 +25,7 @@ In compact, native and isolated modes the query starts at the first position aft
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Sequence, get_args
+from typing import TYPE_CHECKING, Literal, Sequence, get_args
 
 import torch
 from transformers import DynamicCache
@@ -33,6 +33,9 @@ from transformers import DynamicCache
 from eventkv.errors import EventKVError
 from eventkv.log import HEADER_ID
 from eventkv.prefill import EventKV, LayerRows, cache_from_rows, model_forward
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ServeMode = Literal["compact", "native", "isolated", "text"]
 """How a served set is presented to the query (see the module docstring)."""
@@ -108,7 +111,9 @@ def _select(tensors: list[torch.Tensor], rows: torch.Tensor) -> list[torch.Tenso
 
 
 @torch.inference_mode()
-def serve(ekv: EventKV, served: str | Sequence[str], mode: ServeMode = "compact", model=None) -> ServedCache:
+def serve(
+    ekv: EventKV, served: str | Sequence[str], mode: ServeMode = "compact", model: PreTrainedModel | None = None
+) -> ServedCache:
     """Build the served cache for a served set (Study 1, "Setting": sparse serving and controls).
 
     Args:
@@ -122,6 +127,21 @@ def serve(ekv: EventKV, served: str | Sequence[str], mode: ServeMode = "compact"
 
     Raises:
         EventKVError: unknown mode, empty served set, unknown event id, or a missing model.
+
+    Example (``ekv`` prefilled as in :func:`eventkv.prefill.prefill`'s example):
+
+        >>> from eventkv.testing import tiny_lm
+        >>> from eventkv.log import Event, EventLog, tokenize
+        >>> from eventkv.prefill import prefill
+        >>> lm = tiny_lm("llama")
+        >>> events = [Event("a", "register A set to ON"), Event("b", "register B mirrors A")]
+        >>> ekv = prefill(lm.model, tokenize(EventLog(events), lm.tokenizer, lm.profile))
+        >>> served = serve(ekv, ["b"])  # compact: header + b's rows, at their original positions
+        >>> served.n_rows, served.next_position  # rows in the cache; position of the first query token
+        (27, 48)
+        >>> native = serve(ekv, "b", mode="native")  # every row stays, a's rows are masked out
+        >>> native.n_rows, native.n_visible
+        (48, 27)
     """
     if mode not in SERVE_MODES:
         raise EventKVError(f"unknown serving mode {mode!r}: use one of {', '.join(SERVE_MODES)}.")
