@@ -11,13 +11,15 @@ from scipy import stats as st
 
 from eventkv.errors import EventKVError
 from eventkv.probes.access import Access, last_number, summarize_access
+from eventkv.probes.base import Summary
 from eventkv.probes.carriers import ANSWER_FREE, KINDS, Carriers, is_answer_free
+from eventkv.probes.contract_rows import ContractRow, d_tests, d_value, proportion
 from eventkv.probes.landing import Landing, factorial_effects
 from eventkv.probes.pairs import PrefillCache, event_id, serve_mixed, tokenize_pair
 from eventkv.probes.patch import Patch, leak_rate
 from eventkv.probes.trigger_bank import CONSTRUCTIONS, TriggerBank, carrier_text, summarize_trigger_bank
 from eventkv.serve import serve
-from eventkv.stats import mean_effect, tost
+from eventkv.stats import format_p, mean_effect, tost, wilson
 
 
 # ---------------------------------------------------------------- carriers: answer-free, donor-identical
@@ -259,3 +261,68 @@ def test_option_errors_name_the_value():
         Access(cardinalities=("binary", "hex"))
     with pytest.raises(EventKVError, match="lengths"):
         Patch(lengths=(2,))
+
+
+# ---------------------------------------------------------------- contract sections: each probe writes its own
+def test_contract_cell_formatters():
+    w = wilson(3, 10)
+    assert proportion(w.__dict__) == f"0.300 [{w.low:.3f}, {w.high:.3f}] (3/10)" == "0.300 [0.108, 0.603] (3/10)"
+    assert proportion(None) == proportion(wilson(0, 0).__dict__) == "n/a"
+    d = {"pos": 2, "neg": 1, "median": 0.125, "n": 4, "sign_p": 1.0, "wilcoxon_p": 0.5}
+    assert d_value(d) == "d>0:d<0 = 2:1, median +0.125 nats" and d_value(None) == "n/a (no candidate readout)"
+    assert d_tests(d) == f"sign p = {format_p(1.0)}, Wilcoxon p = {format_p(0.5)} (4 pairs)" and d_tests(None) == "n/a"
+
+
+def test_trigger_bank_contract_section_from_its_summary():
+    phrase = CONSTRUCTIONS[0][1]
+    kv = ["follow"] * 3 + ["anti"] + ["constant"] * 6
+    text = ["follow"] * 9 + ["other"]
+    recs = [_tb_record(i, phrase, k, t) for i, (k, t) in enumerate(zip(kv, text))]
+    sec = TriggerBank.contract_section(summarize_trigger_bank(recs, ("logits",), ("kv", "text")))
+    assert sec.key == "trigger" and sec.figure[0] == "trigger.png"
+    assert all(isinstance(r, ContractRow) and r.clause == "trigger" for r in sec.rows)
+    by_measure = {r.measure: r for r in sec.rows}
+    assert by_measure["comprehension over 1 constructions (logits)"].measured == "mean 0.900"
+    assert by_measure["write-through over 1 constructions (logits)"].measured == "0.300 to 0.300"
+    # 3:1 is no evidence of writing (p = .625); 6:0 discordant pairs dissociate (McNemar p = .031)
+    assert by_measure["constructions that write (follow > anti, sign test p < .05)"][2:4] == ("0/1", "none")
+    assert by_measure["dissociation: comprehended but not written (McNemar p < .05)"].measured == "1/1"
+    c = sec.data["constructions"][phrase]
+    assert c["writes"] is False and c["p_sign"] == pytest.approx(st.binomtest(3, 4).pvalue)
+    assert sec.data["d_pooled"]["n"] == 10 and c["median_d"] == -0.5 and not c["writes_graded"]
+
+
+def test_access_contract_section_from_its_summary():
+    def rec(ok_a, ok_b):
+        arms = {
+            arm: {"A": {"choice": "NORTH" if ok_a else "WEST"}, "B": {"choice": "EAST" if ok_b else "WEST"}}
+            for arm in ("kv", "text")
+        }
+        out = {"kv": {"logits": "other"}, "text": {"logits": "other"}}
+        return {"cardinality": "compass", "values": ["NORTH", "EAST"], "arms": arms, "outcomes": out}
+
+    recs = [rec(True, True)] * 8 + [rec(False, False)] * 2  # 16/20 answers recovered
+    sec = Access.contract_section(summarize_access(recs, Access(readout="logits")))
+    p = st.binomtest(16, 20, 0.25, alternative="greater").pvalue
+    assert sec.key == "capacity" and sec.figure[0] == "access.png" and len(sec.rows) == 1
+    assert sec.rows[0][:3] == ("access", "compass: kv recovery per answer (exact, logits)", "0.800")
+    assert sec.data["payloads"]["compass"]["p_above_chance"] == pytest.approx(p) and p < 0.05
+    assert sec.data["largest_payload_above_chance"] == "compass"
+
+
+def test_patch_contract_section_reads_leak_and_the_longest_timing():
+    data = {
+        "primary": "logits",
+        "leak": {"patch-served/logits": wilson(0, 8).__dict__, "patch-not-served/logits": wilson(6, 8).__dict__},
+        "timing": {
+            "16": {"L_tokens": 300.0, "patch_ms": 5.0, "rewrite_ms": 40.0},
+            "64": {"L_tokens": 1200.4, "patch_ms": 9.6, "rewrite_ms": 310.2},
+            "slope/patch_ms": 0.4,
+            "slope/rewrite_ms": 1.5,
+        },
+    }
+    sec = Patch.contract_section(Summary("patch", [], data=data))
+    assert [r[2] for r in sec.rows] == ["0/8", "6/8", "10 ms vs 310 ms"]
+    assert sec.rows[2].measure == "update time at L = 1200 tokens: patch vs re-prefill"
+    assert sec.rows[2].test == "log-log slopes: patch 0.40, re-prefill 1.50"
+    assert sec.key == "updates" and sec.data == {"readout": "logits", "leak": data["leak"], "timing": data["timing"]}

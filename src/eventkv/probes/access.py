@@ -26,11 +26,14 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar, Sequence
 
 from eventkv.options import check_choices
 from eventkv.probes.base import Runtime, Summary, Table, register
+from eventkv.probes.contract_rows import ContractRow, ContractSection, proportion
 from eventkv.probes.donor_pair import INSTRUCTION, event_text, last_state, menu
+from eventkv.probes.figures import access_figure
 from eventkv.probes.pairs import D_CAPTION, PairArm, PairProbe, arm_table, correct, d_table, primary_readout
 from eventkv.stats import format_p, wilson
 
@@ -161,9 +164,63 @@ class Access(PairProbe):
         return summarize_access(records, self)
 
     def figure(self, records: Sequence[dict], path) -> None:
-        from eventkv.probes.figures import access_figure
-
         access_figure(self.summarize(records).data, path)
+
+    @classmethod
+    def contract_section(cls, summary: Summary) -> ContractSection:
+        """The access clause of the memory contract (Study 1, "The memory contract" — Access:
+        binary .934, 4-way .223, 8-way .156, 3-digit numbers 0/192 exact): per payload, kv recovery
+        per answer on the primary readout with its Wilson interval and the exact binomial test
+        against chance. The JSON section ``capacity`` holds, per payload, recovery, chance,
+        p(> chance), ``above_chance`` (p < .05) and the kv arm's d, plus the largest payload above
+        chance; with the candidate readout primary, ``number_exact`` adds generation's exact match
+        when it ran. Also the figure ``access.png``. Rates are proportions, d in nats.
+
+        Raises:
+            KeyError: ``summary`` is not an access summary.
+        """
+        ac = summary.data
+        ro = ac["primary"]
+        study = {
+            "binary": ".934 (chance .5)",
+            "compass": ".223 (chance .25)",
+            "phonetic": ".156 (chance .125)",
+            "number": "0/192 exact",
+        }
+        rows, env = [], {}
+        for card in CARDINALITIES:
+            r = ac["recovery"].get(f"{card}/kv/{ro}")
+            if not r:
+                continue
+            rows.append(
+                ContractRow(
+                    "access",
+                    f"{card}: kv recovery per answer ({r['measure']}, {ro})",
+                    f"{r['rate']['rate']:.3f}",
+                    f"{proportion(r['rate'])}; chance {r['chance']:.3g}, p(> chance) = {format_p(r['p'])}",
+                    study[card],
+                )
+            )
+            env[card] = {
+                "measure": r["measure"],
+                "recovery": r["rate"],
+                "chance": r["chance"],
+                "p_above_chance": r["p"],
+                "above_chance": bool(r["p"] < 0.05),
+                "d": ac.get("arms", {}).get(card, {}).get("d/kv"),
+            }
+            if card == "number" and ro == "logits":
+                g = ac["recovery"].get("number/kv/generate")
+                if g:
+                    env["number_exact"] = {"recovery": g["rate"], "chance": g["chance"], "p_above_chance": g["p"]}
+        data = {
+            "readout": ro,
+            "payloads": env,
+            "largest_payload_above_chance": next(
+                (c for c in reversed(CARDINALITIES) if env.get(c, {}).get("above_chance")), None
+            ),
+        }
+        return ContractSection("capacity", data, rows, figure=("access.png", partial(access_figure, ac)))
 
 
 def recovery_rows(records: Sequence[dict], readouts: Sequence[str]) -> tuple[list[list[str]], dict]:

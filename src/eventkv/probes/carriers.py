@@ -28,6 +28,7 @@ intervals and the sign test follow vs anti, as in the donor pair.
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from typing import ClassVar, Sequence
 from eventkv.errors import EventKVError
 from eventkv.options import check_choices
 from eventkv.probes.base import Runtime, Summary, register
+from eventkv.probes.contract_rows import GRADED, ContractRow, ContractSection, d_tests, d_value, proportion
 from eventkv.probes.donor_pair import INSTRUCTION, NAMES, event_text, last_state, menu
 from eventkv.probes.pairs import D_CAPTION, PairArm, PairProbe, arm_table, d_table, primary_readout
 
@@ -203,3 +205,75 @@ class Carriers(PairProbe):
         arm_bars(
             records, [a.name for a in self.pair_arms()], primary_readout(self.readouts), "programmed carriers", path
         )
+
+    @classmethod
+    def contract_section(cls, summary: Summary) -> ContractSection:
+        """The programming clause of the memory contract (Study 1, "Programmed carriers": at a fixed
+        query position the shared row alone recovers .00, + carrier .42, the explicit value 1.00):
+        the shared row's follow rate, the best answer-free carrier beside it (highest follow rate; a
+        tie names the first), the graded d of the row alone vs the best carrier by median d (not
+        corrected for the choice), and the explicit upper bound, on the primary readout. The JSON
+        section ``programming`` holds every arm's follow rate and d. Rates are proportions, d in
+        nats.
+
+        Raises:
+            KeyError: ``summary`` is not a carriers summary.
+        """
+        ca = summary.data
+        ro = ca["primary"]
+        a = ca["arms"]
+        kinds = [k for k in ANSWER_FREE if f"{k}+row/{ro}" in a]
+
+        def rate(arm: str) -> dict:
+            return a[f"{arm}/{ro}"]["rate"]
+
+        rows = [
+            ContractRow(
+                "programming",
+                f"shared row alone ({ro}, fixed query position)",
+                f"{rate('row')['rate']:.3f}",
+                proportion(rate("row")),
+                ".00",
+            )
+        ]
+        if kinds:
+            best = max(kinds, key=lambda k: rate(f"{k}+row")["rate"])
+            rows.append(
+                ContractRow(
+                    "programming",
+                    "best answer-free carrier beside the row (highest follow rate; a tie names the first)",
+                    f"{rate(best + '+row')['rate']:.3f}",
+                    f"{best}: {proportion(rate(best + '+row'))}; alone {proportion(rate(best))}",
+                    "+ carrier .42; recovery .06 -> .51",
+                )
+            )
+        if kinds and "d/row" in a:
+            bd = max(kinds, key=lambda k: a.get(f"d/{k}+row", {}).get("median", -math.inf))
+            rows.append(
+                ContractRow(
+                    "programming",
+                    f"graded: donor shift d, shared row alone vs the best (by median d) of {len(kinds)} carriers "
+                    "beside it (not corrected for the choice)",
+                    f"{round(a['d/row']['median'], 3) + 0.0:+.3f} vs "
+                    f"{round(a[f'd/{bd}+row']['median'], 3) + 0.0:+.3f} nats ({bd})",
+                    f"row {d_value(a['d/row'])}, {d_tests(a['d/row'])}; {bd}+row {d_value(a[f'd/{bd}+row'])}, "
+                    f"{d_tests(a[f'd/{bd}+row'])}",
+                    GRADED,
+                )
+            )
+        if "explicit/" + ro in a:
+            rows.append(
+                ContractRow(
+                    "programming",
+                    "explicit value (upper bound)",
+                    f"{rate('explicit')['rate']:.3f}",
+                    proportion(rate("explicit")),
+                    "1.00",
+                )
+            )
+        data = {
+            "readout": ro,
+            "follow_rate": {k.rsplit("/", 1)[0]: v["rate"] for k, v in a.items() if k.endswith(f"/{ro}")},
+            "d": {k.removeprefix("d/"): v for k, v in a.items() if k.startswith("d/")},
+        }
+        return ContractSection("programming", data, rows)

@@ -41,6 +41,7 @@ from typing import ClassVar, Sequence
 
 from eventkv.options import check_float
 from eventkv.probes.base import Runtime, Summary, Table, register
+from eventkv.probes.contract_rows import GRADED, ContractRow, ContractSection, d_tests, d_value, proportion
 from eventkv.probes.donor_pair import INSTRUCTION, NAMES, QUESTION, event_text, last_state, menu
 from eventkv.probes.pairs import (
     D_CAPTION,
@@ -210,6 +211,114 @@ class Landing(PairProbe):
         from eventkv.probes.figures import arm_bars
 
         arm_bars(records, [a.name for a in self.pair_arms()], primary_readout(self.readouts), "landing", path)
+
+    @classmethod
+    def contract_section(cls, summary: Summary) -> ContractSection:
+        """The landing clause of the memory contract (Study 1, "The memory contract" — Landing: the
+        root carries the donor signal, the reference edge routes back to it, a co-served benign
+        mention drops root sensitivity 41% -> 22%): root, edge and mention sensitivities, their
+        graded d, the factorial's mention effect with its TOST, the depth-3 chain and the position
+        control, on the primary readout. The JSON section ``landing`` holds the primary readout's
+        arms, every arm's d and the factorial. Rates are proportions, d in nats.
+
+        Raises:
+            KeyError: ``summary`` is not a landing summary.
+        """
+        la = summary.data
+        ro = la["primary"]
+        a = la["arms"]
+
+        def prev(arm: str) -> dict:
+            return a[f"{arm}/{ro}"]["prevalence"]
+
+        def rate(arm: str) -> dict:
+            return a[f"{arm}/{ro}"]["rate"]
+
+        rows = [
+            ContractRow(
+                "landing",
+                f"root donor sensitivity, {{decoy, root}} ({ro})",
+                proportion(prev("root")).split(" [")[0],
+                proportion(prev("root")),
+                "root carries the donor signal",
+            ),
+            ContractRow(
+                "landing",
+                "reference edge T mirrors M: sensitivity without / with the root",
+                f"{prev('edge')['rate']:.3f} / {prev('edge+root')['rate']:.3f}",
+                f"{proportion(prev('edge'))} / {proportion(prev('edge+root'))}",
+                "edge mostly routes back to the root",
+            ),
+            ContractRow(
+                "landing",
+                "co-served benign mention: root sensitivity without -> with",
+                f"{prev('root')['rate']:.3f} -> {prev('root+mention')['rate']:.3f}",
+                proportion(prev("root+mention")),
+                "41% -> 22% (Qwen3)",
+            ),
+        ]
+        if "d/root" in a:
+            rows.append(
+                ContractRow(
+                    "landing",
+                    "graded donor shift d: root alone -> with the co-served mention",
+                    f"{d_value(a['d/root'])} -> {d_value(a.get('d/root+mention'))}",
+                    f"root {d_tests(a['d/root'])}; root+mention {d_tests(a.get('d/root+mention'))}",
+                    GRADED,
+                )
+            )
+            rows.append(
+                ContractRow(
+                    "landing",
+                    "graded donor shift d: reference edge without / with the root",
+                    f"{d_value(a.get('d/edge'))} / {d_value(a.get('d/edge+root'))}",
+                    f"edge {d_tests(a.get('d/edge'))}; edge+root {d_tests(a.get('d/edge+root'))}",
+                    GRADED,
+                )
+            )
+        f = la.get(f"factorial/{ro}")
+        if f:
+            m = f["mention"]
+            rows.append(
+                ContractRow(
+                    "landing",
+                    f"mention-donor effect (root x mention factorial), TOST margin {f['margin']}",
+                    f"{m['mean']:+.3f}" if m["n"] else "n/a",
+                    f"95% CI [{m['low']:+.3f}, {m['high']:+.3f}], TOST p = {format_p(f['tost_mention_p'])}; "
+                    f"root effect {f['root']['mean']:+.3f}"
+                    + (
+                        "; the root effect is itself equivalent to 0, so this equivalence is vacuous here"
+                        if f["tost_root_p"] < 0.05
+                        else ""
+                    ),
+                    "equivalence test, margin .075",
+                )
+            )
+        rows.append(
+            ContractRow(
+                "landing",
+                "depth-3 chain: follow rate, link alone / whole chain",
+                f"{rate('chain3')['rate']:.3f} / {rate('chain3+links')['rate']:.3f}",
+                f"{proportion(rate('chain3'))} / {proportion(rate('chain3+links'))}",
+                "multi-hop chains (depth 3)",
+            )
+        )
+        rows.append(
+            ContractRow(
+                "landing",
+                "position control: root follow rate, own / common query position",
+                f"{rate('root')['rate']:.3f} / {rate('root@pos')['rate']:.3f}",
+                f"{proportion(rate('root'))} / {proportion(rate('root@pos'))}",
+                "query position held fixed",
+            )
+        )
+        data = {
+            "readout": ro,
+            "arms": {k: v for k, v in a.items() if k.endswith(f"/{ro}")},
+            "d": {k.removeprefix("d/"): v for k, v in a.items() if k.startswith("d/")},
+            "factorial": f,
+        }
+        return ContractSection("landing", data, rows)
 
 
 def factorial_effects(records: Sequence[dict], readout: str) -> tuple[list[float], list[float]]:

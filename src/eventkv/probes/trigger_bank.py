@@ -39,12 +39,15 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar, Sequence
 
 from eventkv.errors import EventKVError
 from eventkv.options import check_choices, check_slots
 from eventkv.probes.base import Runtime, Summary, Table, register
+from eventkv.probes.contract_rows import GRADED, ContractRow, ContractSection, d_tests, d_value, proportion
 from eventkv.probes.donor_pair import INSTRUCTION, NAMES, QUESTION, event_text, last_state, menu
+from eventkv.probes.figures import trigger_scatter
 from eventkv.probes.pairs import PairArm, PairProbe, d_stats, describe_d, pair_stats, primary_readout
 from eventkv.stats import format_p, median, require_finite, sign_test, sign_test_d
 
@@ -222,10 +225,118 @@ class TriggerBank(PairProbe):
         return summarize_trigger_bank(records, self.readouts, [a.name for a in self.pair_arms()])
 
     def figure(self, records: Sequence[dict], path) -> None:
-        from eventkv.probes.figures import trigger_scatter
-
         s = self.summarize(records)
         trigger_scatter(s.data, path)
+
+    @classmethod
+    def contract_section(cls, summary: Summary) -> ContractSection:
+        """The trigger clause of the memory contract (Study 1, "The memory contract" — Trigger:
+        comprehension .98 mean, write-through from chance to .95): mean comprehension and the range
+        of write-through over the constructions (primary readout), the constructions that write
+        (kv follow > anti, sign test p < .05), the pooled graded d and the dissociation count with
+        Spearman's rho; the JSON section ``trigger`` holds every construction. Also the figure
+        ``trigger.png`` (write-through vs comprehension). Rates are proportions, d in nats.
+
+        Raises:
+            KeyError: ``summary`` is not a trigger-bank summary.
+            ValueError: the summary has no construction for its primary readout.
+        """
+        tb = summary.data
+        ro = tb["primary"]
+        cons = {k: v[ro] for k, v in tb["constructions"].items() if ro in v}
+        comp = [v["comprehension"]["rate"] for v in cons.values() if "comprehension" in v]
+        wt = {k: v["write_through"] for k, v in cons.items()}
+        writes = {
+            k: bool(v["follow"] > v["anti"] and not math.isnan(v["p_sign"]) and v["p_sign"] < 0.05)
+            for k, v in cons.items()
+        }
+        rows = []
+        if comp:
+            rows.append(
+                ContractRow(
+                    "trigger",
+                    f"comprehension over {len(comp)} constructions ({ro})",
+                    f"mean {sum(comp) / len(comp):.3f}",
+                    f"min {min(comp):.3f}, max {max(comp):.3f}",
+                    ".98 mean (min .77)",
+                )
+            )
+        rates = [v["rate"] for v in wt.values()]
+        best = max(wt, key=lambda k: wt[k]["rate"])
+        rows.append(
+            ContractRow(
+                "trigger",
+                f"write-through over {len(rates)} constructions ({ro})",
+                f"{min(rates):.3f} to {max(rates):.3f}",
+                f"best: {best} {proportion(wt[best])}",
+                "from chance to .95",
+            )
+        )
+        rows.append(
+            ContractRow(
+                "trigger",
+                "constructions that write (follow > anti, sign test p < .05)",
+                f"{sum(writes.values())}/{len(writes)}",
+                ", ".join(k for k, w in writes.items() if w) or "none",
+                "none writes on all three recent checkpoints",
+            )
+        )
+        pooled = tb.get("d/kv")
+        lo = tb["constructions"]
+        dpos = [
+            k for k, v in lo.items() if v.get("logits", {}).get("p_d", math.nan) < 0.05 and v["logits"]["median_d"] > 0
+        ]
+        if pooled:
+            rows.append(
+                ContractRow(
+                    "trigger",
+                    "graded write-through: kv donor shift d, 16 constructions pooled",
+                    d_value(pooled),
+                    f"{d_tests(pooled)}; constructions with d > 0 at sign p < .05: {len(dpos)}/{len(lo)}"
+                    + (f" ({', '.join(dpos)})" if dpos else ""),
+                    GRADED,
+                )
+            )
+        dis = [
+            k
+            for k, v in cons.items()
+            if v.get("p_dissociation", math.nan) < 0.05 and v.get("text_only", 0) > v.get("kv_only", 0)
+        ]
+        sp = tb.get(f"spearman/{ro}")
+        rows.append(
+            ContractRow(
+                "trigger",
+                "dissociation: comprehended but not written (McNemar p < .05)",
+                f"{len(dis)}/{len(cons)}",
+                (
+                    f"Spearman rho(write-through, comprehension) = {sp['rho']:+.2f}, p = {format_p(sp['p'])}"
+                    if sp
+                    else "Spearman not computed (a rate is constant)"
+                ),
+                "comprehension high everywhere, write-through varies",
+            )
+        )
+        data = {
+            "readout": ro,
+            "constructions": {
+                k: {
+                    "family": v["family"],
+                    "writes": writes[k],
+                    "write_through": v["write_through"],
+                    "comprehension": v.get("comprehension"),
+                    "follow": v["follow"],
+                    "anti": v["anti"],
+                    "p_sign": v["p_sign"],
+                    "p_dissociation": v.get("p_dissociation"),
+                    "median_d": lo[k].get("logits", {}).get("median_d"),
+                    "p_d": lo[k].get("logits", {}).get("p_d"),
+                    "writes_graded": k in dpos,
+                }
+                for k, v in cons.items()
+            },
+            "d_pooled": pooled,
+        }
+        return ContractSection("trigger", data, rows, figure=("trigger.png", partial(trigger_scatter, tb)))
 
 
 def dissociation(records: Sequence[dict], readout: str):
