@@ -1,14 +1,18 @@
 """The contract battery end to end on a tiny model: one run writes contract.md, contract.json and
-the figures; a second run resumes (computes nothing) and refuses other settings."""
+the figures, assembled from each probe's own contract section; a second run resumes (computes
+nothing) and refuses other settings."""
 
 import json
 
 import pytest
 from probe_fixtures import tiny_runtime
 
-from eventkv.contract.battery import CONTRACT_PROBES, plan, run_contract
+from eventkv.contract.battery import CONTRACT_PROBES, plan, provenance, run_contract
+from eventkv.contract.report import contract_sections, probe_section, write_contract
 from eventkv.errors import EventKVError
-from eventkv.probes.runner import load_records
+from eventkv.probes.base import Summary, get_probe
+from eventkv.probes.contract_rows import ContractRow, ContractSection
+from eventkv.probes.runner import load_records, render
 
 
 def test_plan_sizes():
@@ -65,6 +69,23 @@ def test_contract_battery_on_a_tiny_model(tmp_path, monkeypatch):
     assert js["updates"]["timing"]
     assert saved["donor_pair"]["d"]["n"] == 2 and saved["trigger"]["d_pooled"]["n"] == 3
     assert set(saved["landing"]["d"]) >= {"root", "edge"} and saved["capacity"]["payloads"]["binary"]["d"]["n"] == 1
+    # the table and the JSON sections are the probes' own sections, in battery order
+    summaries = {p: render(tmp_path / p, figure=False) for p in CONTRACT_PROBES}
+    sections = contract_sections(summaries)
+    keys = ["donor_pair", "trigger", "landing", "capacity", "programming", "updates"]
+    assert [s.key for s in sections] == keys and list(saved)[4:] == keys
+    assert js["markdown_table"].splitlines()[4:] == ["| " + " | ".join(r) + " |" for s in sections for r in s.rows]
+    assert [json.dumps(js[k]) for k in keys] == [json.dumps(s.data) for s in sections]
+    assert [s.figure[0] for s in sections if s.figure] == ["trigger.png", "access.png", "patch.png"]
+    # the report only assembles: a probe's new section is what the contract shows
+    fake = ContractSection("updates-v2", {"x": float("nan")}, [ContractRow("updates", "m", "1/2", "t", "s")])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(get_probe("patch"), "contract_section", classmethod(lambda cls, summary: fake))
+        js2 = write_contract(tmp_path, "tiny", summaries, provenance(tmp_path, summaries), quick=True)
+    saved2 = json.loads((tmp_path / "contract.json").read_text())
+    assert "updates" not in saved2 and saved2["updates-v2"] == {"x": None} and js2["updates-v2"] is fake.data
+    assert js2["markdown_table"].splitlines()[-1] == "| updates | m | 1/2 | t | s |"
+    assert "patch.png" not in (tmp_path / "contract.md").read_text()
     # resume: nothing recomputed, records unchanged
     before = {p: load_records(tmp_path / p) for p in CONTRACT_PROBES}
     run_contract(rt, model="tiny", out=tmp_path, items=2, quick=True, progress=False)
@@ -72,6 +93,13 @@ def test_contract_battery_on_a_tiny_model(tmp_path, monkeypatch):
     # another model into the same directory is refused
     with pytest.raises(EventKVError, match="different settings"):
         run_contract(rt, model="other", out=tmp_path, items=2, quick=True, progress=False)
+
+
+def test_every_contract_probe_writes_its_own_section():
+    for p in CONTRACT_PROBES:  # donor-pair: its section is an interim function in probes.contract_rows
+        assert p == "donor-pair" or callable(getattr(get_probe(p), "contract_section", None)), p
+    with pytest.raises(EventKVError, match="'splice' has no contract_section"):
+        probe_section("splice", Summary("splice", []))
 
 
 def test_cli_run_contract_probes(tmp_path, monkeypatch):
