@@ -98,6 +98,7 @@ def check_choices(
 
 
 # --------------------------------------------------------------- options every run command shares
+# (checked together by eventkv.probes.run_options.RunOptions.validate)
 
 
 def check_items(items) -> int:
@@ -107,21 +108,19 @@ def check_items(items) -> int:
 
 def check_threads(threads) -> int | None:
     """``--threads``: None (torch decides) or 1 .. the machine's logical cores (more threads than cores
-    only slow torch down, and a huge count fails to start threads)."""
+    only slow torch down, and a huge count fails to start threads).
+
+    Raises:
+        OptionError: ``threads`` is not a whole number in that range.
+    """
     cores = os.cpu_count() or 1
-    check_optional_int(
-        "threads",
-        threads,
-        f"give 1 to {cores} torch CPU threads (this machine has {cores} logical "
-        "cores), or leave it out and torch decides.",
+    allowed = (
+        f"give 1 to {cores} torch CPU threads (this machine has {cores} logical cores), "
+        "or leave it out and torch decides."
     )
+    check_optional_int("threads", threads, allowed)
     if threads is not None and threads > cores:
-        raise OptionError(
-            "threads",
-            threads,
-            f"give 1 to {cores} torch CPU threads (this machine has {cores} "
-            "logical cores), or leave it out and torch decides.",
-        )
+        raise OptionError("threads", threads, allowed)
     return threads
 
 
