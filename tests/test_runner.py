@@ -194,3 +194,82 @@ def test_cli_run_donor_pair_end_to_end(tmp_path, monkeypatch):
     assert r.exit_code == 0 and json.loads((tmp_path / MANIFEST).read_text())["invocations"][-1]["items_computed"] == 0
     r = CliRunner().invoke(app, args[:-1] + ["--decoy", "independent", "--no-progress"])
     assert r.exit_code == 2 and "decoy: 'none' -> 'independent'" in r.output
+
+
+# ------------------------------------------------------------------------------- run options
+
+
+def test_run_options_name_the_field_and_check_in_order(tmp_path):
+    """RunOptions.validate names the field (the CLI prints the flag), and checks the probe's options, then
+    items, threads, dtype and out, in that order."""
+    from eventkv.errors import OptionError
+    from eventkv.probes.run_options import RunOptions
+    from eventkv.splice.probe import SpliceProbe
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    cases = [
+        (RunOptions("m", 0, threads=0, dtype="fp8", out=a_file), None, "items 0: run at least one item."),
+        (RunOptions("m", 0, threads=0), SpliceProbe(batch_size=0), "batch_size 0:"),
+        (RunOptions("m", True), None, "items True:"),
+        (RunOptions("m", 1, threads=0, dtype="fp8", out=a_file), None, "threads 0: give 1 to"),
+        (RunOptions("m", 1, dtype="fp8", out=a_file), None, "dtype 'fp8': not supported; use one of auto, float32"),
+        (RunOptions("m", 1, out=a_file), None, f"out '{a_file}': that path is a file, not a directory"),
+    ]
+    for opts, probe, message in cases:
+        with pytest.raises(OptionError) as exc:
+            opts.validate(probe)
+        assert str(exc.value).startswith(message), str(exc.value)
+        assert exc.value.for_cli() == "--" + str(exc.value).replace("batch_size", "batch-size")
+    RunOptions("m", 2, threads=1, dtype="float32", out=tmp_path / "new").validate(DonorPair())
+    with pytest.raises(OptionError, match=r"^out None: give a run directory"):
+        RunOptions("m", 1).run(DonorPair(), rt=None)
+
+
+def test_run_options_default_out():
+    from eventkv.probes.run_options import RUNS, RunOptions
+
+    opts = RunOptions("/models/tinyB/", 4, seed=7, dtype="bfloat16")
+    assert opts.default_out("donor-pair") == RUNS / "donor-pair" / "tinyB-bfloat16-seed7"
+    assert opts.default_out("splice", "{model}-{task}-{dtype}-seed{seed}", task="copy") == (
+        RUNS / "splice" / "tinyB-copy-bfloat16-seed7"
+    )
+    filled = opts.with_default_out("landing")
+    assert filled.out == RUNS / "landing" / "tinyB-bfloat16-seed7" and filled.items == 4 and opts.out is None
+    given = RunOptions("m", 1, out="elsewhere")
+    assert given.with_default_out("landing") is given
+
+
+@pytest.mark.parametrize(
+    "args, folder",
+    [
+        (["run", "donor-pair", "--seed", "3"], "runs/donor-pair/tinyB-float32-seed3"),
+        (["run", "patch"], "runs/patch/tinyB-float32-seed0"),
+        (["contract"], "runs/contract/tinyB-float32"),
+        (["contract", "--quick"], "runs/contract/tinyB-float32-quick"),
+        (["splice", "--task", "copy", "--seed", "2"], "runs/splice/tinyB-copy-float32-seed2"),
+        (["splice", "--task", "TASKFILE"], "runs/splice/tinyB-items-float32-seed0"),
+    ],
+)
+def test_cli_default_out_folders(monkeypatch, capsys, tmp_path, args, folder):
+    """The default --out of every run command, filled in before the model loads."""
+    from pathlib import Path
+
+    from cli_fixtures import run_cli
+
+    from eventkv.probes.run_options import RunOptions
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "items.jsonl").write_text('{"prompt": "say yes", "answer": "yes"}\n')
+    seen = []
+
+    def stop(self, console=None):
+        seen.append(self.out)
+        raise EventKVError("stopped before the model loads")
+
+    monkeypatch.setattr(RunOptions, "load_runtime", stop)
+    args = [str(tmp_path / "items.jsonl") if a == "TASKFILE" else a for a in args]
+    items = ["--items", "1"] if args[0] == "splice" else []
+    code, out, err = run_cli(monkeypatch, capsys, *args, *items, "--model", "/x/tinyB", "--dtype", "float32")
+    assert code == 2 and "stopped before the model loads" in err, err
+    assert seen == [Path(folder)]

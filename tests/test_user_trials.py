@@ -43,6 +43,10 @@ def _one_line_exit_2(code, out, err, message):
         (["run", "donor-pair", "--dtype", "fp8"], "--dtype 'fp8': not supported; use one of auto, float32, bfloat16"),
         (["splice", "--dtype", "bf32"], "--dtype 'bf32': not supported"),
         (["contract", "--threads", "100000"], "--threads 100000: give 1 to"),
+        (["contract", "--dtype", "fp8"], "--dtype 'fp8': not supported"),
+        (["run", "landing", "--dtype", "fp8"], "--dtype 'fp8': not supported"),
+        (["run", "patch", "--items", "0", "--threads", "0", "--dtype", "fp8"], "--items 0: run at least one item"),
+        (["splice", "--threads", "0", "--dtype", "fp8"], "--threads 0: give 1 to"),
     ],
 )
 def test_more_bad_run_options(monkeypatch, capsys, tmp_path, no_load, args, message):

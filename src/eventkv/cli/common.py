@@ -1,16 +1,20 @@
 """What the CLI's command modules share: mapping user errors to one line and exit 2, comma lists,
-and the run of one probe (load the model, run resumably, print the summary)."""
+and the start of a run from its :class:`~eventkv.probes.run_options.RunOptions` (check every option,
+fill the default ``--out``, load the model) for ``run``, ``contract`` and ``splice``."""
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
 from eventkv.errors import EventKVError, cli_message
+
+if TYPE_CHECKING:  # eventkv.probes imports torch: the commands import it when they run, not for --help
+    from eventkv.probes.run_options import RunOptions
 
 _err = Console(stderr=True)
 
@@ -37,31 +41,48 @@ def comma_list(text: str, what: str) -> tuple[str, ...]:
     return items
 
 
-def run_probe_command(
-    probe, model: str, items: int, seed: int, out: Path | None, dtype: str, threads: int | None, progress: bool
-) -> None:
-    """Check the run options, load the model, run ``probe`` resumably into ``out`` and print its summary."""
-    import torch
+def int_list(text: str, what: str, example: str) -> tuple[int, ...]:
+    """The integers of a comma-separated option value (empty entries skipped).
 
-    from eventkv.models import load, resolve_dtype
-    from eventkv.options import check_out_dir, check_threads
-    from eventkv.probes.base import Runtime
-    from eventkv.probes.runner import check_run_items, run_probe
+    Raises:
+        EventKVError: an entry that is not an integer, or none at all (names the option ``what``, the
+            value, and shows ``example``).
+    """
+    try:
+        vals = tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise EventKVError(f"{what} {text!r}: give comma-separated integers, e.g. {example}.") from None
+    if not vals:
+        raise EventKVError(f"{what} {text!r}: give at least one integer.")
+    return vals
 
-    check_run_items(probe, items)  # before the model loads (run_probe checks again for library callers)
-    if check_threads(threads) is not None:
-        torch.set_num_threads(threads)
-    resolved = resolve_dtype(dtype)[0]  # a bad --dtype fails here, before the model loads
-    if out is None:
-        out = Path("runs") / probe.name / f"{Path(model).name}-{resolved}-seed{seed}"
-    check_out_dir(out)
 
+def start_run(opts: RunOptions, probe=None, *, folder: str | None = None, name: str | None = None, **fields: str):
+    """Check ``opts`` (and ``probe``'s options) before anything loads, fill the default ``--out``
+    ``runs/FOLDER/NAME`` (``FOLDER`` defaults to the probe's name, ``NAME`` to
+    :data:`~eventkv.probes.run_options.RUN_DIR`; see :meth:`RunOptions.default_out`), apply ``--threads``
+    and load the model.
+
+    Returns:
+        ``(options with out set, console, Runtime)``.
+
+    Raises:
+        OptionError: a bad option (the CLI prints its flag); EventKVError: the model cannot be loaded.
+    """
+    from eventkv.probes.run_options import RUN_DIR
+
+    opts.validate(probe)
+    opts = opts.with_default_out(folder or probe.name, name or RUN_DIR, **fields)
     console = Console()
-    with console.status(f"loading {model} ({dtype})"):
-        lm = load(model, dtype=dtype)
-    rt = Runtime(lm.model, lm.tokenizer, lm.profile)
-    summary = run_probe(probe, rt, model=model, items=items, seed=seed, out=out, progress=progress, console=console)
+    return opts, console, opts.load_runtime(console)
+
+
+def run_probe_command(probe, opts: RunOptions) -> None:
+    """Start the run (:func:`start_run`), run ``probe`` resumably into ``--out`` and print its summary."""
+    opts, console, rt = start_run(opts, probe)
+    summary = opts.run(probe, rt, console)
     print_summary(console, summary)
+    out = opts.out
     console.print(f"records: {out / 'records.jsonl'}  summary: {out / 'summary.md'}  figure: {out / 'figure.png'}")
 
 

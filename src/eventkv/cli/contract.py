@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 
-from eventkv.cli.common import comma_list, run_probe_command, user_errors
+from eventkv.cli.common import comma_list, int_list, run_probe_command, start_run, user_errors
 from eventkv.options import DTYPE_HELP
 
 _MODEL = typer.Option(
@@ -29,18 +28,6 @@ _DTYPE = typer.Option("auto", "--dtype", help=DTYPE_HELP)
 _THREADS = typer.Option(None, "--threads", help="torch CPU threads")
 _PROGRESS = typer.Option(True, "--progress/--no-progress")
 _ITEMS = "number of items (donor pairs)"
-
-
-def _ints(text: str, what: str) -> tuple[int, ...]:
-    from eventkv.errors import EventKVError
-
-    try:
-        vals = tuple(int(s) for s in text.split(",") if s.strip())
-    except ValueError:
-        raise EventKVError(f"{what} {text!r}: give comma-separated integers, e.g. 24,48,96.") from None
-    if not vals:
-        raise EventKVError(f"{what} {text!r}: give at least one integer.")
-    return vals
 
 
 def trigger_bank(
@@ -59,10 +46,11 @@ def trigger_bank(
 ) -> None:
     """Trigger bank (Study 1): write-through vs comprehension over 16 carrier constructions."""
     with user_errors():
+        from eventkv.probes.run_options import RunOptions
         from eventkv.probes.trigger_bank import TriggerBank
 
         probe = TriggerBank(readout=readout, arm_names=comma_list(arms, "--arms"), max_new_tokens=max_new_tokens)
-        run_probe_command(probe, model, items, seed, out, dtype, threads, progress)
+        run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress))
 
 
 def landing(
@@ -82,9 +70,10 @@ def landing(
     """Landing (Study 1): root vs reference edge, co-served mention, root x mention factorial (TOST), depth-3 chains."""
     with user_errors():
         from eventkv.probes.landing import Landing
+        from eventkv.probes.run_options import RunOptions
 
         probe = Landing(readout=readout, tost_margin=tost_margin, max_new_tokens=max_new_tokens)
-        run_probe_command(probe, model, items, seed, out, dtype, threads, progress)
+        run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress))
 
 
 def access(
@@ -102,11 +91,12 @@ def access(
     """Access (Study 1): recovery vs chance for binary, 4-way, 8-way and 3-digit payloads."""
     with user_errors():
         from eventkv.probes.access import Access
+        from eventkv.probes.run_options import RunOptions
 
         probe = Access(
             readout=readout, cardinalities=comma_list(cardinalities, "--cardinalities"), max_new_tokens=max_new_tokens
         )
-        run_probe_command(probe, model, items, seed, out, dtype, threads, progress)
+        run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress))
 
 
 def carriers(
@@ -129,6 +119,7 @@ def carriers(
     """Programmed carriers (Study 1): answer-free carriers served alone and beside the shared row."""
     with user_errors():
         from eventkv.probes.carriers import Carriers
+        from eventkv.probes.run_options import RunOptions
 
         probe = Carriers(
             readout=readout,
@@ -136,7 +127,7 @@ def carriers(
             fix_query_position=fix_query_position,
             max_new_tokens=max_new_tokens,
         )
-        run_probe_command(probe, model, items, seed, out, dtype, threads, progress)
+        run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress))
 
 
 def patch(
@@ -156,15 +147,16 @@ def patch(
     """Served patches (Study 1, Updates): patch event vs re-prefill time against L, stale-value leak."""
     with user_errors():
         from eventkv.probes.patch import Patch
+        from eventkv.probes.run_options import RunOptions
 
         probe = Patch(
             readout=readout,
-            lengths=_ints(lengths, "--lengths"),
+            lengths=int_list(lengths, "--lengths", "24,48,96"),
             timing=timing,
             timing_repeats=timing_repeats,
             max_new_tokens=max_new_tokens,
         )
-        run_probe_command(probe, model, items, seed, out, dtype, threads, progress)
+        run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress))
 
 
 def contract(
@@ -187,26 +179,18 @@ def contract(
     """The memory contract (Study 1): run the whole battery (donor pair, trigger bank, landing, access,
     programmed carriers, patches), resumably, and write contract.md, contract.json and figures."""
     with user_errors():
-        import torch
-
         from eventkv.contract.battery import plan, run_contract
-        from eventkv.models import load, resolve_dtype
-        from eventkv.options import check_out_dir, check_threads
-        from eventkv.probes.base import Runtime
+        from eventkv.probes.run_options import RunOptions
 
         if items is None:
             items = 8 if quick else 24
         plan(items, quick)  # bad --items fails here, before the model loads or --out is made
-        if check_threads(threads) is not None:
-            torch.set_num_threads(threads)
-        resolved = resolve_dtype(dtype)[0]  # a bad --dtype fails here, before the model loads
-        if out is None:
-            out = Path("runs") / "contract" / f"{Path(model).name}-{resolved}{'-quick' if quick else ''}"
-        check_out_dir(out)
-        console = Console()
-        with console.status(f"loading {model} ({dtype})"):
-            lm = load(model, dtype=dtype)
-        rt = Runtime(lm.model, lm.tokenizer, lm.profile)
+        opts, console, rt = start_run(
+            RunOptions(model, items, seed, out, dtype, threads, progress),
+            folder="contract",
+            name="{model}-{dtype}-quick" if quick else "{model}-{dtype}",
+        )
+        out = opts.out
         js = run_contract(
             rt, model=model, out=out, items=items, quick=quick, seed=seed, console=console, progress=progress
         )

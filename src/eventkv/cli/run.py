@@ -67,6 +67,7 @@ def donor_pair(
     """Donor pairs (Study 1): does the answer follow an omitted source through the served rows?"""
     with user_errors():
         from eventkv.probes.donor_pair import DonorPair
+        from eventkv.probes.run_options import RunOptions
 
         probe = DonorPair(
             n_events=n_events,
@@ -79,7 +80,7 @@ def donor_pair(
             max_new_tokens=max_new_tokens,
             arm_names=comma_list(arms, "--arms"),
         )
-        run_probe_command(probe, model, items, seed, out, dtype, threads, progress)
+        run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress))
 
 
 def report(

@@ -13,21 +13,14 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.markdown import Markdown
 
+from eventkv.cli.common import int_list, start_run, user_errors
 from eventkv.errors import EventKVError
 from eventkv.options import DTYPE_HELP
 
-
-def _ints(text: str, what: str) -> tuple[int, ...]:
-    try:
-        vals = tuple(int(s) for s in text.split(",") if s.strip())
-    except ValueError:
-        raise EventKVError(f"{what} {text!r}: give comma-separated integers, e.g. 0,1,2.") from None
-    if not vals:
-        raise EventKVError(f"{what} {text!r}: give at least one integer.")
-    return vals
+SPLICE_DIR = "{model}-{task}-{dtype}-seed{seed}"
+"""The default ``--out`` name under ``runs/splice/`` (``{task}``: the task name, or a JSONL file's stem)."""
 
 
 def build_probe(
@@ -67,10 +60,10 @@ def build_probe(
         task_file=task_file,
         task_digest=digest,
         cutoffs=cutoffs,
-        steps=_ints(steps, "--steps"),
+        steps=int_list(steps, "--steps", "0,1,2"),
         arm_names=arm_names,
         filler=filler if filler is not None else DEFAULT_FILLER,
-        heads=_ints(heads, "--heads") if heads else None,
+        heads=int_list(heads, "--heads", "0,1,2") if heads else None,
         layer_set=layer_set,
         tail=tail,
         max_new_tokens=max_new_tokens,
@@ -132,40 +125,20 @@ def splice(
 ) -> None:
     """Prompt-KV splice (Study 2): accuracy when the prompt span's K/V in layers >= a cutoff are replaced
     by a scaffold, zeroed, masked or averaged, from a decoding step; McNemar exact vs clean per cell."""
-    from eventkv.cli.common import user_errors
-
     with user_errors():
-        import torch
-
-        from eventkv.models import load, resolve_dtype
-        from eventkv.options import check_out_dir, check_threads
-        from eventkv.probes.base import Runtime
-        from eventkv.probes.runner import check_run_items, run_probe
+        from eventkv.probes.run_options import RunOptions
 
         probe = build_probe(
             task, cutoffs, steps, arms, filler, heads, layer_set, tail, max_new_tokens, batch_size, match, readout
         )
-        check_run_items(probe, items)
-        if check_threads(threads) is not None:
-            torch.set_num_threads(threads)
-        resolved = resolve_dtype(dtype)[0]  # a bad --dtype fails here, before the model loads
-        if out is None:
-            tname = Path(task).stem if probe.task == "jsonl" else task
-            out = Path("runs") / "splice" / f"{Path(model).name}-{tname}-{resolved}-seed{seed}"
-        check_out_dir(out)
-        console = Console()
-        with console.status(f"loading {model} ({dtype})"):
-            lm = load(model, dtype=dtype)
-        rt = Runtime(lm.model, lm.tokenizer, lm.profile)
-        summary = run_probe(probe, rt, model=model, items=items, seed=seed, out=out, progress=progress, console=console)
+        tname = Path(task).stem if probe.task == "jsonl" else task
+        opts, console, rt = start_run(
+            RunOptions(model, items, seed, out, dtype, threads, progress), probe, name=SPLICE_DIR, task=tname
+        )
+        summary = opts.run(probe, rt, console)
         console.print(Markdown(summary.data["markdown"]))
+        out = opts.out
         console.print(
             f"records: {out / 'records.jsonl'}  summary: {out / 'summary.md'}  "
             f"figures: {out / 'figure.png'}, {out / 'heatmap.png'}"
         )
-
-
-def main() -> None:  # pragma: no cover - convenience entry point until mounted in eventkv.cli
-    app = typer.Typer(add_completion=False)
-    app.command("splice")(splice)
-    app()
