@@ -49,31 +49,13 @@ def query(
 
     elog = EventLog.from_jsonl(log, instruction=instruction)
     cands = candidates.split(",") if candidates is not None else []
-    check_query(
-        elog,
-        serve,
-        question,
-        mode=mode,
-        candidates=cands,
-        max_new_tokens=max_new_tokens,
-        chunk_size=chunk_size,
-        store=store,
-    )  # fail before the model loads
+    options = dict(mode=mode, candidates=cands, max_new_tokens=max_new_tokens, chunk_size=chunk_size, store=store)
+    check_query(elog, serve, question, **options)  # fail before the model loads
     resolve_dtype(dtype)
     with console.status(f"loading {model}"):
         lm = load(model, dtype=dtype)
     with console.status("prefill / serve / answer"):
-        ans = answer(
-            lm,
-            elog,
-            serve,
-            question,
-            mode=mode,
-            candidates=cands,
-            max_new_tokens=max_new_tokens,
-            store=store,
-            chunk_size=chunk_size,
-        )
+        ans = answer(lm, elog, serve, question, **options)
     console.print(
         f"[dim]{lm.profile.dtype} ({lm.profile.dtype_reason}); served {', '.join(ans.served)} ({mode}): "
         f"{ans.n_rows_served} of {ans.n_rows_total} rows; "
