@@ -1,24 +1,21 @@
 """A tiny offline tokenizer and model profile for probe tests.
 
-The tokenizer is word-level: every printable ASCII character is a token, and so is every
-alphabetic word of the probes' own texts (instruction, question, event templates, register
-names, state words); digits are characters and other words map to ``<unk>``. Whitespace is its
-own token, so candidates like " ONLINE" are two tokens (multi-token scoring is exercised). Plus
-two chat special tokens; under 256 ids, the tiny models' vocabulary. Built in memory: nothing is downloaded.
+The tokenizer is `eventkv.testing.tiny_tokenizer`'s word-level form over the probes' own words
+(instruction, question, event templates, register names, state words): a printable ASCII character
+is a token and so is each such word; digits are characters and other words map to ``<unk>``.
+Whitespace is its own token, so candidates like " ONLINE" are two tokens (multi-token scoring is
+exercised). Built in memory: nothing is downloaded.
 """
 
 from __future__ import annotations
 
 import re
-import string
 from dataclasses import dataclass, field
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from eventkv.testing import tiny_model
-
-SPECIAL = ["<unk>", "<|im_start|>", "<|im_end|>"]
+from eventkv.testing import tiny_tokenizer as testing_tokenizer
 
 
 def _probe_words() -> list[str]:
@@ -33,17 +30,8 @@ def _probe_words() -> list[str]:
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {t: i for i, t in enumerate(SPECIAL)}
-    for ch in string.printable:
-        vocab.setdefault(ch, len(vocab))
-    for w in _probe_words():
-        vocab.setdefault(w, len(vocab))
-    assert len(vocab) <= 256, len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[A-Za-z_]+|[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", additional_special_tokens=SPECIAL[1:])
-    return fast
+    """The probe tests' tokenizer: word-level over the probes' words (see the module docstring)."""
+    return testing_tokenizer(words=_probe_words())
 
 
 @dataclass

