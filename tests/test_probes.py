@@ -4,12 +4,14 @@ import json
 import math
 
 import pytest
+import torch
 from probe_fixtures import tiny_runtime
 
 from eventkv.errors import EventKVError
 from eventkv.log import TokenizedLog, tokenize_query
 from eventkv.probes import DonorPair, get_probe, load_probes
-from eventkv.probes.donor_pair import donor_d, last_state, log_odds, outcome, summarize_donor_pairs
+from eventkv.probes.donor_pair import last_state, summarize_donor_pairs
+from eventkv.probes.pairs import PrefillCache, donor_d, log_odds, outcome, tokenize_pair
 from eventkv.readout import candidate_logprobs, generate, read_out
 from eventkv.serve import serve
 from eventkv.testing import assert_same_greedy
@@ -163,6 +165,24 @@ def test_donor_pair_option_errors_name_the_value():
         DonorPair(states=("ONLINE",))
     with pytest.raises(EventKVError, match="source_slots 8,30"):
         DonorPair(source_slots=(8, 30), root_slot=13)
+
+
+# ---------------------------------------------------------------- the pair engine under the donor-pair probe
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_shared_prefix_prefill_matches_continuing_variant_a(family):
+    rt = tiny_runtime(family)
+    probe = DonorPair()
+    item = probe.items(4, [0])[0]
+    logs = tokenize_pair(rt, probe.instruction, item["events"])
+    shared = PrefillCache(rt, probe.instruction)
+    shared.prefill_shared(logs)
+    a, b = (shared.prefill(log) for log in logs)
+    plain = PrefillCache(rt, probe.instruction)
+    a0, b0 = (plain.prefill(log) for log in logs)
+    r = logs[0].span(f"e{item['source_slot']:02d}").row_start  # rows of the events both variants begin with
+    for x, y, x0, y0 in zip(a.keys + a.values, b.keys + b.values, a0.keys + a0.values, b0.keys + b0.values):
+        assert torch.equal(x[:, :, :r], y[:, :, :r])  # both variants continue the one shared prefix
+        assert torch.allclose(x, x0, atol=1e-5) and torch.allclose(y, y0, atol=1e-5)
 
 
 # ---------------------------------------------------------------- readout parsing and statistics

@@ -43,11 +43,15 @@ answers the other's), **constant** (both give the same state), **other** (anythi
 state word). From candidate scores: ``d = ½([lo(a|A) - lo(a|B)] + [lo(b|B) - lo(b|A)])`` where
 ``lo(v|X)`` is the log-odds of state v among the candidates in variant X; for two states both
 brackets are equal. d > 0 means the answer leans toward the omitted source's value.
+
+The probe is a recipe over the pair engine of :mod:`eventkv.probes.pairs` (the one the contract
+probes run on): :func:`~eventkv.probes.pairs.run_pair` tokenizes, prefills, serves, reads out and
+scores (:func:`~eventkv.probes.pairs.outcome`, :func:`~eventkv.probes.pairs.donor_d`); the probe
+adds the ``kv-all`` check and writes its record.
 """
 
 from __future__ import annotations
 
-import math
 import random
 import re
 from dataclasses import dataclass
@@ -56,11 +60,10 @@ from typing import ClassVar, Sequence
 import torch
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.log import TokenizedLog, tokenize_query
-from eventkv.options import check_choices, check_max_new_tokens, check_slots
-from eventkv.probes.base import Arm, Probe, Runtime, Summary, Table, register
-from eventkv.readout import read_out
-from eventkv.serve import ServedCache, serve
+from eventkv.options import check_choices, check_slots
+from eventkv.probes.base import Arm, Runtime, Summary, Table, register
+from eventkv.probes.pairs import OUTCOMES, PairArm, PairProbe, event_id
+from eventkv.serve import serve
 from eventkv.stats import format_p, median, require_finite, sign_test, sign_test_d, wilcoxon_d, wilson
 
 NAMES = ("ALPHA", "BETA", "GAMMA", "DELTA", "OMEGA", "SIGMA", "KAPPA", "THETA", "LAMBDA", "EPSILON")
@@ -73,9 +76,7 @@ QUESTION = (
     "for that register, then end your answer with the final state word."
 )
 DECOYS = ("independent", "opposite", "none")
-OUTCOMES = ("follow", "anti", "constant", "other")
 ARM_NAMES = ("kv", "isolated", "text-all", "kv-all")
-VARIANTS = ("A", "B")
 
 
 def event_text(slot: int, body: str) -> str:
@@ -99,36 +100,17 @@ def last_state(text: str, states: Sequence[str]) -> str | None:
     return next(s for s in states if s.upper() == word)
 
 
-def outcome(answer_a: str | None, answer_b: str | None, a: str, b: str) -> str:
-    """Pair outcome from the two variants' answers (variant A's source wrote ``a``, B's ``b``)."""
-    if answer_a == a and answer_b == b:
-        return "follow"
-    if answer_a == b and answer_b == a:
-        return "anti"
-    if answer_a is not None and answer_a == answer_b:
-        return "constant"
-    return "other"
-
-
-def log_odds(logprobs: dict[str, float], state: str) -> float:
-    """log-odds of ``state`` among the candidates: ``lp(state) - logsumexp(lp(others))`` (nats)."""
-    others = [v for k, v in logprobs.items() if k != state]
-    m = max(others)
-    return logprobs[state] - (m + math.log(sum(math.exp(v - m) for v in others)))
-
-
-def donor_d(lp_a: dict[str, float], lp_b: dict[str, float], a: str, b: str) -> float:
-    """The continuous donor statistic d of one pair (see the module docstring)."""
-    return 0.5 * ((log_odds(lp_a, a) - log_odds(lp_b, a)) + (log_odds(lp_b, b) - log_odds(lp_a, b)))
-
-
 @register
 @dataclass
-class DonorPair(Probe):
-    """Donor pairs over register histories (Study 1, "Donor pair"). Fields are the options."""
+class DonorPair(PairProbe):
+    """Donor pairs over register histories (Study 1, "Donor pair"). Fields are the options; the
+    pair engine :func:`~eventkv.probes.pairs.run_pair` answers the arms."""
 
     name: ClassVar[str] = "donor-pair"
     smoke_options: ClassVar[dict] = {"max_new_tokens": 4}
+    # the engine's options: the probe's order of forwards and its record's ``stopped``
+    shared_prefix: ClassVar[bool] = True
+    record_stopped: ClassVar[bool] = True
 
     n_events: int = 24
     decoy_slot: int = 0
@@ -188,9 +170,7 @@ class DonorPair(Probe):
             raise OptionError("states", self.states, "give at least two distinct state words (e.g. ONLINE,OFFLINE).")
         if len(set(self.registers)) < 4:
             raise EventKVError("registers: give at least 4 distinct register names (decoy, source, root and a filler).")
-        if self.readout not in ("generate", "logits", "both"):
-            raise OptionError("readout", self.readout, "use generate, logits or both.")
-        check_max_new_tokens(self.max_new_tokens)
+        self.check_readout()
         check_choices("arm_names", self.arm_names, ARM_NAMES, required=("kv",), flag="--arms", what="arms")
         if "kv-all" in self.arm_names and "text-all" not in self.arm_names:
             raise OptionError(
@@ -200,22 +180,26 @@ class DonorPair(Probe):
                 flag="--arms",
             )
 
-    @property
-    def readouts(self) -> tuple[str, ...]:
-        return ("generate", "logits") if self.readout == "both" else (self.readout,)
+    def pair_arms(self) -> list[PairArm]:
+        """The arms the engine answers: ``kv``, ``isolated`` and ``text-all`` among ``arm_names``."""
+        served = ("decoy", "root")
+        table = {
+            "kv": PairArm(
+                "kv", "main", served, "compact", description="global prefill, compact serving of {decoy, root}"
+            ),
+            "isolated": PairArm(
+                "isolated", "main", served, "isolated", description="{decoy, root}, each encoded alone"
+            ),
+            "text-all": PairArm("text-all", "main", "all", "prefill", description="all events as text: comprehension"),
+        }
+        return [table[a] for a in ARM_NAMES if a in self.arm_names and a in table]
 
     def arms(self) -> list[Arm]:
-        ro = self.readouts
-        table = {
-            "kv": Arm("kv", ("decoy", "root"), "compact", ro, "global prefill, compact serving of {decoy, root}"),
-            "isolated": Arm("isolated", ("decoy", "root"), "isolated", ro, "{decoy, root}, each encoded alone"),
-            "text-all": Arm("text-all", "all", "prefill", ro, "all events as text: comprehension"),
-            "kv-all": Arm("kv-all", "all", "compact", (), "all events via serve(): rows checked equal to text-all's"),
-        }
-        return [table[a] for a in ARM_NAMES if a in self.arm_names]
-
-    def items(self, seed: int, indices: Sequence[int]) -> list[dict]:
-        return [self._item(seed, i) for i in indices]
+        """The answered arms, then ``kv-all`` (no readout: its rows are checked equal to text-all's)."""
+        arms = super().arms()
+        if "kv-all" in self.arm_names:
+            arms.append(Arm("kv-all", "all", "compact", (), "all events via serve(): rows checked equal to text-all's"))
+        return arms
 
     def _item(self, seed: int, index: int) -> dict:
         rng = random.Random(f"donor-pair:{seed}:{index}")
@@ -254,111 +238,31 @@ class DonorPair(Probe):
             "question": self.question.format(register=root, menu=menu(self.states)),
         }
 
-    @staticmethod
-    def event_id(slot: int) -> str:
-        return f"e{slot:02d}"
+    event_id = staticmethod(event_id)
 
     # ------------------------------------------------------------------ running
     def run_item(self, rt: Runtime, item: dict) -> dict:
-        """Prefill the pair (header reused, shared part once, each variant's remainder once),
-        build every arm's served cache, answer all of them in one batched readout, and return the
-        pair's record."""
-        ids = [self.event_id(i) for i in range(self.n_events)]
-        header = rt.header_ids(self.instruction)
-        toks = [[rt.encode(t) for t in ev] for ev in item["events"]]
-        budgets = [
-            max(len(toks[0][i]), len(toks[1][i])) if toks[0][i] != toks[1][i] else None for i in range(self.n_events)
-        ]
-        logs = [TokenizedLog(header, ids, toks[v], budgets) for v in (0, 1)]
-        shared = next(i for i in range(self.n_events) if toks[0][i] != toks[1][i])
-        prefix = rt.header_kv(self.instruction)
-        if shared > 0:
-            prefix = rt.prefill(TokenizedLog(header, ids[:shared], toks[0][:shared], budgets[:shared]), prefix=prefix)
-        ekvs = [rt.prefill(log, prefix=prefix) for log in logs]
-
-        served_ids = [self.event_id(self.decoy_slot), self.event_id(self.root_slot)]
-        served_identical = all(toks[0][s] == toks[1][s] for s in (self.decoy_slot, self.root_slot))
-        arms = {a.name: a for a in self.arms()}
-        entries: list[tuple[str, tuple[int, ...], ServedCache]] = []  # (arm, variants answered, cache)
-        for v, ekv in enumerate(ekvs):
-            entries.append(("kv", (v,), serve(ekv, served_ids, "compact")))
-            entries.append(
-                (
-                    "text-all",
-                    (v,),
-                    ServedCache(ekv.keys, ekv.values, ekv.positions, None, ekv.log.history_end, "prefill", tuple(ids)),
-                )
-            )
-        if "isolated" in arms:
-            if served_identical:  # identical served tokens at identical positions: one encoding answers both
-                entries.append(("isolated", (0, 1), serve(ekvs[0], served_ids, "isolated", model=rt.model)))
-            else:
-                entries += [("isolated", (v,), serve(ekvs[v], served_ids, "isolated", model=rt.model)) for v in (0, 1)]
-        entries = [e for e in entries if e[0] in arms and e[0] != "kv-all"]
+        """Run the pair on the pair engine (header reused, shared events prefilled once, each
+        variant's remainder once; every arm's served cache answered in one batched readout), check
+        ``kv-all`` against ``text-all``, and return the pair's record."""
+        pair = {
+            "values": item["values"],
+            "histories": {"main": item["events"]},
+            "roles": {"main": {"decoy": self.decoy_slot, "root": self.root_slot}},
+            "questions": {"main": item["question"]},
+            "candidates": list(self.states),
+        }
+        run = self.answer(rt, pair, parse=lambda text: last_state(text, self.states))
+        logs, ekvs = run.logs["main"], run.prefills["main"]
+        served_ids = [event_id(self.decoy_slot), event_id(self.root_slot)]
+        served = {
+            arm: {"events": list(logs[0].event_ids) if s["events"] == "all" else s["events"], "rows": s["rows"]}
+            for arm, s in run.served.items()
+        }
         check = None
-        if "kv-all" in arms:  # kv-all: every event served through serve(); same rows => same readouts as text-all
-            same = []
-            for ekv in ekvs:
-                s = serve(ekv, "all", "compact")
-                same.append(
-                    s.next_position == ekv.log.history_end
-                    and torch.equal(s.positions, ekv.positions)
-                    and all(torch.equal(x, y) for x, y in zip(s.keys + s.values, ekv.keys + ekv.values))
-                )
-            check = {"rows_and_positions_equal": all(same)}
-
-        query = tokenize_query(rt.tokenizer, rt.profile, item["question"])
-        cands = [rt.encode(" " + s) for s in self.states]
-        results = read_out(
-            rt.model,
-            [e[2] for e in entries],
-            query,
-            generate=["generate" in arms[e[0]].readouts for e in entries],
-            score=["logits" in arms[e[0]].readouts for e in entries],
-            candidates=cands,
-            candidate_texts=list(self.states),
-            answer_prefix_ids=rt.encode(self.answer_prefix),
-            max_new_tokens=self.max_new_tokens,
-            stop_token_ids=rt.stop_token_ids,
-            tokenizer=rt.tokenizer,
-            max_context=rt.max_context,
-        )
-
-        answers: dict[str, list[dict | None]] = {a: [None, None] for a in arms}
-        for (arm, variants, _), res in zip(entries, results):
-            out: dict = {}
-            if res.generation is not None:
-                g = res.generation
-                out.update(
-                    text=g.text, n_tokens=len(g.tokens), stopped=g.stopped, answer=last_state(g.text, self.states)
-                )
-            if res.candidates:
-                lps = {c.text: c.logprob for c in res.candidates}
-                out.update(logprobs=lps, choice=max(lps, key=lps.get))
-            for v in variants:
-                answers[arm][v] = out
-
-        a, b = item["values"]
-        outcomes, d = {}, {}
-        for arm in arms:
-            if arm == "kv-all":
-                continue
-            A, B = answers[arm]
-            outcomes[arm] = {}
-            if "generate" in self.readouts:
-                outcomes[arm]["generate"] = outcome(A["answer"], B["answer"], a, b)
-            if "logits" in self.readouts:
-                outcomes[arm]["logits"] = outcome(A["choice"], B["choice"], a, b)
-                d[arm] = donor_d(A["logprobs"], B["logprobs"], a, b)
-
-        served_rows = {}
-        for arm in arms:
-            sv = served_ids if arms[arm].served != "all" else ids
-            served_rows[arm] = {
-                "events": list(sv),
-                "rows": [len(header) + sum(len(toks[v][ids.index(e)]) for e in sv) for v in (0, 1)],
-            }
-        spans = {e: [logs[0].span(e).pos_start, logs[0].span(e).n_tokens] for e in served_ids}
+        if "kv-all" in self.arm_names:  # every event served through serve(); same rows => text-all's readouts
+            served["kv-all"] = {"events": list(logs[0].event_ids), "rows": list(served["text-all"]["rows"])}
+            check = {"rows_and_positions_equal": all(_serves_the_prefill(ekv) for ekv in ekvs)}
         return {
             "index": item["index"],
             "registers": item["registers"],
@@ -367,14 +271,16 @@ class DonorPair(Probe):
             "decoy_values": item["decoy_values"],
             "question": item["question"],
             "events": {"A": item["events"][0], "B": item["events"][1]},
-            "budgets": {self.event_id(i): bb for i, bb in enumerate(budgets) if bb is not None},
+            "budgets": {event_id(i): bb for i, bb in enumerate(logs[0].budgets) if bb is not None},
             "history_end": logs[0].history_end,
-            "served": served_rows,
-            "served_positions": spans,
-            "served_identical": served_identical,
-            "arms": {arm: {"A": answers[arm][0], "B": answers[arm][1]} for arm in arms if arm != "kv-all"},
-            "outcomes": outcomes,
-            "d": d,
+            "served": served,
+            "served_positions": {e: [logs[0].span(e).pos_start, logs[0].span(e).n_tokens] for e in served_ids},
+            "served_identical": all(
+                logs[0].event_tokens[s] == logs[1].event_tokens[s] for s in (self.decoy_slot, self.root_slot)
+            ),
+            "arms": {arm: {"A": a, "B": b} for arm, (a, b) in run.answers.items()},
+            "outcomes": run.outcomes,
+            "d": run.d,
             "kv_all_vs_text_all": check,
         }
 
@@ -386,6 +292,18 @@ class DonorPair(Probe):
         from eventkv.probes.figures import donor_pair_figure
 
         donor_pair_figure(records, path)
+
+
+def _serves_the_prefill(ekv) -> bool:
+    """The ``kv-all`` check: every event served through :func:`eventkv.serve.serve` (compact) gives
+    bitwise the prefill's rows (keys/values ``[1, kv_heads, rows, head_dim]`` per layer), its
+    positions and its query position, so ``kv-all``'s readouts are ``text-all``'s."""
+    s = serve(ekv, "all", "compact")
+    return (
+        s.next_position == ekv.log.history_end
+        and torch.equal(s.positions, ekv.positions)
+        and all(torch.equal(x, y) for x, y in zip(s.keys + s.values, ekv.keys + ekv.values))
+    )
 
 
 def summarize_donor_pairs(records: Sequence[dict], probe: DonorPair) -> Summary:

@@ -1,13 +1,14 @@
-"""Donor pairs with several histories and many arms: the engine under the memory-contract probes.
+"""The donor-pair engine: donor pairs with one or several histories and many arms.
 
-The donor-pair probe (:mod:`eventkv.probes.donor_pair`) answers one history layout with fixed
-arms. The contract probes (Study 1, "The memory contract", "Programmed carriers", "Updates") need
-the same unit of evidence — two variants identical except for what an unserved event wrote —
-over *several* histories per item (e.g. with and without a carrier), with arms that serve any
+The donor-pair probe (:mod:`eventkv.probes.donor_pair`, Study 1, "Donor pair") answers one
+history layout with fixed arms. The contract probes (Study 1, "The memory contract", "Programmed
+carriers", "Updates") need the same unit of evidence — two variants identical except for what an
+unserved event wrote — over *several* histories per item (e.g. with and without a carrier), with arms that serve any
 roles, mix rows of the two variants (the landing factorial), or answer with the query at a fixed
-absolute position. This module runs such an item on the data path and scores it with the
-donor-pair probe's own functions (:func:`~eventkv.probes.donor_pair.outcome`,
-:func:`~eventkv.probes.donor_pair.donor_d`) and the batched readout.
+absolute position. This module is the one donor-pair engine under all of them, the donor-pair
+probe included: :func:`run_pair` runs an item on the data path (tokenize with position budgets,
+prefill sharing the common prefix, serve, one batched readout) and scores every arm as a donor
+pair (:func:`outcome`, :func:`donor_d`).
 
 An item (a JSON-able dict built by the probe, deterministic in ``(seed, index)``) holds:
 
@@ -30,8 +31,9 @@ the largest ``history_end`` over the item's histories, the same for every such a
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, ClassVar, Sequence
 
 import torch
 
@@ -40,20 +42,60 @@ from eventkv.log import HEADER_ID, TokenizedLog, tokenize_query
 from eventkv.options import check_max_new_tokens, check_slots
 from eventkv.prefill import EventKV
 from eventkv.probes.base import Arm, Probe, Runtime
-from eventkv.probes.donor_pair import donor_d, outcome
 from eventkv.readout import read_out
 from eventkv.serve import ServedCache, serve
 
 VARIANTS = ("A", "B")
+#: pair outcomes (Study 1, "Donor pair"), in table order
+OUTCOMES = ("follow", "anti", "constant", "other")
+
+
+# ---------------------------------------------------------------- scoring one pair (Study 1, "Donor pair")
+def outcome(answer_a: str | None, answer_b: str | None, a: str, b: str) -> str:
+    """Pair outcome from the two variants' answers (variant A's source wrote ``a``, B's ``b``):
+    ``follow`` (each answers its own source's value), ``anti`` (each answers the other's),
+    ``constant`` (both give the same answer), ``other`` (anything else, e.g. no answer)."""
+    if answer_a == a and answer_b == b:
+        return "follow"
+    if answer_a == b and answer_b == a:
+        return "anti"
+    if answer_a is not None and answer_a == answer_b:
+        return "constant"
+    return "other"
+
+
+def log_odds(logprobs: dict[str, float], state: str) -> float:
+    """log-odds of ``state`` among the candidates: ``lp(state) - logsumexp(lp(others))`` (nats)."""
+    others = [v for k, v in logprobs.items() if k != state]
+    m = max(others)
+    return logprobs[state] - (m + math.log(sum(math.exp(v - m) for v in others)))
+
+
+def donor_d(lp_a: dict[str, float], lp_b: dict[str, float], a: str, b: str) -> float:
+    """The continuous donor statistic of one pair (Study 1, "Donor pair"), in nats:
+    ``d = ½([lo(a|A) - lo(a|B)] + [lo(b|B) - lo(b|A)])`` where ``lo(v|X)`` is the log-odds of ``v``
+    among the candidates in variant X (:func:`log_odds`); d > 0 leans toward each variant's own
+    unserved value. ``lp_a``/``lp_b``: candidate log-probabilities per variant."""
+    return 0.5 * ((log_odds(lp_a, a) - log_odds(lp_b, a)) + (log_odds(lp_b, b) - log_odds(lp_a, b)))
 
 
 READOUT_OPTIONS = ("generate", "logits", "both")
 
 
 class PairProbe(Probe):
-    """Members shared by the multi-history donor-pair probes (trigger bank, landing, access,
-    carriers, patch): the ``readout`` option, arms derived from :meth:`pair_arms`, and items built
-    one by one from ``(seed, index)`` by ``_item``."""
+    """Members shared by the donor-pair probes (donor pair, trigger bank, landing, access,
+    carriers, patch): the ``readout`` option, arms derived from :meth:`pair_arms`, items built
+    one by one from ``(seed, index)`` by ``_item``, and :meth:`answer`, which runs an item's arms
+    on the pair engine :func:`run_pair`.
+
+    Subclasses are ``@dataclass``es with the fields ``readout``, ``max_new_tokens``,
+    ``instruction`` and ``answer_prefix``; the two ClassVars below choose the engine's options.
+    """
+
+    #: prefill the variants' common leading events once, as their own prefix (see :func:`run_pair`)
+    shared_prefix: ClassVar[bool] = False
+    #: record whether each generation ended on a stop token (``stopped``)
+    record_stopped: ClassVar[bool] = False
 
     def check_layout(self, *later: tuple[str, int]) -> None:
         """Raises EventKVError unless ``0 <= decoy_slot < source_slots[0] <= source_slots[1] <``
@@ -93,9 +135,10 @@ class PairProbe(Probe):
     def items(self, seed: int, indices: Sequence[int]) -> list[dict]:
         return [self._item(seed, i) for i in indices]
 
-    def run_arms(self, rt: Runtime, item: dict, parse: Callable[[str], str | None]) -> dict:
+    def answer(self, rt: Runtime, item: dict, parse: Callable[[str], str | None]) -> "PairRun":
         """:func:`run_pair` on ``item`` with this probe's arms and options (instruction, readouts,
-        max new tokens, answer prefix); ``parse`` reads the answer out of a generation."""
+        max new tokens, answer prefix, ``shared_prefix``, ``record_stopped``); ``parse`` reads the
+        answer out of a generation."""
         return run_pair(
             rt,
             item,
@@ -105,7 +148,13 @@ class PairProbe(Probe):
             parse=parse,
             max_new_tokens=self.max_new_tokens,
             answer_prefix=self.answer_prefix,
+            shared_prefix=self.shared_prefix,
+            record_stopped=self.record_stopped,
         )
+
+    def run_arms(self, rt: Runtime, item: dict, parse: Callable[[str], str | None]) -> dict:
+        """The engine's part of a contract probe's record: :meth:`answer` then :meth:`PairRun.record`."""
+        return self.answer(rt, item, parse).record()
 
 
 @dataclass(frozen=True)
@@ -215,6 +264,8 @@ class PrefillCache:
         self._done: list[EventKV] = []
 
     def prefill(self, log: TokenizedLog) -> EventKV:
+        """The EventKV of ``log`` (keys/values ``[1, kv_heads, rows, head_dim]`` per layer),
+        continuing the longest computed prefix or returning an identical earlier prefill."""
         ids, pos = log.input_ids, log.position_ids
         best, best_n = self.rt.header_kv(self.instruction), None
         for ekv in self._done:
@@ -224,10 +275,20 @@ class PrefillCache:
         if best_n is not None:
             if best_n == len(log.event_ids) and best.log.input_ids == ids and best.log.position_ids == pos:
                 return best
-            best = _truncate(best, best_n)
+            if best_n < len(best.log.event_ids):
+                best = _truncate(best, best_n)
         ekv = self.rt.prefill(log, prefix=best)
         self._done.append(ekv)
         return ekv
+
+    def prefill_shared(self, pair: Sequence[TokenizedLog]) -> None:
+        """Prefill the events both variants begin with (same tokens and positions) as a prefix of
+        its own, which both variants' prefills then continue: the donor-pair probe's order of
+        forwards (header, shared events, each variant's remainder). Nothing when the variants
+        differ in their first event or not at all."""
+        n = _common_events(pair[0], pair[1])
+        if 0 < n < len(pair[0].event_ids):
+            self.prefill(_leading(pair[0], n))
 
 
 def _common_events(a: TokenizedLog, b: TokenizedLog) -> int:
@@ -243,14 +304,60 @@ def _common_events(a: TokenizedLog, b: TokenizedLog) -> int:
     return n
 
 
+def _leading(log: TokenizedLog, n_events: int) -> TokenizedLog:
+    """The header and the first ``n_events`` events of ``log`` (same tokens, budgets, positions)."""
+    return TokenizedLog(log.header_ids, log.event_ids[:n_events], log.event_tokens[:n_events], log.budgets[:n_events])
+
+
 def _truncate(ekv: EventKV, n_events: int) -> EventKV:
     """The EventKV of the header and the first ``n_events`` events of ``ekv`` (rows shared)."""
-    log = ekv.log
-    sub = TokenizedLog(log.header_ids, log.event_ids[:n_events], log.event_tokens[:n_events], log.budgets[:n_events])
+    sub = _leading(ekv.log, n_events)
     r = sub.n_rows
     return EventKV(
         sub, [k[:, :, :r] for k in ekv.keys], [v[:, :, :r] for v in ekv.values], ekv.positions[:r], ekv.weights_digest
     )
+
+
+@dataclass
+class PairRun:
+    """One item answered on every arm by :func:`run_pair`: what a probe writes its record from.
+
+    Attributes:
+        logs: per history, the two variants' TokenizedLogs ``[A, B]`` (shared positions).
+        prefills: per history, the two variants' EventKVs ``[A, B]`` (rows of the global prefill).
+        answers: per arm, ``[out_A, out_B]``: ``text``, ``n_tokens`` (``stopped``), ``answer``
+            (generate) and ``logprobs`` (nats), ``choice`` (logits).
+        outcomes: per arm and readout, the pair's outcome (:func:`outcome`).
+        d: per arm with the logits readout, the donor statistic (:func:`donor_d`, nats).
+        query_position: per arm, the position of the query's first token.
+        served: per arm, ``events`` (event ids, or ``"all"``), ``swap`` (event ids whose rows
+            come from the other variant) and ``rows`` (header + served rows, per variant).
+    """
+
+    logs: dict[str, list[TokenizedLog]]
+    prefills: dict[str, list[EventKV]]
+    answers: dict[str, list[dict]]
+    outcomes: dict[str, dict[str, str]]
+    d: dict[str, float]
+    query_position: dict[str, int]
+    served: dict[str, dict]
+
+    @property
+    def history_end(self) -> dict[str, int]:
+        """Per history, the first position after it (where a query starts; the same in both variants)."""
+        return {h: pair[0].history_end for h, pair in self.logs.items()}
+
+    def record(self) -> dict:
+        """The engine's part of a contract probe's record: ``{"arms": {arm: {"A": out, "B": out}},
+        "outcomes", "d", "query_position", "history_end", "served"}``."""
+        return {
+            "arms": {n: {"A": x[0], "B": x[1]} for n, x in self.answers.items()},
+            "outcomes": self.outcomes,
+            "d": self.d,
+            "query_position": self.query_position,
+            "history_end": self.history_end,
+            "served": self.served,
+        }
 
 
 def run_pair(
@@ -264,17 +371,34 @@ def run_pair(
     max_new_tokens: int,
     answer_prefix: str,
     cache: PrefillCache | None = None,
-) -> dict:
+    shared_prefix: bool = False,
+    record_stopped: bool = False,
+) -> PairRun:
     """Run every arm on both variants of one item (one prefill per history and variant, one
-    batched readout for all arms) and score each arm as a donor pair.
+    batched readout for all arms of a question) and score each arm as a donor pair (Study 1,
+    "Donor pair"): the one donor-pair engine of the pair probes.
+
+    Args:
+        item: the item (see the module docstring).
+        arms: the arms to answer; an isolated arm whose served tokens are the same in both
+            variants is encoded once and answers both.
+        readouts: ``generate`` and/or ``logits``.
+        parse: reads the answer out of a generated text (None: no answer).
+        max_new_tokens: the greedy generation budget (tokens).
+        answer_prefix: text forced before the scored candidates (e.g. ``"Answer:"``).
+        cache: prefills to continue (default: a new :class:`PrefillCache`).
+        shared_prefix: prefill each history's common leading events once as their own prefix
+            before the variants (:meth:`PrefillCache.prefill_shared`) instead of continuing
+            variant A's rows; the donor-pair probe's order of forwards, kept so its records stay
+            bitwise the same.
+        record_stopped: record ``stopped`` (the generation ended on a stop token) per answer.
 
     Returns:
-        ``{"arms": {arm: {"A": out, "B": out}}, "outcomes": {arm: {readout: outcome}},
-        "d": {arm: d}, "query_position": {arm: p}, "history_end": {history: end}, "served": {...}}``
-        where ``out`` has ``text``/``answer`` (generate) and ``logprobs``/``choice`` (logits).
+        a :class:`PairRun` (its :meth:`PairRun.record` is the contract probes' record part).
 
     Raises:
-        EventKVError: an arm naming an unknown history, role or question.
+        EventKVError: an arm naming an unknown history, role or question; a history or query
+            beyond the model's context.
     """
     cache = cache or PrefillCache(rt, instruction)
     used = sorted({a.history for a in arms})
@@ -283,6 +407,8 @@ def run_pair(
         if h not in item["histories"]:
             raise EventKVError(f"arm history {h!r} is not in the item (has {', '.join(item['histories'])}).")
         logs[h] = tokenize_pair(rt, instruction, item["histories"][h], item.get("pad", {}).get(h))
+        if shared_prefix:
+            cache.prefill_shared(logs[h])
         ekvs[h] = [cache.prefill(log) for log in logs[h]]
     common = max(logs[h][0].history_end for h in used)
 
@@ -332,13 +458,7 @@ def run_pair(
         served_rec[arm.name] = {
             "events": ids if arm.served != "all" else "all",
             "swap": swap,
-            "rows": [
-                int(
-                    rt.header_ids(instruction).__len__()
-                    + sum(logs[arm.history][v].spans[log0.event_ids.index(e) + 1].n_tokens for e in ids)
-                )
-                for v in (0, 1)
-            ],
+            "rows": [len(log.header_ids) + sum(log.span(e).n_tokens for e in ids) for log in logs[arm.history]],
         }
 
     cand_texts = list(item["candidates"])
@@ -374,7 +494,10 @@ def run_pair(
         out: dict = {}
         if res.generation is not None:
             g = res.generation
-            out.update(text=g.text, n_tokens=len(g.tokens), answer=parse(g.text))
+            out.update(text=g.text, n_tokens=len(g.tokens))
+            if record_stopped:
+                out.update(stopped=g.stopped)
+            out.update(answer=parse(g.text))
         if res.candidates:
             lps: dict[str, float] = {}
             for c in res.candidates:  # candidates that tokenize alike keep the first score
@@ -394,14 +517,7 @@ def run_pair(
         if "logits" in readouts:
             outcomes[arm.name]["logits"] = outcome(A["choice"], B["choice"], ca, cb)
             d[arm.name] = donor_d(A["logprobs"], B["logprobs"], ca, cb) if ca != cb and len(A["logprobs"]) > 1 else 0.0
-    return {
-        "arms": {n: {"A": x[0], "B": x[1]} for n, x in answers.items()},
-        "outcomes": outcomes,
-        "d": d,
-        "query_position": qpos,
-        "history_end": {h: logs[h][0].history_end for h in used},
-        "served": served_rec,
-    }
+    return PairRun(logs, ekvs, answers, outcomes, d, qpos, served_rec)
 
 
 def correct(record: dict, arm: str, readout: str, value_key: str = "values") -> list[bool]:
@@ -415,7 +531,6 @@ def pair_stats(records: Sequence[dict], arm: str, readout: str) -> dict:
     """Donor-pair statistics of one arm and readout over records (Study 1, "Donor pair"):
     outcome counts, the follow rate (pairs where both variants answered their own donor's value)
     with its Wilson 95% interval, prevalence (follow + anti), and the exact sign test follow vs anti."""
-    from eventkv.probes.donor_pair import OUTCOMES
     from eventkv.stats import sign_test, wilson
 
     rs = [r for r in records if arm in r["outcomes"] and readout in r["outcomes"][arm]]
@@ -489,7 +604,7 @@ def arm_table(
 
 def d_stats(records: Sequence[dict], arm: str) -> dict | None:
     """Graded donor sensitivity of one arm (candidate readout): the donor statistic ``d`` of every
-    pair (:func:`~eventkv.probes.donor_pair.donor_d`, nats; d > 0 leans toward each variant's own
+    pair (:func:`donor_d`, nats; d > 0 leans toward each variant's own
     unserved value), its median, the exact sign test d > 0 vs d < 0 (zeros dropped) and the
     two-sided Wilcoxon signed-rank test (``scipy.stats.wilcoxon``). ``None`` when no record has a
     ``d`` for ``arm`` (generation-only runs)."""
