@@ -312,7 +312,7 @@ def test_fake_alias_fetched_once_then_loaded_from_cache(fake_alias):
     lm = models.load("tiny-test")
     assert fake_alias == ["tiny-test"]
     directory = cache_dir.model_dir("tiny-test")
-    manifest = json.loads((directory / cache_dir.MANIFEST_NAME).read_text())
+    manifest = json.loads((directory / cache_dir.MODEL_MANIFEST).read_text())
     assert set(manifest["files"]) == set(cache_dir.dir_files(directory))
     assert manifest["weights_digest"] == "f" * 64
     assert lm.profile.weights_digest == "f" * 64
@@ -346,7 +346,7 @@ def test_corrupted_cache_is_detected_and_refetched(fake_alias, caplog):
 
 def test_missing_manifest_means_not_cached(fake_alias, caplog):
     directory = models.pull("tiny-test", progress=False)
-    (directory / cache_dir.MANIFEST_NAME).unlink()
+    (directory / cache_dir.MODEL_MANIFEST).unlink()
     assert not _cached()
     with caplog.at_level(logging.WARNING, logger="eventkv.models"):
         models.pull("tiny-test", progress=False)
@@ -373,7 +373,8 @@ def test_old_cache_dir_path_still_imports():
     import eventkv.cache_dir as old
 
     assert {"cache_root", "model_dir", "check_dir", "write_manifest", "MANIFEST_NAME", "CACHE_ENV"} <= set(old.__all__)
-    assert all(getattr(old, name) is getattr(cache_dir, name) for name in old.__all__)
+    assert all(getattr(old, name) is getattr(cache_dir, name) for name in old.__all__ if name != "MANIFEST_NAME")
+    assert old.MANIFEST_NAME == cache_dir.MODEL_MANIFEST  # the constant's old name
 
 
 def test_cache_root_from_env(monkeypatch, tmp_path):
@@ -424,7 +425,7 @@ def test_verified_stamp_skips_rehash_until_a_file_changes(tmp_path, monkeypatch)
     assert cache_dir.check_dir(tmp_path).ok
     assert not (tmp_path / cache_dir.STAMP_NAME).exists()
     old = 1_600_000_000
-    for name in ("w.bin", cache_dir.MANIFEST_NAME):
+    for name in ("w.bin", cache_dir.MODEL_MANIFEST):
         os.utime(tmp_path / name, (old, old))
     assert cache_dir.check_dir(tmp_path).ok
     assert (tmp_path / cache_dir.STAMP_NAME).exists()

@@ -7,7 +7,7 @@ from probe_fixtures import tiny_runtime
 
 from eventkv.errors import EventKVError
 from eventkv.probes import DonorPair
-from eventkv.probes.runner import FIGURE, MANIFEST, RECORDS, SUMMARY, load_records, render, run_probe
+from eventkv.probes.runner import FIGURE, RECORDS, RUN_MANIFEST, SUMMARY, load_records, render, run_probe
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def reference(rt, tmp_path_factory):
 
 
 def test_run_writes_manifest_records_summary(reference):
-    m = json.loads((reference / MANIFEST).read_text())
+    m = json.loads((reference / RUN_MANIFEST).read_text())
     assert m["identity"]["probe"] == "donor-pair" and m["identity"]["seed"] == 0
     assert m["identity"]["options"]["source_slots"] == [8, 11]
     assert m["identity"]["weights_digest"] == "tiny-random" and m["identity"]["dtype"] == "float32"
@@ -46,12 +46,12 @@ def test_same_seed_gives_identical_records(rt, reference, tmp_path):
 
 def test_resume_after_a_kill_mid_write(rt, reference, tmp_path):
     lines = (reference / RECORDS).read_bytes().split(b"\n")
-    (tmp_path / MANIFEST).write_bytes((reference / MANIFEST).read_bytes())
+    (tmp_path / RUN_MANIFEST).write_bytes((reference / RUN_MANIFEST).read_bytes())
     # one complete record and half of the next: what a kill during the second write leaves
     (tmp_path / RECORDS).write_bytes(lines[0] + b"\n" + lines[1][: len(lines[1]) // 2])
     _run(rt, tmp_path)
     assert (tmp_path / RECORDS).read_bytes() == (reference / RECORDS).read_bytes()
-    m = json.loads((tmp_path / MANIFEST).read_text())
+    m = json.loads((tmp_path / RUN_MANIFEST).read_text())
     assert m["invocations"][-1]["items_computed"] == 2
 
 
@@ -84,7 +84,7 @@ def test_more_items_extend_a_run(rt, reference, tmp_path):
 
 
 def test_different_options_into_the_same_directory_are_refused(rt, reference, tmp_path):
-    (tmp_path / MANIFEST).write_bytes((reference / MANIFEST).read_bytes())
+    (tmp_path / RUN_MANIFEST).write_bytes((reference / RUN_MANIFEST).read_bytes())
     first = (reference / RECORDS).read_bytes().split(b"\n")[0] + b"\n"
     (tmp_path / RECORDS).write_bytes(first)
     with pytest.raises(EventKVError, match=r"root_slot: 13 -> 14"):
@@ -95,9 +95,9 @@ def test_different_options_into_the_same_directory_are_refused(rt, reference, tm
 
 
 def test_a_run_that_failed_before_its_first_record_is_taken_over(rt, reference, tmp_path):
-    (tmp_path / MANIFEST).write_bytes((reference / MANIFEST).read_bytes())  # manifest, no records
+    (tmp_path / RUN_MANIFEST).write_bytes((reference / RUN_MANIFEST).read_bytes())  # manifest, no records
     _run(rt, tmp_path, items=1, root_slot=14)
-    manifest = json.loads((tmp_path / MANIFEST).read_text())
+    manifest = json.loads((tmp_path / RUN_MANIFEST).read_text())
     assert manifest["identity"]["options"]["root_slot"] == 14
     assert len((tmp_path / RECORDS).read_text().splitlines()) == 1
 
@@ -110,7 +110,7 @@ def test_duplicate_records_are_reported(reference, tmp_path):
 
 
 def test_report_rerenders_from_records_alone(reference, tmp_path):
-    for name in (MANIFEST, RECORDS):
+    for name in (RUN_MANIFEST, RECORDS):
         (tmp_path / name).write_bytes((reference / name).read_bytes())
     s = render(tmp_path)
     assert (tmp_path / SUMMARY).read_text() == (reference / SUMMARY).read_text()
@@ -184,14 +184,16 @@ def test_cli_run_donor_pair_end_to_end(tmp_path, monkeypatch):
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
     assert "donor-pair: 2 pairs" in r.output and "| kv | generate | 2 |" in r.output
-    m = json.loads((tmp_path / MANIFEST).read_text())
+    m = json.loads((tmp_path / RUN_MANIFEST).read_text())
     assert m["identity"]["options"]["source_slots"] == [7, 9] and m["identity"]["options"]["decoy"] == "none"
     recs = load_records(tmp_path)
     assert [r["index"] for r in recs] == [0, 1] and all(7 <= r["source_slot"] <= 9 for r in recs)
     assert (tmp_path / FIGURE).is_file()
     # rerun: nothing recomputed; other options refused with exit code 2
     r = CliRunner().invoke(app, args)
-    assert r.exit_code == 0 and json.loads((tmp_path / MANIFEST).read_text())["invocations"][-1]["items_computed"] == 0
+    assert (
+        r.exit_code == 0 and json.loads((tmp_path / RUN_MANIFEST).read_text())["invocations"][-1]["items_computed"] == 0
+    )
     r = CliRunner().invoke(app, args[:-1] + ["--decoy", "independent", "--no-progress"])
     assert r.exit_code == 2 and "decoy: 'none' -> 'independent'" in r.output
 

@@ -11,7 +11,7 @@ import torch
 import eventkv.prefill as prefill_mod
 from eventkv.errors import EventKVError
 from eventkv.log import TokenizedLog
-from eventkv.prefill import MANIFEST, TENSORS, EventKV
+from eventkv.prefill import EVENTKV_MANIFEST, EVENTKV_TENSORS, EventKV
 
 HEADS, DIM = 2, 4
 
@@ -65,7 +65,7 @@ def test_save_load_round_trip_with_shared_and_non_contiguous_layers(tmp_path, na
     ekv = _ekv(keys, values)
     before = [t.clone() for t in (*keys, *values)]
     d = ekv.save(tmp_path / "kv")
-    assert sorted(p.name for p in d.iterdir()) == sorted([MANIFEST, TENSORS])  # no temporary file left
+    assert sorted(p.name for p in d.iterdir()) == sorted([EVENTKV_MANIFEST, EVENTKV_TENSORS])  # no temporary file left
     _assert_same(ekv, EventKV.load(d))
     for x, y in zip(before, (*keys, *values)):  # saving never writes into the caller's tensors
         assert torch.equal(x, y)
@@ -76,7 +76,7 @@ def test_save_overwrites_a_previous_eventkv(tmp_path):
     _ekv(_rows(seed=1), _rows(seed=2)).save(d)
     new = _ekv(_rows(seed=3), _rows(seed=4), seed_meta=1)
     new.save(d)
-    assert sorted(p.name for p in d.iterdir()) == sorted([MANIFEST, TENSORS])
+    assert sorted(p.name for p in d.iterdir()) == sorted([EVENTKV_MANIFEST, EVENTKV_TENSORS])
     _assert_same(new, EventKV.load(d))
 
 
@@ -161,6 +161,6 @@ def test_failed_rename_without_hard_links_leaves_no_mixed_eventkv(tmp_path, monk
     monkeypatch.setattr(os, "replace", _fail_nth(2, os.replace))
     with pytest.raises(OSError):
         _ekv(_rows(seed=3), _rows(seed=4)).save(d)
-    assert sorted(p.name for p in d.iterdir()) == [MANIFEST]
+    assert sorted(p.name for p in d.iterdir()) == [EVENTKV_MANIFEST]
     with pytest.raises(EventKVError, match="holds no complete EventKV"):
         EventKV.load(d)

@@ -8,7 +8,7 @@ from eventkv.models.cache_dir import (
     CACHE_ENV,
     FULL_VERIFY_ENV,
     MANIFEST_FORMAT,
-    MANIFEST_NAME,
+    MODEL_MANIFEST,
     STAMP_NAME,
     CacheCheck,
     cache_root,
@@ -27,6 +27,7 @@ __all__ = [
     "FULL_VERIFY_ENV",
     "MANIFEST_FORMAT",
     "MANIFEST_NAME",
+    "MODEL_MANIFEST",
     "STAMP_NAME",
     "CacheCheck",
     "cache_root",
@@ -39,3 +40,5 @@ __all__ = [
     "sha256_file",
     "write_manifest",
 ]
+
+MANIFEST_NAME = MODEL_MANIFEST  # the name this module had before eventkv.models.cache_dir

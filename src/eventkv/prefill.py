@@ -32,8 +32,10 @@ if TYPE_CHECKING:
 LayerRows = torch.Tensor
 """One layer's keys or values: ``[batch, kv_heads, rows, head_dim]`` (batch 1 in an EventKV)."""
 
-MANIFEST = "eventkv.json"
-TENSORS = "kv.safetensors"
+EVENTKV_MANIFEST = "eventkv.json"
+"""File name of a saved EventKV's JSON manifest (log, spans, weights digest, checksum)."""
+EVENTKV_TENSORS = "kv.safetensors"
+"""File name of a saved EventKV's rows and positions (safetensors)."""
 FORMAT_VERSION = 1
 
 
@@ -286,7 +288,7 @@ class EventKV:
                 json.dump(manifest, f)
                 f.flush()
                 os.fsync(f.fileno())
-            if (d / TENSORS).is_file():
+            if (d / EVENTKV_TENSORS).is_file():
                 # A hard link to the old tensor file, so that a failure between the two renames below
                 # can put it back next to the old manifest (the old EventKV stays loadable).
                 # Without hard links (some network file systems) there is no backup, and such a failure
@@ -294,19 +296,19 @@ class EventKV:
                 backup = _temp_path(d, ".kv-old-", temps)
                 backup.unlink()
                 try:
-                    os.link(d / TENSORS, backup)
+                    os.link(d / EVENTKV_TENSORS, backup)
                 except OSError:
                     backup = None
-            os.replace(kv_tmp, d / TENSORS)
+            os.replace(kv_tmp, d / EVENTKV_TENSORS)
             replaced = True
-            os.replace(man_tmp, d / MANIFEST)
+            os.replace(man_tmp, d / EVENTKV_MANIFEST)
             replaced = False
             fsync_path(d)
         except BaseException:
             if replaced and backup is not None:
-                os.replace(backup, d / TENSORS)
+                os.replace(backup, d / EVENTKV_TENSORS)
             elif replaced:
-                (d / TENSORS).unlink(missing_ok=True)
+                (d / EVENTKV_TENSORS).unlink(missing_ok=True)
             for p in temps:
                 p.unlink(missing_ok=True)
             raise
@@ -326,21 +328,23 @@ class EventKV:
             EventKVError: missing/partial directory, checksum mismatch, or a different model.
         """
         d = Path(directory)
-        if not (d / MANIFEST).is_file() or not (d / TENSORS).is_file():
+        if not (d / EVENTKV_MANIFEST).is_file() or not (d / EVENTKV_TENSORS).is_file():
             raise EventKVError(
-                f"{str(d)!r} holds no complete EventKV (missing {MANIFEST} or {TENSORS}): prefill again."
+                f"{str(d)!r} holds no complete EventKV (missing {EVENTKV_MANIFEST} or {EVENTKV_TENSORS}): "
+                "prefill again."
             )
-        manifest = json.loads((d / MANIFEST).read_text())
-        if verify and sha256_file(d / TENSORS) != manifest["tensors_sha256"]:
+        manifest = json.loads((d / EVENTKV_MANIFEST).read_text())
+        if verify and sha256_file(d / EVENTKV_TENSORS) != manifest["tensors_sha256"]:
             raise EventKVError(
-                f"{str(d / TENSORS)!r} does not match its manifest checksum (corrupted): delete it and prefill again."
+                f"{str(d / EVENTKV_TENSORS)!r} does not match its manifest checksum (corrupted): delete it and "
+                "prefill again."
             )
         if expect_digest is not None and manifest["weights_digest"] != expect_digest:
             raise EventKVError(
                 f"the EventKV in {str(d)!r} was made by weights {manifest['weights_digest'][:16]}, not by the model "
                 f"given ({expect_digest[:16]}): prefill again with this model."
             )
-        t = load_file(d / TENSORS)
+        t = load_file(d / EVENTKV_TENSORS)
         n = manifest["n_layers"]
         return cls(
             TokenizedLog.from_dict(manifest["log"]),

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from eventkv.cache_dir import cache_root
 from eventkv.errors import EventKVError, OptionError
 from eventkv.log import HEADER_ID, EventLog, encode, tokenize, tokenize_query
+from eventkv.models.cache_dir import cache_root
 from eventkv.options import check_chunk_size, check_max_new_tokens, check_out_dir
 from eventkv.prefill import EventKV, check_context, prefill
 from eventkv.readout import CandidateScore, Generation, candidate_logprobs, generate

@@ -28,7 +28,7 @@ from eventkv.contract.report import CONTRACT_PROBES, write_contract
 from eventkv.files import write_json_atomic
 from eventkv.options import check_int
 from eventkv.probes.base import Runtime, get_probe
-from eventkv.probes.runner import MANIFEST, environment, open_run, progress_bar, render, run_items
+from eventkv.probes.runner import RUN_MANIFEST, environment, open_run, progress_bar, render, run_items
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ def provenance(out: Path, probes) -> dict:
     summed over every invocation that computed items)."""
     info: dict = {"seconds": {}, "torch_threads": set()}
     for p in probes:
-        m = json.loads((out / p / MANIFEST).read_text())
+        m = json.loads((out / p / RUN_MANIFEST).read_text())
         info.setdefault("dtype", m["identity"].get("dtype"))
         info.setdefault("seed", m["identity"].get("seed"))
         inv = m.get("invocations", [])

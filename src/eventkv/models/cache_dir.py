@@ -24,7 +24,8 @@ from typing import Any
 from eventkv.files import sha256_file, write_json_atomic  # noqa: F401  (sha256_file: re-exported, it lived here)
 
 CACHE_ENV = "EVENTKV_CACHE"
-MANIFEST_NAME = "eventkv-cache.json"
+MODEL_MANIFEST = "eventkv-cache.json"
+"""File name of a cached model directory's manifest (file hashes, weights digest, source)."""
 MANIFEST_FORMAT = 1
 
 
@@ -56,7 +57,7 @@ def dir_files(directory: Path) -> list[str]:
     for p in directory.rglob("*"):
         if p.is_file():
             rel = p.relative_to(directory).as_posix()
-            if rel != MANIFEST_NAME and not rel.startswith(MANIFEST_NAME + "."):
+            if rel != MODEL_MANIFEST and not rel.startswith(MODEL_MANIFEST + "."):
                 out.append(rel)
     return sorted(out)
 
@@ -83,7 +84,7 @@ def write_manifest(directory: Path, info: dict[str, Any]) -> dict[str, Any]:
         **info,
         "files": {n: {"size": (directory / n).stat().st_size, "sha256": digests[n]} for n in names},
     }
-    write_json_atomic(directory / MANIFEST_NAME, manifest, sort_keys=True, newline=False)
+    write_json_atomic(directory / MODEL_MANIFEST, manifest, sort_keys=True, newline=False)
     return manifest
 
 
@@ -104,7 +105,7 @@ class CacheCheck:
 def read_manifest(directory: Path) -> dict[str, Any] | None:
     """The parsed manifest of ``directory``, or None if it is absent or unreadable."""
     try:
-        with open(directory / MANIFEST_NAME) as f:
+        with open(directory / MODEL_MANIFEST) as f:
             manifest = json.load(f)
     except (OSError, ValueError):
         return None
@@ -113,13 +114,13 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
     return manifest
 
 
-STAMP_NAME = MANIFEST_NAME + ".verified"
+STAMP_NAME = MODEL_MANIFEST + ".verified"
 FULL_VERIFY_ENV = "EVENTKV_FULL_VERIFY"
 
 
 def _file_stamps(directory: Path, names: list[str]) -> dict[str, list[int]]:
     stamps = {}
-    for n in [*names, MANIFEST_NAME]:
+    for n in [*names, MODEL_MANIFEST]:
         st = (directory / n).stat()
         stamps[n] = [st.st_size, st.st_mtime_ns, st.st_ino]
     return stamps
@@ -165,11 +166,11 @@ def check_dir(directory: Path, full: bool = True) -> CacheCheck:
         return CacheCheck(False, f"{directory} does not exist")
     manifest = read_manifest(directory)
     if manifest is None:
-        return CacheCheck(False, f"{directory} has no readable {MANIFEST_NAME} (partial download or conversion)")
+        return CacheCheck(False, f"{directory} has no readable {MODEL_MANIFEST} (partial download or conversion)")
     if manifest.get("format") != MANIFEST_FORMAT:
         return CacheCheck(
             False,
-            f"{directory}/{MANIFEST_NAME} has format {manifest.get('format')!r}, expected {MANIFEST_FORMAT}",
+            f"{directory}/{MODEL_MANIFEST} has format {manifest.get('format')!r}, expected {MANIFEST_FORMAT}",
             manifest,
         )
     files: dict[str, dict] = manifest["files"]

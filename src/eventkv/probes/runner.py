@@ -35,7 +35,8 @@ from eventkv.files import write_json_atomic
 from eventkv.options import check_items, check_out_dir
 from eventkv.probes.base import Probe, Runtime, Summary, get_probe
 
-MANIFEST = "manifest.json"
+RUN_MANIFEST = "manifest.json"
+"""File name of a run folder's manifest (model, dtype, options, seed, versions, invocations)."""
 RECORDS = "records.jsonl"
 SUMMARY = "summary.md"
 FIGURE = "figure.png"
@@ -163,11 +164,11 @@ def check_or_create(directory: Path, ident: dict) -> dict:
     """
     check_out_dir(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / MANIFEST
+    path = directory / RUN_MANIFEST
     if not path.is_file():
         if (directory / RECORDS).is_file():
             raise EventKVError(
-                f"{str(directory)!r} has {RECORDS} but no {MANIFEST}: it was not made by eventkv run; "
+                f"{str(directory)!r} has {RECORDS} but no {RUN_MANIFEST}: it was not made by eventkv run; "
                 "choose another --out directory."
             )
         return {}
@@ -260,7 +261,7 @@ def open_run(probe: Probe, rt: Runtime, *, model: str, items: int, seed: int, ou
         "created": old.get("created") or _now(),
         "invocations": old.get("invocations", []),
     }
-    write_json_atomic(out / MANIFEST, manifest)
+    write_json_atomic(out / RUN_MANIFEST, manifest)
     return manifest, [i for i in range(items) if i not in done]
 
 
@@ -287,7 +288,7 @@ def run_items(
             "torch_threads": torch.get_num_threads(),
         }
     )
-    write_json_atomic(out / MANIFEST, manifest)
+    write_json_atomic(out / RUN_MANIFEST, manifest)
 
 
 def render(directory: str | Path, figure: bool = True) -> Summary:
@@ -298,12 +299,12 @@ def render(directory: str | Path, figure: bool = True) -> Summary:
         EventKVError: not a run directory, or no records yet.
     """
     d = Path(directory)
-    if not (d / MANIFEST).is_file():
+    if not (d / RUN_MANIFEST).is_file():
         raise EventKVError(
-            f"{str(d)!r} is not a run directory (no {MANIFEST}): give the --out directory of an "
+            f"{str(d)!r} is not a run directory (no {RUN_MANIFEST}): give the --out directory of an "
             "'eventkv run' invocation."
         )
-    manifest = json.loads((d / MANIFEST).read_text())
+    manifest = json.loads((d / RUN_MANIFEST).read_text())
     ident = manifest["identity"]
     probe = get_probe(ident["probe"])(**ident["options"])
     records = sorted(load_records(d), key=lambda r: r["index"])
