@@ -1,5 +1,6 @@
 """Probe framework, registry and the donor-pair probe on tiny random models (seconds each)."""
 
+import dataclasses
 import json
 import math
 
@@ -7,11 +8,11 @@ import pytest
 import torch
 from probe_fixtures import tiny_runtime
 
-from eventkv.errors import EventKVError
+from eventkv.errors import EventKVError, OptionError
 from eventkv.log import TokenizedLog, tokenize_query
 from eventkv.probes import DonorPair, get_probe, load_probes
 from eventkv.probes.donor_pair import last_state, summarize_donor_pairs
-from eventkv.probes.pairs import PrefillCache, donor_d, log_odds, outcome, tokenize_pair
+from eventkv.probes.pairs import PairLayout, PairProbe, PrefillCache, donor_d, log_odds, outcome, tokenize_pair
 from eventkv.readout import candidate_logprobs, generate, read_out
 from eventkv.serve import serve
 from eventkv.testing import assert_same_greedy
@@ -165,6 +166,75 @@ def test_donor_pair_option_errors_name_the_value():
         DonorPair(states=("ONLINE",))
     with pytest.raises(EventKVError, match="source_slots 8,30"):
         DonorPair(source_slots=(8, 30), root_slot=13)
+
+
+# ---------------------------------------------------------------- the pair probes' layout base
+def test_donor_pair_options_keep_their_keys_and_order():
+    # the options dictionary is what a run folder's manifest stores and compares on resume
+    probe = DonorPair(source_slots=[7, 9], states=["UP", "DOWN"], arm_names=["kv", "text-all"])
+    assert (probe.source_slots, probe.states, probe.arm_names) == ((7, 9), ("UP", "DOWN"), ("kv", "text-all"))
+    assert list(probe.options()) == [
+        "n_events",
+        "decoy_slot",
+        "source_slots",
+        "root_slot",
+        "decoy",
+        "states",
+        "registers",
+        "readout",
+        "max_new_tokens",
+        "arm_names",
+        "instruction",
+        "question",
+        "answer_prefix",
+    ]
+    assert DonorPair(**json.loads(json.dumps(probe.options()))) == probe
+
+
+@pytest.mark.parametrize("name", sorted(load_probes()))
+def test_pair_layout_fields_lead_every_probe_that_has_them(name):
+    # adopting PairLayout must leave the options dictionary's keys and their order as they are
+    fields = list(get_probe(name)().options())
+    if "n_events" in fields:
+        assert fields[:3] == ["n_events", "decoy_slot", "source_slots"]
+
+
+@dataclasses.dataclass
+class _Chain(PairLayout, PairProbe):
+    """A layout with two later slots, as the contract probes declare theirs."""
+
+    root_slot: int = 13
+    edge_slot: int = 16
+
+    def validate(self) -> None:
+        self.check_layout(("root", self.root_slot), ("edge", self.edge_slot))
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"edge_slot": 13}, "edge_slot 13: the edge must come after the root (slot 13): move it later."),
+        ({"root_slot": 11}, "root_slot 11: the root must come after every source slot (last 11): move it later."),
+        ({"decoy_slot": 8}, "decoy_slot 8: the decoy must come before the source slots 8-11: move it earlier."),
+        ({"edge_slot": 24}, "edge_slot 24: outside the history's slots 0..23: choose slots below n_events=24."),
+        ({"source_slots": (11, 8)}, "source_slots 11,8: the first slot must not exceed the last"),
+        ({"n_events": 3}, "n_events 3: a donor pair needs at least 4 events (decoy, source, root, edge)."),
+        ({"decoy_slot": -1}, "decoy_slot -1: give a 0-based slot"),
+    ],
+)
+def test_pair_layout_check_names_the_field(options, message):
+    with pytest.raises(OptionError) as e:
+        _Chain(**options)
+    assert str(e.value).startswith(message)
+
+
+def test_pair_layout_normalizes_tuples_and_accepts_the_study_layout():
+    layout = _Chain(source_slots=[2, 3], root_slot=5, edge_slot=7, n_events=8)
+    assert layout.source_slots == (2, 3) and layout.options()["source_slots"] == [2, 3]
+    # the donor-pair probe's decoy may follow the root, but never sit on a source slot or the root
+    assert DonorPair(decoy_slot=20).decoy_slot == 20
+    with pytest.raises(OptionError, match="decoy_slot 13: collides with the source slots 8-11 or the root 13"):
+        DonorPair(decoy_slot=13)
 
 
 # ---------------------------------------------------------------- the pair engine under the donor-pair probe

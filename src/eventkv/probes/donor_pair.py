@@ -60,9 +60,9 @@ from typing import ClassVar, Sequence
 import torch
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.options import check_choices, check_slots
+from eventkv.options import check_choices
 from eventkv.probes.base import Arm, Runtime, Summary, Table, register
-from eventkv.probes.pairs import OUTCOMES, PairArm, PairProbe, event_id
+from eventkv.probes.pairs import OUTCOMES, PairArm, PairLayout, PairProbe, event_id
 from eventkv.serve import serve
 from eventkv.stats import format_p, median, require_finite, sign_test, sign_test_d, wilcoxon_d, wilson
 
@@ -102,9 +102,10 @@ def last_state(text: str, states: Sequence[str]) -> str | None:
 
 @register
 @dataclass
-class DonorPair(PairProbe):
+class DonorPair(PairLayout, PairProbe):
     """Donor pairs over register histories (Study 1, "Donor pair"). Fields are the options; the
-    pair engine :func:`~eventkv.probes.pairs.run_pair` answers the arms."""
+    layout fields (``n_events``, ``decoy_slot``, ``source_slots``) come from :class:`PairLayout`,
+    and the pair engine :func:`~eventkv.probes.pairs.run_pair` answers the arms."""
 
     name: ClassVar[str] = "donor-pair"
     smoke_options: ClassVar[dict] = {"max_new_tokens": 4}
@@ -112,9 +113,6 @@ class DonorPair(PairProbe):
     shared_prefix: ClassVar[bool] = True
     record_stopped: ClassVar[bool] = True
 
-    n_events: int = 24
-    decoy_slot: int = 0
-    source_slots: tuple[int, int] = (8, 11)
     root_slot: int = 13
     decoy: str = "independent"
     states: tuple[str, ...] = ("ONLINE", "OFFLINE")
@@ -126,40 +124,12 @@ class DonorPair(PairProbe):
     question: str = QUESTION
     answer_prefix: str = "Answer:"
 
-    def __post_init__(self) -> None:
-        self.source_slots = tuple(self.source_slots)
-        self.states = tuple(self.states)
-        self.registers = tuple(self.registers)
-        self.arm_names = tuple(self.arm_names)
-        self.validate()
-
     # ------------------------------------------------------------------ recipe
     def validate(self) -> None:
-        check_slots(
-            n_events=self.n_events, decoy_slot=self.decoy_slot, source_slots=self.source_slots, root_slot=self.root_slot
-        )
-        n, lo, hi = self.n_events, *self.source_slots
-        if n < 3:
-            raise OptionError("n_events", n, "a donor pair needs at least 3 events (decoy, source, root).")
-        for what, s in (
-            ("decoy_slot", self.decoy_slot),
-            ("root_slot", self.root_slot),
-            ("source_slots", self.source_slots),
-        ):
-            if not all(0 <= v < n for v in (s if isinstance(s, tuple) else (s,))):
-                raise OptionError(what, s, f"outside the history's slots 0..{n - 1}: choose slots below n_events={n}.")
-        if lo > hi:
-            raise OptionError("source_slots", self.source_slots, "the first slot must not exceed the last (e.g. 8-11).")
-        if not hi < self.root_slot:
-            raise OptionError(
-                "root_slot", self.root_slot, f"the root must come after every source slot (last {hi}): move it later."
-            )
-        if lo <= self.decoy_slot <= hi or self.decoy_slot == self.root_slot:
-            raise OptionError(
-                "decoy_slot",
-                self.decoy_slot,
-                f"collides with the source slots {lo}-{hi} or the root {self.root_slot}: move it.",
-            )
+        """Raises OptionError (naming the field) on a bad layout (the decoy may sit anywhere that
+        is neither a source slot nor the root), decoy, states, registers, readout, max new tokens
+        or arms."""
+        self.check_layout(("root", self.root_slot), decoy_first=False)
         if self.decoy not in DECOYS:
             raise OptionError("decoy", self.decoy, f"use one of {', '.join(DECOYS)}.")
         if (

@@ -8,7 +8,8 @@ roles, mix rows of the two variants (the landing factorial), or answer with the 
 absolute position. This module is the one donor-pair engine under all of them, the donor-pair
 probe included: :func:`run_pair` runs an item on the data path (tokenize with position budgets,
 prefill sharing the common prefix, serve, one batched readout) and scores every arm as a donor
-pair (:func:`outcome`, :func:`donor_d`).
+pair (:func:`outcome`, :func:`donor_d`); :class:`PairLayout` holds the layout options the pair
+probes share.
 
 An item (a JSON-able dict built by the probe, deterministic in ``(seed, index)``) holds:
 
@@ -79,6 +80,111 @@ def donor_d(lp_a: dict[str, float], lp_b: dict[str, float], a: str, b: str) -> f
     return 0.5 * ((log_odds(lp_a, a) - log_odds(lp_b, a)) + (log_odds(lp_b, b) - log_odds(lp_a, b)))
 
 
+# ---------------------------------------------------------------- the pair probes' shared options
+@dataclass
+class PairLayout:
+    """The layout options every donor-pair history shares (Study 1, "Donor pair"): ``n_events``
+    events per history, the served decoy at ``decoy_slot``, the unserved source in a seeded slot
+    of ``source_slots`` (inclusive, 0-based; slot ``i`` is event ``i+1``). The field names are the
+    options dictionary's keys that a run folder stores in its manifest and compares on resume:
+    never rename them.
+
+    A mixin for ``@dataclass`` probes: list it before :class:`PairProbe`. Its fields come first,
+    in this order, followed by the probe's own (a probe's later slots, e.g. ``root_slot``, are its
+    own fields). Its ``__post_init__`` turns every field whose default is a tuple into a tuple
+    (options arrive as JSON lists from a manifest or as lists from the CLI) and calls
+    ``validate()``, which should call :meth:`check_layout` with the probe's later slots.
+
+    Adopting it in a probe that declares these fields itself is a small change::
+
+        @dataclass
+        class Landing(PairLayout, PairProbe):  # was: Landing(PairProbe)
+            # n_events, decoy_slot, source_slots and __post_init__ deleted: inherited
+            root_slot: int = 13
+            ...
+
+            def validate(self) -> None:
+                self.check_layout(("root", self.root_slot), ("edge", self.edge_slot), ...)
+
+    A probe whose layout needs more than the order of its slots (e.g. a source block two slots
+    wide before the carrier) adds that check after :meth:`check_layout`.
+    """
+
+    n_events: int = 24
+    decoy_slot: int = 0
+    source_slots: tuple[int, int] = (8, 11)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if isinstance(f.default, tuple):
+                setattr(self, f.name, tuple(getattr(self, f.name)))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raises OptionError on an impossible layout (see :meth:`check_layout`)."""
+        self.check_layout()
+
+    def check_layout(self, *later: tuple[str, int], decoy_first: bool = True) -> None:
+        """Check the layout: decoy, source slots ``lo..hi``, then each of ``later`` (``(role, slot)``
+        pairs, e.g. ``("root", 13)``) in order after the source slots, all below ``n_events``.
+
+        Args:
+            later: the probe's later roles and slots, in the order they must come.
+            decoy_first: the decoy must come before the source slots; when False it may sit
+                anywhere that collides with no other role (the donor-pair probe's rule).
+
+        Raises:
+            OptionError: naming the field (``n_events``, ``decoy_slot``, ``source_slots`` or
+                ``<role>_slot``) and the fix: not an int, outside ``0..n_events-1``, too few events
+                for the roles, ``lo > hi``, a later slot not after the one before, or the decoy
+                out of place.
+        """
+        check_slots(
+            n_events=self.n_events,
+            decoy_slot=self.decoy_slot,
+            source_slots=self.source_slots,
+            **{f"{role}_slot": slot for role, slot in later},
+        )
+        n, (lo, hi) = self.n_events, self.source_slots
+        roles = ["decoy", "source", *(role for role, _ in later)]
+        if n < len(roles):
+            raise OptionError("n_events", n, f"a donor pair needs at least {len(roles)} events ({', '.join(roles)}).")
+        slots = [("decoy_slot", self.decoy_slot), *((f"{role}_slot", slot) for role, slot in later)]
+        for field, value in [*slots, ("source_slots", self.source_slots)]:
+            if not all(0 <= v < n for v in (value if isinstance(value, tuple) else (value,))):
+                raise OptionError(
+                    field, value, f"outside the history's slots 0..{n - 1}: choose slots below n_events={n}."
+                )
+        if lo > hi:
+            raise OptionError("source_slots", self.source_slots, "the first slot must not exceed the last (e.g. 8-11).")
+        before = None
+        for role, slot in later:
+            if before is None and not hi < slot:
+                raise OptionError(
+                    f"{role}_slot", slot, f"the {role} must come after every source slot (last {hi}): move it later."
+                )
+            if before is not None and not before[1] < slot:
+                raise OptionError(
+                    f"{role}_slot",
+                    slot,
+                    f"the {role} must come after the {before[0]} (slot {before[1]}): move it later.",
+                )
+            before = (role, slot)
+        if decoy_first and not self.decoy_slot < lo:
+            raise OptionError(
+                "decoy_slot",
+                self.decoy_slot,
+                f"the decoy must come before the source slots {lo}-{hi}: move it earlier.",
+            )
+        if lo <= self.decoy_slot <= hi or any(self.decoy_slot == slot for _, slot in later):
+            others = " or ".join(f"the {role} {slot}" for role, slot in later)
+            raise OptionError(
+                "decoy_slot",
+                self.decoy_slot,
+                f"collides with the source slots {lo}-{hi}{' or ' + others if others else ''}: move it.",
+            )
+
+
 READOUT_OPTIONS = ("generate", "logits", "both")
 
 
@@ -97,23 +203,9 @@ class PairProbe(Probe):
     #: record whether each generation ended on a stop token (``stopped``)
     record_stopped: ClassVar[bool] = False
 
-    def check_layout(self, *later: tuple[str, int]) -> None:
-        """Raises EventKVError unless ``0 <= decoy_slot < source_slots[0] <= source_slots[1] <``
-        each of ``later`` (``(name, slot)`` pairs, in order) ``< n_events``."""
-        check_slots(
-            n_events=self.n_events,
-            decoy_slot=self.decoy_slot,
-            source_slots=self.source_slots,
-            **{f"{name}_slot": slot for name, slot in later},
-        )
-        lo, hi = self.source_slots
-        chain = [hi, *(slot for _, slot in later), self.n_events]
-        if not (0 <= self.decoy_slot < lo <= hi and all(a < b for a, b in zip(chain, chain[1:]))):
-            middle = "".join(f"{name} {slot} < " for name, slot in later)
-            raise EventKVError(
-                f"layout decoy {self.decoy_slot} < source {lo}-{hi} < {middle}n_events "
-                f"{self.n_events} does not hold: reorder the slots."
-            )
+    # the layout check, for the probes that declare the layout fields themselves; delete this line
+    # once access, carriers and landing inherit it from PairLayout
+    check_layout = PairLayout.check_layout
 
     def check_readout(self) -> None:
         """Raises OptionError when ``self.readout`` is not generate, logits or both, or ``self.max_new_tokens``
