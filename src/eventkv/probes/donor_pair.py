@@ -62,7 +62,7 @@ import torch
 from eventkv.errors import EventKVError, OptionError
 from eventkv.options import check_choices
 from eventkv.probes.base import Arm, Runtime, Summary, Table, register
-from eventkv.probes.pairs import OUTCOMES, PairArm, PairLayout, PairProbe, event_id
+from eventkv.probes.pairs import OUTCOME_COLUMNS, OUTCOMES, PairArm, PairLayout, PairProbe, event_id
 from eventkv.serve import serve
 from eventkv.stats import format_p, median, require_finite, sign_test, sign_test_d, wilcoxon_d, wilson
 
@@ -314,17 +314,7 @@ def summarize_donor_pairs(records: Sequence[dict], probe: DonorPair) -> Summary:
                 tests.append(st.describe())
     outcome_table = Table(
         f"Donor pairs: outcomes per arm ({n} pairs)",
-        [
-            "arm",
-            "readout",
-            "pairs",
-            "follow",
-            "anti",
-            "constant",
-            "other",
-            "sensitive (Wilson 95%)",
-            "p (follow vs anti)",
-        ],
+        [*OUTCOME_COLUMNS, "sensitive (Wilson 95%)", "p (follow vs anti)"],
         rows,
     )
     tables = [outcome_table]

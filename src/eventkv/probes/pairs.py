@@ -49,6 +49,8 @@ from eventkv.serve import ServedCache, serve
 VARIANTS = ("A", "B")
 #: pair outcomes (Study 1, "Donor pair"), in table order
 OUTCOMES = ("follow", "anti", "constant", "other")
+#: the leading columns of every outcome table: the arm, the readout, the number of pairs, each outcome's count
+OUTCOME_COLUMNS = ("arm", "readout", "pairs", *OUTCOMES)
 
 
 # ---------------------------------------------------------------- scoring one pair (Study 1, "Donor pair")
@@ -678,18 +680,7 @@ def arm_table(
             )
     return Table(
         caption,
-        [
-            "arm",
-            "readout",
-            "pairs",
-            "follow",
-            "anti",
-            "constant",
-            "other",
-            "follow rate [Wilson 95%]",
-            "sensitive [Wilson 95%]",
-            "p (follow vs anti)",
-        ],
+        [*OUTCOME_COLUMNS, "follow rate [Wilson 95%]", "sensitive [Wilson 95%]", "p (follow vs anti)"],
         rows,
     )
 
