@@ -253,7 +253,7 @@ def test_patch_items_and_leak_counts():
 
 
 def test_option_errors_name_the_value():
-    with pytest.raises(EventKVError, match="carrier 30"):
+    with pytest.raises(EventKVError, match="carrier_slot 30: outside the history"):
         TriggerBank(carrier_slot=30)
     with pytest.raises(EventKVError, match="tost_margin 0"):
         Landing(tost_margin=0)
@@ -326,3 +326,11 @@ def test_patch_contract_section_reads_leak_and_the_longest_timing():
     assert sec.rows[2].measure == "update time at L = 1200 tokens: patch vs re-prefill"
     assert sec.rows[2].test == "log-log slopes: patch 0.40, re-prefill 1.50"
     assert sec.key == "updates" and sec.data == {"readout": "logits", "leak": data["leak"], "timing": data["timing"]}
+
+
+def test_trigger_bank_carrier_after_the_source_block():
+    """The trigger bank's source takes two slots (the source and the event after it): a carrier in
+    the slot right after the last source slot collides with that second event."""
+    with pytest.raises(EventKVError, match=r"carrier_slot 12: the carrier must come after the source block"):
+        TriggerBank(source_slots=(8, 11), carrier_slot=12)
+    assert TriggerBank(source_slots=(8, 11), carrier_slot=13).carrier_slot == 13

@@ -17,7 +17,7 @@ from pathlib import Path
 from eventkv.errors import EventKVError
 from eventkv.files import write_json_atomic
 from eventkv.probes.base import Summary, Table, get_probe
-from eventkv.probes.contract_rows import ContractSection, donor_pair_section
+from eventkv.probes.contract_rows import ContractSection
 from eventkv.probes.runner import load_records
 
 #: the probes of the contract, in the order of the battery and of the contract's rows
@@ -35,10 +35,6 @@ def probe_section(probe: str, summary: Summary) -> ContractSection:
     """
     cls = get_probe(probe)
     make = getattr(cls, "contract_section", None)
-    if make is None and probe == "donor-pair":
-        # interim: the donor-pair probe is being moved onto the shared pair engine; its section
-        # moves onto DonorPair.contract_section then, and this branch goes
-        return donor_pair_section(summary)
     if make is None:
         raise EventKVError(f"probe {probe!r} has no contract_section: give {cls.__name__} one to use it in a contract.")
     return make(summary)

@@ -34,7 +34,7 @@ from eventkv.probes.base import Runtime, Summary, Table, register
 from eventkv.probes.contract_rows import ContractRow, ContractSection, proportion
 from eventkv.probes.donor_pair import INSTRUCTION, event_text, last_state, menu
 from eventkv.probes.figures import access_figure
-from eventkv.probes.pairs import D_CAPTION, PairArm, PairProbe, arm_table, correct, d_table, primary_readout
+from eventkv.probes.pairs import D_CAPTION, PairArm, PairLayout, PairProbe, arm_table, correct, d_table, primary_readout
 from eventkv.stats import format_p, wilson
 
 PAYLOADS = {
@@ -61,26 +61,18 @@ def last_number(text: str) -> str | None:
 
 @register
 @dataclass
-class Access(PairProbe):
+class Access(PairLayout, PairProbe):
     """Payload cardinality: binary, 4-way, 8-way, 3-digit numbers."""
 
     name: ClassVar[str] = "access"
     smoke_options: ClassVar[dict] = {"max_new_tokens": 3, "n_events": 8, "source_slots": (2, 3), "root_slot": 5}
 
-    n_events: int = 24
-    decoy_slot: int = 0
-    source_slots: tuple[int, int] = (8, 11)
     root_slot: int = 13
     cardinalities: tuple[str, ...] = CARDINALITIES
     readout: str = "both"
     max_new_tokens: int = 64
     instruction: str = INSTRUCTION
     answer_prefix: str = "Answer:"
-
-    def __post_init__(self) -> None:
-        self.source_slots = tuple(self.source_slots)
-        self.cardinalities = tuple(self.cardinalities)
-        self.validate()
 
     def validate(self) -> None:
         self.check_layout(("root", self.root_slot))

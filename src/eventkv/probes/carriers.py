@@ -39,7 +39,7 @@ from eventkv.options import check_choices
 from eventkv.probes.base import Runtime, Summary, register
 from eventkv.probes.contract_rows import GRADED, ContractRow, ContractSection, d_tests, d_value, proportion
 from eventkv.probes.donor_pair import INSTRUCTION, NAMES, event_text, last_state, menu
-from eventkv.probes.pairs import D_CAPTION, PairArm, PairProbe, arm_table, d_table, primary_readout
+from eventkv.probes.pairs import D_CAPTION, PairArm, PairLayout, PairProbe, arm_table, d_table, primary_readout
 
 STATES = ("ONLINE", "OFFLINE")
 KINDS = ("passive", "binding", "directive", "compute", "explicit")
@@ -76,7 +76,7 @@ def is_answer_free(text: str, states: Sequence[str] = STATES) -> bool:
 
 @register
 @dataclass
-class Carriers(PairProbe):
+class Carriers(PairLayout, PairProbe):
     """Programmed carrier arms: passive note, binding sentence, directive tag, compute note, explicit value."""
 
     name: ClassVar[str] = "carriers"
@@ -88,9 +88,6 @@ class Carriers(PairProbe):
         "row_slot": 8,
     }
 
-    n_events: int = 24
-    decoy_slot: int = 0
-    source_slots: tuple[int, int] = (8, 11)
     carrier_slot: int = 13
     row_slot: int = 17
     kinds: tuple[str, ...] = KINDS
@@ -99,11 +96,6 @@ class Carriers(PairProbe):
     max_new_tokens: int = 64
     instruction: str = INSTRUCTION
     answer_prefix: str = "Answer:"
-
-    def __post_init__(self) -> None:
-        self.source_slots = tuple(self.source_slots)
-        self.kinds = tuple(self.kinds)
-        self.validate()
 
     def validate(self) -> None:
         self.check_layout(("carrier", self.carrier_slot), ("row", self.row_slot))

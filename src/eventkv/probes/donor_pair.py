@@ -62,6 +62,7 @@ import torch
 from eventkv.errors import EventKVError, OptionError
 from eventkv.options import check_choices
 from eventkv.probes.base import Arm, Runtime, Summary, Table, register
+from eventkv.probes.contract_rows import GRADED, ContractRow, ContractSection, d_tests, d_value, proportion
 from eventkv.probes.pairs import OUTCOME_COLUMNS, OUTCOMES, PairArm, PairLayout, PairProbe, event_id
 from eventkv.serve import serve
 from eventkv.stats import format_p, median, require_finite, sign_test, sign_test_d, wilcoxon_d, wilson
@@ -262,6 +263,49 @@ class DonorPair(PairLayout, PairProbe):
         from eventkv.probes.figures import donor_pair_figure
 
         donor_pair_figure(records, path)
+
+    @classmethod
+    def contract_section(cls, summary: Summary) -> ContractSection:
+        """The donor-pair probe's contract: the materialization clause (Study 1, "The memory
+        contract": the donor pair, 99:0 on Qwen3-8B) — kv follow:anti with its sign test and sensitive
+        share, and the graded donor shift d of the kv arm when the candidate readout ran.
+
+        Raises:
+            KeyError: ``summary`` is not a donor-pair summary (no ``outcomes``).
+        """
+        dp = summary.data
+        ro = "logits" if "kv/logits" in dp["outcomes"] else "generate"
+        o = dp["outcomes"][f"kv/{ro}"]
+        rows = [
+            ContractRow(
+                "materialization (donor pair)",
+                f"kv follow:anti ({ro}), sensitive share",
+                f"{o['follow']}:{o['anti']}",
+                f"p = {format_p(o['p'])}; sensitive {proportion(o['prevalence'])}",
+                "99:0, p = 3.2e-30 (Qwen3-8B); 130:0 of 256",
+            )
+        ]
+        dd = dp.get("d", {}).get("kv")
+        dd = {k: v for k, v in dd.items() if k != "values"} if dd else None
+        if dd:
+            rows.append(
+                ContractRow(
+                    "materialization (donor pair)",
+                    "graded donor shift d (kv, candidate log-odds)",
+                    d_value(dd),
+                    d_tests(dd),
+                    GRADED,
+                )
+            )
+        data = {
+            "readout": ro,
+            "follow": o["follow"],
+            "anti": o["anti"],
+            "p": o["p"],
+            "prevalence": o["prevalence"],
+            "d": dd,
+        }
+        return ContractSection("donor_pair", data, rows)
 
 
 def _serves_the_prefill(ekv) -> bool:

@@ -46,6 +46,7 @@ from eventkv.probes.donor_pair import INSTRUCTION, NAMES, QUESTION, event_text, 
 from eventkv.probes.pairs import (
     D_CAPTION,
     PairArm,
+    PairLayout,
     PairProbe,
     arm_table,
     candidate_share,
@@ -60,7 +61,7 @@ STATES = ("ONLINE", "OFFLINE")
 
 @register
 @dataclass
-class Landing(PairProbe):
+class Landing(PairLayout, PairProbe):
     """Root vs reference edge, co-served mention, root x mention factorial, depth-3 chains."""
 
     name: ClassVar[str] = "landing"
@@ -73,9 +74,6 @@ class Landing(PairProbe):
         "mention_slot": 9,
     }
 
-    n_events: int = 24
-    decoy_slot: int = 0
-    source_slots: tuple[int, int] = (8, 11)
     root_slot: int = 13
     edge_slot: int = 16
     mention_slot: int = 19
@@ -84,10 +82,6 @@ class Landing(PairProbe):
     max_new_tokens: int = 64
     instruction: str = INSTRUCTION
     answer_prefix: str = "Answer:"
-
-    def __post_init__(self) -> None:
-        self.source_slots = tuple(self.source_slots)
-        self.validate()
 
     def validate(self) -> None:
         self.check_layout(("root", self.root_slot), ("edge", self.edge_slot), ("mention", self.mention_slot))

@@ -93,15 +93,14 @@ class PairLayout:
 
     A mixin for ``@dataclass`` probes: list it before :class:`PairProbe`. Its fields come first,
     in this order, followed by the probe's own (a probe's later slots, e.g. ``root_slot``, are its
-    own fields). Its ``__post_init__`` turns every field whose default is a tuple into a tuple
-    (options arrive as JSON lists from a manifest or as lists from the CLI) and calls
-    ``validate()``, which should call :meth:`check_layout` with the probe's later slots.
+    own fields). The probe's ``validate()`` (called by :meth:`PairProbe.__post_init__`) calls
+    :meth:`check_layout` with the probe's later slots.
 
     Adopting it in a probe that declares these fields itself is a small change::
 
         @dataclass
         class Landing(PairLayout, PairProbe):  # was: Landing(PairProbe)
-            # n_events, decoy_slot, source_slots and __post_init__ deleted: inherited
+            # n_events, decoy_slot and source_slots inherited
             root_slot: int = 13
             ...
 
@@ -115,12 +114,6 @@ class PairLayout:
     n_events: int = 24
     decoy_slot: int = 0
     source_slots: tuple[int, int] = (8, 11)
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            if isinstance(f.default, tuple):
-                setattr(self, f.name, tuple(getattr(self, f.name)))
-        self.validate()
 
     def validate(self) -> None:
         """Raises OptionError on an impossible layout (see :meth:`check_layout`)."""
@@ -205,9 +198,13 @@ class PairProbe(Probe):
     #: record whether each generation ended on a stop token (``stopped``)
     record_stopped: ClassVar[bool] = False
 
-    # the layout check, for the probes that declare the layout fields themselves; delete this line
-    # once access, carriers and landing inherit it from PairLayout
-    check_layout = PairLayout.check_layout
+    def __post_init__(self) -> None:
+        """Every field whose default is a tuple becomes a tuple (options arrive as JSON lists from a
+        manifest or as lists from the CLI), then :meth:`validate` runs."""
+        for f in dataclasses.fields(self):
+            if isinstance(f.default, tuple):
+                setattr(self, f.name, tuple(getattr(self, f.name)))
+        self.validate()
 
     def check_readout(self) -> None:
         """Raises OptionError when ``self.readout`` is not generate, logits or both, or ``self.max_new_tokens``

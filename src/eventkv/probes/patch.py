@@ -68,10 +68,6 @@ class Patch(PairProbe):
     instruction: str = INSTRUCTION
     answer_prefix: str = "Answer:"
 
-    def __post_init__(self) -> None:
-        self.lengths = tuple(self.lengths)
-        self.validate()
-
     def validate(self) -> None:
         check_ints(
             "lengths", self.lengths, "give distinct history lengths of at least 4 events (e.g. 24,48,96).", minimum=4

@@ -42,13 +42,13 @@ from dataclasses import dataclass
 from functools import partial
 from typing import ClassVar, Sequence
 
-from eventkv.errors import EventKVError
-from eventkv.options import check_choices, check_slots
+from eventkv.errors import OptionError
+from eventkv.options import check_choices
 from eventkv.probes.base import Runtime, Summary, Table, register
 from eventkv.probes.contract_rows import GRADED, ContractRow, ContractSection, d_tests, d_value, proportion
 from eventkv.probes.donor_pair import INSTRUCTION, NAMES, QUESTION, event_text, last_state, menu
 from eventkv.probes.figures import trigger_scatter
-from eventkv.probes.pairs import PairArm, PairProbe, d_stats, describe_d, pair_stats, primary_readout
+from eventkv.probes.pairs import PairArm, PairLayout, PairProbe, d_stats, describe_d, pair_stats, primary_readout
 from eventkv.stats import format_p, median, require_finite, sign_test, sign_test_d
 
 MIRROR_VERBS = (
@@ -90,15 +90,12 @@ def carrier_text(family: str, phrase: str, target: str, source: str) -> str:
 
 @register
 @dataclass
-class TriggerBank(PairProbe):
+class TriggerBank(PairLayout, PairProbe):
     """The 16-construction trigger bank. Fields are the options."""
 
     name: ClassVar[str] = "trigger-bank"
     smoke_options: ClassVar[dict] = {"max_new_tokens": 3, "n_events": 8, "source_slots": (2, 3), "carrier_slot": 5}
 
-    n_events: int = 24
-    decoy_slot: int = 0
-    source_slots: tuple[int, int] = (8, 11)
     carrier_slot: int = 13
     readout: str = "both"
     max_new_tokens: int = 64
@@ -106,23 +103,15 @@ class TriggerBank(PairProbe):
     instruction: str = INSTRUCTION
     answer_prefix: str = "Answer:"
 
-    def __post_init__(self) -> None:
-        self.source_slots = tuple(self.source_slots)
-        self.arm_names = tuple(self.arm_names)
-        self.validate()
-
     def validate(self) -> None:
-        check_slots(
-            n_events=self.n_events,
-            decoy_slot=self.decoy_slot,
-            source_slots=self.source_slots,
-            carrier_slot=self.carrier_slot,
-        )
-        lo, hi = self.source_slots
-        if not (0 <= self.decoy_slot < lo <= hi and hi + 1 < self.carrier_slot < self.n_events):
-            raise EventKVError(
-                f"layout decoy {self.decoy_slot}, source block {lo}-{hi + 1}, carrier {self.carrier_slot}, "
-                f"n_events {self.n_events}: needs decoy < source slots, source slot + 1 < carrier < n_events."
+        self.check_layout(("carrier", self.carrier_slot))
+        hi = self.source_slots[1]
+        if not hi + 1 < self.carrier_slot:  # the source block is the source event and the one after it
+            raise OptionError(
+                "carrier_slot",
+                self.carrier_slot,
+                f"the carrier must come after the source block (slots up to {hi + 1}: each source is followed by "
+                f"its echo): move it later.",
             )
         self.check_readout()
         check_choices("arm_names", self.arm_names, ARM_NAMES, required=("kv",), flag="--arms", what="arms")
