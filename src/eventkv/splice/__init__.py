@@ -3,5 +3,43 @@ neutral scaffold's, zeroed, masked or averaged rows, across layer cutoffs and de
 
 Modules: :mod:`~eventkv.splice.engine` (the splice on the serving data path),
 :mod:`~eventkv.splice.tasks` (built-in prompt tasks and scoring), :mod:`~eventkv.splice.probe`
-(the ``splice`` probe: records, statistics) and :mod:`~eventkv.splice.figures`.
+(the ``splice`` probe: records, statistics) and :mod:`~eventkv.splice.figures`. The engine's
+public names are re-exported here (``from eventkv.splice import splice_sweep`` keeps working from
+when the engine was the module ``eventkv.splice``).
 """
+
+from eventkv.splice.engine import (
+    ARMS,
+    DEFAULT_FILLER,
+    TAILS,
+    CleanRun,
+    Splice,
+    SplicePrompt,
+    SpliceResult,
+    clean_run,
+    donor_rows,
+    filler_ids,
+    layers_from,
+    span_masked,
+    splice_choice,
+    splice_generate,
+    splice_sweep,
+)
+
+__all__ = [
+    "ARMS",
+    "DEFAULT_FILLER",
+    "TAILS",
+    "CleanRun",
+    "Splice",
+    "SplicePrompt",
+    "SpliceResult",
+    "clean_run",
+    "donor_rows",
+    "filler_ids",
+    "layers_from",
+    "span_masked",
+    "splice_choice",
+    "splice_generate",
+    "splice_sweep",
+]
