@@ -194,9 +194,9 @@ def test_donor_pair_options_keep_their_keys_and_order():
 @pytest.mark.parametrize("name", sorted(load_probes()))
 def test_pair_layout_fields_lead_every_probe_that_has_them(name):
     # adopting PairLayout must leave the options dictionary's keys and their order as they are
-    fields = list(get_probe(name)().options())
-    if "n_events" in fields:
-        assert fields[:3] == ["n_events", "decoy_slot", "source_slots"]
+    cls = get_probe(name)
+    if issubclass(cls, PairLayout):
+        assert list(cls().options())[:3] == ["n_events", "decoy_slot", "source_slots"]
 
 
 @dataclasses.dataclass

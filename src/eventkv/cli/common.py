@@ -83,7 +83,8 @@ def run_probe_command(probe, opts: RunOptions) -> None:
     summary = opts.run(probe, rt, console)
     print_summary(console, summary)
     out = opts.out
-    console.print(f"records: {out / 'records.jsonl'}  summary: {out / 'summary.md'}  figure: {out / 'figure.png'}")
+    figure = f"  figure: {out / 'figure.png'}" if (out / "figure.png").is_file() else ""
+    console.print(f"records: {out / 'records.jsonl'}  summary: {out / 'summary.md'}{figure}")
 
 
 def print_summary(console: Console, summary) -> None:

@@ -98,4 +98,7 @@ def report(
         summary = render(directory)
         console = Console()
         print_summary(console, summary)
-        console.print(f"summary: {Path(directory) / 'summary.md'}  figure: {Path(directory) / 'figure.png'}")
+        figure = Path(directory) / "figure.png"
+        console.print(
+            f"summary: {Path(directory) / 'summary.md'}" + (f"  figure: {figure}" if figure.is_file() else "")
+        )
