@@ -140,13 +140,15 @@ def run_contract(
 
 def provenance(out: Path, probes) -> dict:
     """Model, dtype, seed and compute time of a contract directory, from its probes' manifests:
-    ``{"dtype", "seed", "seconds": {probe: s}, "total_seconds", "torch_threads": [...]}`` (seconds
-    summed over every invocation that computed items)."""
+    ``{"dtype", "seed", "weights_digest", "seconds": {probe: s}, "total_seconds", "torch_threads":
+    [...]}`` (seconds summed over every invocation that computed items; the weights digest lets a
+    memory check that a contract was measured on its own checkpoint)."""
     info: dict = {"seconds": {}, "torch_threads": set()}
     for p in probes:
         m = json.loads((out / p / RUN_MANIFEST).read_text())
         info.setdefault("dtype", m["identity"].get("dtype"))
         info.setdefault("seed", m["identity"].get("seed"))
+        info.setdefault("weights_digest", m["identity"].get("weights_digest"))
         inv = m.get("invocations", [])
         info["seconds"][p] = round(sum(i.get("seconds", 0) for i in inv), 1)
         info["torch_threads"] |= {i["torch_threads"] for i in inv if "torch_threads" in i}
