@@ -62,7 +62,7 @@ def _porter():
     return PorterStemmer()
 
 
-def answer_tokens(text: str, stem: bool = True) -> list[str]:
+def answer_tokens(text: str, *, stem: bool = True) -> list[str]:
     """The tokens token F1 compares: :func:`normalize_answer` split on whitespace, each Porter-stemmed when
     ``stem``.
 
@@ -76,14 +76,15 @@ def answer_tokens(text: str, stem: bool = True) -> list[str]:
     return [porter.stem(w) for w in words]
 
 
-def token_f1(prediction: str, answer: str, stem: bool = True) -> float:
+def token_f1(prediction: str, answer: str, *, stem: bool = True) -> float:
     """Token F1 in [0, 1] of ``prediction`` against ``answer`` (LoCoMo's ``f1_score``): precision and
-    recall of the multiset overlap of :func:`answer_tokens`; 0 when they share no token.
+    recall of the multiset overlap of :func:`answer_tokens`; 0 when they share no token. No category rule:
+    to score a LoCoMo question use :func:`score_answer`.
 
     Raises:
         EventKVError: ``stem`` and the nltk package is not installed.
     """
-    pred, gold = answer_tokens(prediction, stem), answer_tokens(answer, stem)
+    pred, gold = answer_tokens(prediction, stem=stem), answer_tokens(answer, stem=stem)
     same = sum((Counter(pred) & Counter(gold)).values())
     if same == 0:
         return 0.0
@@ -91,7 +92,7 @@ def token_f1(prediction: str, answer: str, stem: bool = True) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def multi_answer_f1(prediction: str, answer: str, stem: bool = True) -> float:
+def multi_answer_f1(prediction: str, answer: str, *, stem: bool = True) -> float:
     """LoCoMo's category-1 F1 (its ``f1``): both texts split on ``,``; the mean over the answer's parts of
     the best :func:`token_f1` against any part of the prediction. In [0, 1].
 
@@ -100,7 +101,7 @@ def multi_answer_f1(prediction: str, answer: str, stem: bool = True) -> float:
     """
     preds = [p.strip() for p in prediction.split(",")]
     golds = [g.strip() for g in answer.split(",")]
-    return sum(max(token_f1(p, g, stem) for p in preds) for g in golds) / len(golds)
+    return sum(max(token_f1(p, g, stem=stem) for p in preds) for g in golds) / len(golds)
 
 
 def exact_match(prediction: str, answer: str) -> bool:
@@ -125,7 +126,7 @@ class AnswerScore:
     exact: bool
 
 
-def score_answer(prediction: str, answer: str, category: int, stem: bool = True) -> AnswerScore:
+def score_answer(prediction: str, answer: str, category: int, *, stem: bool = True) -> AnswerScore:
     """Score a predicted answer as LoCoMo's ``eval_question_answering`` does for ``category`` (module
     docstring): 1 -> :func:`multi_answer_f1`; 2, 4 -> :func:`token_f1`; 3 -> :func:`token_f1` against the
     answer's part before the first ``;``; 5 -> 1.0 when the prediction :func:`abstains`, else 0.0.
@@ -142,5 +143,5 @@ def score_answer(prediction: str, answer: str, category: int, stem: bool = True)
         return AnswerScore(float(ok), ok)
     if category == 3:
         answer = answer.split(";")[0].strip()
-    f1 = multi_answer_f1(prediction, answer, stem) if category == 1 else token_f1(prediction, answer, stem)
+    f1 = multi_answer_f1(prediction, answer, stem=stem) if category == 1 else token_f1(prediction, answer, stem=stem)
     return AnswerScore(f1, exact_match(prediction, answer))
