@@ -27,8 +27,9 @@ LAYERS = (
         "eventkv.query",
         "eventkv.testing",
     ),
+    ("eventkv.memory",),
     ("eventkv.probes",),
-    ("eventkv.splice", "eventkv.contract"),
+    ("eventkv.splice", "eventkv.contract", "eventkv.memory.eval"),
     ("eventkv.cli",),
 )
 #: sibling packages of one layer that must not import each other

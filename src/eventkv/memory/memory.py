@@ -1,0 +1,902 @@
+"""EventMemory: the sparse event-KV agent memory (Study 1's engineering conclusion, "compute
+globally, materialize locally, serve sparsely"; issue 11, points 1, 2 and 4).
+
+An agent's history is prefilled once, globally and causally, and its K/V rows are kept; each
+query is answered from the rows of a few events served at their original positions (never
+re-rotated), next to the header; an update is appended as a served **patch** (O(pL + p²) for a
+p-token patch over an L-token history) instead of rewriting history (O(L²)); every event keeps its
+text, the fallback for what served rows cannot carry.
+
+The internal view is the data path's own types: a :class:`eventkv.log.TokenizedLog` of the header
+and every stored event (each tokenized alone, as :func:`eventkv.log.tokenize` does; budgets
+honoured) and an :class:`eventkv.prefill.EventKV` of their rows in row order, so
+:func:`eventkv.serve.serve` and :mod:`eventkv.readout` do the serving and answering. The store on
+disk is :mod:`eventkv.memory.store`.
+
+Example (a tiny random model; a real one comes from :func:`eventkv.models.load`):
+
+    >>> import tempfile
+    >>> from eventkv.testing import tiny_lm
+    >>> lm = tiny_lm("llama")
+    >>> d = tempfile.mkdtemp()
+    >>> with EventMemory.create(d + "/mem", lm, namespace="demo") as mem:
+    ...     added = mem.add(["Dana lives in Lisbon.", {"text": "Ravi likes tea.", "id": "ravi"}])
+    ...     patch = mem.update("ravi", "Ravi likes coffee now.")
+    ...     rows = mem.prefill()
+    ...     ans = mem.query("What does Ravi like?", select="view", max_new_tokens=4)
+    >>> [a.id for a in added], patch.id, ans.served_ids
+    (['e1', 'ravi'], 'ravi~1', ['e1', 'ravi~1'])
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Literal, Sequence
+
+import torch
+
+from eventkv.errors import EventKVError, OptionError
+from eventkv.log import HEADER_ID, Event, TokenizedLog, encode, header_text, tokenize_query
+from eventkv.memory.records import Added, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
+from eventkv.memory.store import SCHEMA_VERSION, Store, check_identity, model_identity, now
+from eventkv.options import check_max_new_tokens, check_optional_int, is_int
+from eventkv.prefill import EventKV, check_context, prefill
+from eventkv.readout import candidate_logprobs, generate
+from eventkv.serve import SERVE_MODES, ServeMode, serve
+
+if TYPE_CHECKING:  # pragma: no cover
+    from eventkv.models.profile import LoadedModel
+
+SelectSpec = None | Literal["all", "view"] | Sequence[str]
+
+
+def _record(row) -> MemoryRecord:
+    return MemoryRecord(
+        seq=row["seq"],
+        id=row["id"],
+        kind=row["kind"],
+        text=row["text"],
+        role=row["role"],
+        tags=tuple(json.loads(row["tags"])),
+        budget=row["budget"],
+        position=row["position"],
+        width=row["width"],
+        row_start=row["row_start"],
+        n_rows=row["n_rows"],
+        segment=row["segment"],
+        supersedes=row["supersedes"],
+        deleted=bool(row["deleted"]),
+        forgotten=bool(row["forgotten"]),
+        pinned=bool(row["pinned"]),
+        created=row["created"],
+    )
+
+
+class EventMemory:
+    """A sparse event-KV memory over one store directory and one model (Study 1, "Setting" and the
+    closing engineering conclusion). Build it with :meth:`create` or :meth:`open`; see the module
+    docstring for an example and ``docs/memory.md`` for the guarantees.
+
+    Not thread-safe: one writer (one process, one thread) per store directory at a time.
+    """
+
+    def __init__(self, store: Store, lm: LoadedModel) -> None:
+        self.store = store
+        self.lm = lm
+        self.header_ids: list[int] = list(store.manifest["header_ids"])
+        self._closed = False
+        self._recs: list[MemoryRecord] = []
+        self._tokens: dict[str, list[int]] = {}
+        self._ekv: EventKV | None = None
+        self._reload()
+
+    # ================================================================== create / open / close
+    @classmethod
+    def create(
+        cls,
+        directory: str | Path,
+        lm: LoadedModel,
+        *,
+        namespace: str,
+        instruction: str | None = None,
+        contract: str | Path | None = None,
+    ) -> "EventMemory":
+        """Make a new, empty memory in ``directory`` (absent or empty) for model ``lm``.
+
+        Args:
+            namespace: the tenant / agent this memory belongs to (kept in the manifest).
+            instruction: optional fixed task instruction placed in the header after the chat head.
+            contract: optional path of the model's ``contract.json`` (kept in the manifest for carriers).
+
+        Raises:
+            EventKVError: ``directory`` is a file, holds a memory already, or holds other files.
+            OptionError: a blank namespace, an instruction that is not a string.
+        """
+        if not isinstance(namespace, str) or not namespace.strip():
+            raise OptionError("namespace", namespace, "give the memory a non-empty namespace (e.g. the agent's name).")
+        if instruction is not None and not isinstance(instruction, str):
+            raise OptionError("instruction", instruction, "give the task instruction as a string, or None.")
+        header_ids = encode(lm.tokenizer, header_text(lm.profile, instruction or ""))
+        check_context(len(header_ids), lm.profile.max_context, what="header")
+        manifest = {
+            "namespace": namespace,
+            "model": lm.profile.name,
+            **model_identity(lm),
+            "instruction": instruction or "",
+            "header_ids": header_ids,
+            "contract": str(Path(contract).resolve()) if contract is not None else None,
+        }
+        return cls(Store.create(directory, manifest), lm)
+
+    @classmethod
+    def open(cls, directory: str | Path, lm: LoadedModel, *, verify: str | None = None) -> "EventMemory":
+        """Open a memory written by :meth:`create`, check it was made by ``lm`` and load its rows.
+
+        Segment files no committed row points to are deleted first (a kill between a segment's write
+        and its commit); every segment is then checked against its sha256 (``verify="size"`` or
+        ``EVENTKV_MEMORY_VERIFY=size``: its size only).
+
+        Raises:
+            EventKVError: no memory in ``directory``; one made by other weights, tokenizer, chat
+                template or dtype (the message names both values: stale KV is refused, never used);
+                a missing or corrupted segment.
+        """
+        store = Store.open(directory, verify=verify)
+        try:
+            check_identity(store.directory, store.manifest, lm)
+            mem = cls(store, lm)
+            mem._load_rows()
+        except BaseException:
+            store.close()
+            raise
+        return mem
+
+    def close(self) -> None:
+        """Close the database connection (idempotent). Every acknowledged write is already on disk."""
+        if not self._closed:
+            self.store.close()
+            self._closed = True
+
+    def __enter__(self) -> "EventMemory":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def directory(self) -> Path:
+        return self.store.directory
+
+    @property
+    def namespace(self) -> str:
+        return self.store.manifest["namespace"]
+
+    @property
+    def version(self) -> int:
+        """The store's write counter: bumped by every committed write (add, prefill, update, delete,
+        forget, pin, rebase); what an HTTP client sends as ``expected_version``."""
+        self._check_open()
+        return self.store.version
+
+    # ================================================================== internal state
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EventKVError(f"the memory {str(self.store.directory)!r} is closed: open it again.")
+
+    def _reload(self) -> None:
+        rows = self.store.conn.execute("SELECT * FROM events ORDER BY seq").fetchall()
+        self._recs = [_record(r) for r in rows]
+        self._tokens = {r["id"]: json.loads(r["token_ids"]) for r in rows if r["token_ids"] is not None}
+        self._by_id = {r.id: r for r in self._recs}
+
+    def _stored(self) -> list[MemoryRecord]:
+        """Every event with rows in the history (deleted included, forgotten excluded), in history order."""
+        return [r for r in self._recs if not r.forgotten]
+
+    def _log(self, recs: Sequence[MemoryRecord]) -> TokenizedLog:
+        return TokenizedLog(
+            list(self.header_ids), [r.id for r in recs], [self._tokens[r.id] for r in recs], [r.budget for r in recs]
+        )
+
+    def _history_end(self) -> int:
+        stored = self._stored()
+        return stored[-1].position + stored[-1].width if stored else len(self.header_ids)
+
+    def _n_rows(self) -> int:
+        stored = self._stored()
+        return stored[-1].row_start + stored[-1].n_rows if stored else len(self.header_ids)
+
+    def _device(self) -> torch.device:
+        return next(self.lm.model.parameters()).device
+
+    def _load_rows(self) -> None:
+        """Read every segment (row order), check the rows line up with the prefilled events, and keep
+        them as the in-memory EventKV."""
+        segs = self.store.segment_rows()
+        prefilled = [r for r in self._stored() if r.prefilled]
+        if not segs:
+            if prefilled:
+                raise self._corrupt(f"{len(prefilled)} events are marked prefilled but no segment exists")
+            return
+        n_layers = self.lm.profile.num_layers
+        keys: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
+        values: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
+        positions, total = [], 0
+        for seg in segs:
+            if seg["row_start"] != total:
+                raise self._corrupt(f"segment {seg['file']!r} starts at row {seg['row_start']}, not {total}")
+            k, v, p = self.store.read_segment(seg, n_layers)
+            for i in range(n_layers):
+                keys[i].append(k[i])
+                values[i].append(v[i])
+            positions.append(p)
+            total += seg["n_rows"]
+        log = self._log(prefilled) if prefilled else None
+        pos = torch.cat(positions)
+        if log is None or log.n_rows != total or pos.tolist() != log.position_ids:
+            raise self._corrupt(f"the segments hold {total} rows that do not line up with the prefilled events")
+        dev = self._device()
+        self._ekv = EventKV(
+            log,
+            [torch.cat(k, dim=1).unsqueeze(0).to(dev) for k in keys],
+            [torch.cat(v, dim=1).unsqueeze(0).to(dev) for v in values],
+            pos,
+            self.lm.profile.weights_digest,
+        )
+
+    def _corrupt(self, what: str) -> EventKVError:
+        return EventKVError(
+            f"the memory in {str(self.store.directory)!r} is inconsistent ({what}): restore it from a backup, or "
+            f"create a new memory and add the events again."
+        )
+
+    def _lookup(self, event_id: str) -> MemoryRecord:
+        rec = self._by_id.get(event_id) if isinstance(event_id, str) else None
+        if rec is not None:
+            return rec
+        known = [r.id for r in self._recs if not r.forgotten]
+        shown = ", ".join(known[:8]) + (" ..." if len(known) > 8 else "") if known else "none"
+        raise EventKVError(f"unknown event id {event_id!r}: this memory's events are {shown} (see list()).")
+
+    def _root(self, rec: MemoryRecord) -> MemoryRecord:
+        return self._lookup(rec.supersedes) if rec.kind == "patch" else rec
+
+    def _units(self) -> list[tuple[MemoryRecord, MemoryRecord]]:
+        """The current view as ``(root event, served record)`` pairs, by the served record's history
+        order: live non-patch events, each replaced by its latest live patch."""
+        latest: dict[str, MemoryRecord] = {}
+        for r in self._recs:
+            if r.kind == "patch" and r.live:
+                latest[r.supersedes] = r
+        units = [(r, latest.get(r.id, r)) for r in self._recs if r.kind != "patch" and r.live]
+        return sorted(units, key=lambda u: u[1].seq)
+
+    # ================================================================== writes
+    def _append(self, items: list[dict]) -> list[Added]:
+        """Validate, tokenize and insert events in one transaction; nothing is written if any is bad.
+
+        ``items``: dicts with text, role, id (or None), tags, budget, kind, supersedes.
+        """
+        self._check_open()
+        taken = {r.id for r in self._recs}
+        seq = (self._recs[-1].seq if self._recs else 0) + 1
+        pos, row = self._history_end(), self._n_rows()
+        rows, added = [], []
+        for it in items:
+            eid = it["id"]
+            if eid is None:
+                eid, n = f"e{seq}", 1
+                while eid in taken:
+                    eid, n = f"e{seq}-{n}", n + 1
+            if not isinstance(eid, str) or eid in taken:
+                what = "a forgotten event's" if any(r.id == eid and r.forgotten for r in self._recs) else "an"
+                raise EventKVError(
+                    f"duplicate event id {eid!r}: {what} event of this memory already has it; give another id "
+                    f"(or leave id out and the memory names it)."
+                )
+            if eid == HEADER_ID:
+                raise EventKVError(f"event id {HEADER_ID!r} is reserved for the header: give another id.")
+            ev = Event(eid, it["text"], it["role"], it["budget"])  # the log's schema: raises EventKVError
+            toks = encode(self.lm.tokenizer, ev.render())
+            if not toks:
+                raise EventKVError(f"event {eid!r} tokenizes to no tokens: give it some text.")
+            width = len(toks) if ev.budget is None else ev.budget
+            if width < len(toks):
+                raise EventKVError(
+                    f"event {eid!r} has {len(toks)} tokens but a position budget of {ev.budget}: raise its budget "
+                    f"to at least {len(toks)} or leave it out."
+                )
+            taken.add(eid)
+            rows.append(
+                (
+                    seq,
+                    eid,
+                    it["kind"],
+                    ev.text,
+                    ev.role,
+                    json.dumps(list(it["tags"])),
+                    ev.budget,
+                    json.dumps(toks),
+                    pos,
+                    width,
+                    row,
+                    len(toks),
+                    it.get("supersedes"),
+                    now(),
+                )
+            )
+            added.append(Added(eid, pos, width))
+            seq, pos, row = seq + 1, pos + width, row + len(toks)
+        check_context(pos, self.lm.profile.max_context, what=f"history after adding {len(rows)} event(s)")
+        with self.store.transaction() as c:
+            c.executemany(
+                "INSERT INTO events (seq, id, kind, text, role, tags, budget, token_ids, position, width, row_start, "
+                "n_rows, supersedes, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                rows,
+            )
+        self._reload()
+        return added
+
+    def add(self, events: Iterable[MemoryEvent | dict | str] | MemoryEvent | dict | str, *, prefill: bool = False):
+        """Append events to the history (Study 1, "Setting": an agent history is a sequence of events).
+
+        Each event is tokenized alone (``[role + ": "] + text + "\\n"``) and placed right after the
+        history: its first RoPE position is the history's end, and it reserves ``budget`` positions
+        (or its token count). All events of one call are committed in one transaction; the call
+        returns only after the commit (and, with ``prefill=True``, after the new rows' segment file
+        and its directory are fsynced and the segment's row is committed).
+
+        Args:
+            events: MemoryEvent objects, dicts with the same keys, or plain strings (a single one is
+                accepted too).
+            prefill: compute the new rows now (eager); default lazy (the next query or :meth:`prefill`).
+
+        Returns:
+            one :class:`Added` (id, position, width) per event, in order.
+
+        Raises:
+            EventKVError: empty text, a duplicate or reserved id, an id with a comma, a budget smaller
+                than the event's token count, or a history longer than the model's context (checked
+                before anything is written or computed).
+            OptionError: no events.
+        """
+        if isinstance(events, (str, dict, MemoryEvent)):
+            events = [events]
+        evs = [MemoryEvent.coerce(e) for e in events]
+        if not evs:
+            raise OptionError("events", [], "give at least one event to add.")
+        items = [
+            {"id": e.id, "text": e.text, "role": e.role, "tags": e.tags, "budget": e.budget, "kind": e.kind}
+            for e in evs
+        ]
+        added = self._append(items)
+        if prefill:
+            self.prefill()
+        return added
+
+    def prefill(self) -> int:
+        """Compute the rows of every event not yet prefilled, continuing from the stored rows
+        (:func:`eventkv.prefill.prefill` with ``prefix=`` the stored EventKV: O(pL + p²) attention for
+        p new tokens over L stored ones), and store them as one new segment file.
+
+        Returns:
+            rows computed (0 when every event has rows).
+
+        Raises:
+            EventKVError: the history is longer than the model's context.
+        """
+        self._check_open()
+        return self._prefill()
+
+    def _prefill(self, upto_seq: int | None = None) -> int:
+        stored = self._stored()
+        target = [r for r in stored if upto_seq is None or r.seq <= upto_seq]
+        pending = [r for r in target if not r.prefilled]
+        if not pending:
+            return 0
+        log = self._log(target)
+        lm = self.lm
+        ekv = prefill(
+            lm.model,
+            log,
+            prefix=self._ekv,
+            max_context=lm.profile.max_context,
+            weights_digest=lm.profile.weights_digest,
+        )
+        start = self._ekv.n_rows if self._ekv is not None else 0
+        seg_id = self.store.next_segment_id()
+        seg = self.store.write_segment(
+            seg_id, [k[0, :, start:] for k in ekv.keys], [v[0, :, start:] for v in ekv.values], ekv.positions[start:]
+        )
+        try:
+            with self.store.transaction() as c:
+                self.store.insert_segment(c, seg, start)
+                c.executemany("UPDATE events SET segment = ? WHERE seq = ?", [(seg_id, r.seq) for r in pending])
+        except BaseException:
+            self.store.remove_files([seg["file"]])
+            raise
+        self._ekv = ekv
+        self._reload()
+        return ekv.n_rows - start
+
+    def update(self, event_id: str, text: str, *, prefill: bool = False) -> Added:
+        """Append a **patch** event superseding ``event_id`` (Study 1, "Patch": an update is a served
+        patch, O(pL + p²), instead of a rewrite of history, O(L²)). History is never rewritten: the
+        old event keeps its text and rows; the default served set (:meth:`view_ids`) serves the
+        latest patch in its place. The patch takes the event's role and tags, has no budget, and is
+        named ``{root id}~{n}`` (the n-th update). Updating a patch updates the event it supersedes.
+
+        Returns:
+            the patch's :class:`Added`.
+
+        Raises:
+            EventKVError: unknown id, a deleted or forgotten event, empty text, or a history longer
+                than the model's context.
+        """
+        self._check_open()
+        root = self._root(self._lookup(event_id))
+        if not root.live:
+            how = "forgotten" if root.forgotten else "deleted"
+            raise EventKVError(f"event {root.id!r} is {how}: it cannot be updated; add a new event instead.")
+        n = 1 + sum(1 for r in self._recs if r.kind == "patch" and r.supersedes == root.id)
+        ids = {r.id for r in self._recs}
+        pid = f"{root.id}~{n}"
+        while pid in ids:
+            n += 1
+            pid = f"{root.id}~{n}"
+        item = {"id": pid, "text": text, "role": root.role, "tags": root.tags, "budget": None, "kind": "patch"}
+        (added,) = self._append([{**item, "supersedes": root.id}])
+        if prefill:
+            self.prefill()
+        return added
+
+    def delete(self, event_id: str) -> None:
+        """Tombstone an event: its text and rows are kept (they are part of the stored history, and
+        ``select="all"`` still serves them) but it leaves the default served set; a deleted event's
+        patches leave with it. Deleting a patch falls back to the previous live patch (or the event).
+
+        Raises:
+            EventKVError: unknown id, or an event already deleted or forgotten.
+        """
+        self._check_open()
+        rec = self._lookup(event_id)
+        if not rec.live:
+            raise EventKVError(f"event {event_id!r} is already {'forgotten' if rec.forgotten else 'deleted'}.")
+        with self.store.transaction() as c:
+            c.execute("UPDATE events SET deleted = 1 WHERE seq = ?", (rec.seq,))
+        self._reload()
+
+    def pin(self, event_id: str, pinned: bool = True) -> None:
+        """Keep an event in every served set :meth:`select` builds (or release it with ``pinned=False``).
+        Pinning a patch pins the event it supersedes (the view serves its latest patch).
+
+        Raises:
+            EventKVError: unknown id; pinning a deleted or forgotten event.
+        """
+        self._check_open()
+        root = self._root(self._lookup(event_id))
+        if pinned and not root.live:
+            raise EventKVError(
+                f"event {root.id!r} is {'forgotten' if root.forgotten else 'deleted'}: it cannot be pinned."
+            )
+        with self.store.transaction() as c:
+            c.execute("UPDATE events SET pinned = ? WHERE seq = ?", (int(bool(pinned)), root.seq))
+        self._reload()
+
+    def _relayout(self, c) -> None:
+        """Rewrite position and row_start of every stored event from the header on (after a removal)."""
+        pos = row = len(self.header_ids)
+        for r in self._stored():
+            c.execute("UPDATE events SET position = ?, row_start = ? WHERE seq = ?", (pos, row, r.seq))
+            pos, row = pos + r.width, row + r.n_rows
+
+    def forget(self, event_id: str) -> int:
+        """The privacy path: remove an event's text and rows **and re-prefill every later event**.
+
+        Why later events too: every row after the event was computed with the event in view, so it
+        can carry the event's content (the study's materialization: Study 1, "Access" and
+        "Programmed carriers"); dropping the event's own rows would leave that state behind. Cost:
+        the rows from the event on are recomputed, O(L_after · L) attention — O(L²) for an event
+        near the start of an L-token history, against O(pL + p²) for an update.
+
+        Forgetting an event forgets its patches too (forgetting a patch forgets that patch only).
+        The event's database row is kept as a ``forgotten`` marker holding only its id, kind and
+        creation time (text, role, tags, token ids, positions and rows are erased), so the id cannot
+        be reused; later events move down to contiguous positions. The database is then vacuumed with
+        ``secure_delete`` on and its WAL checkpointed and truncated, so the text is in no file of the
+        store directory; the segment files holding the event's rows are replaced (rows before the
+        event copied into a new file, committed, the old files unlinked).
+
+        Returns:
+            rows recomputed (the later events that had rows; 0 when the event had none).
+
+        Raises:
+            EventKVError: unknown id, or an event already forgotten.
+        """
+        self._check_open()
+        rec = self._lookup(event_id)
+        if rec.forgotten:
+            raise EventKVError(f"event {event_id!r} is already forgotten.")
+        targets = [rec] + [r for r in self._recs if rec.kind != "patch" and r.supersedes == rec.id and not r.forgotten]
+        gone = {r.seq for r in targets}
+        first = min(gone)
+        later_with_rows = [r for r in self._stored() if r.seq > first and r.seq not in gone and r.prefilled]
+        before = [r for r in self._stored() if r.seq < first]
+        keep = 0  # rows kept: everything before the first forgotten event (0: recompute from the header)
+        new_seg, drop_files, keep_ekv = None, [], None
+        if any(r.prefilled for r in targets) and before:
+            keep = before[-1].row_start + before[-1].n_rows
+        if any(r.prefilled for r in targets):
+            segs = self.store.segment_rows()
+            straddle = [s for s in segs if s["row_start"] < keep < s["row_start"] + s["n_rows"]]
+            drop = [s for s in segs if s["row_start"] + s["n_rows"] > keep]
+            drop_files = [s["file"] for s in drop]
+            if keep:
+                ekv = self._ekv
+                keep_ekv = EventKV(
+                    self._log(before),
+                    [k[:, :, :keep] for k in ekv.keys],
+                    [v[:, :, :keep] for v in ekv.values],
+                    ekv.positions[:keep],
+                    ekv.weights_digest,
+                )
+            if straddle:
+                s = straddle[0]
+                a = s["row_start"]
+                new_seg = self.store.write_segment(
+                    self.store.next_segment_id(),
+                    [k[0, :, a:keep] for k in keep_ekv.keys],
+                    [v[0, :, a:keep] for v in keep_ekv.values],
+                    keep_ekv.positions[a:keep],
+                )
+                new_seg["row_start"] = a
+        try:
+            with self.store.transaction() as c:
+                for f in drop_files:
+                    c.execute(
+                        "UPDATE events SET segment = NULL WHERE segment = (SELECT id FROM segments WHERE file = ?)",
+                        (f,),
+                    )
+                    c.execute("DELETE FROM segments WHERE file = ?", (f,))
+                if new_seg is not None:
+                    self.store.insert_segment(c, new_seg, new_seg["row_start"])
+                    c.execute(
+                        "UPDATE events SET segment = ? WHERE forgotten = 0 AND segment IS NULL AND row_start < ? "
+                        "AND seq < ?",
+                        (new_seg["id"], keep, first),
+                    )
+                c.executemany(
+                    "UPDATE events SET text = NULL, role = NULL, tags = '[]', budget = NULL, token_ids = NULL, "
+                    "position = NULL, width = 0, row_start = NULL, n_rows = 0, segment = NULL, forgotten = 1, "
+                    "pinned = 0, deleted = 0 WHERE seq = ?",
+                    [(s,) for s in gone],
+                )
+                self._recs = [r for r in self._recs if r.seq not in gone]  # for _relayout
+                self._relayout(c)
+        except BaseException:
+            if new_seg is not None:
+                self.store.remove_files([new_seg["file"]])
+            self._reload()
+            raise
+        self.store.remove_files(drop_files)
+        self._ekv = keep_ekv if drop_files else self._ekv
+        self._reload()
+        self.store.scrub()
+        if not later_with_rows:
+            return 0
+        return self._prefill(upto_seq=later_with_rows[-1].seq)
+
+    def rebase(self) -> int:
+        """Re-prefill the current view as a new history: the live events in history order, each with
+        its latest patch's text folded in (keeping its id, role, tags, pin, and budget when the new
+        text fits it), at contiguous positions. Tombstoned events, patches and their rows are dropped
+        (forgotten markers stay). The new rows are written to a new segment and committed with the
+        new event table in one transaction; the old segment files are removed after the commit.
+
+        Returns:
+            rows computed (the whole new history, header included).
+
+        Raises:
+            EventKVError: the new history is longer than the model's context.
+        """
+        self._check_open()
+        units = sorted(self._units(), key=lambda u: u[0].seq)
+        rows, events = [], []
+        pos = row = len(self.header_ids)
+        for root, cur in units:
+            ev = Event(root.id, cur.text, root.role)
+            toks = encode(self.lm.tokenizer, ev.render())
+            budget = root.budget if root.budget is not None and root.budget >= len(toks) else None
+            width = budget or len(toks)
+            rows.append((root, cur, toks, budget, pos, width, row))
+            events.append((root.id, toks, budget))
+            pos, row = pos + width, row + len(toks)
+        old_files = [s["file"] for s in self.store.segment_rows()]
+        ekv = seg = None
+        if events:
+            log = TokenizedLog.from_ids(self.header_ids, events)
+            check_context(log.history_end, self.lm.profile.max_context)
+            lm = self.lm
+            ekv = prefill(lm.model, log, max_context=lm.profile.max_context, weights_digest=lm.profile.weights_digest)
+            seg = self.store.write_segment(
+                self.store.next_segment_id(), [k[0] for k in ekv.keys], [v[0] for v in ekv.values], ekv.positions
+            )
+        try:
+            with self.store.transaction() as c:
+                c.execute("DELETE FROM events WHERE forgotten = 0")
+                c.execute("DELETE FROM segments")
+                if seg is not None:
+                    self.store.insert_segment(c, seg, 0)
+                c.executemany(
+                    "INSERT INTO events (seq, id, kind, text, role, tags, budget, token_ids, position, width, "
+                    "row_start, n_rows, segment, pinned, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    [
+                        (
+                            root.seq,
+                            root.id,
+                            root.kind,
+                            cur.text,
+                            root.role,
+                            json.dumps(list(root.tags)),
+                            budget,
+                            json.dumps(toks),
+                            p,
+                            w,
+                            r0,
+                            len(toks),
+                            seg["id"],
+                            int(root.pinned),
+                            root.created,
+                        )
+                        for root, cur, toks, budget, p, w, r0 in rows
+                    ],
+                )
+        except BaseException:
+            if seg is not None:
+                self.store.remove_files([seg["file"]])
+            raise
+        self.store.remove_files([f for f in old_files if seg is None or f != seg["file"]])
+        self._ekv = ekv
+        self._reload()
+        self.store.scrub()
+        return ekv.n_rows if ekv is not None else 0
+
+    # ================================================================== reads
+    def get(self, event_id: str) -> MemoryRecord:
+        """The stored record of one event (a forgotten event: its marker, ``text=None``).
+
+        Raises:
+            EventKVError: unknown id.
+        """
+        self._check_open()
+        return self._lookup(event_id)
+
+    def history(self, event_id: str) -> list[MemoryRecord]:
+        """The event and its patches (deleted ones included, flagged), oldest first. Given a patch's
+        id, the history of the event it supersedes.
+
+        Raises:
+            EventKVError: unknown id.
+        """
+        self._check_open()
+        root = self._root(self._lookup(event_id))
+        return [root] + [r for r in self._recs if r.kind == "patch" and r.supersedes == root.id and not r.forgotten]
+
+    def list(self, include_superseded: bool = False, include_deleted: bool = False) -> list[MemoryRecord]:
+        """Records in history order. Default: the view (:meth:`view_ids`): live events, each superseded
+        one replaced by its latest patch. ``include_superseded``: also superseded events and older
+        patches; ``include_deleted``: also tombstoned ones (and the patches of a deleted event).
+        Forgotten markers are never listed (see :meth:`get`)."""
+        self._check_open()
+        view = {cur.seq for _, cur in self._units()}
+        out = []
+        for r in self._recs:
+            if r.forgotten:
+                continue
+            if r.deleted or self._root(r).deleted:
+                if include_deleted:
+                    out.append(r)
+            elif include_superseded or r.seq in view:
+                out.append(r)
+        return out
+
+    def view_ids(self) -> list[str]:
+        """The default served set, in history order: live events (not deleted or forgotten), each
+        superseded event replaced by its latest live patch; pinned events are live events, so included."""
+        self._check_open()
+        return [cur.id for _, cur in self._units()]
+
+    def stats(self) -> MemoryStats:
+        """Counts and sizes (see :class:`MemoryStats`); ``bytes_on_disk`` sums every file of the store."""
+        self._check_open()
+        stored = self._stored()
+        pre = [r for r in stored if r.prefilled]
+        h = len(self.header_ids)
+        return MemoryStats(
+            events=len(stored),
+            live=len(self._units()),
+            patches=sum(r.kind == "patch" for r in stored),
+            deleted=sum(r.deleted for r in stored),
+            forgotten=sum(r.forgotten for r in self._recs),
+            pinned=sum(r.pinned for r in stored),
+            carriers=sum(r.kind == "carrier" for r in stored),
+            rows=self._n_rows(),
+            rows_prefilled=self._ekv.n_rows if self._ekv is not None else 0,
+            prefilled_up_to=(pre[-1].position + pre[-1].width) if pre else h,
+            history_end=self._history_end(),
+            segments=len(self.store.segment_rows()),
+            bytes_on_disk=self.store.bytes_on_disk(),
+            version=self.store.version,
+        )
+
+    # ================================================================== selection and answers
+    def select(self, question: str, k: int = 8, budget_rows: int | None = None) -> list[str]:
+        """The served set for a question (issue 11, point 4): the view's events ranked by BM25 over
+        their current text (:func:`eventkv.memory.select.rank`; a patched event is ranked and served
+        as its latest patch), the top ``k`` kept, then every pinned event added; in history order.
+        With ``budget_rows``, the lowest-ranked unpinned events are dropped until the served events'
+        rows (header excluded) fit; pinned events are never dropped. The header is always served
+        by :func:`eventkv.serve.serve` besides.
+
+        Returns:
+            event ids (empty when the memory has no live events).
+
+        Raises:
+            OptionError: ``k`` or ``budget_rows`` not a whole number >= 1; a blank question.
+        """
+        self._check_open()
+        if not is_int(k) or k < 1:
+            raise OptionError("k", k, "select at least 1 event (a whole number >= 1).")
+        check_optional_int("budget_rows", budget_rows, "give a whole number of rows >= 1, or None (no budget).")
+        if not isinstance(question, str) or not question.strip():
+            raise OptionError("question", question, "give a non-empty question.")
+        units = self._units()
+        if not units:
+            return []
+        from eventkv.memory.select import rank
+
+        ranked = rank([cur.text for _, cur in units], question, k)
+        pinned = [i for i, (root, _) in enumerate(units) if root.pinned]
+        chosen = [i for i in ranked if i not in pinned]
+        if budget_rows is not None:
+            used = sum(units[i][1].n_rows for i in pinned)
+            kept = []
+            for i in chosen:  # best first: keep while it fits (= drop the lowest-ranked first)
+                if used + units[i][1].n_rows > budget_rows:
+                    break
+                kept.append(i)
+                used += units[i][1].n_rows
+            chosen = kept
+        return [units[i][1].id for i in sorted(set(chosen) | set(pinned))]
+
+    def _served_ids(self, question: str, select: SelectSpec, k: int, budget_rows: int | None) -> list[str]:
+        if select is None:
+            return self.select(question, k, budget_rows)
+        if isinstance(select, str):
+            if select == "all":
+                return [r.id for r in self._stored()]
+            if select == "view":
+                return self.view_ids()
+            raise OptionError("select", select, "give None (BM25 selection), 'all', 'view', or a list of event ids.")
+        ids = list(select)
+        for i in ids:
+            if not isinstance(i, str):
+                raise OptionError("select", ids, "give event ids as strings.")
+            if self._lookup(i).forgotten:
+                raise EventKVError(
+                    f"event {i!r} is forgotten: it has no rows to serve; leave it out of the served set."
+                )
+        return ids
+
+    def query(
+        self,
+        question: str,
+        select: SelectSpec = None,
+        k: int = 8,
+        mode: ServeMode = "compact",
+        candidates: Sequence[str] | None = None,
+        max_new_tokens: int = 32,
+        *,
+        budget_rows: int | None = None,
+        keep_logits: bool = False,
+    ) -> MemoryAnswer:
+        """Answer a question from served rows (Study 1, "Setting": sparse serving, then a readout).
+
+        Pending events are prefilled first (lazy prefill). The served events' rows stay at their
+        original positions (never re-rotated) and the question starts at the first position after
+        the whole history; the answer is the greedy continuation (:func:`eventkv.readout.generate`),
+        and each candidate's full continuation is scored (:func:`eventkv.readout.candidate_logprobs`,
+        nats) when candidates are given.
+
+        Args:
+            select: None = :meth:`select` (BM25 top-``k`` + patches + pins); ``"view"`` = :meth:`view_ids`;
+                ``"all"`` = every stored event, deleted ones included (their rows are part of the stored
+                history): with ``mode="compact"`` this equals a fresh prefill of header + events; or a list of ids.
+            mode: ``compact`` | ``native`` | ``isolated`` | ``text`` (:mod:`eventkv.serve`).
+            budget_rows: passed to :meth:`select` when ``select`` is None.
+            keep_logits: keep each generated step's logits ``[vocab]`` (float32) in ``generation.logits``.
+
+        Returns:
+            :class:`MemoryAnswer` (text, generation, candidates, served ids, their positions, rows
+            served, timings in ms).
+
+        Raises:
+            OptionError: a blank question, unknown mode or select, ``max_new_tokens`` < 1 or past the
+                context, empty or repeated candidates.
+            EventKVError: an unknown or forgotten id, nothing to serve (an empty memory or selection),
+                history + question beyond the model's context.
+        """
+        self._check_open()
+        if not isinstance(question, str) or not question.strip():
+            raise OptionError("question", question, "give a non-empty question.")
+        if mode not in SERVE_MODES:
+            raise OptionError("mode", mode, f"use one of {', '.join(SERVE_MODES)}.")
+        check_max_new_tokens(max_new_tokens)
+        cands = list(candidates or [])
+        if any(not isinstance(c, str) or not c.strip() for c in cands) or len(set(cands)) != len(cands):
+            raise OptionError("candidates", cands, "give distinct, non-empty candidate answers.")
+        ids = self._served_ids(question, select, k, budget_rows)
+        if not ids:
+            raise EventKVError(
+                "nothing to serve: the memory has no live events; add some first"
+                if not self._units()
+                else f"the served set is empty (select={select!r}): give event ids, 'view' or 'all'."
+            )
+        lm = self.lm
+        q = tokenize_query(lm.tokenizer, lm.profile, question)
+        end, ctx = self._history_end(), lm.profile.max_context
+        check_context(end + len(q), ctx, what="history plus question")
+        if ctx is not None and end + len(q) + max_new_tokens > ctx:
+            raise OptionError(
+                "max_new_tokens",
+                max_new_tokens,
+                f"the history and the question take {end + len(q)} of the model's {ctx} positions: give at most "
+                f"{ctx - end - len(q)} new tokens.",
+            )
+        t0 = time.perf_counter()
+        self._prefill()
+        t1 = time.perf_counter()
+        sc = serve(self._ekv, ids, mode, model=lm.model)
+        t2 = time.perf_counter()
+        gen = generate(
+            lm.model,
+            sc,
+            q,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=lm.profile.stop_token_ids,
+            tokenizer=lm.tokenizer,
+            max_context=ctx,
+            keep_logits=keep_logits,
+        )
+        scores = []
+        if cands:
+            scores = candidate_logprobs(
+                lm.model, sc, q, [encode(lm.tokenizer, c) for c in cands], texts=cands, max_context=ctx
+            )
+        t3 = time.perf_counter()
+        by_id = {r.id: r for r in self._recs}
+        return MemoryAnswer(
+            text=gen.text,
+            generation=gen,
+            candidates=scores,
+            served_ids=list(sc.served),
+            positions=[(i, by_id[i].position, by_id[i].width) for i in sc.served],
+            n_rows_served=sc.n_visible,
+            timings_ms={"prefill": 1e3 * (t1 - t0), "serve": 1e3 * (t2 - t1), "decode": 1e3 * (t3 - t2)},
+        )
+
+    def event_log(self, select: SelectSpec = "all"):
+        """The stored events as an :class:`eventkv.log.EventLog` (header instruction included), e.g. for
+        a fresh prefill to compare against. ``select``: ``"all"`` (stored history) or ``"view"``."""
+        from eventkv.log import EventLog
+
+        self._check_open()
+        recs = self._stored() if select == "all" else [cur for _, cur in self._units()]
+        return EventLog(
+            [Event(r.id, r.text, r.role, r.budget) for r in recs], instruction=self.store.manifest["instruction"]
+        )
+
+
+__all__ = ["EventMemory", "SCHEMA_VERSION"]

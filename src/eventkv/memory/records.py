@@ -1,0 +1,189 @@
+"""The plain data types of the memory's API: what a caller hands in (:class:`MemoryEvent`) and what
+the verbs hand back (:class:`Added`, :class:`MemoryRecord`, :class:`MemoryStats`,
+:class:`MemoryAnswer`). No model code, no storage code: the eval and the HTTP service can import
+them without loading anything."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from eventkv.errors import EventKVError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from eventkv.readout import CandidateScore, Generation
+
+#: what an event row of the store is: an event added by ``add``, a patch appended by ``update``,
+#: or a programmed carrier (an answer-free event written on purpose; issue 11, point 3)
+KINDS = ("event", "patch", "carrier")
+#: the kinds a caller may ``add`` (patches are only appended by ``update``)
+ADD_KINDS = ("event", "carrier")
+
+
+@dataclass(frozen=True)
+class MemoryEvent:
+    """One event to add to a memory.
+
+    Attributes:
+        text: the event's text, exactly as it enters the prompt (non-blank).
+        role: optional speaker label; the event is rendered ``"{role}: {text}"`` (as :class:`eventkv.log.Event`).
+        id: optional unique name (no commas, no surrounding spaces); ``None`` = the memory names it
+            ``e{seq}``.
+        tags: free labels kept with the event (JSON in the store; not part of the prompt).
+        budget: optional position budget in tokens (>= the event's token count): the event reserves
+            that many positions whatever its length (Study 1, "Donor pair").
+        kind: ``"event"`` (default) or ``"carrier"`` (an answer-free carrier event, issue 11 point 3).
+    """
+
+    text: str
+    role: str | None = None
+    id: str | None = None
+    tags: tuple[str, ...] = ()
+    budget: int | None = None
+    kind: str = "event"
+
+    @classmethod
+    def coerce(cls, obj) -> "MemoryEvent":
+        """A MemoryEvent from a MemoryEvent, a plain string (its text) or a dict with the field names.
+
+        Raises:
+            EventKVError: another type, a dict with an unknown key, tags that are not strings, or a
+                kind other than ``event`` / ``carrier``.
+        """
+        if isinstance(obj, MemoryEvent):
+            ev = obj
+        elif isinstance(obj, str):
+            ev = cls(text=obj)
+        elif isinstance(obj, dict):
+            unknown = sorted(set(obj) - {"text", "role", "id", "tags", "budget", "kind"})
+            if unknown:
+                raise EventKVError(
+                    f"event {obj!r:.80} has the unknown key(s) {', '.join(map(repr, unknown))}: "
+                    "the keys of an event are text, role, id, tags, budget, kind."
+                )
+            if "text" not in obj:
+                raise EventKVError(f"event {obj!r:.80} has no 'text': give the event's text.")
+            ev = cls(**{**obj, "tags": tuple(obj.get("tags") or ())})
+        else:
+            raise EventKVError(
+                f"{type(obj).__name__} {obj!r:.60} is not an event: "
+                "give a MemoryEvent, a dict with 'text', or a string."
+            )
+        if isinstance(ev.tags, str) or not all(isinstance(t, str) and t for t in ev.tags):
+            raise EventKVError(f"event tags {ev.tags!r:.80}: give a list of non-empty strings.")
+        if ev.kind not in ADD_KINDS:
+            raise EventKVError(
+                f"event kind {ev.kind!r}: add events of kind {' or '.join(ADD_KINDS)} "
+                "(patches are appended by update(event_id, text))."
+            )
+        return ev
+
+
+@dataclass(frozen=True)
+class Added:
+    """An acknowledged add: the event's id, its first RoPE position id and the positions it reserves
+    (``width`` = its budget, or its token count)."""
+
+    id: str
+    position: int
+    width: int
+
+
+@dataclass(frozen=True)
+class MemoryRecord:
+    """One row of the memory's event table, as stored.
+
+    Attributes:
+        seq: history order (1, 2, ...; never reused).
+        id, kind: the event's name and kind (``event`` | ``patch`` | ``carrier``).
+        text: its text (None once forgotten); role, tags, budget: as added.
+        position: first RoPE position id (None once forgotten); width: positions reserved.
+        row_start: first row of the stored history (header rows first); n_rows: rows = its tokens.
+        prefilled: whether its rows are computed and stored (in segment ``segment``).
+        supersedes: for a patch, the id of the event it updates.
+        deleted, forgotten, pinned: its flags. created: UTC time of the add (ISO 8601).
+    """
+
+    seq: int
+    id: str
+    kind: str
+    text: str | None
+    role: str | None
+    tags: tuple[str, ...]
+    budget: int | None
+    position: int | None
+    width: int
+    row_start: int | None
+    n_rows: int
+    segment: int | None
+    supersedes: str | None
+    deleted: bool
+    forgotten: bool
+    pinned: bool
+    created: str
+
+    @property
+    def prefilled(self) -> bool:
+        return self.segment is not None
+
+    @property
+    def live(self) -> bool:
+        """Neither deleted nor forgotten."""
+        return not (self.deleted or self.forgotten)
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """Sizes of a memory.
+
+    Attributes:
+        events: stored event rows that hold text (every kind, deleted included, forgotten excluded).
+        live: events in the default served set (``view_ids()``).
+        patches, deleted, forgotten, pinned, carriers: counts by flag / kind.
+        rows: rows of the whole stored history, header included (what ``select="all"`` serves).
+        rows_prefilled: rows computed and stored in segment files.
+        prefilled_up_to: first RoPE position after the last prefilled event (the header's length
+            when none is).
+        history_end: first position after the whole history (where a query starts).
+        segments: segment files. bytes_on_disk: every file of the store directory, in bytes.
+        version: the store's write counter.
+    """
+
+    events: int
+    live: int
+    patches: int
+    deleted: int
+    forgotten: int
+    pinned: int
+    carriers: int
+    rows: int
+    rows_prefilled: int
+    prefilled_up_to: int
+    history_end: int
+    segments: int
+    bytes_on_disk: int
+    version: int
+
+
+@dataclass
+class MemoryAnswer:
+    """What ``EventMemory.query`` returned.
+
+    Attributes:
+        text: the greedy answer (decoded, stop token excluded).
+        generation: the full :class:`eventkv.readout.Generation` (tokens, stopped, logits if kept).
+        candidates: candidate scores (log-probabilities in nats), when candidates were given.
+        served_ids: the served events, in history order (the header is always served besides).
+        positions: ``(id, first position, width)`` of every served event.
+        n_rows_served: rows the query attended to (header included; in native mode the visible rows).
+        timings_ms: wall time in milliseconds of ``prefill`` (lazy prefill of pending events; 0 when
+            none), ``serve`` (building the served cache) and ``decode`` (generation and scoring).
+    """
+
+    text: str
+    generation: Generation
+    candidates: list[CandidateScore] = field(default_factory=list)
+    served_ids: list[str] = field(default_factory=list)
+    positions: list[tuple[str, int, int]] = field(default_factory=list)
+    n_rows_served: int = 0
+    timings_ms: dict[str, float] = field(default_factory=dict)
