@@ -40,6 +40,7 @@ import torch
 from eventkv.errors import EventKVError, OptionError
 from eventkv.log import HEADER_ID, Event, TokenizedLog, encode, header_text, tokenize_query
 from eventkv.memory.records import Added, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
+from eventkv.memory.select import rank
 from eventkv.memory.store import SCHEMA_VERSION, Store, check_identity, model_identity, now
 from eventkv.options import check_max_new_tokens, check_optional_int, is_int
 from eventkv.prefill import EventKV, check_context, prefill
@@ -755,8 +756,6 @@ class EventMemory:
         units = self._units()
         if not units:
             return []
-        from eventkv.memory.select import rank
-
         ranked = rank([cur.text for _, cur in units], question, k)
         pinned = [i for i, (root, _) in enumerate(units) if root.pinned]
         chosen = [i for i in ranked if i not in pinned]
