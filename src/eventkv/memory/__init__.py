@@ -5,6 +5,6 @@ materialize locally, serve sparsely"). See ``docs/memory.md``.
 """
 
 from eventkv.memory.memory import EventMemory
-from eventkv.memory.records import Added, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
+from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
 
-__all__ = ["Added", "EventMemory", "MemoryAnswer", "MemoryEvent", "MemoryRecord", "MemoryStats"]
+__all__ = ["Added", "CarrierResult", "EventMemory", "MemoryAnswer", "MemoryEvent", "MemoryRecord", "MemoryStats"]

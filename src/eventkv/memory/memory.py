@@ -39,7 +39,7 @@ import torch
 
 from eventkv.errors import EventKVError, OptionError
 from eventkv.log import HEADER_ID, Event, TokenizedLog, encode, header_text, tokenize_query
-from eventkv.memory.records import Added, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
+from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
 from eventkv.memory.select import rank
 from eventkv.memory.store import SCHEMA_VERSION, Store, check_identity, model_identity, now
 from eventkv.options import check_max_new_tokens, check_optional_int, is_int
@@ -485,6 +485,57 @@ class EventMemory:
         with self.store.transaction() as c:
             c.execute("UPDATE events SET pinned = ? WHERE seq = ?", (int(bool(pinned)), root.seq))
         self._reload()
+
+    def carrier(
+        self, sources: Sequence[str], subject: str, kind: str = "auto", *, prefill: bool = False
+    ) -> CarrierResult:
+        """Append an answer-free **carrier** event about ``subject`` after its source events (Study 1,
+        "Programmed carriers"): its rows, computed with the sources in view, may carry their state once
+        the sources are no longer served. The text names the subject and the sources' ids, never a value
+        (:func:`eventkv.memory.carriers.carrier_text`).
+
+        ``kind="auto"`` reads the model's contract (the ``contract=`` given to :meth:`create`) and
+        writes the kind with the largest donor shift significantly above 0 on this checkpoint
+        (:func:`eventkv.memory.carriers.choose_kind`); when none qualifies, or no contract was given,
+        it writes **no** carrier and pins the sources instead, so their text is served with every
+        query (the study's fallback), and says so in the result. An explicit kind is always written.
+
+        Args:
+            sources: ids of the events the carrier is about (each must be live).
+            subject: what the carrier is about, e.g. ``"the user's home city"``.
+            kind: ``auto`` | ``passive`` | ``binding`` | ``directive`` | ``compute``.
+            prefill: compute the carrier's rows now (as :meth:`add`).
+
+        Raises:
+            OptionError: an unknown kind, an empty subject, no sources.
+            EventKVError: an unknown, deleted or forgotten source; a contract that cannot be read or
+                was measured on other weights.
+        """
+        from eventkv.memory.carriers import carrier_text, choose_kind
+
+        self._check_open()
+        ids = list(sources) if not isinstance(sources, str) else [sources]
+        if not ids:
+            raise OptionError("sources", ids, "give the ids of the events the carrier is about.")
+        for sid in ids:
+            rec = self._root(self._lookup(sid))
+            if not rec.live:
+                raise EventKVError(
+                    f"source {sid!r} is {'forgotten' if rec.forgotten else 'deleted'}: a carrier needs live sources."
+                )
+        if kind == "auto":
+            choice = choose_kind(self.store.manifest.get("contract"), self.lm.profile.weights_digest)
+            chosen, reason = choice.kind, choice.reason
+        else:
+            chosen, reason = kind, f"{kind}: chosen by the caller."
+        if chosen is None:
+            carrier_text("passive", subject, ids)  # the same argument checks as a written carrier
+            for sid in ids:
+                self.pin(sid)
+            return CarrierResult(None, None, tuple(ids), reason)
+        text = carrier_text(chosen, subject, ids)
+        added = self.add([MemoryEvent(text, kind="carrier", tags=("carrier", chosen))], prefill=prefill)[0]
+        return CarrierResult(chosen, added, (), reason)
 
     def _relayout(self, c) -> None:
         """Rewrite position and row_start of every stored event from the header on (after a removal)."""

@@ -187,3 +187,20 @@ class MemoryAnswer:
     positions: list[tuple[str, int, int]] = field(default_factory=list)
     n_rows_served: int = 0
     timings_ms: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CarrierResult:
+    """What ``EventMemory.carrier`` did (Study 1, "Programmed carriers").
+
+    Attributes:
+        kind: the carrier kind written, or None when none was (the sources were pinned instead).
+        added: the carrier event (id, position, width), or None.
+        pinned: the source ids pinned as the text fallback (empty when a carrier was written).
+        reason: why: the contract's figures behind the kind, or why no kind qualified.
+    """
+
+    kind: str | None
+    added: Added | None
+    pinned: tuple[str, ...]
+    reason: str
