@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from eventkv.cli import contract, splice
+from eventkv.cli.memory import memory_app
 from eventkv.cli.models import models_app
 from eventkv.cli.query import query
 from eventkv.cli.run import report, run_app
@@ -25,6 +26,7 @@ app = typer.Typer(
     help="eventkv: prefill an event log once, serve any subset of events' KV rows, probe what they carry.",
 )
 app.add_typer(models_app, name="models")
+app.add_typer(memory_app, name="memory")
 app.command("query")(query)
 for _name, _command in contract.RUN_COMMANDS.items():
     run_app.command(_name)(_command)

@@ -1,0 +1,95 @@
+"""`eventkv memory eval` (issue 11, point 6): the run folder on the shipped demo file with a tiny
+model, resume, option errors, and the summary's statistics on hand-made records."""
+
+import json
+
+import numpy as np
+import pytest
+from cli_fixtures import run_cli
+
+from eventkv.memory.eval import DEMO_DATA, MemoryEval, first_line, summarize_memory_eval
+from eventkv.stats import cluster_bootstrap
+from eventkv.testing import tiny_model, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    tiny_model("llama").save_pretrained(d)
+    tiny_tokenizer().save_pretrained(d)
+    return d
+
+
+def test_eval_runs_resumes_and_reports(tiny_dir, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    args = ["memory", "eval", "--data", DEMO_DATA, "--model", str(tiny_dir), "--conversations", "2"]
+    args += ["--questions-per-conversation", "2", "--max-tokens", "600", "--k", "2", "--max-new-tokens", "3"]
+    args += ["--dtype", "float32", "--out", str(out), "--no-progress"]
+    code, out_text, err = run_cli(monkeypatch, capsys, *args)
+    assert code == 0, out_text + err
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert [x["index"] for x in records] == [0, 1, 2, 3]
+    done = [x for x in records if "arms" in x]
+    assert done and all(set(x["arms"]) == {"rows", "text", "isolated", "full", "gold"} for x in done)
+    for x in done:
+        assert 1 <= len(x["selected"]) <= 2
+        assert x["arms"]["full"]["n_rows"] >= x["arms"]["rows"]["n_rows"]
+        assert set(x["timing"]) == set(x["arms"])
+    assert (out / "summary.md").read_text().startswith("# memory-eval")
+    assert run_cli(monkeypatch, capsys, *args)[0] == 0  # resume: nothing recomputed
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["invocations"][-1]["items_computed"] == 0
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--data", "/no/such.json"], "--data '/no/such.json': no such file"),
+        (["--data", DEMO_DATA, "--conversations", "9"], "--conversations 9:"),
+        (["--data", DEMO_DATA, "--k", "0"], "--k 0:"),
+        (["--data", DEMO_DATA, "--arms", "text,gold"], "--arms"),
+    ],
+)
+def test_eval_option_errors(extra, message, tmp_path, monkeypatch, capsys):
+    code, out, err = run_cli(monkeypatch, capsys, "memory", "eval", *extra, "--out", str(tmp_path / "o"))
+    assert code == 2 and message in err and "Traceback" not in out + err
+    assert not (tmp_path / "o").exists()
+
+
+def test_first_line():
+    assert first_line("\n  Pepper \nthe cat") == "Pepper"
+    assert first_line("   \n") == ""
+
+
+def _rec(conv, cat, f1s, i):
+    return {
+        "index": i,
+        "conversation": conv,
+        "category": cat,
+        "arms": {a: {"f1": f, "em": f == 1.0, "n_rows": 10, "answer": "x"} for a, f in f1s.items()},
+        "timing": {a: 10.0 * (i + 1) for a in f1s},
+    }
+
+
+def test_summary_statistics_on_hand_made_records():
+    recs = [
+        _rec("c1", 4, {"rows": 1.0, "text": 0.5, "isolated": 0.0}, 0),
+        _rec("c1", 1, {"rows": 0.5, "text": 0.5, "isolated": 0.5}, 1),
+        _rec("c2", 2, {"rows": 0.0, "text": 1.0, "isolated": 0.0}, 2),
+        _rec("c2", 5, {"rows": 1.0, "text": 1.0, "isolated": 1.0}, 3),  # adversarial: apart
+        {"index": 4, "conversation": "c3", "skipped": "0 eligible questions"},
+    ]
+    s = summarize_memory_eval(recs).data
+    assert (s["n_questions"], s["n_adversarial"], s["n_skipped"], s["n_conversations"]) == (3, 1, 1, 2)
+    assert s["f1"]["rows"]["estimate"] == pytest.approx(0.5)
+    assert s["f1"]["text"]["estimate"] == pytest.approx(2 / 3)
+    ref = cluster_bootstrap([0.5, 0.0, -1.0], ["c1", "c1", "c2"])
+    assert s["paired"]["rows-text"]["estimate"] == pytest.approx(-0.5 / 3)
+    assert (s["paired"]["rows-text"]["low"], s["paired"]["rows-text"]["high"]) == (ref.low, ref.high)
+    assert s["latency_ms"]["rows"]["p50"] == pytest.approx(float(np.percentile([10, 20, 30, 40], 50)))
+    assert s["em"]["rows"] == pytest.approx(1 / 3)
+
+
+def test_probe_options_are_checked_before_the_model():
+    with pytest.raises(Exception, match="questions_per_conversation 0"):
+        MemoryEval(data=DEMO_DATA, questions_per_conversation=0)
