@@ -365,7 +365,7 @@ def test_forget_equals_fresh_prefill_without_the_event_and_erases_its_text(famil
         assert not mem.get("e10").prefilled  # the pending event was not computed by forget
         assert "priya" not in mem.view_ids()
         assert check_gate(lm, mem, f"forget-{family}") <= TOL
-        with pytest.raises(EventKVError, match="duplicate event id 'priya': a forgotten event's"):
+        with pytest.raises(EventKVError, match="duplicate event id 'priya': a forgotten event of this memory had it"):
             mem.add(MemoryEvent("x", id="priya"))
         with pytest.raises(EventKVError, match="already forgotten"):
             mem.forget("priya")

@@ -45,6 +45,7 @@ def test_eval_runs_resumes_and_reports(tiny_dir, tmp_path, monkeypatch, capsys):
     "extra, message",
     [
         (["--data", "/no/such.json"], "--data '/no/such.json': no such file"),
+        (["--data", "demo", "--conversations", "3"], "--conversations 3: "),
         (["--data", DEMO_DATA, "--conversations", "9"], "--conversations 9:"),
         (["--data", DEMO_DATA, "--k", "0"], "--k 0:"),
         (["--data", DEMO_DATA, "--arms", "text,gold"], "--arms"),

@@ -85,7 +85,10 @@ def test_acknowledged_adds_survive_sigkill(tmp_path, delays):
             # an add whose DB commit landed but whose segment did not is simply pending: prefill it
             mem.prefill()
             ids = [r.id for r in mem.list()]
-            assert ids[: len(acked)] == acked  # history order = acknowledgement order
+            acked_set = set(acked)
+            assert [i for i in ids if i in acked_set] == acked  # history order = acknowledgement order
+            # an add may commit and be killed before it prints its acknowledgement: at most one per kill
+            assert len([i for i in ids if i not in acked_set]) <= round_ + 1
             ans = mem.query("reg 3?", select="all", max_new_tokens=2)
             assert ans.served_ids == ids
             start = int(ids[-1][1:]) + 1  # an add committed but killed before its acknowledgement counts too

@@ -16,10 +16,10 @@ memory_app = typer.Typer(no_args_is_help=True, help="The event-KV agent memory: 
 
 @memory_app.command("eval")
 def memory_eval(
-    data: Path = typer.Option(
+    data: str = typer.Option(
         ...,
         "--data",
-        help="LoCoMo-format JSON (e.g. locomo10.json; a tiny demo ships as eventkv/data/locomo-demo.json)",
+        help="LoCoMo-format JSON (e.g. locomo10.json), or 'demo': a tiny invented file shipped with eventkv",
     ),
     model: str = typer.Option(
         "qwen2.5-coder-1.5b", "--model", help="packaged alias, local HF directory, hub id or GGUF file"
@@ -42,11 +42,11 @@ def memory_eval(
     prefill vs the same turns as text, each encoded alone, the whole history, and the gold evidence;
     token F1 / EM by category with cluster-bootstrap intervals and latency p50/p95."""
     with user_errors():
-        from eventkv.memory.eval import MemoryEval
+        from eventkv.memory.eval import DEMO_DATA, MemoryEval
         from eventkv.probes.run_options import RunOptions
 
         probe = MemoryEval(
-            data=str(data),
+            data=DEMO_DATA if data == "demo" else data,
             conversations=conversations,
             questions_per_conversation=questions,
             max_tokens=max_tokens,

@@ -107,7 +107,32 @@ def read_contract(contract: str | Path | dict) -> dict:
     return data
 
 
-def choose_kind(contract: str | Path | dict | None, weights_digest: str | None = None) -> KindChoice:
+def check_contract(contract: str | Path | dict, weights_digest: str | None, model: str | None = None) -> dict:
+    """The contract as a dict, after checking it was measured on this checkpoint: its
+    ``provenance.weights_digest`` equals ``weights_digest``; a contract without a digest (written
+    before eventkv recorded one) must name the same model (``model``, the name given to ``load``).
+
+    Raises:
+        EventKVError: unreadable, not a contract, or measured on another checkpoint.
+    """
+    data = read_contract(contract)
+    measured = (data.get("provenance") or {}).get("weights_digest")
+    if measured is not None and weights_digest is not None and measured != weights_digest:
+        raise EventKVError(
+            f"the contract was measured on weights {measured[:12]} but this memory's model is {weights_digest[:12]}: "
+            "run 'eventkv contract' on this model and give its contract.json."
+        )
+    if measured is None and model is not None and data.get("model") != model:
+        raise EventKVError(
+            f"the contract was measured on {data.get('model')!r} (it records no weights digest) but this memory's "
+            f"model is {model!r}: run 'eventkv contract --model {model}' and give its contract.json."
+        )
+    return data
+
+
+def choose_kind(
+    contract: str | Path | dict | None, weights_digest: str | None = None, model: str | None = None
+) -> KindChoice:
     """The carrier kind ``kind="auto"`` writes on this checkpoint (Study 1, "Programmed carriers").
 
     Reads ``programming.d`` of ``contract.json``: for each answer-free kind, the donor shift ``d``
@@ -121,19 +146,14 @@ def choose_kind(contract: str | Path | dict | None, weights_digest: str | None =
         weights_digest: the memory's model digest; when the contract records another one (its
             ``provenance.weights_digest``), the contract is refused — it was measured on another
             checkpoint.
+        model: the memory's model name; checked instead when the contract records no digest.
 
     Raises:
         EventKVError: an unreadable contract, or one measured on other weights.
     """
     if contract is None:
         return KindChoice(None, "no contract.json was given: the sources' text is pinned instead (the fallback).")
-    data = read_contract(contract)
-    measured = (data.get("provenance") or {}).get("weights_digest")
-    if weights_digest is not None and measured is not None and measured != weights_digest:
-        raise EventKVError(
-            f"the contract was measured on weights {measured[:12]} but this memory's model is {weights_digest[:12]}: "
-            "run 'eventkv contract' on this model and give its contract.json."
-        )
+    data = check_contract(contract, weights_digest, model)
     d = (data["programming"] or {}).get("d") or {}
     candidates = []
     for kind in CARRIER_KINDS:

@@ -224,6 +224,15 @@ class MemoryEval(Probe):
         save_figure(fig, path)
 
 
+def _with_ci(b) -> str:
+    """``mean [low, high]`` of a cluster bootstrap; with one cluster there is no interval to give."""
+    if b is None:
+        return "n/a"
+    if b.n_clusters < 2:
+        return f"{b.estimate:.3f} [n/a: one conversation]"
+    return f"{b.estimate:.3f} [{b.low:.3f}, {b.high:.3f}]"
+
+
 def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = None) -> Summary:
     """Tables: F1 / EM per arm (categories 1-4, cluster-bootstrap 95% intervals; per category;
     category 5 apart), paired differences rows - text and rows - isolated, latency p50/p95 (ms)."""
@@ -259,7 +268,7 @@ def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = No
         rows.append(
             [
                 a,
-                f"{b.estimate:.3f} [{b.low:.3f}, {b.high:.3f}]" if b else "n/a",
+                _with_ci(b),
                 f"{np.mean(em):.3f}" if em else "n/a",
                 *by_cat,
                 f"{np.mean(adv):.3f} ({len(adv)})" if adv else "n/a",
@@ -300,8 +309,9 @@ def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = No
                 lat_rows,
             )
         )
+    n_conv = data["n_conversations"]
     title = (
-        f"memory-eval: {len(main)} questions (categories 1-4) from {data['n_conversations']} conversations"
+        f"memory-eval: {len(main)} questions (categories 1-4) from {n_conv} conversation{'s' if n_conv != 1 else ''}"
         + (f", {len(adversarial)} adversarial" if adversarial else "")
         + (f", {data['n_skipped']} slots skipped" if data["n_skipped"] else "")
     )
@@ -310,5 +320,8 @@ def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = No
         "isolated: the same turns each encoded alone; full: the whole truncated history; gold: the evidence turns "
         "as text.",
         "F1 and EM: LoCoMo's token F1 after its answer normalization (eventkv.memory.metrics).",
+        "Category 5 (adversarial) scores 1 only when the answer abstains ('not mentioned', 'no information "
+        "available'); the prompt does not ask for those phrases, so that column is reported apart and is not "
+        "comparable with the others.",
     ]
     return Summary(title, tables, notes=notes, data=data)

@@ -121,6 +121,10 @@ class EventMemory:
             raise OptionError("instruction", instruction, "give the task instruction as a string, or None.")
         header_ids = encode(lm.tokenizer, header_text(lm.profile, instruction or ""))
         check_context(len(header_ids), lm.profile.max_context, what="header")
+        if contract is not None:
+            from eventkv.memory.carriers import check_contract
+
+            check_contract(contract, lm.profile.weights_digest, lm.profile.name)  # fail now, not at the first carrier
         manifest = {
             "namespace": namespace,
             "model": lm.profile.name,
@@ -292,10 +296,18 @@ class EventMemory:
                 while eid in taken:
                     eid, n = f"e{seq}-{n}", n + 1
             if not isinstance(eid, str) or eid in taken:
-                what = "a forgotten event's" if any(r.id == eid and r.forgotten for r in self._recs) else "an"
+                if any(r.id == eid and r.forgotten for r in self._recs):
+                    where = "a forgotten event of this memory had it (forgotten ids stay reserved)"
+                elif any(r.id == eid for r in self._recs):
+                    where = "an event of this memory already has it"
+                else:
+                    where = "it is given twice in this call"
                 raise EventKVError(
-                    f"duplicate event id {eid!r}: {what} event of this memory already has it; give another id "
-                    f"(or leave id out and the memory names it)."
+                    f"duplicate event id {eid!r}: {where}; give another id (or leave id out and the memory names it)."
+                )
+            if it.get("kind") != "patch" and "~" in eid:
+                raise EventKVError(
+                    f"event id {eid!r}: '~' is reserved for patch ids (id~n, made by update): give an id without '~'."
                 )
             if eid == HEADER_ID:
                 raise EventKVError(f"event id {HEADER_ID!r} is reserved for the header: give another id.")
@@ -524,7 +536,9 @@ class EventMemory:
                     f"source {sid!r} is {'forgotten' if rec.forgotten else 'deleted'}: a carrier needs live sources."
                 )
         if kind == "auto":
-            choice = choose_kind(self.store.manifest.get("contract"), self.lm.profile.weights_digest)
+            choice = choose_kind(
+                self.store.manifest.get("contract"), self.lm.profile.weights_digest, self.lm.profile.name
+            )
             chosen, reason = choice.kind, choice.reason
         else:
             chosen, reason = kind, f"{kind}: chosen by the caller."

@@ -63,7 +63,10 @@ class MemoryEvent:
                 )
             if "text" not in obj:
                 raise EventKVError(f"event {obj!r:.80} has no 'text': give the event's text.")
-            ev = cls(**{**obj, "tags": tuple(obj.get("tags") or ())})
+            tags = obj.get("tags") or ()
+            if isinstance(tags, str):
+                raise EventKVError(f"event tags {tags!r:.80}: give a list of non-empty strings, not one string.")
+            ev = cls(**{**obj, "tags": tuple(tags)})
         else:
             raise EventKVError(
                 f"{type(obj).__name__} {obj!r:.60} is not an event: "

@@ -46,6 +46,17 @@ MANIFEST = "manifest.json"
 DATABASE = "memory.sqlite"
 SEGMENTS = "segments"
 VERIFY_ENV = "EVENTKV_MEMORY_VERIFY"
+LOCK = ".lock"
+#: what a manifest must hold for EventMemory to open the store
+MANIFEST_KEYS = (
+    "schema",
+    "namespace",
+    "weights_digest",
+    "tokenizer_digest",
+    "chat_template_digest",
+    "dtype",
+    "header_ids",
+)
 """``full`` (default): sha256 of every segment on open; ``size``: only each file's size."""
 
 SCHEMA = """
@@ -156,10 +167,32 @@ class Store:
     (``BEGIN IMMEDIATE`` ... ``COMMIT``, the write counter bumped inside).
     """
 
-    def __init__(self, directory: Path, manifest: dict, conn: sqlite3.Connection) -> None:
+    def __init__(self, directory: Path, manifest: dict, conn: sqlite3.Connection, lock) -> None:
         self.directory = directory
         self.manifest = manifest
         self.conn = conn
+        self._lock = lock
+
+    @staticmethod
+    def lock(directory: Path):
+        """Take the store's writer lock (an exclusive ``fcntl.flock`` on ``directory/.lock``, released
+        when the file is closed or the process dies): one EventMemory per store at a time.
+
+        Raises:
+            EventKVError: another EventMemory (in this or another process) has the store open.
+        """
+        import fcntl
+
+        f = open(directory / LOCK, "a+")  # noqa: SIM115 - held open for the store's lifetime
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise EventKVError(
+                f"the memory in {str(directory)!r} is open in another EventMemory (this or another process): "
+                "close that one first (a store has one writer at a time)."
+            ) from None
+        return f
 
     # ------------------------------------------------------------------ create / open
     @staticmethod
@@ -195,6 +228,8 @@ class Store:
                 f"): give a new or empty directory."
             )
         (d / SEGMENTS).mkdir(parents=True, exist_ok=True)
+        lock = cls.lock(d)
+        (d / DATABASE).touch(mode=0o600)  # the database holds every event's text: owner-only, like the segments
         conn = cls.connect(d / DATABASE)
         conn.executescript(SCHEMA)
         conn.execute("BEGIN IMMEDIATE")
@@ -205,7 +240,7 @@ class Store:
         write_json_atomic(d / MANIFEST, manifest)
         fsync_path(d / SEGMENTS)
         fsync_path(d)
-        return cls(d, manifest, conn)
+        return cls(d, manifest, conn, lock)
 
     @classmethod
     def open(cls, directory: str | Path, verify: str | None = None) -> "Store":
@@ -225,19 +260,44 @@ class Store:
             raise EventKVError(
                 f"memory directory {str(d)!r} {what}: create one with EventMemory.create(directory, lm)."
             )
-        manifest = json.loads((d / MANIFEST).read_text())
+        if not d.is_dir():
+            raise EventKVError(f"memory directory {str(d)!r} is a file: give the directory of a memory.")
+        try:
+            manifest = json.loads((d / MANIFEST).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise EventKVError(
+                f"the manifest of the memory in {str(d)!r} is not readable JSON ({exc}): the store is damaged; "
+                "restore it from a backup or create a new memory."
+            ) from None
+        missing = [k for k in MANIFEST_KEYS if k not in manifest] if isinstance(manifest, dict) else list(MANIFEST_KEYS)
+        if missing:
+            raise EventKVError(
+                f"the manifest of the memory in {str(d)!r} lacks {', '.join(missing)}: the store is damaged or was "
+                "not written by eventkv; restore it from a backup or create a new memory."
+            )
         if manifest.get("schema") != SCHEMA_VERSION:
             raise EventKVError(
                 f"the memory in {str(d)!r} has schema version {manifest.get('schema')!r}, this eventkv reads "
                 f"{SCHEMA_VERSION}: open it with the eventkv version that wrote it."
             )
-        store = cls(d, manifest, cls.connect(d / DATABASE))
+        lock = cls.lock(d)
+        try:
+            conn = cls.connect(d / DATABASE)
+            conn.execute("SELECT value FROM meta WHERE key = 'version'").fetchone()
+        except sqlite3.DatabaseError as exc:
+            lock.close()
+            raise EventKVError(
+                f"the database of the memory in {str(d)!r} is not readable ({exc}): the store is damaged; restore "
+                "it from a backup or create a new memory."
+            ) from None
+        store = cls(d, manifest, conn, lock)
         store.discard_orphans()
         store.verify(verify or os.environ.get(VERIFY_ENV, "full"))
         return store
 
     def close(self) -> None:
         self.conn.close()
+        self._lock.close()
 
     # ------------------------------------------------------------------ transactions
     @contextlib.contextmanager
