@@ -63,9 +63,9 @@ def test_no_contract_pins_and_an_explicit_kind_is_written(lm, tmp_path):
 
 def test_carrier_errors(lm, tmp_path):
     c = _contract(tmp_path, lm, {}, digest="another-model")
-    with _memory(tmp_path, lm, c) as mem:
-        with pytest.raises(EventKVError, match="measured on weights"):
-            mem.carrier(["move"], "x")
+    with pytest.raises(EventKVError, match="measured on weights"):  # refused when the memory is created
+        _memory(tmp_path, lm, c)
+    with _memory(tmp_path, lm) as mem:
         with pytest.raises(OptionError, match="kind 'explicit'"):
             mem.carrier(["move"], "x", kind="explicit")
         with pytest.raises(EventKVError, match="unknown event id|nope"):

@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.log import HEADER_ID, EventLog, encode, tokenize, tokenize_query
+from eventkv.log import HEADER_ID, EventLog, tokenize, tokenize_query
 from eventkv.models.cache_dir import cache_root
 from eventkv.options import check_chunk_size, check_max_new_tokens, check_out_dir
 from eventkv.prefill import EventKV, check_context, prefill
-from eventkv.readout import CandidateScore, Generation, candidate_logprobs, generate
+from eventkv.readout import CandidateScore, Generation, answer_served
 from eventkv.serve import ALL, SERVE_MODES, ServeMode, serve
 
 if TYPE_CHECKING:
@@ -187,23 +187,15 @@ def answer(
     q = tokenize_query(lm.tokenizer, lm.profile, question)
     ekv, reused, store = prefill_or_load(lm, log, store, chunk_size, query_tokens=len(q), max_new_tokens=max_new_tokens)
     sc = serve(ekv, served, mode, model=lm.model)
-    gen = generate(
+    p = lm.profile
+    gen, scores = answer_served(
         lm.model,
+        lm.tokenizer,
         sc,
         q,
         max_new_tokens=max_new_tokens,
-        stop_token_ids=lm.profile.stop_token_ids,
-        tokenizer=lm.tokenizer,
-        max_context=lm.profile.max_context,
+        stop_token_ids=p.stop_token_ids,
+        max_context=p.max_context,
+        candidates=candidates,
     )
-    scores = []
-    if candidates:
-        scores = candidate_logprobs(
-            lm.model,
-            sc,
-            q,
-            [encode(lm.tokenizer, c) for c in candidates],
-            texts=list(candidates),
-            max_context=lm.profile.max_context,
-        )
     return Answer(gen, scores, sc.served, mode, sc.n_visible, ekv.n_rows, reused, store)

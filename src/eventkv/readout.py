@@ -465,3 +465,41 @@ def candidate_logprobs(
         max_new_tokens=0,
         max_context=max_context,
     )[0].candidates
+
+
+def answer_served(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    served: ServedCache,
+    query_ids: Sequence[int],
+    *,
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int],
+    max_context: int | None,
+    candidates: Sequence[str] = (),
+    keep_logits: bool = False,
+) -> tuple[Generation, list[CandidateScore]]:
+    """A question answered from one served cache, as ``eventkv query`` and the memory do: the greedy
+    answer (:func:`generate`) and, when ``candidates`` are given, each candidate's log-probability
+    (:func:`candidate_logprobs`, nats; candidates tokenized alone with :func:`eventkv.log.encode`).
+
+    Raises:
+        EventKVError: as :func:`generate` and :func:`candidate_logprobs`.
+    """
+    from eventkv.log import encode
+
+    gen = generate(
+        model,
+        served,
+        query_ids,
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=stop_token_ids,
+        tokenizer=tokenizer,
+        max_context=max_context,
+        keep_logits=keep_logits,
+    )
+    scores: list[CandidateScore] = []
+    if candidates:
+        ids = [encode(tokenizer, c) for c in candidates]
+        scores = candidate_logprobs(model, served, query_ids, ids, texts=list(candidates), max_context=max_context)
+    return gen, scores

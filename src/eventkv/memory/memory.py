@@ -44,7 +44,7 @@ from eventkv.memory.select import rank
 from eventkv.memory.store import SCHEMA_VERSION, Store, check_identity, model_identity, now
 from eventkv.options import check_max_new_tokens, check_optional_int, is_int
 from eventkv.prefill import EventKV, check_context, prefill
-from eventkv.readout import candidate_logprobs, generate
+from eventkv.readout import answer_served
 from eventkv.serve import SERVE_MODES, ServeMode, serve
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -924,21 +924,17 @@ class EventMemory:
         t1 = time.perf_counter()
         sc = serve(self._ekv, ids, mode, model=lm.model)
         t2 = time.perf_counter()
-        gen = generate(
+        gen, scores = answer_served(
             lm.model,
+            lm.tokenizer,
             sc,
             q,
             max_new_tokens=max_new_tokens,
             stop_token_ids=lm.profile.stop_token_ids,
-            tokenizer=lm.tokenizer,
             max_context=ctx,
+            candidates=cands,
             keep_logits=keep_logits,
         )
-        scores = []
-        if cands:
-            scores = candidate_logprobs(
-                lm.model, sc, q, [encode(lm.tokenizer, c) for c in cands], texts=cands, max_context=ctx
-            )
         t3 = time.perf_counter()
         by_id = {r.id: r for r in self._recs}
         return MemoryAnswer(
