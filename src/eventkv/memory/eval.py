@@ -324,4 +324,10 @@ def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = No
         "available'); the prompt does not ask for those phrases, so that column is reported apart and is not "
         "comparable with the others.",
     ]
+    if 1 < n_conv < 5:
+        notes.append(
+            f"With {n_conv} conversations the cluster bootstrap draws from only {n_conv**n_conv} ordered "
+            "resamples of whole conversations: its intervals show the spread between these conversations, not a "
+            "95% interval for the population of dialogues; evaluate more conversations for that."
+        )
     return Summary(title, tables, notes=notes, data=data)
