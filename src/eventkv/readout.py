@@ -34,6 +34,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from eventkv.errors import EventKVError
+from eventkv.log import encode
 from eventkv.prefill import check_context, model_forward
 from eventkv.serve import ServedCache
 
@@ -486,8 +487,6 @@ def answer_served(
     Raises:
         EventKVError: as :func:`generate` and :func:`candidate_logprobs`.
     """
-    from eventkv.log import encode
-
     gen = generate(
         model,
         served,

@@ -92,6 +92,7 @@ class MemoryEval(Probe):
     def __post_init__(self) -> None:
         self.arm_names = tuple(self.arm_names)
         self._memories: dict = {}
+        self._loaded: list | None = None
         self._tmp: tempfile.TemporaryDirectory | None = None
         self.validate()
 
@@ -123,9 +124,12 @@ class MemoryEval(Probe):
             )
 
     def _conversations(self):
-        from eventkv.memory.dialogue import load_locomo
+        """The file's conversations, parsed once per probe (validate and every memory read them)."""
+        if self._loaded is None:
+            from eventkv.memory.dialogue import load_locomo
 
-        return load_locomo(self.data)
+            self._loaded = load_locomo(self.data)
+        return self._loaded
 
     def max_items(self) -> int:
         return self.conversations * self.questions_per_conversation
