@@ -335,6 +335,62 @@ def test_query_modes_and_candidates(llama, tmp_path):
         assert mem.query(QUESTION, select="view", max_new_tokens=1).timings_ms["prefill"] >= 0
 
 
+@pytest.mark.parametrize("family", GATE_FAMILIES)
+def test_query_batch_equals_separate_queries(family, tmp_path):
+    """Several plans read out in one batch give each plan's separate answer: same greedy tokens,
+    logits within TOL, candidate log-probs within TOL (float32)."""
+    lm = sharp_lm(family)
+    plans = [(["dana", "tomas"], "compact"), (["dana", "tomas"], "text"), (["dana"], "isolated"), ("all", "native")]
+    with EventMemory.create(tmp_path / "m", lm, namespace="t") as mem:
+        mem.add(EVENTS)
+        batch = mem.query_batch(QUESTION, plans, candidates=["Lisbon", "Porto"], max_new_tokens=6, keep_logits=True)
+        assert len(batch) == len(plans)
+        for (select, mode), got in zip(plans, batch):
+            ref = mem.query(
+                QUESTION, select=select, mode=mode, candidates=["Lisbon", "Porto"], max_new_tokens=6, keep_logits=True
+            )
+            assert got.served_ids == ref.served_ids and got.n_rows_served == ref.n_rows_served
+            assert_same_greedy(
+                got.generation.tokens, got.generation.logits, ref.generation.tokens, ref.generation.logits, TOL
+            )
+            for c, r in zip(got.candidates, ref.candidates):
+                assert c.text == r.text and abs(c.logprob - r.logprob) <= TOL
+            assert got.text == ref.text
+        assert len({a.timings_ms["decode"] for a in batch}) == 1  # one shared readout
+        with pytest.raises(OptionError, match="plans"):
+            mem.query_batch(QUESTION, [])
+        with pytest.raises(OptionError, match="'zip'"):
+            mem.query_batch(QUESTION, [("all", "zip")])
+
+
+def test_isolated_encodings_are_kept_while_open(llama, tmp_path):
+    """mode="isolated" encodes each event alone once: a second query reuses the encoding (no new
+    forward) and answers bit for bit as serve() without a memo; a forget empties the memo."""
+    from eventkv.serve import serve as plain_serve
+
+    forwards = []
+    hook = llama.model.register_forward_pre_hook(lambda *a: forwards.append(1))
+    try:
+        with EventMemory.create(tmp_path / "m", llama, namespace="t") as mem:
+            mem.add(EVENTS, prefill=True)
+            forwards.clear()
+            a = mem.query(QUESTION, select=["dana", "tomas"], mode="isolated", max_new_tokens=1)
+            n_first = len(forwards)
+            forwards.clear()
+            b = mem.query(QUESTION, select=["dana", "tomas"], mode="isolated", max_new_tokens=1)
+            assert n_first - len(forwards) == 2  # the two events' encodings were not run again
+            assert a.text == b.text and len(mem._isolated) == 2
+            memo_sc = serve(mem._ekv, ["dana", "tomas"], "isolated", model=llama.model, isolated_memo=mem._isolated)
+            plain = plain_serve(mem._ekv, ["dana", "tomas"], "isolated", model=llama.model)
+            for x, y in zip(memo_sc.keys + memo_sc.values, plain.keys + plain.values):
+                assert torch.equal(x, y)
+            assert torch.equal(memo_sc.positions, plain.positions)
+            mem.forget("ravi")
+            assert mem._isolated == {}
+    finally:
+        hook.remove()
+
+
 # ====================================================================== forget and rebase
 def _all_bytes(d) -> bytes:
     return b"".join(p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file())

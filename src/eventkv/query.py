@@ -188,10 +188,10 @@ def answer(
     ekv, reused, store = prefill_or_load(lm, log, store, chunk_size, query_tokens=len(q), max_new_tokens=max_new_tokens)
     sc = serve(ekv, served, mode, model=lm.model)
     p = lm.profile
-    gen, scores = answer_served(
+    [(gen, scores)] = answer_served(
         lm.model,
         lm.tokenizer,
-        sc,
+        [sc],
         q,
         max_new_tokens=max_new_tokens,
         stop_token_ids=p.stop_token_ids,

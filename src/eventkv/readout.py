@@ -471,7 +471,7 @@ def candidate_logprobs(
 def answer_served(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    served: ServedCache,
+    served: Sequence[ServedCache],
     query_ids: Sequence[int],
     *,
     max_new_tokens: int,
@@ -479,26 +479,34 @@ def answer_served(
     max_context: int | None,
     candidates: Sequence[str] = (),
     keep_logits: bool = False,
-) -> tuple[Generation, list[CandidateScore]]:
-    """A question answered from one served cache, as ``eventkv query`` and the memory do: the greedy
-    answer (:func:`generate`) and, when ``candidates`` are given, each candidate's log-probability
-    (:func:`candidate_logprobs`, nats; candidates tokenized alone with :func:`eventkv.log.encode`).
+) -> list[tuple[Generation, list[CandidateScore]]]:
+    """A question answered from one or more served caches, as ``eventkv query`` and the memory do:
+    per cache the greedy answer and, when ``candidates`` are given, each candidate's log-probability
+    (nats; candidates tokenized alone with :func:`eventkv.log.encode`) — all caches in one batched
+    :func:`read_out` (left-padded, each row at its own positions; a batch of one is :func:`generate`
+    plus :func:`candidate_logprobs`).
+
+    Returns:
+        one ``(generation, candidate scores)`` per served cache, in order.
 
     Raises:
-        EventKVError: as :func:`generate` and :func:`candidate_logprobs`.
+        EventKVError: no served cache; as :func:`read_out`.
     """
-    gen = generate(
+    if not served:
+        raise EventKVError("answer_served got no served cache: give at least one.")
+    ids = [encode(tokenizer, c) for c in candidates]
+    outs = read_out(
         model,
-        served,
+        list(served),
         query_ids,
+        generate=[True] * len(served),
+        score=[bool(ids)] * len(served),
+        candidates=ids,
+        candidate_texts=list(candidates),
         max_new_tokens=max_new_tokens,
         stop_token_ids=stop_token_ids,
         tokenizer=tokenizer,
         max_context=max_context,
         keep_logits=keep_logits,
     )
-    scores: list[CandidateScore] = []
-    if candidates:
-        ids = [encode(tokenizer, c) for c in candidates]
-        scores = candidate_logprobs(model, served, query_ids, ids, texts=list(candidates), max_context=max_context)
-    return gen, scores
+    return [(o.generation, o.candidates) for o in outs]

@@ -25,7 +25,7 @@ In compact, native and isolated modes the query starts at the first position aft
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Sequence, get_args
+from typing import TYPE_CHECKING, Literal, MutableMapping, Sequence, get_args
 
 import torch
 from transformers import DynamicCache
@@ -112,7 +112,12 @@ def _select(tensors: list[torch.Tensor], rows: torch.Tensor) -> list[torch.Tenso
 
 @torch.inference_mode()
 def serve(
-    ekv: EventKV, served: str | Sequence[str], mode: ServeMode = "compact", model: PreTrainedModel | None = None
+    ekv: EventKV,
+    served: str | Sequence[str],
+    mode: ServeMode = "compact",
+    model: PreTrainedModel | None = None,
+    *,
+    isolated_memo: MutableMapping[tuple, tuple] | None = None,
 ) -> ServedCache:
     """Build the served cache for a served set (Study 1, "Setting": sparse serving and controls).
 
@@ -121,6 +126,12 @@ def serve(
         served: event ids (any order; duplicates ignored) or ``"all"``.
         mode: ``compact`` | ``native`` | ``isolated`` | ``text`` (see the module docstring).
         model: required for ``isolated`` and ``text`` (they run new forwards).
+        isolated_memo: optional store of isolated encodings, keyed by ``(event id, first position,
+            token ids)`` and holding the event's rows (per layer ``[1, kv_heads, n_tokens, head_dim]``
+            keys and values, ``[n_tokens]`` positions): an event already encoded alone is taken from
+            it instead of being encoded again (what a chunked-encoding store keeps: each chunk's KV
+            once). Valid for one header, i.e. for the EventKVs of one memory; holds at most one copy of
+            each event's rows.
 
     Returns:
         ServedCache with header + served rows (compact/isolated/text) or all rows (native).
@@ -167,16 +178,26 @@ def serve(
         header_keys, header_values = _select(ekv.keys, hrows), _select(ekv.values, hrows)
         keys, values = header_keys, header_values
         positions = [ekv.positions[hrows]]
+        h = header.n_tokens
         for eid in ids:
             span = log.span(eid)
-            cache = cache_from_rows(header_keys, header_values)
-            toks = torch.tensor([log.event_tokens[log.event_ids.index(eid)]], device=device)
-            pos = torch.arange(span.pos_start, span.pos_start + span.n_tokens, device=device).unsqueeze(0)
-            model_forward(model, toks, pos, cache, logits_to_keep=1)
-            h = header.n_tokens
-            keys = [torch.cat([k, layer.keys[:, :, h:]], dim=2) for k, layer in zip(keys, cache.layers)]
-            values = [torch.cat([v, layer.values[:, :, h:]], dim=2) for v, layer in zip(values, cache.layers)]
-            positions.append(pos[0].cpu())
+            tokens = log.event_tokens[log.event_ids.index(eid)]
+            key = (eid, span.pos_start, tuple(tokens))
+            rows = isolated_memo.get(key) if isolated_memo is not None else None
+            if rows is None:
+                cache = cache_from_rows(header_keys, header_values)
+                pos = torch.arange(span.pos_start, span.pos_start + span.n_tokens, device=device).unsqueeze(0)
+                model_forward(model, torch.tensor([tokens], device=device), pos, cache, logits_to_keep=1)
+                rows = (
+                    [layer.keys[:, :, h:] for layer in cache.layers],
+                    [layer.values[:, :, h:] for layer in cache.layers],
+                    pos[0].cpu(),
+                )
+                if isolated_memo is not None:  # copies, so the header rows of this forward are not kept
+                    isolated_memo[key] = rows = ([t.clone() for t in rows[0]], [t.clone() for t in rows[1]], rows[2])
+            keys = [torch.cat([k, r], dim=2) for k, r in zip(keys, rows[0])]
+            values = [torch.cat([v, r], dim=2) for v, r in zip(values, rows[1])]
+            positions.append(rows[2])
         return ServedCache(keys, values, torch.cat(positions), None, log.history_end, mode, ids)
     # text: header + served events re-prefilled at contiguous positions
     toks = list(log.header_ids)

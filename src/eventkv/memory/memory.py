@@ -91,6 +91,9 @@ class EventMemory:
         self._recs: list[MemoryRecord] = []
         self._tokens: dict[str, list[int]] = {}
         self._ekv: EventKV | None = None
+        # isolated encodings of events (serve(..., isolated_memo=)): keyed by id, position and tokens,
+        # so a relaid-out event is encoded again; emptied whenever the rows are reloaded or relaid out
+        self._isolated: dict[tuple, tuple] = {}
         self._reload()
 
     # ================================================================== create / open / close
@@ -243,6 +246,7 @@ class EventMemory:
         if log is None or log.n_rows != total or pos.tolist() != log.position_ids:
             raise self._corrupt(f"the segments hold {total} rows that do not line up with the prefilled events")
         dev = self._device()
+        self._isolated.clear()
         self._ekv = EventKV(
             log,
             [torch.cat(k, dim=1).unsqueeze(0).to(dev) for k in keys],
@@ -648,6 +652,7 @@ class EventMemory:
             raise
         self.store.remove_files(drop_files)
         self._ekv = keep_ekv if drop_files else self._ekv
+        self._isolated.clear()
         self._reload()
         self.store.scrub()
         if not later_with_rows:
@@ -725,6 +730,7 @@ class EventMemory:
             raise
         self.store.remove_files([f for f in old_files if seg is None or f != seg["file"]])
         self._ekv = ekv
+        self._isolated.clear()
         self._reload()
         self.store.scrub()
         return ekv.n_rows if ekv is not None else 0
@@ -870,15 +876,16 @@ class EventMemory:
 
         Pending events are prefilled first (lazy prefill). The served events' rows stay at their
         original positions (never re-rotated) and the question starts at the first position after
-        the whole history; the answer is the greedy continuation (:func:`eventkv.readout.generate`),
-        and each candidate's full continuation is scored (:func:`eventkv.readout.candidate_logprobs`,
-        nats) when candidates are given.
+        the whole history; the answer is the greedy continuation (:func:`eventkv.readout.read_out`),
+        and each candidate's full continuation is scored (nats) when candidates are given.
 
         Args:
             select: None = :meth:`select` (BM25 top-``k`` + patches + pins); ``"view"`` = :meth:`view_ids`;
                 ``"all"`` = every stored event, deleted ones included (their rows are part of the stored
                 history): with ``mode="compact"`` this equals a fresh prefill of header + events; or a list of ids.
-            mode: ``compact`` | ``native`` | ``isolated`` | ``text`` (:mod:`eventkv.serve`).
+            mode: ``compact`` | ``native`` | ``isolated`` | ``text`` (:mod:`eventkv.serve`). ``isolated``
+                encodes each served event alone once and keeps that encoding while the memory is open
+                (at most one copy of each event's rows), as a chunked-encoding store would.
             budget_rows: passed to :meth:`select` when ``select`` is None.
             keep_logits: keep each generated step's logits ``[vocab]`` (float32) in ``generation.logits``.
 
@@ -892,22 +899,69 @@ class EventMemory:
             EventKVError: an unknown or forgotten id, nothing to serve (an empty memory or selection),
                 history + question beyond the model's context.
         """
+        return self.query_batch(
+            question,
+            [(select, mode)],
+            k=k,
+            candidates=candidates,
+            max_new_tokens=max_new_tokens,
+            budget_rows=budget_rows,
+            keep_logits=keep_logits,
+        )[0]
+
+    def query_batch(
+        self,
+        question: str,
+        plans: Sequence[tuple[SelectSpec, ServeMode]],
+        *,
+        k: int = 8,
+        candidates: Sequence[str] | None = None,
+        max_new_tokens: int = 32,
+        budget_rows: int | None = None,
+        keep_logits: bool = False,
+    ) -> list[MemoryAnswer]:
+        """Answer one question under several serving plans in one batched readout: e.g. the same
+        selection served as rows and re-prefilled as text, side by side. Each plan is a
+        ``(select, mode)`` pair as in :meth:`query`; the served caches are read out together
+        (:func:`eventkv.readout.read_out`: left-padded, each row at its own positions), so the
+        answers equal separate :meth:`query` calls within float tolerance (tested: greedy tokens
+        equal, logits within 1e-4 in float32) while decoding costs about one batched pass instead of
+        one pass per plan — decode on a CPU reads the weights once per step whatever the batch size.
+
+        Returns:
+            one :class:`MemoryAnswer` per plan, in order. ``timings_ms``: ``prefill`` (lazy prefill,
+            shared), ``serve`` (this plan's served cache), ``decode`` (the whole batch's readout, shared).
+
+        Raises:
+            OptionError / EventKVError: as :meth:`query`, for any plan; no plan given.
+        """
         self._check_open()
         if not isinstance(question, str) or not question.strip():
             raise OptionError("question", question, "give a non-empty question.")
-        if mode not in SERVE_MODES:
-            raise OptionError("mode", mode, f"use one of {', '.join(SERVE_MODES)}.")
+        plans = list(plans)
+        if not plans:
+            raise OptionError("plans", plans, "give at least one (select, mode) plan.")
+        for plan in plans:
+            if not isinstance(plan, tuple) or len(plan) != 2 or plan[1] not in SERVE_MODES:
+                raise OptionError(
+                    "mode" if isinstance(plan, tuple) and len(plan) == 2 else "plans",
+                    plan[1] if isinstance(plan, tuple) and len(plan) == 2 else plan,
+                    f"give (select, mode) pairs with mode one of {', '.join(SERVE_MODES)}.",
+                )
         check_max_new_tokens(max_new_tokens)
         cands = list(candidates or [])
         if any(not isinstance(c, str) or not c.strip() for c in cands) or len(set(cands)) != len(cands):
             raise OptionError("candidates", cands, "give distinct, non-empty candidate answers.")
-        ids = self._served_ids(question, select, k, budget_rows)
-        if not ids:
-            raise EventKVError(
-                "nothing to serve: the memory has no live events; add some first"
-                if not self._units()
-                else f"the served set is empty (select={select!r}): give event ids, 'view' or 'all'."
-            )
+        served_ids = []
+        for select, _ in plans:
+            ids = self._served_ids(question, select, k, budget_rows)
+            if not ids:
+                raise EventKVError(
+                    "nothing to serve: the memory has no live events; add some first"
+                    if not self._units()
+                    else f"the served set is empty (select={select!r}): give event ids, 'view' or 'all'."
+                )
+            served_ids.append(ids)
         lm = self.lm
         q = tokenize_query(lm.tokenizer, lm.profile, question)
         end, ctx = self._history_end(), lm.profile.max_context
@@ -921,13 +975,17 @@ class EventMemory:
             )
         t0 = time.perf_counter()
         self._prefill()
-        t1 = time.perf_counter()
-        sc = serve(self._ekv, ids, mode, model=lm.model)
+        prefill_ms = 1e3 * (time.perf_counter() - t0)
+        caches, serve_ms = [], []
+        for ids, (_, mode) in zip(served_ids, plans):
+            t1 = time.perf_counter()
+            caches.append(serve(self._ekv, ids, mode, model=lm.model, isolated_memo=self._isolated))
+            serve_ms.append(1e3 * (time.perf_counter() - t1))
         t2 = time.perf_counter()
-        gen, scores = answer_served(
+        outs = answer_served(
             lm.model,
             lm.tokenizer,
-            sc,
+            caches,
             q,
             max_new_tokens=max_new_tokens,
             stop_token_ids=lm.profile.stop_token_ids,
@@ -935,17 +993,20 @@ class EventMemory:
             candidates=cands,
             keep_logits=keep_logits,
         )
-        t3 = time.perf_counter()
+        decode_ms = 1e3 * (time.perf_counter() - t2)
         by_id = {r.id: r for r in self._recs}
-        return MemoryAnswer(
-            text=gen.text,
-            generation=gen,
-            candidates=scores,
-            served_ids=list(sc.served),
-            positions=[(i, by_id[i].position, by_id[i].width) for i in sc.served],
-            n_rows_served=sc.n_visible,
-            timings_ms={"prefill": 1e3 * (t1 - t0), "serve": 1e3 * (t2 - t1), "decode": 1e3 * (t3 - t2)},
-        )
+        return [
+            MemoryAnswer(
+                text=gen.text,
+                generation=gen,
+                candidates=scores,
+                served_ids=list(sc.served),
+                positions=[(i, by_id[i].position, by_id[i].width) for i in sc.served],
+                n_rows_served=sc.n_visible,
+                timings_ms={"prefill": prefill_ms, "serve": ms, "decode": decode_ms},
+            )
+            for sc, ms, (gen, scores) in zip(caches, serve_ms, outs)
+        ]
 
     def event_log(self, select: SelectSpec = "all"):
         """The stored events as an :class:`eventkv.log.EventLog` (header instruction included), e.g. for
