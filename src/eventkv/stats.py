@@ -159,18 +159,19 @@ def sign_test_d(d: Sequence[float]) -> TestResult:
     return TestResult(r.name, r.p_value, r.statistic, {**r.counts, "d=0 dropped": zeros}, r.note)
 
 
-def wilcoxon_d(d: Sequence[float]) -> TestResult:
+def wilcoxon_d(d: Sequence[float], what: str = "d") -> TestResult:
     """Two-sided Wilcoxon signed-rank test of ``d`` against 0 (``scipy.stats.wilcoxon``, zero
     differences dropped — ``zero_method="wilcox"``). The statistic is scipy's (the smaller rank
-    sum for two-sided). Needs at least one non-zero d; else the p-value is nan.
+    sum for two-sided). Needs at least one non-zero d; else the p-value is nan. ``what`` names the
+    paired differences in the test's name and counts (default the donor statistic ``d``).
 
     Raises:
         EventKVError: a nan or infinite d (:func:`require_finite`).
     """
-    d = require_finite(d, "Wilcoxon signed-rank test on d")
+    name = f"Wilcoxon signed-rank test on {what}"
+    d = require_finite(d, name)
     nz = [x for x in d if x != 0]
-    counts = {"n": len(nz), "d=0 dropped": len(d) - len(nz)}
-    name = "Wilcoxon signed-rank test on d"
+    counts = {"n": len(nz), f"{what}=0 dropped": len(d) - len(nz)}
     if not nz:
         return TestResult(name, math.nan, math.nan, counts, "no non-zero d")
     res = _st.wilcoxon(nz, zero_method="wilcox", alternative="two-sided")

@@ -30,6 +30,11 @@ def memory_eval(
     k: int = typer.Option(8, "--k", help="turns BM25 selects per question"),
     arms: str = typer.Option("rows,text,isolated,full,gold", "--arms", help="rows,text,isolated,full,gold"),
     max_new_tokens: int = typer.Option(24, "--max-new-tokens", help="greedy answer length limit"),
+    batch_arms: bool = typer.Option(
+        True,
+        "--batch-arms/--no-batch-arms",
+        help="read the arms out in one batch (fast); --no-batch-arms: one readout per arm (per-arm latency)",
+    ),
     seed: int = typer.Option(0, "--seed", help="question sampling seed"),
     out: Optional[Path] = typer.Option(
         None, "--out", help="run directory (default: runs/memory-eval/MODEL-DTYPE-seedSEED)"
@@ -53,6 +58,7 @@ def memory_eval(
             k=k,
             max_new_tokens=max_new_tokens,
             arm_names=comma_list(arms, "--arms"),
+            batch_arms=batch_arms,
         )
         items = conversations * questions
         run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress))

@@ -14,12 +14,27 @@ answer is read out under five arms:
 * ``full`` — the whole truncated history in context (every stored row served);
 * ``gold`` — the question's evidence turns as text (what a perfect retriever would give).
 
+The question is asked as LoCoMo's own evaluation asks it (its ``task_eval`` scripts): a category-2
+(temporal) question gets the suffix "Use DATE of CONVERSATION to answer with an approximate date.".
+A category-5 (adversarial) question asks about something the conversation does not contain; besides
+the generated answer, each arm scores the forced choice LoCoMo offers there — "Not mentioned in the
+conversation" against the adversarial answer (full-continuation log-probs, nats) — and abstains
+when the first is more likely.
+
+By default (``batch_arms``) the arms' served caches are read out in one batched pass
+(:meth:`EventMemory.query_batch`: equal to separate readouts within float tolerance, and on a CPU
+about one decode instead of five); ``isolated`` encodes each turn alone once per conversation and
+reuses it for later questions (what a chunked-encoding store keeps).
+
 Metric: LoCoMo's token F1 and exact match after its answer normalization
-(:mod:`eventkv.memory.metrics`), by category 1-4; the adversarial category 5 is reported apart.
+(:mod:`eventkv.memory.metrics`), by category 1-4; the adversarial category 5 is reported apart, as
+the forced-choice abstention rate with a Wilson interval.
 Statistics: the mean F1 per arm with a cluster-bootstrap 95% interval (clusters = conversations,
 :func:`eventkv.stats.cluster_bootstrap`), the paired differences rows - text and rows - isolated
-with their intervals, and per-query latency p50/p95 per arm (ms, wall clock: in the records'
-``timing``, never compared on resume).
+with their intervals and a question-level Wilcoxon signed-rank test (which treats questions as
+independent, so it is the optimistic companion of the bootstrap), tokens generated per arm, and
+latency p50/p95 (ms, wall clock: in the records' ``timing``, never compared on resume) of building
+each arm's served cache and of the readout.
 
 Item ``i`` is question slot ``i % Q`` of conversation ``i // Q`` (``Q`` questions per
 conversation, drawn with the seed from the conversation's eligible questions); a conversation
@@ -30,7 +45,6 @@ from __future__ import annotations
 
 import random
 import tempfile
-import time
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
@@ -52,6 +66,15 @@ INSTRUCTION = (
     "Answer questions about the conversation."
 )
 QUESTION = "Question: {question}\nAnswer in a few words, using the conversation's own words where possible."
+#: LoCoMo's evaluation scripts (task_eval) append this to category-2 (temporal) questions
+TEMPORAL_SUFFIX = " Use DATE of CONVERSATION to answer with an approximate date."
+#: LoCoMo's category-5 forced choice: this abstention against the question's adversarial answer
+NOT_MENTIONED = "Not mentioned in the conversation"
+
+
+def question_prompt(question: str, category: int) -> str:
+    """The question as the eval asks it (LoCoMo's category-2 suffix; :data:`QUESTION`)."""
+    return QUESTION.format(question=question + (TEMPORAL_SUFFIX if category == 2 else ""))
 
 
 def first_line(text: str) -> str:
@@ -64,11 +87,12 @@ class MemoryEval(Probe):
     """Options (all part of a run's identity): ``data`` (LoCoMo JSON path) and its ``data_digest``
     (sha256, filled in when empty: a changed file is another run), ``conversations``,
     ``questions_per_conversation``, ``max_tokens`` (history tokens per conversation), ``k``
-    (turns selected), ``max_new_tokens``, ``arm_names``, ``timing`` (record each arm's wall-clock
-    latency; off, records depend only on the seed and index, byte for byte)."""
+    (turns selected), ``max_new_tokens``, ``arm_names``, ``batch_arms`` (read the arms out in one
+    batch; off, one readout per arm, so each arm's latency is its own), ``timing`` (record wall-clock
+    latencies; off, records depend only on the seed and index, byte for byte)."""
 
     name: ClassVar[str] = "memory-eval"
-    record_version: ClassVar[int] = 1
+    record_version: ClassVar[int] = 2
     smoke_options: ClassVar[dict] = {
         "data": DEMO_DATA,
         "conversations": 1,
@@ -87,6 +111,7 @@ class MemoryEval(Probe):
     k: int = 8
     max_new_tokens: int = 24
     arm_names: tuple[str, ...] = ARMS
+    batch_arms: bool = True
     timing: bool = True
 
     def __post_init__(self) -> None:
@@ -178,7 +203,9 @@ class MemoryEval(Probe):
         if item["slot"] >= len(questions):
             return {**rec, "skipped": f"{len(questions)} eligible questions in the first {self.max_tokens} tokens"}
         qa = questions[item["slot"]]
-        prompt = QUESTION.format(question=qa.question)
+        prompt = question_prompt(qa.question, qa.category)
+        trap = (qa.adversarial_answer or qa.answer) if qa.category == 5 else None
+        candidates = [NOT_MENTIONED, trap] if trap and trap.strip() and trap != NOT_MENTIONED else None
         selected = mem.select(qa.question, k=self.k)
         plan = {
             "rows": (selected, "compact"),
@@ -187,15 +214,30 @@ class MemoryEval(Probe):
             "full": ("all", "compact"),
             "gold": (list(qa.evidence), "text"),
         }
-        arms, timing = {}, {}
+        ask = {"candidates": candidates, "max_new_tokens": self.max_new_tokens}
+        groups = [list(self.arm_names)] if self.batch_arms else [[a] for a in self.arm_names]
+        answers, serve_ms, readout_ms = {}, {}, {}
+        for group in groups:
+            for arm, ans in zip(group, mem.query_batch(prompt, [plan[a] for a in group], **ask)):
+                answers[arm] = ans
+                serve_ms[arm] = round(ans.timings_ms["serve"], 3)
+                readout_ms[arm] = round(ans.timings_ms["decode"], 3)
+        arms = {}
         for arm in self.arm_names:
-            served, mode = plan[arm]
-            t0 = time.perf_counter()
-            ans = mem.query(prompt, select=served, mode=mode, max_new_tokens=self.max_new_tokens)
-            timing[arm] = round(1000 * (time.perf_counter() - t0), 3)
+            ans = answers[arm]
             answer = first_line(ans.text)
             score = score_answer(answer, qa.answer, qa.category)
-            arms[arm] = {"answer": answer, "f1": score.f1, "em": score.exact, "n_rows": ans.n_rows_served}
+            arms[arm] = {
+                "answer": answer,
+                "f1": score.f1,
+                "em": score.exact,
+                "n_rows": ans.n_rows_served,
+                "n_tokens": len(ans.generation.tokens),
+            }
+            if candidates:
+                margin = ans.candidates[0].logprob - ans.candidates[1].logprob
+                arms[arm]["abstain_margin"] = round(margin, 6)
+                arms[arm]["abstains"] = margin > 0
         return {
             **rec,
             "question": qa.question,
@@ -203,8 +245,9 @@ class MemoryEval(Probe):
             "category": qa.category,
             "evidence": list(qa.evidence),
             "selected": list(selected),
+            **({"choice": candidates} if candidates else {}),
             "arms": arms,
-            **({"timing": timing} if self.timing else {}),
+            **({"timing": {"serve": serve_ms, "readout": readout_ms}} if self.timing else {}),
         }
 
     # ------------------------------------------------------------------ statistics
@@ -240,7 +283,7 @@ def _with_ci(b) -> str:
 def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = None) -> Summary:
     """Tables: F1 / EM per arm (categories 1-4, cluster-bootstrap 95% intervals; per category;
     category 5 apart), paired differences rows - text and rows - isolated, latency p50/p95 (ms)."""
-    from eventkv.stats import cluster_bootstrap
+    from eventkv.stats import cluster_bootstrap, format_p, wilcoxon_d, wilson
 
     done = [r for r in records if "arms" in r]
     main = [r for r in done if r["category"] in (1, 2, 3, 4)]
@@ -255,6 +298,8 @@ def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = No
         "f1": {},
         "em": {},
         "paired": {},
+        "abstention": {},
+        "n_tokens": {},
         "latency_ms": {},
     }
     rows = []
@@ -269,6 +314,10 @@ def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = No
             xs = [r["arms"][a]["f1"] for r in main if r["category"] == c]
             by_cat.append(f"{np.mean(xs):.3f} ({len(xs)})" if xs else "n/a")
         adv = [r["arms"][a]["f1"] for r in adversarial]
+        chose = [r["arms"][a]["abstains"] for r in adversarial if "abstains" in r["arms"][a]]
+        if chose:
+            w = wilson(sum(chose), len(chose))
+            data["abstention"][a] = {"k": w.k, "n": w.n, "rate": w.rate, "low": w.low, "high": w.high}
         rows.append(
             [
                 a,
@@ -276,12 +325,20 @@ def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = No
                 f"{np.mean(em):.3f}" if em else "n/a",
                 *by_cat,
                 f"{np.mean(adv):.3f} ({len(adv)})" if adv else "n/a",
+                wilson(sum(chose), len(chose)).describe(2) if chose else "n/a",
             ]
         )
     tables = [
         Table(
             "Token F1 by arm (categories 1-4; cluster bootstrap 95%, clusters = conversations)",
-            ["arm", "F1 [95%]", "EM", *[f"{c} {CATEGORIES[c]} (n)" for c in (1, 2, 3, 4)], "5 adversarial (n)"],
+            [
+                "arm",
+                "F1 [95%]",
+                "EM",
+                *[f"{c} {CATEGORIES[c]} (n)" for c in (1, 2, 3, 4)],
+                "5: answer abstains (n)",
+                "5: chooses 'not mentioned' [Wilson 95%]",
+            ],
             rows,
         )
     ]
@@ -290,29 +347,57 @@ def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = No
         if "rows" in arms and other in arms and main:
             diff = [r["arms"]["rows"]["f1"] - r["arms"][other]["f1"] for r in main]
             b = cluster_bootstrap(diff, clusters)
-            data["paired"][f"rows-{other}"] = b.__dict__
+            w = wilcoxon_d(diff, what=f"F1 rows - {other}")
+            data["paired"][f"rows-{other}"] = {
+                **b.__dict__,
+                "wilcoxon_p": w.p_value,
+                "n_nonzero": w.counts["n"],
+                "better": sum(x > 0 for x in diff),
+                "worse": sum(x < 0 for x in diff),
+            }
             paired_rows.append(
-                [f"rows - {other}", f"{b.estimate:+.3f}", f"[{b.low:+.3f}, {b.high:+.3f}]", str(len(diff))]
+                [
+                    f"rows - {other}",
+                    f"{b.estimate:+.3f}",
+                    f"[{b.low:+.3f}, {b.high:+.3f}]",
+                    f"{sum(x > 0 for x in diff)}:{sum(x < 0 for x in diff)}",
+                    "n/a" if w.p_value != w.p_value else format_p(w.p_value),
+                    str(len(diff)),
+                ]
             )
     if paired_rows:
         tables.append(
-            Table("Paired F1 differences (same questions)", ["difference", "mean", "95% CI", "n"], paired_rows)
+            Table(
+                "Paired F1 differences (same questions)",
+                ["difference", "mean", "95% CI (cluster bootstrap)", "better:worse", "Wilcoxon p (questions)", "n"],
+                paired_rows,
+            )
         )
     lat_rows = []
+    timed = [r for r in done if "serve" in r.get("timing", {})]
+    batched = bool(timed) and all(len(set(r["timing"]["readout"].values())) == 1 for r in timed) and len(arms) > 1
     for a in arms:
-        ms = [r["timing"][a] for r in done if a in r.get("timing", {})]
-        if ms:
-            p50, p95 = (float(x) for x in np.percentile(ms, [50, 95]))
-            data["latency_ms"][a] = {"p50": p50, "p95": p95, "n": len(ms)}
-            lat_rows.append([a, f"{p50:.0f}", f"{p95:.0f}", str(len(ms))])
+        toks = [r["arms"][a]["n_tokens"] for r in done]
+        data["n_tokens"][a] = float(np.mean(toks)) if toks else None
+        serve = [r["timing"]["serve"][a] for r in timed]
+        readout = [r["timing"]["readout"][a] for r in timed]
+        if serve:
+            s50, s95 = (float(x) for x in np.percentile(serve, [50, 95]))
+            r50, r95 = (float(x) for x in np.percentile(readout, [50, 95]))
+            data["latency_ms"][a] = {"serve_p50": s50, "serve_p95": s95, "readout_p50": r50, "readout_p95": r95}
+            lat_rows.append(
+                [a, f"{s50:.0f}", f"{s95:.0f}", f"{r50:.0f}", f"{r95:.0f}", f"{np.mean(toks):.1f}", str(len(serve))]
+            )
     if lat_rows:
         tables.append(
             Table(
-                "Per-query latency (ms, wall clock; the one global prefill excluded)",
-                ["arm", "p50", "p95", "n"],
+                "Per-question latency (ms, wall clock; the one global prefill excluded)"
+                + (": the arms are read out in one batch, so the readout time is shared" if batched else ""),
+                ["arm", "serve p50", "serve p95", "readout p50", "readout p95", "tokens generated (mean)", "n"],
                 lat_rows,
             )
         )
+    data["batched_readout"] = batched
     n_conv = data["n_conversations"]
     title = (
         f"memory-eval: {len(main)} questions (categories 1-4) from {n_conv} conversation{'s' if n_conv != 1 else ''}"
@@ -324,9 +409,15 @@ def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = No
         "isolated: the same turns each encoded alone; full: the whole truncated history; gold: the evidence turns "
         "as text.",
         "F1 and EM: LoCoMo's token F1 after its answer normalization (eventkv.memory.metrics).",
-        "Category 5 (adversarial) scores 1 only when the answer abstains ('not mentioned', 'no information "
-        "available'); the prompt does not ask for those phrases, so that column is reported apart and is not "
-        "comparable with the others.",
+        "Category 5 (adversarial): 'answer abstains' scores the generated answer by LoCoMo's keyword rule "
+        "('not mentioned', 'no information available'), which the free-form prompt does not invite; 'chooses' is "
+        "LoCoMo's forced choice between 'Not mentioned in the conversation' and the adversarial answer, by "
+        "log-probability. Both are reported apart from the F1 of categories 1-4.",
+        "serve: building the arm's served cache (rows: select and copy; text and gold: prefill the turns; "
+        "isolated: encode each turn alone, once per conversation; full: copy every row); readout: the question, "
+        "the greedy answer and the category-5 scoring.",
+        "Wilcoxon p treats the questions as independent (zero differences dropped); the cluster bootstrap "
+        "resamples conversations. Neither corrects for the two comparisons.",
     ]
     if 1 < n_conv < 5:
         notes.append(
