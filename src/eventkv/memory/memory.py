@@ -42,6 +42,7 @@ from eventkv.log import HEADER_ID, Event, TokenizedLog, encode, header_text, tok
 from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
 from eventkv.memory.select import rank
 from eventkv.memory.store import SCHEMA_VERSION, Store, check_identity, model_identity, now
+from eventkv.memory.table import EventTable, record_from_row
 from eventkv.options import check_max_new_tokens, check_optional_int, is_int
 from eventkv.prefill import EventKV, check_context, prefill
 from eventkv.readout import answer_served
@@ -51,28 +52,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from eventkv.models.profile import LoadedModel
 
 SelectSpec = None | Literal["all", "view"] | Sequence[str]
-
-
-def _record(row) -> MemoryRecord:
-    return MemoryRecord(
-        seq=row["seq"],
-        id=row["id"],
-        kind=row["kind"],
-        text=row["text"],
-        role=row["role"],
-        tags=tuple(json.loads(row["tags"])),
-        budget=row["budget"],
-        position=row["position"],
-        width=row["width"],
-        row_start=row["row_start"],
-        n_rows=row["n_rows"],
-        segment=row["segment"],
-        supersedes=row["supersedes"],
-        deleted=bool(row["deleted"]),
-        forgotten=bool(row["forgotten"]),
-        pinned=bool(row["pinned"]),
-        created=row["created"],
-    )
 
 
 class EventMemory:
@@ -195,13 +174,14 @@ class EventMemory:
 
     def _reload(self) -> None:
         rows = self.store.conn.execute("SELECT * FROM events ORDER BY seq").fetchall()
-        self._recs = [_record(r) for r in rows]
+        self._table = EventTable([record_from_row(r) for r in rows], len(self.header_ids))
+        self._recs = self._table.records
+        self._by_id = self._table.by_id
         self._tokens = {r["id"]: json.loads(r["token_ids"]) for r in rows if r["token_ids"] is not None}
-        self._by_id = {r.id: r for r in self._recs}
 
     def _stored(self) -> list[MemoryRecord]:
         """Every event with rows in the history (deleted included, forgotten excluded), in history order."""
-        return [r for r in self._recs if not r.forgotten]
+        return self._table.stored()
 
     def _log(self, recs: Sequence[MemoryRecord]) -> TokenizedLog:
         return TokenizedLog(
@@ -209,12 +189,10 @@ class EventMemory:
         )
 
     def _history_end(self) -> int:
-        stored = self._stored()
-        return stored[-1].position + stored[-1].width if stored else len(self.header_ids)
+        return self._table.history_end()
 
     def _n_rows(self) -> int:
-        stored = self._stored()
-        return stored[-1].row_start + stored[-1].n_rows if stored else len(self.header_ids)
+        return self._table.n_rows()
 
     def _device(self) -> torch.device:
         return next(self.lm.model.parameters()).device
@@ -262,25 +240,14 @@ class EventMemory:
         )
 
     def _lookup(self, event_id: str) -> MemoryRecord:
-        rec = self._by_id.get(event_id) if isinstance(event_id, str) else None
-        if rec is not None:
-            return rec
-        known = [r.id for r in self._recs if not r.forgotten]
-        shown = ", ".join(known[:8]) + (" ..." if len(known) > 8 else "") if known else "none"
-        raise EventKVError(f"unknown event id {event_id!r}: this memory's events are {shown} (see list()).")
+        return self._table.lookup(event_id)
 
     def _root(self, rec: MemoryRecord) -> MemoryRecord:
-        return self._lookup(rec.supersedes) if rec.kind == "patch" else rec
+        return self._table.root(rec)
 
     def _units(self) -> list[tuple[MemoryRecord, MemoryRecord]]:
-        """The current view as ``(root event, served record)`` pairs, by the served record's history
-        order: live non-patch events, each replaced by its latest live patch."""
-        latest: dict[str, MemoryRecord] = {}
-        for r in self._recs:
-            if r.kind == "patch" and r.live:
-                latest[r.supersedes] = r
-        units = [(r, latest.get(r.id, r)) for r in self._recs if r.kind != "patch" and r.live]
-        return sorted(units, key=lambda u: u[1].seq)
+        """The current view as ``(root event, served record)`` pairs (:meth:`EventTable.units`)."""
+        return self._table.units()
 
     # ================================================================== writes
     def _append(self, items: list[dict]) -> list[Added]:
@@ -643,7 +610,7 @@ class EventMemory:
                     "pinned = 0, deleted = 0 WHERE seq = ?",
                     [(s,) for s in gone],
                 )
-                self._recs = [r for r in self._recs if r.seq not in gone]  # for _relayout
+                self._table = EventTable([r for r in self._recs if r.seq not in gone], len(self.header_ids))  # relayout
                 self._relayout(c)
         except BaseException:
             if new_seg is not None:
@@ -753,8 +720,7 @@ class EventMemory:
             EventKVError: unknown id.
         """
         self._check_open()
-        root = self._root(self._lookup(event_id))
-        return [root] + [r for r in self._recs if r.kind == "patch" and r.supersedes == root.id and not r.forgotten]
+        return self._table.history(event_id)
 
     def list(self, include_superseded: bool = False, include_deleted: bool = False) -> list[MemoryRecord]:
         """Records in history order. Default: the view (:meth:`view_ids`): live events, each superseded
@@ -762,42 +728,19 @@ class EventMemory:
         patches; ``include_deleted``: also tombstoned ones (and the patches of a deleted event).
         Forgotten markers are never listed (see :meth:`get`)."""
         self._check_open()
-        view = {cur.seq for _, cur in self._units()}
-        out = []
-        for r in self._recs:
-            if r.forgotten:
-                continue
-            if r.deleted or self._root(r).deleted:
-                if include_deleted:
-                    out.append(r)
-            elif include_superseded or r.seq in view:
-                out.append(r)
-        return out
+        return self._table.list(include_superseded, include_deleted)
 
     def view_ids(self) -> list[str]:
         """The default served set, in history order: live events (not deleted or forgotten), each
         superseded event replaced by its latest live patch; pinned events are live events, so included."""
         self._check_open()
-        return [cur.id for _, cur in self._units()]
+        return self._table.view_ids()
 
     def stats(self) -> MemoryStats:
         """Counts and sizes (see :class:`MemoryStats`); ``bytes_on_disk`` sums every file of the store."""
         self._check_open()
-        stored = self._stored()
-        pre = [r for r in stored if r.prefilled]
-        h = len(self.header_ids)
-        return MemoryStats(
-            events=len(stored),
-            live=len(self._units()),
-            patches=sum(r.kind == "patch" for r in stored),
-            deleted=sum(r.deleted for r in stored),
-            forgotten=sum(r.forgotten for r in self._recs),
-            pinned=sum(r.pinned for r in stored),
-            carriers=sum(r.kind == "carrier" for r in stored),
-            rows=self._n_rows(),
+        return self._table.stats(
             rows_prefilled=self._ekv.n_rows if self._ekv is not None else 0,
-            prefilled_up_to=(pre[-1].position + pre[-1].width) if pre else h,
-            history_end=self._history_end(),
             segments=len(self.store.segment_rows()),
             bytes_on_disk=self.store.bytes_on_disk(),
             version=self.store.version,

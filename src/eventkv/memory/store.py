@@ -242,19 +242,13 @@ class Store:
         fsync_path(d)
         return cls(d, manifest, conn, lock)
 
-    @classmethod
-    def open(cls, directory: str | Path, verify: str | None = None) -> "Store":
-        """Open a store: read the manifest, connect, discard segment files no committed row points to
-        (and ``*.tmp`` leftovers), check every segment file against its row.
-
-        Args:
-            verify: ``"full"`` (sha256) or ``"size"``; default: ``$EVENTKV_MEMORY_VERIFY`` or ``"full"``.
+    @staticmethod
+    def read_manifest(d: Path) -> dict:
+        """The manifest of the store in ``d``, checked (keys present, this schema version).
 
         Raises:
-            EventKVError: no memory in ``directory``, a manifest of another schema version, a segment
-                file missing or failing its checksum.
+            EventKVError: no memory in ``d``, an unreadable or incomplete manifest, another schema version.
         """
-        d = Path(directory)
         if not (d / MANIFEST).is_file() or not (d / DATABASE).is_file():
             what = "does not exist" if not d.exists() else "is not a memory (no manifest.json / memory.sqlite)"
             raise EventKVError(
@@ -280,6 +274,22 @@ class Store:
                 f"the memory in {str(d)!r} has schema version {manifest.get('schema')!r}, this eventkv reads "
                 f"{SCHEMA_VERSION}: open it with the eventkv version that wrote it."
             )
+        return manifest
+
+    @classmethod
+    def open(cls, directory: str | Path, verify: str | None = None) -> "Store":
+        """Open a store: read the manifest, connect, discard segment files no committed row points to
+        (and ``*.tmp`` leftovers), check every segment file against its row.
+
+        Args:
+            verify: ``"full"`` (sha256) or ``"size"``; default: ``$EVENTKV_MEMORY_VERIFY`` or ``"full"``.
+
+        Raises:
+            EventKVError: no memory in ``directory``, a manifest of another schema version, a segment
+                file missing or failing its checksum.
+        """
+        d = Path(directory)
+        manifest = cls.read_manifest(d)
         lock = cls.lock(d)
         try:
             conn = cls.connect(d / DATABASE)
@@ -449,4 +459,16 @@ class Store:
             fsync_path(self.directory / SEGMENTS)
 
     def bytes_on_disk(self) -> int:
-        return sum(f.stat().st_size for f in self.directory.rglob("*") if f.is_file())
+        return directory_bytes(self.directory)
+
+
+def directory_bytes(directory: Path) -> int:
+    """Bytes of every file under ``directory`` (files removed while counting are skipped)."""
+    total = 0
+    for f in directory.rglob("*"):
+        try:
+            if f.is_file():
+                total += f.stat().st_size
+        except FileNotFoundError:  # a temporary file of a concurrent write
+            pass
+    return total
