@@ -2,7 +2,8 @@
 
 ``models`` (:mod:`.models`), ``query`` (:mod:`.query`), ``run <probe>`` and ``report``
 (:mod:`.run`; the contract clauses' run commands from :mod:`.contract`), ``contract``
-(:mod:`.contract`) and ``splice`` (:mod:`.splice`). User errors print one line and exit with code 2.
+(:mod:`.contract`), ``splice`` (:mod:`.splice`), ``memory`` (:mod:`.memory`) and ``serve``
+(:mod:`.serve`). User errors print one line and exit with code 2.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from eventkv.cli.memory import memory_app
 from eventkv.cli.models import models_app
 from eventkv.cli.query import query
 from eventkv.cli.run import report, run_app
+from eventkv.cli.serve import serve
 from eventkv.errors import EventKVError, cli_message
 
 app = typer.Typer(
@@ -34,6 +36,7 @@ app.add_typer(run_app, name="run", help="Run a registered probe.")
 app.command("report")(report)
 app.command("splice")(splice.splice)
 app.command("contract")(contract.contract)
+app.command("serve")(serve)
 
 
 def _given_value(param, args: list[str]) -> str | None:

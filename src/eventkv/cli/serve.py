@@ -1,0 +1,66 @@
+"""``eventkv serve``: EventMemory as an HTTP service (:mod:`eventkv.service`; issue 12). Option
+errors print one line and exit 2 before the model loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from eventkv.cli.common import user_errors
+from eventkv.options import DTYPE_HELP, check_int
+
+
+def serve(
+    model: str = typer.Option(..., "--model", help="packaged alias, local HF directory, hub id or GGUF file"),
+    store: Path = typer.Option(..., "--store", help="root directory of the memories (one folder per namespace)"),
+    host: str = typer.Option("127.0.0.1", "--host", help="bind address (non-loopback needs --token-file)"),
+    port: int = typer.Option(8000, "--port", help="TCP port (0: any free port)"),
+    token_file: Optional[Path] = typer.Option(
+        None, "--token-file", help="bearer tokens, one per line: 'TOKEN' or 'TOKEN ns1,ns2'"
+    ),
+    max_queue: int = typer.Option(64, "--max-queue", help="model jobs waiting at most (503 + Retry-After beyond)"),
+    max_body: int = typer.Option(4 * 1024 * 1024, "--max-body", help="request body bytes at most (413 beyond)"),
+    max_open: int = typer.Option(16, "--max-open", help="memories kept open (rows in RAM)"),
+    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
+    log_level: str = typer.Option("info", "--log-level", help="uvicorn log level"),
+) -> None:
+    """Serve EventMemory over HTTP (FastAPI + uvicorn; needs `pip install 'eventkv[server]'`). API
+    docs at /docs; Prometheus metrics at /metrics."""
+    with user_errors():
+        from eventkv.errors import EventKVError, OptionError
+        from eventkv.models import load, resolve_dtype
+        from eventkv.options import check_threads
+
+        try:
+            import fastapi  # noqa: F401
+            import prometheus_client  # noqa: F401
+            import uvicorn  # noqa: F401
+        except ImportError as exc:
+            raise EventKVError(
+                f"eventkv serve needs the server extra ({exc.name} is not installed): pip install 'eventkv[server]'."
+            ) from None
+        from eventkv.service.app import Settings
+        from eventkv.service.server import check_bind, read_tokens, serve_forever
+
+        check_int("port", port, "give a TCP port, 0-65535 (0: any free port).", minimum=0, flag="--port")
+        if port > 65535:
+            raise OptionError("port", port, "give a TCP port, 0-65535 (0: any free port).", flag="--port")
+        check_int("max_queue", max_queue, "allow at least 1 waiting job.", flag="--max-queue")
+        check_int("max_body", max_body, "allow at least 1 KiB.", minimum=1024, flag="--max-body")
+        check_int("max_open", max_open, "keep at least 1 memory open.", flag="--max-open")
+        if store.exists() and not store.is_dir():
+            raise OptionError("store", str(store), "the store is a file: give a directory.", flag="--store")
+        tokens = read_tokens(token_file) if token_file is not None else {}
+        check_bind(host, tokens)  # before the model loads
+        resolve_dtype(dtype)
+        threads = check_threads(threads)
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)
+        lm = load(model, dtype=dtype)
+        settings = Settings(lm, store, tokens, max_queue=max_queue, max_body=max_body, max_open=max_open)
+        serve_forever(settings, host, port, log_level=log_level)

@@ -1,0 +1,300 @@
+"""A Python client for ``eventkv serve`` (issue 12, point 5), on httpx. It mirrors
+:class:`eventkv.memory.EventMemory` verb for verb and returns the same record types, so code written
+against the library runs against a server by swapping the object::
+
+    mem = Client.create("http://127.0.0.1:8000", memory_id="agent-7", instruction="...")
+    mem.add(["Dana lives in Lisbon."])
+    mem.query("Where does Dana live?").text
+
+Every write also takes ``expected_version=`` (the server answers 409 when the memory has moved on).
+An HTTP error raises :class:`ServiceError` (an EventKVError) with the server's ``status``, ``code``
+and ``message``. Needs the ``server`` extra (httpx)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from eventkv.errors import EventKVError
+from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
+
+NAMESPACE_HEADER = "X-EventKV-Namespace"
+
+
+class ServiceError(EventKVError):
+    """An error answer of the memory service: ``status`` (HTTP), ``code`` and the server's message."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(f"HTTP {status} {code}: {message}")
+        self.status, self.code, self.message = status, code, message
+
+
+def _record(d: dict) -> MemoryRecord:
+    return MemoryRecord(**{**d, "tags": tuple(d["tags"])})
+
+
+def _added(d: dict) -> Added:
+    return Added(d["id"], d["position"], d["width"])
+
+
+class Client:
+    """One memory on an eventkv server (see the module docstring).
+
+    Args:
+        url: the server, e.g. ``http://127.0.0.1:8000``.
+        memory_id: the memory's id in ``namespace``.
+        token: bearer token (when the server has a token file).
+        namespace: the request scope (header ``X-EventKV-Namespace``).
+        timeout: seconds per request (model work can queue behind other clients).
+        http: an ``httpx.Client`` to use instead of a new one (its base URL and headers are kept).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        memory_id: str,
+        *,
+        token: str | None = None,
+        namespace: str = "default",
+        timeout: float = 600.0,
+        http: Any = None,
+    ) -> None:
+        try:
+            import httpx
+        except ImportError:
+            raise EventKVError("the memory client needs httpx: pip install 'eventkv[server]'.") from None
+        headers = {NAMESPACE_HEADER: namespace}
+        if token is not None:
+            headers["Authorization"] = f"Bearer {token}"
+        self._own = http is None
+        self.http = http or httpx.Client(base_url=url, headers=headers, timeout=timeout)
+        self.memory_id = memory_id
+        self.namespace = namespace
+        self._base = f"/v1/memories/{memory_id}"
+
+    # ------------------------------------------------------------------ plumbing
+    def _call(self, method: str, path: str, json: Any = None, params: dict | None = None) -> Any:
+        r = self.http.request(method, path, json=json, params=params)
+        if r.status_code >= 400:
+            try:
+                body = r.json()
+                code, message = body.get("code", "error"), body.get("message", r.text)
+            except ValueError:
+                code, message = "error", r.text
+            raise ServiceError(r.status_code, code, message)
+        return r.json()
+
+    def close(self) -> None:
+        """Close the HTTP connection pool (the memory stays on the server)."""
+        if self._own:
+            self.http.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ create / open / destroy
+    @classmethod
+    def create(
+        cls,
+        url: str,
+        memory_id: str | None = None,
+        *,
+        namespace: str = "default",
+        instruction: str | None = None,
+        contract: str | Path | dict | None = None,
+        model: str | None = None,
+        token: str | None = None,
+        timeout: float = 600.0,
+    ) -> "Client":
+        """Create a memory on the server (``POST /v1/memories``) and return its client.
+
+        Args:
+            contract: the model's contract.json (path or parsed) for ``carrier(kind="auto")``.
+            model: when given, the server refuses (422) unless it serves this model.
+
+        Raises:
+            ServiceError: 409 the id is taken; 422 a bad id, namespace, model or contract.
+        """
+        if isinstance(contract, (str, Path)):
+            import json
+
+            contract = json.loads(Path(contract).read_text())
+        client = cls(url, "", token=token, namespace=namespace, timeout=timeout)
+        body = {"id": memory_id, "instruction": instruction, "contract": contract, "model": model}
+        try:
+            out = client._call("POST", "/v1/memories", {k: v for k, v in body.items() if v is not None})
+        except BaseException:
+            client.close()
+            raise
+        client.memory_id, client._base = out["id"], f"/v1/memories/{out['id']}"
+        return client
+
+    @classmethod
+    def open(cls, url: str, memory_id: str, *, namespace: str = "default", token: str | None = None, timeout=600.0):
+        """The client of an existing memory.
+
+        Raises:
+            ServiceError: 404 no such memory in ``namespace``.
+        """
+        client = cls(url, memory_id, token=token, namespace=namespace, timeout=timeout)
+        try:
+            client._call("GET", client._base)
+        except BaseException:
+            client.close()
+            raise
+        return client
+
+    def destroy(self, *, expected_version: int | None = None) -> None:
+        """Delete the whole memory on the server (its files are removed)."""
+        self._call("DELETE", self._base, params={"expected_version": expected_version} if expected_version else None)
+
+    # ------------------------------------------------------------------ writes (EventMemory's verbs)
+    def add(
+        self,
+        events: Iterable[MemoryEvent | dict | str] | MemoryEvent | dict | str,
+        *,
+        prefill: bool = False,
+        expected_version: int | None = None,
+    ) -> list[Added]:
+        """As :meth:`EventMemory.add`."""
+        if isinstance(events, (str, dict, MemoryEvent)):
+            events = [events]
+        evs = [MemoryEvent.coerce(e) for e in events]
+        body = {
+            "events": [
+                {
+                    k: v
+                    for k, v in {
+                        "text": e.text,
+                        "role": e.role,
+                        "id": e.id,
+                        "tags": list(e.tags),
+                        "budget": e.budget,
+                        "kind": e.kind,
+                    }.items()
+                    if v is not None
+                }
+                for e in evs
+            ],
+            "prefill": prefill,
+            "expected_version": expected_version,
+        }
+        return [_added(a) for a in self._call("POST", f"{self._base}/events", body)["added"]]
+
+    def prefill(self, *, expected_version: int | None = None) -> int:
+        """As :meth:`EventMemory.prefill`: rows computed."""
+        return self._call("POST", f"{self._base}/prefill", {"expected_version": expected_version})["rows"]
+
+    def update(self, event_id: str, text: str, *, prefill: bool = False, expected_version: int | None = None) -> Added:
+        """As :meth:`EventMemory.update`: the patch event."""
+        body = {"text": text, "prefill": prefill, "expected_version": expected_version}
+        return _added(self._call("POST", f"{self._base}/events/{event_id}/update", body)["added"][0])
+
+    def delete(self, event_id: str, *, expected_version: int | None = None) -> None:
+        """As :meth:`EventMemory.delete` (tombstone)."""
+        self._call("POST", f"{self._base}/events/{event_id}/delete", {"expected_version": expected_version})
+
+    def forget(self, event_id: str, *, expected_version: int | None = None) -> int:
+        """As :meth:`EventMemory.forget`: rows recomputed."""
+        return self._call("POST", f"{self._base}/events/{event_id}/forget", {"expected_version": expected_version})[
+            "rows"
+        ]
+
+    def pin(self, event_id: str, pinned: bool = True, *, expected_version: int | None = None) -> None:
+        """As :meth:`EventMemory.pin`."""
+        body = {"pinned": pinned, "expected_version": expected_version}
+        self._call("POST", f"{self._base}/events/{event_id}/pin", body)
+
+    def rebase(self, *, expected_version: int | None = None) -> int:
+        """As :meth:`EventMemory.rebase`: rows computed."""
+        return self._call("POST", f"{self._base}/rebase", {"expected_version": expected_version})["rows"]
+
+    def carrier(
+        self,
+        sources: Sequence[str],
+        subject: str,
+        kind: str = "auto",
+        *,
+        prefill: bool = False,
+        expected_version: int | None = None,
+    ) -> CarrierResult:
+        """As :meth:`EventMemory.carrier`."""
+        ids = [sources] if isinstance(sources, str) else list(sources)
+        body = {
+            "sources": ids,
+            "subject": subject,
+            "kind": kind,
+            "prefill": prefill,
+            "expected_version": expected_version,
+        }
+        out = self._call("POST", f"{self._base}/carriers", body)
+        added = _added(out["added"]) if out["added"] else None
+        return CarrierResult(out["kind"], added, tuple(out["pinned"]), out["reason"])
+
+    # ------------------------------------------------------------------ reads
+    @property
+    def version(self) -> int:
+        """The memory's write counter (what ``expected_version`` compares with)."""
+        return self._call("GET", self._base)["version"]
+
+    def stats(self) -> MemoryStats:
+        """As :meth:`EventMemory.stats`."""
+        return MemoryStats(**self._call("GET", self._base)["stats"])
+
+    def get(self, event_id: str) -> MemoryRecord:
+        """As :meth:`EventMemory.get`."""
+        return _record(self._call("GET", f"{self._base}/events/{event_id}"))
+
+    def history(self, event_id: str) -> list[MemoryRecord]:
+        """As :meth:`EventMemory.history`."""
+        return [_record(r) for r in self._call("GET", f"{self._base}/events/{event_id}/history")]
+
+    def list(self, include_superseded: bool = False, include_deleted: bool = False) -> list[MemoryRecord]:
+        """As :meth:`EventMemory.list`."""
+        params = {"include_superseded": include_superseded, "include_deleted": include_deleted}
+        return [_record(r) for r in self._call("GET", f"{self._base}/events", params=params)]
+
+    def view_ids(self) -> list[str]:
+        """As :meth:`EventMemory.view_ids`."""
+        return self._call("GET", f"{self._base}/view")
+
+    def select(self, question: str, k: int = 8, budget_rows: int | None = None) -> list[str]:
+        """As :meth:`EventMemory.select`."""
+        return self._call("POST", f"{self._base}/select", {"question": question, "k": k, "budget_rows": budget_rows})
+
+    def query(
+        self,
+        question: str,
+        select: None | str | Sequence[str] = None,
+        k: int = 8,
+        mode: str = "compact",
+        candidates: Sequence[str] | None = None,
+        max_new_tokens: int = 32,
+        *,
+        budget_rows: int | None = None,
+    ) -> MemoryAnswer:
+        """As :meth:`EventMemory.query` (``keep_logits`` is library-only: logits do not travel)."""
+        from eventkv.readout import CandidateScore, Generation
+
+        body = {
+            "question": question,
+            "select": select if select is None or isinstance(select, str) else list(select),
+            "k": k,
+            "mode": mode,
+            "candidates": list(candidates) if candidates else None,
+            "max_new_tokens": max_new_tokens,
+            "budget_rows": budget_rows,
+        }
+        out = self._call("POST", f"{self._base}/query", body)
+        return MemoryAnswer(
+            text=out["text"],
+            generation=Generation(out["tokens"], out["text"], out["stopped"]),
+            candidates=[CandidateScore(**c) for c in out["candidates"]],
+            served_ids=out["served_ids"],
+            positions=[tuple(p) for p in out["positions"]],
+            n_rows_served=out["n_rows_served"],
+            timings_ms=out["timings_ms"],
+        )

@@ -1,0 +1,179 @@
+"""The service's request and response bodies (issue 12, point 1): pydantic models with field limits,
+so a body out of bounds is a 422 before any work is queued. Responses mirror the library's records
+(:mod:`eventkv.memory.records`) field for field."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from eventkv.service.names import MAX_NAME, NAME_PATTERN
+
+MAX_TEXT = 32_000  # characters of one event's text or one question
+MAX_EVENTS = 512  # events in one batch add
+MAX_ID = 200  # characters of an event id
+Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN, max_length=MAX_NAME)]
+Text = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TEXT)]
+EventId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID)]
+Tag = Annotated[str, StringConstraints(min_length=1, max_length=100)]
+Version = Annotated[int, Field(ge=0, description="the memory's version this write expects (409 when it moved on)")]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CreateMemory(_Body):
+    id: Name | None = Field(None, description="memory id (default: generated)")
+    namespace: Name | None = Field(None, description="must equal the request's namespace when given")
+    model: str | None = Field(None, max_length=500, description="when given, must name the served model")
+    instruction: str | None = Field(None, max_length=MAX_TEXT)
+    contract: dict | None = Field(None, description="the model's contract.json (for carrier kind='auto')")
+
+
+class EventIn(_Body):
+    text: Text
+    role: Annotated[str, StringConstraints(min_length=1, max_length=100)] | None = None
+    id: EventId | None = None
+    tags: list[Tag] = Field(default_factory=list, max_length=64)
+    budget: int | None = Field(None, ge=1, le=1_000_000)
+    kind: Literal["event", "carrier"] = "event"
+
+
+class AddEvents(_Body):
+    events: list[EventIn] = Field(min_length=1, max_length=MAX_EVENTS)
+    prefill: bool = False
+    expected_version: Version | None = None
+
+
+class Write(_Body):
+    expected_version: Version | None = None
+
+
+class UpdateEvent(Write):
+    text: Text
+    prefill: bool = False
+
+
+class PinEvent(Write):
+    pinned: bool = True
+
+
+class CarrierIn(Write):
+    sources: list[EventId] = Field(min_length=1, max_length=64)
+    subject: Text
+    kind: Literal["auto", "passive", "binding", "directive", "compute"] = "auto"
+    prefill: bool = False
+
+
+class SelectIn(_Body):
+    question: Text
+    k: int = Field(8, ge=1, le=10_000)
+    budget_rows: int | None = Field(None, ge=1)
+
+
+class QueryIn(_Body):
+    question: Text
+    select: Literal["all", "view"] | list[EventId] | None = Field(None, max_length=10_000)
+    k: int = Field(8, ge=1, le=10_000)
+    mode: Literal["compact", "native", "isolated", "text"] = "compact"
+    candidates: list[Annotated[str, StringConstraints(min_length=1, max_length=2_000)]] | None = Field(
+        None, max_length=64
+    )
+    max_new_tokens: int = Field(32, ge=1, le=4096)
+    budget_rows: int | None = Field(None, ge=1)
+
+
+# ---------------------------------------------------------------------- responses
+class AddedOut(BaseModel):
+    id: str
+    position: int
+    width: int
+
+
+class RecordOut(BaseModel):
+    seq: int
+    id: str
+    kind: str
+    text: str | None
+    role: str | None
+    tags: list[str]
+    budget: int | None
+    position: int | None
+    width: int
+    row_start: int | None
+    n_rows: int
+    segment: int | None
+    supersedes: str | None
+    deleted: bool
+    forgotten: bool
+    pinned: bool
+    created: str
+
+
+class StatsOut(BaseModel):
+    events: int
+    live: int
+    patches: int
+    deleted: int
+    forgotten: int
+    pinned: int
+    carriers: int
+    rows: int
+    rows_prefilled: int
+    prefilled_up_to: int
+    history_end: int
+    segments: int
+    bytes_on_disk: int
+    version: int
+
+
+class MemoryOut(BaseModel):
+    id: str
+    namespace: str
+    model: str
+    instruction: str
+    version: int
+    stats: StatsOut
+
+
+class CandidateOut(BaseModel):
+    text: str
+    tokens: list[int]
+    logprob: float
+    token_logprobs: list[float]
+    prob: float
+
+
+class AnswerOut(BaseModel):
+    text: str
+    tokens: list[int]
+    stopped: bool
+    candidates: list[CandidateOut]
+    served_ids: list[str]
+    positions: list[tuple[str, int, int]]
+    n_rows_served: int
+    timings_ms: dict[str, float]
+    version: int
+
+
+class CarrierOut(BaseModel):
+    kind: str | None
+    added: AddedOut | None
+    pinned: list[str]
+    reason: str
+    version: int
+
+
+class WriteOut(BaseModel):
+    """A write's acknowledgement: the memory's version after it, and what the verb returned."""
+
+    version: int
+    added: list[AddedOut] = Field(default_factory=list)
+    rows: int | None = None
+
+
+class ErrorOut(BaseModel):
+    code: str
+    message: str

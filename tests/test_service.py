@@ -1,0 +1,319 @@
+"""``eventkv serve`` (issue 12): a real uvicorn server on 127.0.0.1 and a free port (tests/service_fixtures),
+tiny random model (sharpened, float32). Every endpoint through :class:`eventkv.memory.client.Client`
+and raw httpx; answers through HTTP equal the library's on the same store; namespaces; auth; the
+409 / 413 / 422 / 503 paths; SIGTERM leaves the store consistent; SIGKILL mid-stream loses no
+acknowledged event (and the gate passes on the reopened store); smollm2-135m once (integration)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from service_fixtures import Server, save_sharp_model  # noqa: E402
+
+from eventkv.memory import EventMemory, MemoryEvent  # noqa: E402
+from eventkv.memory.client import Client, ServiceError  # noqa: E402
+from eventkv.models import load  # noqa: E402
+from eventkv.testing import assert_same_greedy  # noqa: E402
+
+TOKEN = "t0k3n-for-the-tests-0123456789"
+EVENTS = [
+    MemoryEvent("Dana lives in Lisbon and works on the grant proposal.", role="user", id="dana"),
+    MemoryEvent("Ravi will handle the quarterly report from Oslo.", role="user", id="ravi", budget=60),
+    MemoryEvent("The team offsite is on Tuesday at 10:30.", role="assistant", tags=("calendar",)),
+    "Mei moved the server migration to Friday.",
+]
+QUESTION = "Where does Dana live?"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_sharp_model(tmp_path_factory.mktemp("sharp"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    srv = Server(model_dir, tmp_path_factory.mktemp("store"))
+    yield srv
+    srv.kill()
+
+
+def raw(server, method, path, namespace="default", **kw):
+    headers = {"X-EventKV-Namespace": namespace, **kw.pop("headers", {})}
+    return httpx.request(method, server.url + path, headers=headers, timeout=60, **kw)
+
+
+def test_every_endpoint_through_the_client(server):
+    with Client.create(server.url, "verbs", instruction="Answer from the events.") as mem:
+        added = mem.add(EVENTS)
+        assert [a.id for a in added] == ["dana", "ravi", "e3", "e4"] and added[1].width == 60
+        assert mem.stats().rows_prefilled == 0  # lazy
+        assert mem.prefill() > 0 and mem.stats().rows_prefilled == mem.stats().rows
+        patch = mem.update("dana", "Dana moved to Porto.")
+        assert [r.id for r in mem.history("dana")] == ["dana", patch.id]
+        assert mem.get(patch.id).supersedes == "dana"
+        assert patch.id in mem.view_ids() and "dana" not in mem.view_ids()
+        assert [r.id for r in mem.list(include_superseded=True)][:2] == ["dana", "ravi"]
+        mem.delete("e4")
+        assert "e4" not in [r.id for r in mem.list()] and mem.get("e4").deleted
+        mem.pin("ravi")
+        assert mem.get("ravi").pinned and "ravi" in mem.select("offsite Tuesday", k=1)
+        mem.pin("ravi", False)
+        carrier = mem.carrier(["e3"], "the offsite time", kind="passive")
+        assert carrier.kind == "passive" and carrier.added is not None
+        auto = mem.carrier(["e3"], "the offsite time")  # no contract: the sources are pinned instead
+        assert auto.kind is None and auto.pinned == ("e3",)
+        ans = mem.query(QUESTION, select=[patch.id], candidates=["Porto", "Lisbon"], max_new_tokens=3)
+        assert ans.served_ids == [patch.id] and len(ans.candidates) == 2 and len(ans.generation.tokens) <= 3
+        assert mem.forget("ravi") >= 0 and mem.get("ravi").forgotten and mem.get("ravi").text is None
+        assert mem.rebase() > 0
+        v = mem.version
+        assert v == mem.stats().version and v > 0
+        assert mem.query(QUESTION, select="view", mode="text", max_new_tokens=2).text is not None
+        mem.destroy()
+    with pytest.raises(ServiceError) as e:
+        Client.open(server.url, "verbs")
+    assert e.value.status == 404 and e.value.code == "not_found"
+    assert raw(server, "GET", "/health").json()["status"] == "ok"
+    metrics = raw(server, "GET", "/metrics").text
+    assert 'eventkv_requests_total{method="POST",route="/v1/memories/{mid}/query",status="200"}' in metrics
+    assert "eventkv_queue_depth" in metrics and "eventkv_request_seconds_bucket" in metrics
+    assert raw(server, "GET", "/docs").status_code == 200
+    assert raw(server, "GET", "/openapi.json").json()["info"]["title"] == "eventkv memory service"
+
+
+def test_namespaces_do_not_see_each_other(server):
+    a = Client.create(server.url, "shared-id", namespace="alpha")
+    b = Client.create(server.url, "shared-id", namespace="beta")  # the same id in another namespace
+    a.add("Alpha's secret is 41.")
+    b.add("Beta's note.")
+    assert [r.text for r in a.list()] == ["Alpha's secret is 41."]
+    assert [r.text for r in b.list()] == ["Beta's note."]
+    only_a = Client.create(server.url, "only-alpha", namespace="alpha")
+    r = raw(server, "GET", "/v1/memories/only-alpha/events", namespace="beta")
+    assert r.status_code == 404 and r.json()["code"] == "not_found"
+    assert [m["id"] for m in raw(server, "GET", "/v1/memories", namespace="beta").json()] == ["shared-id"]
+    for c in (a, b, only_a):
+        c.close()
+
+
+def test_expected_version_conflicts_and_taken_ids(server):
+    with Client.create(server.url, "versions") as mem:
+        v0 = mem.version
+        mem.add("first", expected_version=v0)
+        with pytest.raises(ServiceError) as e:
+            mem.add("second", expected_version=v0)  # the memory moved on
+        assert e.value.status == 409 and "version" in e.value.message
+        assert [r.text for r in mem.list()] == ["first"]  # nothing written
+        with pytest.raises(ServiceError) as e:
+            Client.create(server.url, "versions")
+        assert e.value.status == 409
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/memories/..%2Fx",
+        "/v1/memories/%2E%2E",  # ".." (a client would normalise a literal one away)
+        "/v1/memories/%00",
+        "/v1/memories/" + "a" * 65,
+        "/v1/memories//etc/passwd",
+        "/v1/memories/a.b",
+        "/v1/memories/%2Fetc%2Fpasswd/events",
+    ],
+)
+def test_bad_memory_ids_are_422(server, path):
+    for method in ("GET", "POST"):
+        r = raw(server, method, path, json={})
+        assert r.status_code == 422, (path, r.status_code, r.text)
+        assert r.json()["code"] == "invalid_option" and "memory id" in r.json()["message"]
+
+
+def test_bad_requests_are_4xx_with_a_json_body(server):
+    with Client.create(server.url, "bad") as mem:
+        mem.add("one")
+        base = "/v1/memories/bad"
+        cases = [
+            ("POST", f"{base}/events", {"events": []}, 422),
+            ("POST", f"{base}/events", {"events": [{"text": ""}]}, 422),
+            ("POST", f"{base}/events", {"events": [{"text": "x", "colour": 1}]}, 422),
+            ("POST", f"{base}/events", {"events": [{"text": "x", "budget": 0}]}, 422),
+            ("POST", f"{base}/events", {"events": [{"text": "x", "id": "e1"}]}, 422),  # taken id: refused
+            ("POST", f"{base}/query", {"question": "q", "mode": "sideways"}, 422),
+            ("POST", f"{base}/query", {"question": "q", "max_new_tokens": 0}, 422),
+            ("POST", f"{base}/query", {"question": "q", "select": ["nope"]}, 422),
+            ("POST", f"{base}/events/nope/update", {"text": "x"}, 404),
+            ("GET", f"{base}/events/nope", None, 404),
+            ("GET", "/v1/nothing", None, 404),
+            ("POST", "/v1/memories", {"id": "x", "namespace": "other"}, 422),
+            ("POST", "/v1/memories", {"id": "x", "model": "some/other-model"}, 422),
+            ("DELETE", "/health", None, 405),
+        ]
+        for method, path, body, status in cases:
+            r = raw(server, method, path, json=body)
+            assert r.status_code == status, (method, path, body, r.status_code, r.text)
+            assert set(r.json()) == {"code", "message"} and r.json()["message"]
+        r = raw(server, "POST", f"{base}/events", content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 422
+
+
+def test_http_answers_equal_the_library_on_the_same_store(model_dir, tmp_path):
+    srv = Server(model_dir, tmp_path / "store")
+    try:
+        with Client.create(srv.url, "same") as mem:
+            mem.add(EVENTS, prefill=True)
+            mem.update("ravi", "Ravi handles the report from Bergen.")
+            over_http = {
+                (mode, str(sel)): mem.query(
+                    QUESTION, select=sel, mode=mode, candidates=["Lisbon", "Oslo"], max_new_tokens=6
+                )
+                for mode, sel in [("compact", "all"), ("compact", None), ("text", "view"), ("isolated", ["dana"])]
+            }
+        assert srv.stop() == 0  # graceful: the store is closed, the writer lock released
+        assert "Application shutdown complete" in srv.log()
+    finally:
+        srv.kill()
+    lm = load(str(model_dir), dtype="float32")
+    with EventMemory.open(tmp_path / "store" / "default" / "same", lm) as lib:
+        for (mode, sel), got in over_http.items():
+            ref = lib.query(
+                QUESTION,
+                select=None if sel == "None" else eval(sel) if sel.startswith("[") else sel,
+                mode=mode,
+                candidates=["Lisbon", "Oslo"],
+                max_new_tokens=6,
+            )
+            assert got.generation.tokens == ref.generation.tokens and got.text == ref.text
+            assert got.served_ids == ref.served_ids and got.n_rows_served == ref.n_rows_served
+            for c, r in zip(got.candidates, ref.candidates):
+                assert c.logprob == pytest.approx(r.logprob, abs=1e-5)
+
+
+def test_auth_tokens_and_namespace_grants(model_dir, tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"# admin\n{TOKEN}\n{'b' * 32} beta\n")
+    srv = Server(model_dir, tmp_path / "store", "--token-file", str(tokens))
+    try:
+        assert raw(srv, "GET", "/health").status_code == 200  # the one open route
+        for headers in ({}, {"Authorization": "Bearer wrong-token-0000000000"}, {"Authorization": TOKEN}):
+            r = raw(srv, "GET", "/v1/memories", headers=headers)
+            assert r.status_code == 401 and r.json()["code"] == "unauthorized"
+            assert r.headers["www-authenticate"] == "Bearer"
+        assert raw(srv, "GET", "/metrics").status_code == 401
+        with Client.create(srv.url, "m", token=TOKEN, namespace="alpha") as mem:
+            mem.add("x")
+        beta = {"Authorization": "Bearer " + "b" * 32}
+        assert raw(srv, "GET", "/v1/memories", namespace="alpha", headers=beta).status_code == 403
+        assert raw(srv, "POST", "/v1/memories", namespace="beta", headers=beta, json={"id": "m"}).status_code == 201
+    finally:
+        srv.kill()
+
+
+def test_413_and_503(model_dir, tmp_path):
+    srv = Server(model_dir, tmp_path / "store", "--max-body", "2048", "--max-queue", "1")
+    try:
+        with Client.create(srv.url, "busy") as mem:
+            r = raw(srv, "POST", "/v1/memories/busy/events", json={"events": [{"text": "x" * 5000}]})
+            assert r.status_code == 413 and r.json()["code"] == "body_too_large"
+            r = raw(
+                srv, "POST", "/v1/memories/busy/events", content=b"x" * 5000, headers={"transfer-encoding": "chunked"}
+            )
+            assert r.status_code in (413, 422)
+            mem.add(["Dana lives in Lisbon."] * 3, prefill=True)
+            body = {"question": QUESTION, "select": "all", "max_new_tokens": 300}
+            with concurrent.futures.ThreadPoolExecutor(12) as pool:
+                results = list(pool.map(lambda _: raw(srv, "POST", "/v1/memories/busy/query", json=body), range(12)))
+            codes = sorted(r.status_code for r in results)
+            assert set(codes) <= {200, 503} and 503 in codes and 200 in codes, codes
+            busy = next(r for r in results if r.status_code == 503)
+            assert busy.headers["retry-after"] == "1" and busy.json()["code"] == "busy"
+            assert raw(srv, "GET", "/v1/memories/busy").status_code == 200  # reads do not queue
+    finally:
+        srv.kill()
+
+
+def test_non_loopback_bind_without_a_token_is_refused(monkeypatch, capsys, tmp_path):
+    from cli_fixtures import run_cli
+
+    code, out, err = run_cli(
+        monkeypatch, capsys, "serve", "--model", "/no/model/needed", "--store", str(tmp_path / "s"), "--host", "0.0.0.0"
+    )
+    assert code == 2 and "--host '0.0.0.0'" in err and "--token-file" in err and "Traceback" not in out + err
+    short = tmp_path / "t"
+    short.write_text("short\n")
+    code, _, err = run_cli(
+        monkeypatch, capsys, "serve", "--model", "x", "--store", str(tmp_path / "s"), "--token-file", str(short)
+    )
+    assert code == 2 and "16 characters" in err
+
+
+def test_sigkill_mid_stream_loses_no_acknowledged_event(model_dir, tmp_path):
+    """A client streams adds (each acknowledged by a 2xx after the commit; every third eager, so
+    segment files are being written); the server is SIGKILLed mid-stream; a new server on the same
+    store lists every acknowledged event; the reopened store passes the gate."""
+    from test_memory import check_gate
+
+    store = tmp_path / "store"
+    srv = Server(model_dir, store)
+    acked: list[str] = []
+    stop = threading.Event()
+
+    def stream():
+        with Client(srv.url, "crash") as mem:
+            i = 0
+            while not stop.is_set():
+                try:
+                    added = mem.add(f"Event number {i}: the value is {i * 7}.", prefill=i % 3 == 0)
+                except Exception:
+                    return
+                acked.append(added[0].id)
+                i += 1
+
+    try:
+        Client.create(srv.url, "crash").close()
+        t = threading.Thread(target=stream)
+        t.start()
+        while len(acked) < 12:
+            t.join(0.05)
+            assert t.is_alive(), srv.log()[-2000:]
+        srv.kill()
+        stop.set()
+        t.join(30)
+    finally:
+        srv.kill()
+    srv2 = Server(model_dir, store)
+    try:
+        with Client.open(srv2.url, "crash") as mem:
+            listed = {r.id for r in mem.list()}
+            assert set(acked) <= listed, sorted(set(acked) - listed)
+            assert mem.stats().events >= len(acked)
+        assert srv2.stop() == 0
+    finally:
+        srv2.kill()
+    lm = load(str(model_dir), dtype="float32")
+    with EventMemory.open(store / "default" / "crash", lm) as mem:  # verifies every segment's checksum
+        assert check_gate(lm, mem, "after SIGKILL") <= 1e-4
+
+
+@pytest.mark.integration
+def test_smollm2_through_http_equals_the_library(tmp_path):
+    srv = Server("smollm2-135m", tmp_path / "store")
+    try:
+        with Client.create(srv.url, "real") as mem:
+            mem.add(EVENTS, prefill=True)
+            got = mem.query(QUESTION, select="all", candidates=["Lisbon", "Oslo"], max_new_tokens=8)
+        assert srv.stop() == 0
+    finally:
+        srv.kill()
+    lm = load("smollm2-135m", dtype="float32")
+    with EventMemory.open(tmp_path / "store" / "default" / "real", lm) as lib:
+        ref = lib.query(QUESTION, select="all", candidates=["Lisbon", "Oslo"], max_new_tokens=8, keep_logits=True)
+    assert got.generation.tokens == ref.generation.tokens and got.text == ref.text
+    for c, r in zip(got.candidates, ref.candidates):
+        assert c.logprob == pytest.approx(r.logprob, abs=1e-4)
+    assert_same_greedy(ref.generation.tokens, ref.generation.logits, ref.generation.tokens, ref.generation.logits, 1e-4)
