@@ -1,24 +1,15 @@
-"""A real ``eventkv serve`` in a subprocess for the service tests (issue 12, point 6): started on
-127.0.0.1 with ``--port 0`` (the port uvicorn picked is read from its log line), stopped by the test
-(SIGTERM, or SIGKILL for the crash test) and always killed at teardown."""
+"""The service tests' helpers (issue 12, point 6): a real ``eventkv serve`` in a subprocess on
+127.0.0.1 and a port uvicorn picks (:class:`eventkv.service.server.ServerProcess`, float32, one
+thread), and the sharpened tiny model it serves."""
 
 from __future__ import annotations
 
-import os
-import re
-import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import torch
 
+from eventkv.service.server import ServerProcess
 from eventkv.testing import tiny_lm
-
-RUNNING = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
-START = "from eventkv.cli import main; import sys; sys.argv[0] = 'eventkv'; main()"
 
 
 def save_sharp_model(directory: Path) -> Path:
@@ -32,43 +23,6 @@ def save_sharp_model(directory: Path) -> Path:
     return directory
 
 
-class Server:
-    """``eventkv serve --model MODEL --store STORE --port 0 ARGS`` in a subprocess."""
-
-    def __init__(self, model: Path | str, store: Path, *args: str, timeout: float = 120.0) -> None:
-        cmd = [sys.executable, "-c", START, "serve", "--model", str(model), "--store", str(store), "--port", "0"]
-        cmd += ["--dtype", "float32", "--threads", "1", "--log-level", "info", *args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.lines: list[str] = []
-        found = threading.Event()
-        self.port = None
-
-        def pump():
-            for line in self.proc.stdout:
-                self.lines.append(line)
-                m = RUNNING.search(line)
-                if m and self.port is None:
-                    self.port = int(m.group(1))
-                    found.set()
-            found.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        if not found.wait(timeout) or self.port is None:
-            self.kill()
-            raise RuntimeError("the server did not start:\n" + "".join(self.lines[-30:]))
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self, timeout: float = 60.0) -> int:
-        """SIGTERM, then wait: the exit code (0 after a graceful shutdown)."""
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(30)
-
-    def log(self) -> str:
-        time.sleep(0.1)
-        return "".join(self.lines)
+def Server(model, store, *args: str) -> ServerProcess:  # noqa: N802 - reads as the class it builds
+    """A server on ``model`` and ``store`` (float32, one torch thread, uvicorn info log)."""
+    return ServerProcess(model, store, "--dtype", "float32", "--threads", "1", "--log-level", "info", *args)

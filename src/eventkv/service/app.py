@@ -26,6 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+from urllib.parse import unquote
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -111,6 +112,29 @@ class BodyLimit:
 
 class _TooLarge(Exception):
     pass
+
+
+class MemoryIdCheck:
+    """ASGI middleware: the memory id of every ``/v1/memories/<id>...`` path is checked
+    (:func:`check_name`) before routing, so a bad id is 422 whatever the route or method. The id is
+    the raw path's segment, percent-decoded on its own: ``..%2Fx`` is the id ``../x``, not ``..``
+    followed by ``x``."""
+
+    PREFIX = "/v1/memories/"
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith(self.PREFIX):
+            raw = scope.get("raw_path")
+            raw = raw.decode("latin-1") if raw else scope["path"]
+            segment = raw[len(self.PREFIX) :].split("/")[0] if raw.startswith(self.PREFIX) else ""
+            try:
+                check_name(unquote(segment.split("?")[0]), "memory id")
+            except OptionError as exc:
+                return await _error(422, "invalid_option", str(exc))(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 class BearerAuth:
@@ -215,6 +239,7 @@ def create_app(settings: Settings) -> FastAPI:
         latency.labels(path, request.method).observe(time.perf_counter() - t0)
         return response
 
+    app.add_middleware(MemoryIdCheck)
     app.add_middleware(BodyLimit, max_body=settings.max_body)
     app.add_middleware(BearerAuth, tokens=settings.tokens)
 
@@ -547,15 +572,6 @@ def create_app(settings: Settings) -> FastAPI:
             )
 
         return await memory_write(verb, None, ns, mid)
-
-    @app.api_route(
-        "/v1/memories/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False
-    )
-    def unmatched(rest: str):
-        """Any other path under /v1/memories: a bad memory id is 422 (e.g. ``..%2Fx``, ``/etc``, NUL), the
-        rest 404."""
-        check_name(rest.split("/")[0], "memory id")
-        raise NotFound(f"no route /v1/memories/{rest}: see /docs for the routes.")
 
     @app.exception_handler(_Forbidden)
     async def forbidden(request: Request, exc: _Forbidden):

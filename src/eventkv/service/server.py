@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import ipaddress
+import os
+import re
 import signal
 import socket
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
-from eventkv.errors import OptionError
+from eventkv.errors import EventKVError, OptionError
 from eventkv.service.names import check_name
 
 
@@ -107,3 +113,59 @@ def serve_forever(settings, host: str, port: int, *, log_level: str = "info", gr
 
 def _exit_cleanly(signum, frame) -> None:
     raise SystemExit(0)
+
+
+class ServerProcess:
+    """``eventkv serve --model MODEL --store STORE --host 127.0.0.1 --port 0 ARGS`` in a subprocess,
+    for tests, benchmarks and notebooks: waits until uvicorn reports its port (``url`` is then set),
+    keeps the server's output in ``lines``; :meth:`stop` is a graceful SIGTERM, :meth:`kill` a SIGKILL.
+    The port is read from uvicorn's startup line, so keep ``--log-level`` at ``info`` or below.
+
+    Raises:
+        EventKVError: the server exited or printed no address within ``timeout`` seconds (its last
+            output in the message).
+    """
+
+    RUNNING = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
+
+    def __init__(self, model: str | Path, store: str | Path, *args: str, timeout: float = 180.0) -> None:
+        start = "from eventkv.cli import main; import sys; sys.argv[0] = 'eventkv'; main()"
+        cmd = [sys.executable, "-c", start, "serve", "--model", str(model), "--store", str(store)]
+        cmd += ["--host", "127.0.0.1", "--port", "0", *args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.lines: list[str] = []
+        self.port: int | None = None
+        found = threading.Event()
+
+        def pump():
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                m = self.RUNNING.search(line)
+                if m and self.port is None:
+                    self.port = int(m.group(1))
+                    found.set()
+            found.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        if not found.wait(timeout) or self.port is None:
+            self.kill()
+            code = self.proc.returncode
+            raise EventKVError(f"the server did not start (exit code {code}):\n" + "".join(self.lines[-30:]))
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM and wait: the exit code (0 after a graceful shutdown)."""
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL (no shutdown at all) and wait; nothing when it has exited."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(30)
+
+    def log(self) -> str:
+        """Everything the server printed so far."""
+        time.sleep(0.1)
+        return "".join(self.lines)
