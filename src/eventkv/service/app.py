@@ -80,38 +80,39 @@ def _error(status: int, code: str, message: str, headers: dict | None = None) ->
 
 
 class BodyLimit:
-    """ASGI middleware: a request body over ``max_body`` bytes gets 413 (by Content-Length before
-    reading, or while reading a chunked body)."""
+    """ASGI middleware: a request body over ``max_body`` bytes gets 413 — refused by its
+    Content-Length before reading, or, for a chunked body, while it is read (the body is read here,
+    at most ``max_body`` bytes, and handed on whole)."""
 
     def __init__(self, app, max_body: int) -> None:
         self.app, self.max_body = app, max_body
+
+    def too_big(self) -> JSONResponse:
+        return _error(413, "body_too_large", f"the request body is over {self.max_body} bytes: send less at once.")
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or []).get(b"content-length")
-        too_big = _error(413, "body_too_large", f"the request body is over {self.max_body} bytes: send less at once.")
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
-            return await too_big(scope, receive, send)
-        seen = 0
-
-        async def limited():
-            nonlocal seen
+            return await self.too_big()(scope, receive, send)
+        messages, seen = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_body:
-                    raise _TooLarge
-            return message
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            seen += len(message.get("body", b""))
+            if seen > self.max_body:
+                return await self.too_big()(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        replay = iter(messages)
 
-        try:
-            return await self.app(scope, limited, send)
-        except _TooLarge:
-            return await too_big(scope, receive, send)
+        async def buffered():
+            return next(replay, None) or await receive()
 
-
-class _TooLarge(Exception):
-    pass
+        return await self.app(scope, buffered, send)
 
 
 class MemoryIdCheck:
