@@ -27,7 +27,7 @@ LAYERS = (
         "eventkv.query",
         "eventkv.testing",
     ),
-    ("eventkv.memory",),
+    ("eventkv.memory", "eventkv.eviction"),
     ("eventkv.probes",),
     ("eventkv.splice", "eventkv.contract", "eventkv.memory.eval", "eventkv.service"),
     ("eventkv.cli",),

@@ -1,0 +1,35 @@
+"""eventkv.eviction: KV-cache eviction policies written from their papers, scored on our real
+position ids, and the per-(layer, head) keep masks they produce (issue 13, point 1). See
+``docs/eviction.md``."""
+
+from eventkv.eviction.policies import (
+    POLICIES,
+    EventTopK,
+    ExpectedAttention,
+    Knorm,
+    LayerCapture,
+    Policy,
+    Random,
+    SnapKV,
+    StreamingLLM,
+    Tova,
+    UserPolicy,
+    keep_mask,
+    make_policy,
+)
+
+__all__ = [
+    "POLICIES",
+    "UserPolicy",
+    "EventTopK",
+    "ExpectedAttention",
+    "Knorm",
+    "LayerCapture",
+    "Policy",
+    "Random",
+    "SnapKV",
+    "StreamingLLM",
+    "Tova",
+    "keep_mask",
+    "make_policy",
+]

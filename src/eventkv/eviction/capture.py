@@ -1,0 +1,129 @@
+"""Capture what the eviction rules read, during one global prefill (issue 13, point 1): per layer
+the queries (after RoPE) of the last ``window`` tokens, the attention's scale and the rotary
+frequencies, beside the rows the prefill stores. The capture is an attention function registered
+under eventkv's own name (``AttentionInterface.register``) and switched on for one model for the
+duration of the prefill — nothing else in the process is patched."""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from eventkv.eviction.policies import LayerCapture
+from eventkv.log import HEADER_ID
+from eventkv.prefill import EventKV, prefill
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from eventkv.log import TokenizedLog
+
+CAPTURE = "eventkv_capture"
+_ACTIVE: dict | None = None  # the capture in progress: layer -> {"q", "scaling"}
+
+
+def _capture_attention(module, query, key, value, attention_mask, **kwargs):
+    """sdpa attention, recording the layer's last-window queries ``[q_heads, window, head_dim]``."""
+    if _ACTIVE is not None:
+        slot = _ACTIVE.setdefault(module.layer_idx, {})
+        w = _ACTIVE["__window__"]
+        q = query[0, :, -w:].detach().float().cpu()
+        slot["q"] = q if "q" not in slot else torch.cat([slot["q"], q], dim=1)[:, -w:]
+        slot["scaling"] = kwargs.get("scaling")
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register(CAPTURE, _capture_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(CAPTURE, sdpa_mask)
+
+
+def _attention_modules(model) -> list:
+    return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")]
+
+
+@contextmanager
+def _capturing(model, window: int):
+    global _ACTIVE
+    previous = model.config._attn_implementation
+    _ACTIVE = {"__window__": window}
+    hooks = []
+
+    def rope_hook(module, args, kwargs):
+        pe = kwargs.get("position_embeddings")
+        if pe is not None and "rope" not in _ACTIVE.setdefault(module.layer_idx, {}):
+            _ACTIVE[module.layer_idx]["rope"] = (pe[0][0].detach().double().cpu(), pe[1][0].detach().double().cpu())
+
+    for m in _attention_modules(model):
+        hooks.append(m.register_forward_pre_hook(rope_hook, with_kwargs=True))
+    model.set_attn_implementation(CAPTURE)
+    try:
+        yield _ACTIVE
+    finally:
+        model.set_attn_implementation(previous)
+        for h in hooks:
+            h.remove()
+        _ACTIVE = None
+
+
+def _rope_of(cos: torch.Tensor, sin: torch.Tensor, positions: list[int]) -> tuple[torch.Tensor, float] | None:
+    """``(inv_freq [d/2], attention_scaling)`` from the first forward's cos/sin rows ``[q, d]``: the
+    scale is cos at position 0, the frequencies are the angles at position 1 (< pi, no wrap)."""
+    if len(positions) < 2 or positions[0] != 0 or positions[1] != 1:
+        return None
+    scale = float(cos[0, 0])
+    half = cos.shape[-1] // 2
+    inv_freq = torch.atan2(sin[1, :half], cos[1, :half])
+    if not math.isfinite(scale) or scale <= 0:
+        return None
+    return inv_freq, scale
+
+
+@torch.inference_mode()
+def capture_prefill(
+    model: PreTrainedModel, log: TokenizedLog, *, window: int = 64, max_context: int | None = None
+) -> tuple[EventKV, list[LayerCapture]]:
+    """Global prefill of ``log`` (one pass, :func:`eventkv.prefill.prefill`) plus what the eviction
+    rules read, per layer.
+
+    Returns:
+        the EventKV and one :class:`LayerCapture` per layer (keys/values ``[kv_heads, rows, head_dim]``
+        float32 on CPU, the log's positions, the last ``window`` queries, scale, rope, event of each row).
+
+    Raises:
+        EventKVError: as :func:`eventkv.prefill.prefill`.
+    """
+    with _capturing(model, window) as seen:
+        ekv = prefill(model, log, max_context=max_context)
+    positions = torch.tensor(log.position_ids, dtype=torch.long)
+    event_of_row = torch.full((log.n_rows,), -1, dtype=torch.long)
+    for i, eid in enumerate(log.event_ids):
+        span = log.span(eid)
+        event_of_row[span.row_start : span.row_end] = i
+    header = log.span(HEADER_ID)
+    assert header.row_start == 0
+    qpos = positions[-window:]
+    captures = []
+    for layer, (k, v) in enumerate(zip(ekv.keys, ekv.values)):
+        slot = seen.get(layer, {})
+        rope = _rope_of(*slot["rope"], log.position_ids) if "rope" in slot else None
+        q = slot.get("q")
+        captures.append(
+            LayerCapture(
+                layer=layer,
+                keys=k[0].float().cpu(),
+                values=v[0].float().cpu(),
+                positions=positions,
+                queries=q,
+                query_positions=qpos[-q.shape[1] :] if q is not None else None,
+                scaling=slot.get("scaling"),
+                rope=rope,
+                event_of_row=event_of_row,
+            )
+        )
+    return ekv, captures

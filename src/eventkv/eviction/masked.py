@@ -1,0 +1,113 @@
+"""Native serving with a per-(layer, KV head) keep mask (issue 13, point 1): every row stays in the
+cache at its position and each head of each layer attends only to the rows its mask keeps — what
+a per-head eviction policy (SnapKV, Knorm, ...) presents, without moving a row. An attention
+function registered under eventkv's own name applies the masks; it is switched on for one model
+only inside :func:`head_masked`."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from eventkv.errors import EventKVError
+from eventkv.readout import Readout, read_out
+from eventkv.serve import serve
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from eventkv.prefill import EventKV
+
+HEAD_MASKED = "eventkv_head_masked"
+_MASKS: dict[int, torch.Tensor] | None = None  # layer -> [kv_heads, rows] bool, while head_masked is active
+
+
+def masked_attention(module, query, key, value, attention_mask, **kwargs):
+    """sdpa attention where the first ``rows`` key columns of layer ``module.layer_idx`` are hidden
+    per KV head by the active mask (the query's own and later columns stay visible).
+
+    Shapes: query ``[batch, q_heads, q, head_dim]``; key/value ``[batch, kv_heads, kv, head_dim]``;
+    attention_mask bool ``[batch, 1, q, kv]`` (or None); mask ``[kv_heads, rows]`` with rows <= kv.
+    """
+    mask = None if _MASKS is None else _MASKS.get(module.layer_idx)
+    if mask is not None:
+        b, q_heads, q, _ = query.shape
+        kv = key.shape[2]
+        rows = mask.shape[1]
+        group = q_heads // mask.shape[0]
+        per_head = torch.ones(q_heads, kv, dtype=torch.bool, device=query.device)
+        per_head[:, :rows] = mask.to(query.device).repeat_interleave(group, dim=0)
+        per_head = per_head[None, :, None, :].expand(b, q_heads, q, kv)
+        if attention_mask is None:  # sdpa_mask left causality to is_causal: spell it out
+            cols = torch.arange(kv, device=query.device)
+            last = kv - q + torch.arange(q, device=query.device)
+            attention_mask = per_head & (cols[None, :] <= last[:, None])[None, None]
+        elif attention_mask.dtype == torch.bool:
+            attention_mask = attention_mask & per_head
+        else:  # an additive float mask
+            attention_mask = attention_mask.masked_fill(~per_head, torch.finfo(attention_mask.dtype).min)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register(HEAD_MASKED, masked_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(HEAD_MASKED, sdpa_mask)
+
+
+@contextmanager
+def head_masked(model: PreTrainedModel, masks: dict[int, torch.Tensor]):
+    """Inside the block, ``model``'s attention hides, per layer and KV head, the cache rows whose
+    mask entry is False (``masks[layer]``: ``[kv_heads, rows]`` bool; a layer without a mask sees
+    every row). Not re-entrant; one model at a time.
+
+    Raises:
+        EventKVError: a mask that is not 2-D bool.
+    """
+    global _MASKS
+    for layer, m in masks.items():
+        if m.dtype != torch.bool or m.ndim != 2:
+            raise EventKVError(
+                f"the mask of layer {layer} must be [kv_heads, rows] bool, got {m.dtype} {tuple(m.shape)}."
+            )
+    if _MASKS is not None:
+        raise EventKVError("head_masked is already active: nest no head-masked readouts.")
+    previous = model.config._attn_implementation
+    _MASKS = dict(masks)
+    model.set_attn_implementation(HEAD_MASKED)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+        _MASKS = None
+
+
+def read_out_masked(
+    model: PreTrainedModel,
+    ekv: EventKV,
+    masks: Sequence[torch.Tensor] | dict[int, torch.Tensor],
+    query_ids: Sequence[int],
+    **options,
+) -> Readout:
+    """Answer a query from every row of ``ekv`` (native serving, rows at their positions) with each
+    layer's heads restricted to their kept rows (``masks``: per layer ``[kv_heads, rows]`` bool, as
+    :func:`eventkv.eviction.keep_mask` gives). ``options`` go to :func:`eventkv.readout.read_out`
+    (``generate``/``score`` flags for the one cache are set from ``options``' ``candidates``).
+
+    Raises:
+        EventKVError: masks of another layer count or row count; as :func:`read_out`.
+    """
+    by_layer = dict(masks) if isinstance(masks, dict) else dict(enumerate(masks))
+    for layer, m in by_layer.items():
+        if m.shape[-1] != ekv.n_rows or m.shape[0] != ekv.keys[layer].shape[1]:
+            raise EventKVError(
+                f"the mask of layer {layer} is {tuple(m.shape)}, the cache has {ekv.keys[layer].shape[1]} KV heads "
+                f"and {ekv.n_rows} rows: give one [kv_heads, rows] mask per layer."
+            )
+    served = serve(ekv, "all", "native")
+    score = bool(options.get("candidates"))
+    with head_masked(model, by_layer):
+        return read_out(model, [served], query_ids, generate=[not score], score=[score], **options)[0]

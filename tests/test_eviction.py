@@ -1,0 +1,283 @@
+"""Eviction policies (issue 13, point 1): each rule against a hand computation on small captures
+(per head; positions with gaps and out of row order), the capture against the model's own attention,
+and the per-(layer, head) masked serving path against unmasked and row-masked native serving."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from eventkv.errors import EventKVError, OptionError
+from eventkv.eviction import (
+    POLICIES,
+    EventTopK,
+    ExpectedAttention,
+    Knorm,
+    LayerCapture,
+    Random,
+    SnapKV,
+    StreamingLLM,
+    Tova,
+    UserPolicy,
+    keep_mask,
+    make_policy,
+)
+from eventkv.eviction.capture import capture_prefill
+from eventkv.eviction.masked import masked_attention, read_out_masked
+from eventkv.log import Event, EventLog, tokenize, tokenize_query
+from eventkv.readout import read_out
+from eventkv.serve import serve
+from eventkv.testing import tiny_lm
+
+KV, QH, D = 2, 4, 8
+
+
+def capture(rows=12, window=4, seed=0, positions=None):
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.tensor(positions) if positions is not None else torch.arange(rows) * 3 + torch.arange(rows) % 2
+    inv_freq = 1.0 / 10000 ** (torch.arange(D // 2, dtype=torch.float64) / (D // 2))
+    qpos = torch.sort(pos).values[-window:]
+    return LayerCapture(
+        layer=0,
+        keys=torch.randn(KV, rows, D, generator=g),
+        values=torch.randn(KV, rows, D, generator=g),
+        positions=pos,
+        queries=torch.randn(QH, window, D, generator=g),
+        query_positions=qpos,
+        scaling=None,
+        rope=(inv_freq, 1.0),
+        event_of_row=torch.tensor([-1, -1] + [i // 3 for i in range(rows - 2)]),
+    )
+
+
+def kept_rows(mask):
+    return [sorted(np.flatnonzero(m.numpy()).tolist()) for m in mask]
+
+
+# ====================================================================== each rule by hand
+def test_streaming_keeps_sinks_and_the_latest_positions_not_rows():
+    pos = [5, 0, 9, 40, 1, 30, 2, 20, 3, 50, 60, 7]  # out of row order, with gaps
+    c = capture(positions=pos)
+    m = keep_mask(StreamingLLM(sinks=2), c, 0.5)  # keep 6: positions 0, 1 + the 4 latest (60, 50, 40, 30)
+    want = sorted(pos.index(p) for p in (0, 1, 60, 50, 40, 30))
+    assert kept_rows(m) == [want, want]
+
+
+def test_knorm_keeps_the_smallest_key_norms_per_head():
+    c = capture()
+    m = keep_mask(Knorm(), c, 0.25)
+    for h in range(KV):
+        norms = [float(np.linalg.norm(c.keys[h, r].numpy())) for r in range(12)]
+        assert kept_rows(m)[h] == sorted(np.argsort(norms, kind="stable")[:9].tolist())
+    assert kept_rows(m)[0] != kept_rows(m)[1]  # per head
+
+
+def _window_softmax(c):
+    """By hand: per query head and window query, softmax over rows at positions <= its own."""
+    out = np.zeros((QH, c.queries.shape[1], c.rows))
+    for h in range(QH):
+        kh = h // (QH // KV)
+        for w in range(c.queries.shape[1]):
+            logits = []
+            for r in range(c.rows):
+                if c.positions[r] <= c.query_positions[w]:
+                    logits.append(float(c.queries[h, w].double() @ c.keys[kh, r].double()) / math.sqrt(D))
+                else:
+                    logits.append(-np.inf)
+            e = np.exp(np.array(logits) - max(logits))
+            out[h, w] = e / e.sum()
+    return out
+
+
+def test_snapkv_by_hand():
+    c = capture(rows=12, window=4)
+    att = _window_softmax(c)
+    prefix = [r for r in range(12) if c.positions[r] < c.query_positions.min()]
+    for kernel in (1, 3):
+        scores = SnapKV(window=4, kernel=kernel, pooling="max").scores(c)
+        for kh in range(KV):
+            heads = range(kh * 2, kh * 2 + 2)
+            votes = [np.mean([att[h, :, r].sum() for h in heads]) for r in prefix]
+            if kernel == 3:
+                votes = [max(votes[max(0, i - 1) : i + 2]) for i in range(len(votes))]
+            np.testing.assert_allclose(scores[kh, prefix].numpy(), votes, rtol=1e-6)
+            assert all(math.isinf(scores[kh, r]) for r in range(12) if r not in prefix)  # the window is kept
+
+
+def test_tova_by_hand():
+    c = capture()
+    att = _window_softmax(c)[:, -1, :].mean(axis=0)
+    s = Tova().scores(c)
+    np.testing.assert_allclose(s[0].numpy(), att, rtol=1e-6)
+    assert torch.equal(s[0], s[1])
+
+
+def _rotate(x, angles):
+    """Rotate each (i, i + d/2) pair of ``x [..., d]`` by ``angles [..., d/2]`` as complex numbers."""
+    h = x.shape[-1] // 2
+    z = (x[..., :h] + 1j * x[..., h:]) * np.exp(1j * angles)
+    return np.concatenate([z.real, z.imag], axis=-1)
+
+
+def test_expected_attention_by_hand():
+    c = capture(rows=12, window=6)
+    inv_freq = c.rope[0].numpy()
+    rng = np.random.default_rng(0)
+    pre = rng.normal(size=(QH, 6, D))
+    c.queries = torch.tensor(_rotate(pre, c.query_positions.numpy()[:, None] * inv_freq), dtype=torch.float32)
+    horizon = 16
+    future = c.query_positions.max().item() + 1 + np.arange(horizon)
+    # R-bar as a matrix: the mean of the future rotations, each built by rotating the basis vectors
+    rbar = np.mean([_rotate(np.eye(D), p * inv_freq).T for p in future], axis=0)
+    for use_cov in (False, True):
+        got = ExpectedAttention(horizon=horizon, use_covariance=use_cov, use_vnorm=True).scores(c).numpy()
+        pre32 = _rotate(c.queries.double().numpy(), -c.query_positions.numpy()[:, None] * inv_freq)
+        for kh in range(KV):
+            per_head = []
+            for h in (2 * kh, 2 * kh + 1):
+                mu = rbar @ pre32[h].mean(axis=0)
+                k = c.keys[kh].double().numpy()
+                logits = k @ mu / math.sqrt(D)
+                if use_cov:
+                    cov = rbar @ np.cov(pre32[h].T) @ rbar.T
+                    logits = logits + 0.5 / D * np.einsum("rd,de,re->r", k, cov, k)
+                e = np.exp(logits - logits.max())
+                per_head.append(e / e.sum())
+            want = np.mean(per_head, axis=0) * np.linalg.norm(c.values[kh].double().numpy(), axis=-1)
+            np.testing.assert_allclose(got[kh], want, rtol=1e-5)
+
+
+def test_random_is_seeded_per_layer():
+    c = capture()
+    a, b = keep_mask(Random(seed=1), c, 0.5), keep_mask(Random(seed=1), c, 0.5)
+    assert torch.equal(a, b) and not torch.equal(a, keep_mask(Random(seed=2), c, 0.5))
+    c2 = capture()
+    c2.layer = 1
+    assert not torch.equal(Random(seed=1).scores(c), Random(seed=1).scores(c2))
+
+
+def test_event_topk_keeps_whole_events_and_the_header():
+    c = capture(rows=12)  # header rows 0-1, events of 3 rows: 2-4, 5-7, 8-10, and 11
+    m = keep_mask(EventTopK(inner=Knorm()), c, 0.5)  # 6 rows: header + one 3-row event (+ the 1-row one if best)
+    rows = kept_rows(m)[0]
+    assert rows[:2] == [0, 1] and len(rows) <= 6 and torch.equal(m[0], m[1])
+    ev = c.event_of_row
+    for e in range(4):
+        in_e = (ev == e).nonzero().flatten().tolist()
+        assert all(r in rows for r in in_e) or not any(r in rows for r in in_e)  # all or nothing
+
+
+def test_ratio_zero_keeps_everything_and_bad_input_is_named():
+    c = capture()
+    for name in POLICIES:
+        assert keep_mask(make_policy(name), c, 0.0).all()
+    for bad in (1.0, -0.1, True, "0.5", float("nan")):
+        with pytest.raises(OptionError, match="ratio"):
+            keep_mask(Knorm(), c, bad)
+    with pytest.raises(OptionError, match="policy 'h2o': use one of streaming"):
+        make_policy("h2o")
+    with pytest.raises(OptionError, match="shape"):
+        keep_mask(UserPolicy(fn=lambda c: torch.zeros(3)), c, 0.5)
+    m = keep_mask(UserPolicy(fn=lambda c: -c.positions.double().expand(c.kv_heads, -1)), c, 0.5)
+    assert kept_rows(m)[0] == list(range(6))  # a user rule: keep the earliest positions
+    no_q = capture()
+    no_q.queries = None
+    with pytest.raises(OptionError, match="queries"):
+        SnapKV().scores(no_q)
+
+
+# ====================================================================== capture on a real forward
+@pytest.fixture(scope="module")
+def llama():
+    lm = tiny_lm("llama")
+    events = [Event("a", "register A set to ON", budget=40), Event("b", "register B mirrors A"), Event("c", "C is 7")]
+    return lm, tokenize(EventLog(events), lm.tokenizer, lm.profile)
+
+
+def test_capture_reads_the_log_positions_and_the_model_attention(llama):
+    lm, log = llama
+    ekv, caps = capture_prefill(lm.model, log, window=8)
+    assert lm.model.config._attn_implementation == "sdpa"  # switched back
+    assert len(caps) == lm.model.config.num_hidden_layers
+    c = caps[-1]
+    assert c.positions.tolist() == log.position_ids and c.positions.tolist() != list(range(log.n_rows))  # gaps
+    assert c.query_positions.tolist() == log.position_ids[-8:]
+    cfg = lm.model.config
+    inv = 1.0 / cfg.rope_parameters["rope_theta"] ** (torch.arange(0, D * 2, 2, dtype=torch.float64) / (D * 2))
+    assert c.rope[1] == pytest.approx(1.0) and (c.rope[0] - inv).abs().max() < 1e-6
+    # TOVA's scores are the model's own attention of the last token (eager, uncached, same positions)
+    lm.model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            out = lm.model(
+                torch.tensor([log.input_ids]), position_ids=torch.tensor([log.position_ids]), output_attentions=True
+            )
+    finally:
+        lm.model.set_attn_implementation("sdpa")
+    model_att = out.attentions[-1][0, :, -1, :].double().mean(dim=0)
+    assert (Tova().scores(c)[0] - model_att).abs().max() < 1e-5
+
+
+# ====================================================================== the per-head masked path
+def test_masked_attention_is_a_per_head_softmax():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (
+        torch.randn(1, QH, 2, D, generator=g),
+        torch.randn(1, KV, 7, D, generator=g),
+        torch.randn(1, KV, 7, D, generator=g),
+    )
+    import eventkv.eviction.masked as masked
+
+    class Module:
+        layer_idx, is_causal, num_key_value_groups = 0, True, QH // KV
+
+    mask = torch.tensor([[1, 0, 1, 1, 0], [0, 1, 1, 0, 1]], dtype=torch.bool)  # 5 cache rows, 2 query tokens
+    masked._MASKS = {0: mask}
+    try:
+        out, _ = masked_attention(Module(), q, k, v, None, scaling=1 / math.sqrt(D))
+    finally:
+        masked._MASKS = None
+    for h in range(QH):
+        kh = h // 2
+        for t in range(2):
+            visible = [r for r in range(5) if mask[kh, r]] + list(range(5, 5 + t + 1))
+            logits = torch.stack([q[0, h, t] @ k[0, kh, r] for r in visible]) / math.sqrt(D)
+            want = torch.softmax(logits, 0) @ v[0, kh, visible]
+            assert torch.allclose(out[0, t, h], want, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_gate_masked_serving(family):
+    """A mask that keeps everything equals unmasked native serving; a mask that drops the same rows in
+    every head equals native serving with those events hidden (both: greedy tokens, logits within 1e-5)."""
+    lm = tiny_lm(family)
+    with torch.no_grad():
+        lm.model.lm_head.weight.mul_(30.0)
+    log = tokenize(
+        EventLog([Event("a", "register A set to ON", budget=40), Event("b", "B mirrors A"), Event("c", "C is 7")]),
+        lm.tokenizer,
+        lm.profile,
+    )
+    ekv, caps = capture_prefill(lm.model, log, window=8)
+    q = tokenize_query(lm.tokenizer, lm.profile, "What is A?")
+    opts = {"max_new_tokens": 4, "keep_logits": True, "tokenizer": lm.tokenizer}
+    ref = read_out(lm.model, [serve(ekv, "all", "native")], q, generate=[True], score=[False], **opts)[0].generation
+    keep_all = [torch.ones(c.kv_heads, c.rows, dtype=torch.bool) for c in caps]
+    got = read_out_masked(lm.model, ekv, keep_all, q, **opts).generation
+    assert got.tokens == ref.tokens
+    assert max(float((a - b).abs().max()) for a, b in zip(got.logits, ref.logits)) <= 1e-5
+    span = log.span("b")
+    drop_b = []
+    for c in caps:
+        m = torch.ones(c.kv_heads, c.rows, dtype=torch.bool)
+        m[:, span.row_start : span.row_end] = False
+        drop_b.append(m)
+    ref_b = read_out(lm.model, [serve(ekv, ["a", "c"], "native")], q, generate=[True], score=[False], **opts)[0]
+    got_b = read_out_masked(lm.model, ekv, drop_b, q, **opts)
+    assert got_b.generation.tokens == ref_b.generation.tokens
+    assert max(float((a - b).abs().max()) for a, b in zip(got_b.generation.logits, ref_b.generation.logits)) <= 1e-5
+    with pytest.raises(EventKVError, match="mask of layer 0"):
+        read_out_masked(lm.model, ekv, [torch.ones(1, 3, dtype=torch.bool)], q, **opts)
