@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from eventkv.cli import contract, splice
+from eventkv.cli.audit import audit
 from eventkv.cli.memory import memory_app
 from eventkv.cli.models import models_app
 from eventkv.cli.query import query
@@ -37,6 +38,7 @@ app.command("report")(report)
 app.command("splice")(splice.splice)
 app.command("contract")(contract.contract)
 app.command("serve")(serve)
+app.command("audit")(audit)
 
 
 def _given_value(param, args: list[str]) -> str | None:

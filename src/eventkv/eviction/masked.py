@@ -16,7 +16,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from eventkv.errors import EventKVError
 from eventkv.readout import Readout, read_out
-from eventkv.serve import serve
+from eventkv.serve import ServedCache, serve
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -87,27 +87,30 @@ def head_masked(model: PreTrainedModel, masks: dict[int, torch.Tensor]):
 
 def read_out_masked(
     model: PreTrainedModel,
-    ekv: EventKV,
+    cache: EventKV | ServedCache,
     masks: Sequence[torch.Tensor] | dict[int, torch.Tensor],
     query_ids: Sequence[int],
     **options,
 ) -> Readout:
-    """Answer a query from every row of ``ekv`` (native serving, rows at their positions) with each
-    layer's heads restricted to their kept rows (``masks``: per layer ``[kv_heads, rows]`` bool, as
-    :func:`eventkv.eviction.keep_mask` gives). ``options`` go to :func:`eventkv.readout.read_out`
-    (``generate``/``score`` flags for the one cache are set from ``options``' ``candidates``).
+    """Answer a query from every row of ``cache`` — an EventKV (native serving of its global
+    prefill) or a ServedCache holding every row (e.g. :func:`eventkv.serve.serve` in ``isolated``
+    mode over ``"all"``), rows at their positions — with each layer's heads restricted to their kept
+    rows (``masks``: per layer ``[kv_heads, rows]`` bool, as :func:`eventkv.eviction.keep_mask`
+    gives). ``options`` go to :func:`eventkv.readout.read_out`; with ``candidates`` the candidates
+    are scored, else the answer is generated.
 
     Raises:
-        EventKVError: masks of another layer count or row count; as :func:`read_out`.
+        EventKVError: a mask of another head or row count than the cache's layer; as :func:`read_out`.
     """
+    served = serve(cache, "all", "native") if not isinstance(cache, ServedCache) else cache
     by_layer = dict(masks) if isinstance(masks, dict) else dict(enumerate(masks))
     for layer, m in by_layer.items():
-        if m.shape[-1] != ekv.n_rows or m.shape[0] != ekv.keys[layer].shape[1]:
+        shape = (served.keys[layer].shape[1], served.n_rows)
+        if tuple(m.shape) != shape:
             raise EventKVError(
-                f"the mask of layer {layer} is {tuple(m.shape)}, the cache has {ekv.keys[layer].shape[1]} KV heads "
-                f"and {ekv.n_rows} rows: give one [kv_heads, rows] mask per layer."
+                f"the mask of layer {layer} is {tuple(m.shape)}, the cache's layer is {shape} (KV heads, rows): "
+                "give one [kv_heads, rows] mask per layer."
             )
-    served = serve(ekv, "all", "native")
     score = bool(options.get("candidates"))
     with head_masked(model, by_layer):
         return read_out(model, [served], query_ids, generate=[not score], score=[score], **options)[0]
