@@ -29,7 +29,14 @@ LAYERS = (
     ),
     ("eventkv.memory", "eventkv.eviction"),
     ("eventkv.probes",),
-    ("eventkv.splice", "eventkv.contract", "eventkv.memory.eval", "eventkv.eviction.audit", "eventkv.service"),
+    (
+        "eventkv.splice",
+        "eventkv.contract",
+        "eventkv.memory.eval",
+        "eventkv.memory.harvest",
+        "eventkv.eviction.audit",
+        "eventkv.service",
+    ),
     ("eventkv.cli",),
 )
 #: sibling packages of one layer that must not import each other

@@ -16,6 +16,7 @@ from rich.markup import escape
 
 from eventkv.cli import contract, splice
 from eventkv.cli.audit import audit
+from eventkv.cli.harvest import harvest
 from eventkv.cli.memory import memory_app
 from eventkv.cli.models import models_app
 from eventkv.cli.query import query
@@ -39,6 +40,7 @@ app.command("splice")(splice.splice)
 app.command("contract")(contract.contract)
 app.command("serve")(serve)
 app.command("audit")(audit)
+app.command("harvest")(harvest)
 
 
 def _given_value(param, args: list[str]) -> str | None:
