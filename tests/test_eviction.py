@@ -281,3 +281,13 @@ def test_gate_masked_serving(family):
     assert max(float((a - b).abs().max()) for a, b in zip(got_b.generation.logits, ref_b.generation.logits)) <= 1e-5
     with pytest.raises(EventKVError, match="mask of layer 0"):
         read_out_masked(lm.model, ekv, [torch.ones(1, 3, dtype=torch.bool)], q, **opts)
+
+
+def test_parity_with_kvpress_knorm_where_installed():
+    """Where someone installs kvpress by hand (it pins transformers < 5.3, so never in CI): its
+    KnormPress scores equal ours on the same keys."""
+    kvpress = pytest.importorskip("kvpress")
+    c = capture()
+    keys = c.keys[None]  # [batch, kv_heads, rows, head_dim]
+    theirs = kvpress.KnormPress().score(None, None, keys, c.values[None], None, {})[0]
+    assert torch.allclose(theirs.double(), Knorm().scores(c), atol=1e-6)
