@@ -356,3 +356,71 @@ def test_sigterm_finishes_queued_work_and_leaves_the_store_consistent(model_dir,
     lm = load(str(model_dir), dtype="float32")
     with EventMemory.open(tmp_path / "store" / "default" / "term", lm) as mem:
         assert set(acked) <= {r.id for r in mem.list()}
+
+
+def test_event_ids_travel_in_urls(server):
+    """The client percent-encodes ids in paths: ids with '?', '#', '%' or spaces stay addressable; an id
+    with '/' (no URL could name it) and a blank text are refused at add time; numbers are numbers."""
+    with Client.create(server.url, "ids") as mem:
+        odd = ["q?x", "h#1", "p%2Fq", "with space"]
+        mem.add([{"text": f"event {i}.", "id": i} for i in odd])
+        for i in odd:
+            assert mem.get(i).id == i and mem.history(i)[0].id == i
+        assert mem.update("h#1", "patched.").id.startswith("h#1")
+        for body in ({"events": [{"text": "x", "id": "a/b"}]}, {"events": [{"text": "   "}]}):
+            r = raw(server, "POST", "/v1/memories/ids/events", json=body)
+            assert r.status_code == 422 and r.json()["code"] == "invalid_request", r.text
+        r = raw(server, "POST", "/v1/memories/ids/events", json={"events": [{"text": "x"}], "expected_version": "3"})
+        assert r.status_code == 422  # strict: a string is not a version
+    with pytest.raises(ServiceError) as e:
+        _ = Client(server.url, "../x").version
+    assert e.value.status == 422 and "memory id" in e.value.message
+
+
+def test_a_query_does_not_move_the_version(server):
+    with Client.create(server.url, "vq") as mem:
+        mem.add(["Dana lives in Lisbon.", "Ravi drinks tea."])  # lazy: the query prefills them
+        v = mem.version
+        mem.query(QUESTION, select="all", max_new_tokens=1)
+        assert mem.version == v
+        mem.add("Mei moved to Oslo.", expected_version=v)  # read, query, write: no conflict
+
+
+def test_refusals_do_not_leak_server_paths(model_dir, tmp_path):
+    from eventkv.testing import tiny_lm
+
+    other = tmp_path / "other-model"
+    lm = tiny_lm("qwen2")
+    lm.model.save_pretrained(other)
+    lm.tokenizer.save_pretrained(other)
+    store = tmp_path / "store"
+    srv = Server(model_dir, store)
+    try:
+        with Client.create(srv.url, "mine") as mem:
+            mem.add("Dana lives in Lisbon.", prefill=True)
+        assert srv.stop() == 0
+    finally:
+        srv.kill()
+    srv = Server(other, store)  # another model on the same store
+    try:
+        assert raw(srv, "GET", "/v1/memories/mine/events").status_code == 200  # reads need no model
+        r = raw(srv, "POST", "/v1/memories/mine/query", json={"question": "Where?"})
+        assert r.status_code == 422 and r.json()["code"] == "refused"
+        assert str(store) not in r.text and "weights" in r.json()["message"]  # the store's paths stay private
+    finally:
+        srv.kill()
+
+
+def test_a_taken_port_is_refused_before_the_model_loads(monkeypatch, capsys, tmp_path):
+    import socket
+
+    from cli_fixtures import run_cli
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        code, out, err = run_cli(
+            monkeypatch, capsys, "serve", "--model", "/no/model", "--store", str(tmp_path / "s"), "--port", str(port)
+        )
+    assert code == 2 and f"--port {port}" in err and "Traceback" not in out + err

@@ -27,8 +27,8 @@ def serve(
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level"),
 ) -> None:
-    """Serve EventMemory over HTTP (FastAPI + uvicorn; needs `pip install 'eventkv[server]'`). API
-    docs at /docs; Prometheus metrics at /metrics."""
+    """Serve EventMemory over HTTP (FastAPI + uvicorn; needs the server extra: pip install
+    'eventkv\\[server]'). API docs at /docs; Prometheus metrics at /metrics."""
     with user_errors():
         from eventkv.errors import EventKVError, OptionError
         from eventkv.models import load, resolve_dtype
@@ -43,7 +43,7 @@ def serve(
                 f"eventkv serve needs the server extra ({exc.name} is not installed): pip install 'eventkv[server]'."
             ) from None
         from eventkv.service.app import Settings
-        from eventkv.service.server import check_bind, read_tokens, serve_forever
+        from eventkv.service.server import check_bind, check_port, read_tokens, serve_forever
 
         check_int("port", port, "give a TCP port, 0-65535 (0: any free port).", minimum=0, flag="--port")
         if port > 65535:
@@ -55,6 +55,7 @@ def serve(
             raise OptionError("store", str(store), "the store is a file: give a directory.", flag="--store")
         tokens = read_tokens(token_file) if token_file is not None else {}
         check_bind(host, tokens)  # before the model loads
+        check_port(host, port)
         resolve_dtype(dtype)
         threads = check_threads(threads)
         if threads is not None:

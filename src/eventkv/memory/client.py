@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Iterable, Sequence
+from urllib.parse import quote
 
 from eventkv.errors import EventKVError
 from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
@@ -27,6 +28,11 @@ class ServiceError(EventKVError):
     def __init__(self, status: int, code: str, message: str) -> None:
         super().__init__(f"HTTP {status} {code}: {message}")
         self.status, self.code, self.message = status, code, message
+
+
+def _seg(x: str) -> str:
+    """One URL path segment: every character but unreserved ones percent-encoded (``/`` too)."""
+    return quote(str(x), safe="")
 
 
 def _record(d: dict) -> MemoryRecord:
@@ -70,7 +76,7 @@ class Client:
         self.http = http or httpx.Client(base_url=url, headers=headers, timeout=timeout)
         self.memory_id = memory_id
         self.namespace = namespace
-        self._base = f"/v1/memories/{memory_id}"
+        self._base = f"/v1/memories/{_seg(memory_id)}"
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, method: str, path: str, json: Any = None, params: dict | None = None) -> Any:
@@ -129,7 +135,7 @@ class Client:
         except BaseException:
             client.close()
             raise
-        client.memory_id, client._base = out["id"], f"/v1/memories/{out['id']}"
+        client.memory_id, client._base = out["id"], f"/v1/memories/{_seg(out['id'])}"
         return client
 
     @classmethod
@@ -191,22 +197,22 @@ class Client:
     def update(self, event_id: str, text: str, *, prefill: bool = False, expected_version: int | None = None) -> Added:
         """As :meth:`EventMemory.update`: the patch event."""
         body = {"text": text, "prefill": prefill, "expected_version": expected_version}
-        return _added(self._call("POST", f"{self._base}/events/{event_id}/update", body)["added"][0])
+        return _added(self._call("POST", f"{self._base}/events/{_seg(event_id)}/update", body)["added"][0])
 
     def delete(self, event_id: str, *, expected_version: int | None = None) -> None:
         """As :meth:`EventMemory.delete` (tombstone)."""
-        self._call("POST", f"{self._base}/events/{event_id}/delete", {"expected_version": expected_version})
+        self._call("POST", f"{self._base}/events/{_seg(event_id)}/delete", {"expected_version": expected_version})
 
     def forget(self, event_id: str, *, expected_version: int | None = None) -> int:
         """As :meth:`EventMemory.forget`: rows recomputed."""
-        return self._call("POST", f"{self._base}/events/{event_id}/forget", {"expected_version": expected_version})[
-            "rows"
-        ]
+        return self._call(
+            "POST", f"{self._base}/events/{_seg(event_id)}/forget", {"expected_version": expected_version}
+        )["rows"]
 
     def pin(self, event_id: str, pinned: bool = True, *, expected_version: int | None = None) -> None:
         """As :meth:`EventMemory.pin`."""
         body = {"pinned": pinned, "expected_version": expected_version}
-        self._call("POST", f"{self._base}/events/{event_id}/pin", body)
+        self._call("POST", f"{self._base}/events/{_seg(event_id)}/pin", body)
 
     def rebase(self, *, expected_version: int | None = None) -> int:
         """As :meth:`EventMemory.rebase`: rows computed."""
@@ -246,11 +252,11 @@ class Client:
 
     def get(self, event_id: str) -> MemoryRecord:
         """As :meth:`EventMemory.get`."""
-        return _record(self._call("GET", f"{self._base}/events/{event_id}"))
+        return _record(self._call("GET", f"{self._base}/events/{_seg(event_id)}"))
 
     def history(self, event_id: str) -> list[MemoryRecord]:
         """As :meth:`EventMemory.history`."""
-        return [_record(r) for r in self._call("GET", f"{self._base}/events/{event_id}/history")]
+        return [_record(r) for r in self._call("GET", f"{self._base}/events/{_seg(event_id)}/history")]
 
     def list(self, include_superseded: bool = False, include_deleted: bool = False) -> list[MemoryRecord]:
         """As :meth:`EventMemory.list`."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
 from typing import ClassVar, Sequence
 
@@ -116,7 +117,11 @@ class Harvest(Probe):
 
     name: ClassVar[str] = "harvest"
     record_version: ClassVar[int] = 1
-    smoke_options: ClassVar[dict] = {"max_tokens": 600, "max_new_tokens": 3}
+    smoke_options: ClassVar[dict] = {
+        "data": str(files("eventkv") / "data" / "locomo-demo.json"),
+        "max_tokens": 600,
+        "max_new_tokens": 3,
+    }
 
     data: str = ""
     data_digest: str = ""

@@ -162,8 +162,10 @@ class EventMemory:
 
     @property
     def version(self) -> int:
-        """The store's write counter: bumped by every committed write (add, prefill, update, delete,
-        forget, pin, rebase); what an HTTP client sends as ``expected_version``."""
+        """The store's write counter: bumped by every committed write that changes the events (add,
+        update, delete, forget, pin, carrier, rebase) — not by a prefill, which only computes rows, so
+        a query (which prefills pending events) never moves it; what an HTTP client sends as
+        ``expected_version``."""
         self._check_open()
         return self.store.version
 
@@ -395,7 +397,8 @@ class EventMemory:
             seg_id, [k[0, :, start:] for k in ekv.keys], [v[0, :, start:] for v in ekv.values], ekv.positions[start:]
         )
         try:
-            with self.store.transaction() as c:
+            # rows only: the events are unchanged, so the version (what expected_version compares) stays
+            with self.store.transaction(bump=False) as c:
                 self.store.insert_segment(c, seg, start)
                 c.executemany("UPDATE events SET segment = ? WHERE seq = ?", [(seg_id, r.seq) for r in pending])
         except BaseException:

@@ -311,12 +311,14 @@ class Store:
 
     # ------------------------------------------------------------------ transactions
     @contextlib.contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
-        """``BEGIN IMMEDIATE`` ... ``COMMIT`` (``ROLLBACK`` on any exception); bumps the version."""
+    def transaction(self, bump: bool = True) -> Iterator[sqlite3.Connection]:
+        """``BEGIN IMMEDIATE`` ... ``COMMIT`` (``ROLLBACK`` on any exception); bumps the version unless
+        ``bump`` is False (a write that changes no event: computing rows)."""
         self.conn.execute("BEGIN IMMEDIATE")
         try:
             yield self.conn
-            self.conn.execute("UPDATE meta SET value = CAST(value AS INTEGER) + 1 WHERE key = 'version'")
+            if bump:
+                self.conn.execute("UPDATE meta SET value = CAST(value AS INTEGER) + 1 WHERE key = 'version'")
             self.conn.execute("COMMIT")
         except BaseException:
             self.conn.execute("ROLLBACK")

@@ -253,8 +253,16 @@ def create_app(settings: Settings) -> FastAPI:
             parts.append(f"{loc or 'body'}: {e.get('msg')}")
         return _error(422, "invalid_request", "; ".join(parts) + " (see /docs for the request schemas).")
 
+    def scrub(message: str) -> str:
+        """The message without the server's paths (a client knows its memories by id)."""
+        for prefix in sorted({str(root.resolve()), str(root)}, key=len, reverse=True):
+            message = message.replace(prefix + os.sep, "").replace(prefix, "<store>")
+        return message
+
     @app.exception_handler(EventKVError)
     async def refused(request: Request, exc: EventKVError):
+        if not isinstance(exc, (NotFound, Conflict, OptionError, QueueFull, ShuttingDown)):
+            return _error(422, "refused", scrub(str(exc)))
         if isinstance(exc, (QueueFull, ShuttingDown)):
             return _error(
                 503, "busy" if isinstance(exc, QueueFull) else "shutting_down", str(exc), {"Retry-After": "1"}

@@ -14,14 +14,16 @@ MAX_TEXT = 32_000  # characters of one event's text or one question
 MAX_EVENTS = 512  # events in one batch add
 MAX_ID = 200  # characters of an event id
 Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN, max_length=MAX_NAME)]
-Text = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TEXT)]
-EventId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID)]
+Text = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TEXT, pattern=r"\S")]  # not blank
+#: an event id travels in URL paths: no ``/`` (no URL could name it) and no NUL
+EventId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID, pattern=r"^[^/\x00]+$")]
 Tag = Annotated[str, StringConstraints(min_length=1, max_length=100)]
 Version = Annotated[int, Field(ge=0, description="the memory's version this write expects (409 when it moved on)")]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: "3" is not a number, 1 is not a boolean (as the event files' schema)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class CreateMemory(_Body):

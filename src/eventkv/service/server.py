@@ -91,6 +91,28 @@ def check_bind(host: str, tokens: dict) -> None:
         )
 
 
+def check_port(host: str, port: int) -> None:
+    """Refuse a port another process holds, before the model loads (``port`` 0: any free port).
+
+    Raises:
+        OptionError: the address cannot be bound (in use, or not an address of this machine).
+    """
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no obstacle
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise OptionError(
+                "port",
+                port,
+                f"cannot bind {host}:{port} ({exc.strerror}): pick a free port, or --port 0.",
+                flag="--port",
+            ) from None
+
+
 def serve_forever(settings, host: str, port: int, *, log_level: str = "info", graceful_s: float = 30.0) -> None:
     """Run the app under uvicorn until SIGINT/SIGTERM; on shutdown uvicorn stops accepting, lets
     running requests finish (at most ``graceful_s`` seconds), then the app's lifespan finishes the
