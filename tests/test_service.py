@@ -362,7 +362,7 @@ def test_event_ids_travel_in_urls(server):
     """The client percent-encodes ids in paths: ids with '?', '#', '%' or spaces stay addressable; an id
     with '/' (no URL could name it) and a blank text are refused at add time; numbers are numbers."""
     with Client.create(server.url, "ids") as mem:
-        odd = ["q?x", "h#1", "p%2Fq", "with space"]
+        odd = ["q?x", "h#1", "p%2Fq", "with space", ".", ".."]
         mem.add([{"text": f"event {i}.", "id": i} for i in odd])
         for i in odd:
             assert mem.get(i).id == i and mem.history(i)[0].id == i

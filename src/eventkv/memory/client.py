@@ -31,8 +31,9 @@ class ServiceError(EventKVError):
 
 
 def _seg(x: str) -> str:
-    """One URL path segment: every character but unreserved ones percent-encoded (``/`` too)."""
-    return quote(str(x), safe="")
+    """One URL path segment: every character but letters, digits, ``_``, ``-`` and ``~`` percent-encoded
+    (``/`` too, and ``.``, so HTTP clients cannot fold ``.`` or ``..`` away as dot segments)."""
+    return quote(str(x), safe="").replace(".", "%2E")
 
 
 def _record(d: dict) -> MemoryRecord:
