@@ -11,15 +11,6 @@ import scipy.stats
 from cli_fixtures import run_cli
 
 from eventkv.eviction.audit import EvictionAudit, summarize_audit
-from eventkv.testing import tiny_model, tiny_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny")
-    tiny_model("llama").save_pretrained(d)
-    tiny_tokenizer().save_pretrained(d)
-    return d
 
 
 def test_audit_runs_and_resumes(tiny_dir, tmp_path, monkeypatch, capsys):
@@ -32,10 +23,11 @@ def test_audit_runs_and_resumes(tiny_dir, tmp_path, monkeypatch, capsys):
     assert [r["index"] for r in recs] == [0, 1]
     for r in recs:
         assert set(r["cells"]) == {"streaming@0.25", "knorm@0.25", "streaming@0.9", "knorm@0.9"}
-        lo, hi = r["source_rows"]
-        assert 0 < lo < hi <= r["n_rows"]
+        for (lo, hi), n in zip(r["source_rows"], r["n_rows"]):  # each variant's own source rows
+            assert 0 < lo < hi <= n
         for key, cell in r["cells"].items():
             assert cell["source_evicted"] == (max(cell["source_kept_cells"]) == 0)
+            assert all(0 <= k <= n for k, n in zip(cell["source_kept_cells"], cell["source_cells"]))
             assert cell["false_negative"] <= cell["source_evicted"]
             ratio = float(key.split("@")[1])
             assert all(abs(f - (1 - ratio)) < 0.05 for f in cell["kept_fraction"])
@@ -54,6 +46,8 @@ def _cell(g, i, evicted, d):
     return {
         "outcomes": {"global": "follow" if g else "constant", "isolated": "follow" if i else "other"},
         "source_evicted": evicted,
+        "source_kept_cells": [0, 0] if evicted else [3, 1],
+        "source_cells": [4, 4],
         "false_negative": evicted and g and d > 0,
         "d": d,
     }
@@ -79,6 +73,7 @@ def test_summary_statistics_on_hand_made_records():
     lo = scipy.stats.binomtest(3, 5).proportion_ci(method="wilson").low
     assert c["false_negative"]["low"] == pytest.approx(lo)
     assert s["full"]["k"] == 4
+    assert c["source_cells_kept"] == pytest.approx((3 / 4 + 1 / 4) / 10)  # one pair of ten variant cells kept some
 
 
 @pytest.mark.parametrize(

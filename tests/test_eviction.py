@@ -107,6 +107,23 @@ def test_snapkv_by_hand():
             assert all(math.isinf(scores[kh, r]) for r in range(12) if r not in prefix)  # the window is kept
 
 
+def test_snapkv_reads_only_its_window():
+    c = capture(rows=12, window=4)
+    two = SnapKV(window=2, kernel=1).scores(c)
+    att = _window_softmax(c)[:, -2:, :]  # the last two queries only
+    prefix = [r for r in range(12) if c.positions[r] < c.query_positions[-2]]
+    want = att[:, :, prefix].sum(axis=1).reshape(KV, 2, -1).mean(axis=1)
+    np.testing.assert_allclose(two[:, prefix].numpy(), want, rtol=1e-6)
+    assert not torch.equal(two, SnapKV(window=4, kernel=1).scores(c))
+
+
+def test_event_topk_respects_the_budget_with_infinite_inner_scores():
+    c = capture(rows=12, window=4)  # SnapKV scores the window's rows +inf
+    for ratio in (0.5, 0.75):
+        m = keep_mask(EventTopK(inner=SnapKV(window=4)), c, ratio)
+        assert int(m[0].sum()) <= 12 - math.floor(ratio * 12) and m[0, :2].all()  # header first, within budget
+
+
 def test_tova_by_hand():
     c = capture()
     att = _window_softmax(c)[:, -1, :].mean(axis=0)
@@ -173,7 +190,9 @@ def test_event_topk_keeps_whole_events_and_the_header():
 def test_ratio_zero_keeps_everything_and_bad_input_is_named():
     c = capture()
     for name in POLICIES:
-        assert keep_mask(make_policy(name), c, 0.0).all()
+        assert keep_mask(make_policy(name, **({"window": 4} if name == "snapkv" else {})), c, 0.0).all()
+    with pytest.raises(OptionError, match="window 32"):
+        SnapKV().scores(c)  # 32 > the 4 captured queries: refused, not silently shortened
     for bad in (1.0, -0.1, True, "0.5", float("nan")):
         with pytest.raises(OptionError, match="ratio"):
             keep_mask(Knorm(), c, bad)

@@ -15,7 +15,6 @@ from cli_fixtures import run_cli
 
 from eventkv.memory.dialogue import QA, Conversation, Turn
 from eventkv.memory.harvest import carriers, hard_negative, summarize_harvest
-from eventkv.testing import tiny_model, tiny_tokenizer
 
 TURNS = [
     Turn("D1:1", 1, "", "Ada", "I planted twelve tomato seedlings along the fence."),
@@ -78,14 +77,6 @@ def test_summary_statistics_on_hand_made_records():
     assert p["tost_p"] == pytest.approx(max(lo, hi)) and p["tost_n"] == 3
     assert s["accuracy"]["all"]["gold"]["estimate"] == 1.0
     assert s["accuracy"]["strong"]["none"]["estimate"] == 0.0
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny")
-    tiny_model("llama").save_pretrained(d)
-    tiny_tokenizer().save_pretrained(d)
-    return d
 
 
 def _locomo_file(path: Path) -> Path:

@@ -10,15 +10,6 @@ from cli_fixtures import run_cli
 
 from eventkv.memory.eval import DEMO_DATA, MemoryEval, first_line, summarize_memory_eval
 from eventkv.stats import cluster_bootstrap, wilson
-from eventkv.testing import tiny_model, tiny_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny")
-    tiny_model("llama").save_pretrained(d)
-    tiny_tokenizer().save_pretrained(d)
-    return d
 
 
 def test_eval_runs_resumes_and_reports(tiny_dir, tmp_path, monkeypatch, capsys):

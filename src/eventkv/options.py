@@ -128,7 +128,7 @@ def check_out_dir(path, field: str = "out") -> None:
     """An output directory (``--out``, ``--store``) must be a directory or not exist yet.
 
     Raises:
-        OptionError: ``path`` exists and is not a directory (e.g. a file).
+        OptionError: ``path`` exists and is not a directory (e.g. a file), or lies under a file.
     """
     if path is not None and os.path.exists(path) and not os.path.isdir(path):
         raise OptionError(
@@ -136,6 +136,14 @@ def check_out_dir(path, field: str = "out") -> None:
             str(path),
             "that path is a file, not a directory: give a directory that is new or was made by eventkv.",
         )
+    if path is not None:
+        parent = os.path.dirname(os.path.abspath(path))
+        while parent and not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if parent and not os.path.isdir(parent):
+            raise OptionError(
+                field, str(path), f"{parent!r} is a file, so no directory can be made under it: give another path."
+            )
 
 
 def check_max_new_tokens(max_new_tokens) -> int:

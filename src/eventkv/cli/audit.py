@@ -21,7 +21,9 @@ def audit(
         "qwen2.5-coder-1.5b", "--model", help="packaged alias, local HF directory, hub id or GGUF file"
     ),
     items: int = typer.Option(24, "--items", help="donor pairs"),
-    window: int = typer.Option(32, "--window", help="observation window of snapkv / tova / expected (tokens)"),
+    window: int = typer.Option(
+        32, "--window", help="observation window of snapkv and expected attention (tokens at the end of the history)"
+    ),
     sinks: int = typer.Option(4, "--sinks", help="attention sinks kept by streaming"),
     seed: int = typer.Option(0, "--seed", help="item seed (the donor-pair probe's pairs for the same seed)"),
     out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: runs/audit/MODEL-DTYPE-seedSEED)"),

@@ -95,15 +95,18 @@ class Policy:
         return mask
 
 
-def _window_attention(c: LayerCapture, who: str) -> torch.Tensor:
-    """Softmax attention of the window's queries over every row, ``[q_heads, window, rows]`` float64,
-    causal by position (a query sees rows at positions <= its own), in float64."""
+def _window_attention(c: LayerCapture, who: str, window: int | None = None) -> torch.Tensor:
+    """Softmax attention of the last ``window`` captured queries (all when None) over every row,
+    ``[q_heads, window, rows]`` float64, causal by position (a query sees rows at positions <= its own)."""
     q = c.need_queries(who).double()
+    qpos = c.query_positions
+    if window is not None:
+        q, qpos = q[:, -window:], qpos[-window:]
     k = c.keys.double()
     group = q.shape[0] // c.kv_heads
     k = k.repeat_interleave(group, dim=0)  # [q_heads, rows, head_dim]
     logits = torch.einsum("hwd,hrd->hwr", q, k) * c.scale()
-    visible = c.positions[None, :] <= c.query_positions[:, None]  # [window, rows]
+    visible = c.positions[None, :] <= qpos[:, None]  # [window, rows]
     logits = logits.masked_fill(~visible[None], float("-inf"))
     return torch.softmax(logits, dim=-1)
 
@@ -157,8 +160,12 @@ class SnapKV(Policy):
     pooling: str = "max"
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
-        att = _window_attention(c, self.name)  # [q_heads, window, rows]
-        in_window = c.positions >= c.query_positions.min()
+        if c.queries is not None and c.queries.shape[1] < self.window:
+            raise OptionError(
+                "window", self.window, f"the capture holds {c.queries.shape[1]} queries: capture at least the window."
+            )
+        att = _window_attention(c, self.name, self.window)  # [q_heads, window, rows]
+        in_window = c.positions >= c.query_positions[-self.window :].min()
         votes = att[:, :, ~in_window].sum(dim=1)  # [q_heads, prefix rows]
         votes = _per_kv_head(votes, c.kv_heads)
         if self.kernel > 1 and votes.shape[-1] > 0:
@@ -183,7 +190,7 @@ class Tova(Policy):
     name: ClassVar[str] = "tova"
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
-        att = _window_attention(c, self.name)[:, -1, :]  # the last query: [q_heads, rows]
+        att = _window_attention(c, self.name, 1)[:, -1, :]  # the last query: [q_heads, rows]
         return att.mean(dim=0).expand(c.kv_heads, -1).clone()
 
 
@@ -278,16 +285,17 @@ class EventTopK(Policy):
         return s.expand(c.kv_heads, -1).clone()
 
     def keep(self, c: LayerCapture, n_keep: int) -> torch.Tensor:
-        """Whole events, best pooled score first, each kept only if all its rows still fit in
-        ``n_keep`` (the header always); the same mask for every head."""
+        """The header, then whole events, best pooled score first, each kept only if all its rows
+        still fit in ``n_keep``; the same mask for every head (so at most ``n_keep`` rows, fewer when
+        the next event does not fit)."""
         s = self.scores(c)[0]
         ev = c.event_of_row
-        events = sorted(ev.unique().tolist(), key=lambda e: (-s[ev == e][0].item(), -e))
-        keep = torch.zeros(c.rows, dtype=torch.bool)
+        keep = ev < 0  # the header first
+        events = sorted((e for e in ev.unique().tolist() if e >= 0), key=lambda e: (-s[ev == e][0].item(), -e))
         for e in events:
             rows = ev == e
-            if e < 0 or int(keep.sum()) + int(rows.sum()) <= n_keep:
-                keep |= rows
+            if int(keep.sum()) + int(rows.sum()) <= n_keep:
+                keep = keep | rows
         return keep.expand(c.kv_heads, -1).clone()
 
 
@@ -333,7 +341,7 @@ def keep_mask(policy: Policy, c: LayerCapture, ratio: float) -> torch.Tensor:
         ``[kv_heads, rows]`` bool.
 
     Raises:
-        OptionError: ``ratio`` outside [0, 1); scores of the wrong shape or not finite-or-+inf.
+        OptionError: ``ratio`` outside [0, 1); scores of the wrong shape, or nan.
     """
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:
         raise OptionError("ratio", ratio, "give a compression ratio in [0, 1): the fraction of rows evicted.")

@@ -191,7 +191,8 @@ class Harvest(Probe):
         from eventkv.readout import read_out
         from eventkv.serve import ServedCache, serve
 
-        conv = truncate(self.conversations()[item["conversation"]], rt.tokenizer, self.max_tokens)
+        whole = self.conversations()[item["conversation"]]
+        conv = truncate(whole, rt.tokenizer, self.max_tokens)
         log = tokenize(
             EventLog([Event(t.id, t.event_text()) for t in conv.turns], instruction=INSTRUCTION),
             rt.tokenizer,
@@ -203,8 +204,11 @@ class Harvest(Probe):
             [k[:, :, :h] for k in ekv.keys], [v[:, :, :h] for v in ekv.values], ekv.positions[:h], None, h, "text", ()
         )
         iso_memo: dict = {}
-        questions, skipped = [], {"category": 0, "no_answer": 0, "no_candidate": 0, "no_negative": 0}
+        outside = len(whole.questions) - len(conv.questions)  # evidence beyond max_tokens, or none / unresolved
+        questions = []
+        skipped = {"outside_window": outside, "category": 0, "no_answer": 0, "no_candidate": 0, "no_negative": 0}
         qs = conv.questions[: self.max_questions] if self.max_questions else conv.questions
+        skipped["over_max_questions"] = len(conv.questions) - len(qs)
         for k, qa in enumerate(qs):
             if qa.category not in (1, 2, 3):
                 skipped["category"] += 1
@@ -287,6 +291,7 @@ class Harvest(Probe):
         return {
             "index": item["index"],
             "conversation": conv.id,
+            "n_questions_in_file": len(whole.questions),
             "n_turns": len(conv.turns),
             "history_end": log.history_end,
             "skipped": skipped,
@@ -337,7 +342,7 @@ def summarize_harvest(records: Sequence[dict], margin: float = 0.05) -> Summary:
     strong = [(c, q) for c, q in qs if q["strong"]]
     pairs = [("harvested", "isolated", "strong", True), ("harvested", "text", "strong", False)]
     pairs += [(a, "none", "all", False) for a in ARMS if a != "none"]
-    pairs += [(a, "gold", "all", False) for a in ARMS if a != "gold"]
+    pairs += [(a, "gold", "all", False) for a in ARMS if a not in ("gold", "none")]  # gold - none is above
     for x, y, stratum, primary in pairs:
         sel = strong if stratum == "strong" else qs
         if not sel:
@@ -364,16 +369,26 @@ def summarize_harvest(records: Sequence[dict], margin: float = 0.05) -> Summary:
         )
     )
     n_conv = len(records)
+    plural = "s" if n_conv != 1 else ""
     notes = [
         "Forced choice: the gold answer vs a hard negative (the nearest other question's answer), both named in the "
         "question, order fixed by a hash; correct when the gold answer's log-probability is higher.",
         "Strong: a carrier shares a word with the question that occurs in at most two sessions.",
-        f"{n_conv} conversations; skipped questions per reason: "
-        + ", ".join(f"{k} {sum(r['skipped'][k] for r in records)}" for k in (records[0]["skipped"] if records else {})),
+        f"{n_conv} conversation{plural}, {sum(r.get('n_questions_in_file', 0) for r in records)} questions in the "
+        f"file: {len(qs)} kept; skipped per reason: "
+        + ", ".join(
+            f"{k} {sum(r['skipped'].get(k, 0) for r in records)}" for k in (records[0]["skipped"] if records else {})
+        ),
         "TOST p < 0.05 shows equivalence within the margin; a wide interval with a large TOST p is inconclusive, not a "
         "null.",
     ]
-    return Summary(f"harvest: {len(qs)} questions from {n_conv} conversations", tables, notes=notes, data=data)
+    if not qs:
+        notes.insert(
+            0,
+            "WARNING: no question passed the protocol's filters (see the skipped counts): there is no result here; "
+            "raise --max-tokens (more sessions after the evidence) or use other data.",
+        )
+    return Summary(f"harvest: {len(qs)} questions from {n_conv} conversation{plural}", tables, notes=notes, data=data)
 
 
 def _ci(b, signed: bool = False) -> str:

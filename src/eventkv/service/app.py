@@ -336,14 +336,14 @@ def create_app(settings: Settings) -> FastAPI:
             model=m["model"],
             instruction=m["instruction"],
             version=snap.version,
-            stats=s.StatsOut(**snap.stats.__dict__),
+            stats=snap.stats,
         )
 
     def record_out(r) -> s.RecordOut:
-        return s.RecordOut(**{**r.__dict__, "tags": list(r.tags)})
+        return r
 
     def added_out(a) -> s.AddedOut:
-        return s.AddedOut(id=a.id, position=a.position, width=a.width)
+        return a
 
     # ------------------------------------------------------------------ routes
     @app.get("/health")

@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
+from eventkv.memory.records import Added, MemoryRecord, MemoryStats
 from eventkv.service.names import MAX_NAME, NAME_PATTERN
 
 MAX_TEXT = 32_000  # characters of one event's text or one question
@@ -88,47 +89,11 @@ class QueryIn(_Body):
 
 
 # ---------------------------------------------------------------------- responses
-class AddedOut(BaseModel):
-    id: str
-    position: int
-    width: int
-
-
-class RecordOut(BaseModel):
-    seq: int
-    id: str
-    kind: str
-    text: str | None
-    role: str | None
-    tags: list[str]
-    budget: int | None
-    position: int | None
-    width: int
-    row_start: int | None
-    n_rows: int
-    segment: int | None
-    supersedes: str | None
-    deleted: bool
-    forgotten: bool
-    pinned: bool
-    created: str
-
-
-class StatsOut(BaseModel):
-    events: int
-    live: int
-    patches: int
-    deleted: int
-    forgotten: int
-    pinned: int
-    carriers: int
-    rows: int
-    rows_prefilled: int
-    prefilled_up_to: int
-    history_end: int
-    segments: int
-    bytes_on_disk: int
-    version: int
+# The library's record dataclasses are the response schemas (pydantic validates stdlib dataclasses):
+# one definition of an event record, an acknowledgement and the counts, in the library and over HTTP.
+AddedOut = Added
+RecordOut = MemoryRecord
+StatsOut = MemoryStats
 
 
 class MemoryOut(BaseModel):
