@@ -185,12 +185,15 @@ class EvictionAudit(Probe):
         s = self.summarize(records).data
         plt = pyplot()
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-        for pname in self.policies:
+        for k, pname in enumerate(self.policies):
+            color = f"C{k}"  # one colour per policy: solid = global kept rows, dashed = isolated
             cells = [c for c in s["cells"] if c["policy"] == pname]
             xs = [c["ratio"] for c in cells]
-            ax1.plot(xs, [c["accuracy"]["global"]["rate"] for c in cells], "o-", label=f"{pname} global")
-            ax1.plot(xs, [c["accuracy"]["isolated"]["rate"] for c in cells], "o--", label=f"{pname} isolated")
-            ax2.plot(xs, [c["false_negative"]["rate"] for c in cells], "o-", label=pname)
+            ax1.plot(xs, [c["accuracy"]["global"]["rate"] for c in cells], "o-", color=color, label=f"{pname} global")
+            ax1.plot(
+                xs, [c["accuracy"]["isolated"]["rate"] for c in cells], "o--", color=color, label=f"{pname} isolated"
+            )
+            ax2.plot(xs, [c["false_negative"]["rate"] for c in cells], "o-", color=color, label=pname)
         ax1.axhline(s["full"]["rate"], color="grey", lw=1, label="full cache")
         ax1.set(xlabel="compression ratio (fraction of rows evicted)", ylabel="accuracy (pair follows)", ylim=(0, 1))
         ax2.set(xlabel="compression ratio", ylabel="ablation false negatives", ylim=(0, 1))
