@@ -355,8 +355,11 @@ def summarize_harvest(records: Sequence[dict], margin: float = 0.05) -> Summary:
             by_conv.setdefault(c, []).append(d)
         t = tost([float(np.mean(v)) for v in by_conv.values()], margin)
         key = f"{x}-{y}@{stratum}"
-        data["contrasts"][key] = {**b.__dict__, "tost_p": t.p, "tost_n": t.n, "primary": primary}
+        flat = len(set(diff)) == 1  # every question the same difference: no spread to test
+        data["contrasts"][key] = {**b.__dict__, "tost_p": t.p, "tost_n": t.n, "primary": primary, "no_spread": flat}
         tost_txt = "n/a" if t.p != t.p else format_p(t.p)
+        if flat:
+            tost_txt += f" (every difference {diff[0]:+g}: no spread)"
         crow.append(
             [("**primary** " if primary else "") + f"{x} - {y}", stratum, str(len(sel)), _ci(b, signed=True), tost_txt]
         )
@@ -380,7 +383,8 @@ def summarize_harvest(records: Sequence[dict], margin: float = 0.05) -> Summary:
             f"{k} {sum(r['skipped'].get(k, 0) for r in records)}" for k in (records[0]["skipped"] if records else {})
         ),
         "TOST p < 0.05 shows equivalence within the margin; a wide interval with a large TOST p is inconclusive, not a "
-        "null.",
+        "null. When every question has the same difference the test has no spread: its p is 0 inside the margin (1 "
+        "outside) by construction, and the n of questions, not the p, says how much it rests on.",
     ]
     if not qs:
         notes.insert(
