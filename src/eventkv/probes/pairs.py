@@ -193,10 +193,15 @@ class PairProbe(Probe):
     ``instruction`` and ``answer_prefix``; the two ClassVars below choose the engine's options.
     """
 
+    #: 2: lazy prefill (issue 14) splits each history's forward at the last event a subset arm reads,
+    #: which moves the rows of text arms by float rounding against version-1 records
+    record_version: ClassVar[int] = 2
     #: prefill the variants' common leading events once, as their own prefix (see :func:`run_pair`)
     shared_prefix: ClassVar[bool] = False
     #: record whether each generation ended on a stop token (``stopped``)
     record_stopped: ClassVar[bool] = False
+    #: prefill every history to its end even when no arm needs it (see :func:`run_pair`'s ``whole``)
+    prefill_whole: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         """Every field whose default is a tuple becomes a tuple (options arrive as JSON lists from a
@@ -241,6 +246,7 @@ class PairProbe(Probe):
             answer_prefix=self.answer_prefix,
             shared_prefix=self.shared_prefix,
             record_stopped=self.record_stopped,
+            whole=self.prefill_whole,
         )
 
     def run_arms(self, rt: Runtime, item: dict, parse: Callable[[str], str | None]) -> dict:
@@ -382,6 +388,25 @@ class PrefillCache:
             self.prefill(_leading(pair[0], n))
 
 
+def events_read(arms: Sequence["PairArm"], item: dict, log: TokenizedLog, history: str) -> tuple[int | None, bool]:
+    """``(n, everything)`` for one history: ``n`` leading events hold every event its subset-serving
+    arms read (served or swapped, by history order; None when that is the whole history or there is
+    no such arm), and ``everything`` says whether an arm reads every event (``prefill`` encoding or
+    ``served="all"``). The lead is always prefilled first and the rest continues it."""
+    mine = [a for a in arms if a.history == history]
+    everything = any(a.encoding == "prefill" or a.served == "all" for a in mine)
+    roles = item["roles"][history]
+    idx = [
+        log.event_ids.index(event_id(roles[r]))
+        for a in mine
+        if not (a.encoding == "prefill" or a.served == "all")
+        for r in (*a.served, *a.swap)
+        if r in roles and event_id(roles[r]) in log.event_ids
+    ]
+    n = max(idx) + 1 if idx else None
+    return (None if n == len(log.event_ids) else n), everything
+
+
 def _common_events(a: TokenizedLog, b: TokenizedLog) -> int:
     """Number of leading events with the same tokens and positions in both logs (0 if the headers differ)."""
     if a.header_ids != b.header_ids:
@@ -415,7 +440,8 @@ class PairRun:
 
     Attributes:
         logs: per history, the two variants' TokenizedLogs ``[A, B]`` (shared positions).
-        prefills: per history, the two variants' EventKVs ``[A, B]`` (rows of the global prefill).
+        prefills: per history, the two variants' EventKVs ``[A, B]``: rows of the global prefill, up to
+            the last event an arm reads (lazy prefill; every event when an arm reads all).
         answers: per arm, ``[out_A, out_B]``: ``text``, ``n_tokens`` (``stopped``), ``answer``
             (generate) and ``logprobs`` (nats), ``choice`` (logits).
         outcomes: per arm and readout, the pair's outcome (:func:`outcome`).
@@ -464,10 +490,14 @@ def run_pair(
     cache: PrefillCache | None = None,
     shared_prefix: bool = False,
     record_stopped: bool = False,
+    whole: bool = False,
 ) -> PairRun:
-    """Run every arm on both variants of one item (one prefill per history and variant, one
-    batched readout for all arms of a question) and score each arm as a donor pair (Study 1,
-    "Donor pair"): the one donor-pair engine of the pair probes.
+    """Run every arm on both variants of one item and score each arm as a donor pair (Study 1,
+    "Donor pair"): the one donor-pair engine of the pair probes. One batched readout answers all
+    arms of a question. **Lazy prefill** (issue 14): each history is prefilled up to the last event
+    a subset-serving arm reads, and continued to its end only when an arm reads every event (text,
+    or ``served="all"``); rows are causal and the query's position comes from the log, so an arm's
+    rows and answers are byte-identical whether or not another arm asked for the whole history.
 
     Args:
         item: the item (see the module docstring).
@@ -483,6 +513,8 @@ def run_pair(
             variant A's rows; the donor-pair probe's order of forwards, kept so its records stay
             bitwise the same.
         record_stopped: record ``stopped`` (the generation ended on a stop token) per answer.
+        whole: prefill every history to its end even when no arm reads past the lead (the lead is
+            still computed first, so the answers are byte-identical to the lazy run's).
 
     Returns:
         a :class:`PairRun` (its :meth:`PairRun.record` is the contract probes' record part).
@@ -498,9 +530,14 @@ def run_pair(
         if h not in item["histories"]:
             raise EventKVError(f"arm history {h!r} is not in the item (has {', '.join(item['histories'])}).")
         logs[h] = tokenize_pair(rt, instruction, item["histories"][h], item.get("pad", {}).get(h))
+        n, everything = events_read(arms, item, logs[h][0], h)
+        everything = everything or whole
+        lead = logs[h] if n is None else [_leading(log, n) for log in logs[h]]
         if shared_prefix:
-            cache.prefill_shared(logs[h])
-        ekvs[h] = [cache.prefill(log) for log in logs[h]]
+            cache.prefill_shared(lead)
+        ekvs[h] = [cache.prefill(log) for log in lead]
+        if everything and n is not None:  # the rest continues the lead: the lead's rows are the same either way
+            ekvs[h] = [cache.prefill(log) for log in logs[h]]
     common = max(logs[h][0].history_end for h in used)
 
     entries: list[tuple[str, tuple[int, ...], ServedCache]] = []
