@@ -64,3 +64,21 @@ def write_json_atomic(
             os.unlink(tmp)
         raise
     fsync_path(path.parent)
+
+
+def data_digest(path: str | Path, recorded: str = "") -> str:
+    """The sha256 of the data file ``path`` (``"dir"`` for a directory), checked against the digest a
+    run recorded when it started (``recorded``; empty: nothing recorded yet).
+
+    Raises:
+        EventKVError: the data changed since the run started.
+    """
+    from eventkv.errors import EventKVError
+
+    digest = sha256_file(path) if Path(path).is_file() else "dir"
+    if recorded and recorded != digest:
+        raise EventKVError(
+            f"{str(path)!r} changed since this run started (sha256 {digest[:12]}, run has {recorded[:12]}): "
+            "use a new --out for the new data."
+        )
+    return digest

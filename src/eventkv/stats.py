@@ -315,6 +315,14 @@ class ClusterBootstrap:
     n_resamples: int = 10_000
     seed: int = 0
 
+    def interval(self, digits: int = 3, signed: bool = False, single: str = "one cluster") -> str:
+        """``"0.412 [0.351, 0.470]"`` (``signed``: ``"+0.412 [...]"``); with fewer than two clusters
+        there is no interval: ``"0.412 [n/a: <single>]"``."""
+        f = f"{{:+.{digits}f}}" if signed else f"{{:.{digits}f}}"
+        if self.n_clusters < 2:
+            return f"{f.format(self.estimate)} [n/a: {single}]"
+        return f"{f.format(self.estimate)} [{f.format(self.low)}, {f.format(self.high)}]"
+
     def describe(self, digits: int = 3) -> str:
         """E.g. ``"0.412 [0.351, 0.470] (n=60 in 2 clusters)"``."""
         if self.n_items == 0:

@@ -52,8 +52,8 @@ from typing import ClassVar, Sequence
 
 import numpy as np
 
-from eventkv.errors import EventKVError, OptionError
-from eventkv.files import sha256_file
+from eventkv.errors import OptionError
+from eventkv.files import data_digest
 from eventkv.options import check_choices, check_int, check_max_new_tokens
 from eventkv.probes.base import Arm, Probe, Runtime, Summary, Table
 
@@ -128,14 +128,7 @@ class MemoryEval(Probe):
         path = Path(self.data)
         if not path.is_file():
             raise OptionError("data", self.data, "no such file: give the path of a LoCoMo JSON file.", flag="--data")
-        digest = sha256_file(path)
-        if not self.data_digest:
-            self.data_digest = digest
-        elif self.data_digest != digest:
-            raise EventKVError(
-                f"{self.data!r} changed since this run started (sha256 {digest[:12]}, run has "
-                f"{self.data_digest[:12]}): use a new --out for the new file."
-            )
+        self.data_digest = data_digest(path, self.data_digest)
         check_int("conversations", self.conversations, "evaluate at least 1 conversation.")
         check_int("questions_per_conversation", self.questions_per_conversation, "ask at least 1 question.")
         check_int("max_tokens", self.max_tokens, "keep at least 1 token of history.", minimum=16)
@@ -273,11 +266,7 @@ class MemoryEval(Probe):
 
 def _with_ci(b) -> str:
     """``mean [low, high]`` of a cluster bootstrap; with one cluster there is no interval to give."""
-    if b is None:
-        return "n/a"
-    if b.n_clusters < 2:
-        return f"{b.estimate:.3f} [n/a: one conversation]"
-    return f"{b.estimate:.3f} [{b.low:.3f}, {b.high:.3f}]"
+    return "n/a" if b is None else b.interval(single="one conversation")
 
 
 def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = None) -> Summary:

@@ -37,7 +37,7 @@ from typing import ClassVar, Sequence
 
 import numpy as np
 
-from eventkv.errors import EventKVError, OptionError
+from eventkv.errors import OptionError
 from eventkv.probes.base import Arm, Probe, Runtime, Summary, Table
 
 ARMS = ("none", "text", "isolated", "harvested", "gold")
@@ -137,18 +137,14 @@ class Harvest(Probe):
         self.validate()
 
     def validate(self) -> None:
-        from eventkv.files import sha256_file
+        from eventkv.files import data_digest
         from eventkv.options import check_int
 
         if self.data_format not in ("locomo", "realtalk"):
             raise OptionError("data_format", self.data_format, "use locomo or realtalk.", flag="--format")
         if not self.data or not Path(self.data).exists():
             raise OptionError("data", self.data, "give the path of the dialogue data.", flag="--data")
-        digest = sha256_file(self.data) if Path(self.data).is_file() else "dir"
-        if not self.data_digest:
-            self.data_digest = digest
-        elif self.data_digest != digest:
-            raise EventKVError(f"{self.data!r} changed since this run started: use a new --out for the new data.")
+        self.data_digest = data_digest(self.data, self.data_digest)
         check_int("max_tokens", self.max_tokens, "keep at least 16 tokens of history.", minimum=16, flag="--max-tokens")
         check_int("max_new_tokens", self.max_new_tokens, "generate at least 1 token.", flag="--max-new-tokens")
         check_int("max_questions", self.max_questions, "give 0 (all) or more.", minimum=0, flag="--max-questions")
@@ -396,7 +392,4 @@ def summarize_harvest(records: Sequence[dict], margin: float = 0.05) -> Summary:
 
 
 def _ci(b, signed: bool = False) -> str:
-    f = "{:+.3f}" if signed else "{:.3f}"
-    if b.n_clusters < 2:
-        return f.format(b.estimate) + " [n/a: one conversation]"
-    return f"{f.format(b.estimate)} [{f.format(b.low)}, {f.format(b.high)}]"
+    return b.interval(signed=signed, single="one conversation")

@@ -339,12 +339,6 @@ def create_app(settings: Settings) -> FastAPI:
             stats=snap.stats,
         )
 
-    def record_out(r) -> s.RecordOut:
-        return r
-
-    def added_out(a) -> s.AddedOut:
-        return a
-
     # ------------------------------------------------------------------ routes
     @app.get("/health")
     def health() -> dict:
@@ -430,7 +424,7 @@ def create_app(settings: Settings) -> FastAPI:
         def job():
             mem = open_checked(d, body.expected_version)
             added = mem.add(events, prefill=body.prefill)
-            return s.WriteOut(version=mem.version, added=[added_out(a) for a in added])
+            return s.WriteOut(version=mem.version, added=added)
 
         return await on_worker(job)
 
@@ -439,7 +433,7 @@ def create_app(settings: Settings) -> FastAPI:
         mid: str, include_superseded: bool = False, include_deleted: bool = False, ns: str = Depends(namespace)
     ):
         table = read_memory(existing(ns, mid)).table
-        return [record_out(r) for r in table.list(include_superseded, include_deleted)]
+        return table.list(include_superseded, include_deleted)
 
     @app.get("/v1/memories/{mid}/view", response_model=list[str])
     def view_ids(mid: str, ns: str = Depends(namespace)):
@@ -455,11 +449,11 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/v1/memories/{mid}/events/{eid}", response_model=s.RecordOut)
     def get_event(mid: str, eid: str, ns: str = Depends(namespace)):
-        return record_out(lookup(ns, mid, eid, lambda t: t.lookup(eid)))
+        return lookup(ns, mid, eid, lambda t: t.lookup(eid))
 
     @app.get("/v1/memories/{mid}/events/{eid}/history", response_model=list[s.RecordOut])
     def event_history(mid: str, eid: str, ns: str = Depends(namespace)):
-        return [record_out(r) for r in lookup(ns, mid, eid, lambda t: t.history(eid))]
+        return lookup(ns, mid, eid, lambda t: t.history(eid))
 
     def event_write(verb: Callable, body: s.Write, ns: str, mid: str, eid: str):
         d = existing(ns, mid)
@@ -475,7 +469,7 @@ def create_app(settings: Settings) -> FastAPI:
     async def update_event(mid: str, eid: str, body: s.UpdateEvent, ns: str = Depends(namespace)):
         def verb(mem):
             a = mem.update(eid, body.text, prefill=body.prefill)
-            return s.WriteOut(version=mem.version, added=[added_out(a)])
+            return s.WriteOut(version=mem.version, added=[a])
 
         return await event_write(verb, body, ns, mid, eid)
 
@@ -535,7 +529,7 @@ def create_app(settings: Settings) -> FastAPI:
             r = mem.carrier(body.sources, body.subject, body.kind, prefill=body.prefill)
             return s.CarrierOut(
                 kind=r.kind,
-                added=added_out(r.added) if r.added else None,
+                added=r.added,
                 pinned=list(r.pinned),
                 reason=r.reason,
                 version=mem.version,
