@@ -144,13 +144,6 @@ def load_records(directory: str | Path, repair: bool = False) -> list[dict]:
     return records
 
 
-def _append(path: Path, record: dict) -> None:
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def check_or_create(directory: Path, ident: dict) -> dict:
     """Read the directory's manifest (creating the directory if needed) and refuse a different
     identity. Returns the existing manifest or ``{}``.
@@ -249,20 +242,73 @@ def open_run(probe: Probe, rt: Runtime, *, model: str, items: int, seed: int, ou
     probe.validate()
     check_run_items(probe, items)
     probe.check_model(rt)  # before the directory is made: a bad option leaves nothing behind
-    ident = identity(probe, model, rt, seed)
+    return open_folder(out, identity(probe, model, rt, seed), profile_dict(rt), items)
+
+
+def profile_dict(rt: Runtime) -> dict:
+    """The model profile of ``rt`` as the JSON-able dict a manifest stores."""
+    return rt.profile.to_dict() if hasattr(rt.profile, "to_dict") else dict(vars(rt.profile))
+
+
+def open_folder(out: Path, ident: dict, profile: dict, items: int) -> tuple[dict, list[int]]:
+    """Check or create the run directory ``out`` for a run of identity ``ident`` (see :func:`identity`;
+    refusing a directory holding records of other settings, dropping a record cut short by a kill) and
+    write its manifest for ``items`` items. The part of :func:`open_run` that needs no model: a sweep
+    computes ``ident`` and ``profile`` where the model is loaded and opens the folder where records are
+    written.
+
+    Returns:
+        the manifest (to pass to :func:`add_invocation`) and the indices still to compute, in order
+        (any subset of ``range(items)``: records may have been appended in any order).
+
+    Raises:
+        EventKVError: ``out`` is a file, or holds records made with other settings.
+    """
     old = check_or_create(out, ident)
     done = {r["index"] for r in load_records(out, repair=True)}
-    profile = rt.profile.to_dict() if hasattr(rt.profile, "to_dict") else dict(vars(rt.profile))
     manifest = {
         "identity": ident,
         "items": max(items, old.get("items", 0)),
         "profile": profile,
         "environment": environment(),
-        "created": old.get("created") or _now(),
+        "created": old.get("created") or now(),
         "invocations": old.get("invocations", []),
     }
     write_json_atomic(out / RUN_MANIFEST, manifest)
     return manifest, [i for i in range(items) if i not in done]
+
+
+def compute_record(probe: Probe, rt: Runtime, seed: int, index: int) -> dict:
+    """The record of item ``index`` of ``probe`` at ``seed``: what every runner writes for that item."""
+    return probe.run_item(rt, probe.items(seed, [index])[0])
+
+
+def append_record(out: Path, record: dict) -> None:
+    """Append ``record`` as one JSON line to ``out/records.jsonl`` and fsync it (a kill loses at most
+    the line being written, which :func:`load_records` drops). Records may come in any index order."""
+    with open(out / RECORDS, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def add_invocation(
+    out: Path, manifest: dict, *, started: str, seconds: float, items_computed: int, torch_threads: int, **extra
+) -> None:
+    """Add one invocation (start time, items computed, wall seconds, torch threads per worker, and
+    ``extra`` such as a sweep's backend and workers) to ``manifest`` and write it to ``out``."""
+    # torch CPU threads change the reduction order, so float scores are reproducible bit for bit only
+    # at the same thread count: record it with every invocation.
+    manifest["invocations"].append(
+        {
+            "started": started,
+            "items_computed": items_computed,
+            "seconds": round(seconds, 3),
+            "torch_threads": torch_threads,
+            **extra,
+        }
+    )
+    write_json_atomic(out / RUN_MANIFEST, manifest)
 
 
 def run_items(
@@ -271,24 +317,21 @@ def run_items(
     """Compute the items ``todo`` in order, appending each record to ``out/records.jsonl`` as it
     finishes (``before(i)`` / ``after(i)`` are called around item ``i``, e.g. for a progress bar),
     then add this invocation (start, items computed, seconds, torch threads) to the manifest."""
-    t0, started = time.perf_counter(), _now()
+    t0, started = time.perf_counter(), now()
     for i in todo:
         if before:
             before(i)
-        _append(out / RECORDS, probe.run_item(rt, probe.items(seed, [i])[0]))
+        append_record(out, compute_record(probe, rt, seed, i))
         if after:
             after(i)
-    # torch CPU threads change the reduction order, so bfloat16 scores are reproducible bit for bit
-    # only at the same thread count: record it with every invocation.
-    manifest["invocations"].append(
-        {
-            "started": started,
-            "items_computed": len(todo),
-            "seconds": round(time.perf_counter() - t0, 3),
-            "torch_threads": torch.get_num_threads(),
-        }
+    add_invocation(
+        out,
+        manifest,
+        started=started,
+        seconds=time.perf_counter() - t0,
+        items_computed=len(todo),
+        torch_threads=torch.get_num_threads(),
     )
-    write_json_atomic(out / RUN_MANIFEST, manifest)
 
 
 def render(directory: str | Path, figure: bool = True) -> Summary:
@@ -324,7 +367,8 @@ def render(directory: str | Path, figure: bool = True) -> Summary:
     return summary
 
 
-def _now() -> str:
+def now() -> str:
+    """The current UTC time, ISO 8601 to the second (the manifest's time stamps)."""
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
