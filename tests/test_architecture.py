@@ -36,6 +36,7 @@ LAYERS = (
         "eventkv.memory.harvest",
         "eventkv.eviction.audit",
         "eventkv.service",
+        "eventkv.sweep",
     ),
     ("eventkv.cli",),
 )

@@ -2,8 +2,8 @@
 
 ``models`` (:mod:`.models`), ``query`` (:mod:`.query`), ``run <probe>`` and ``report``
 (:mod:`.run`; the contract clauses' run commands from :mod:`.contract`), ``contract``
-(:mod:`.contract`), ``splice`` (:mod:`.splice`), ``memory`` (:mod:`.memory`) and ``serve``
-(:mod:`.serve`). User errors print one line and exit with code 2.
+(:mod:`.contract`), ``splice`` (:mod:`.splice`), ``memory`` (:mod:`.memory`), ``serve``
+(:mod:`.serve`) and ``sweep`` (:mod:`.sweep`). User errors print one line and exit with code 2.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from eventkv.cli.models import models_app
 from eventkv.cli.query import query
 from eventkv.cli.run import report, run_app
 from eventkv.cli.serve import serve
+from eventkv.cli.sweep import sweep
 from eventkv.errors import EventKVError, cli_message
 
 app = typer.Typer(
@@ -41,6 +42,7 @@ app.command("contract")(contract.contract)
 app.command("serve")(serve)
 app.command("audit")(audit)
 app.command("harvest")(harvest)
+app.command("sweep")(sweep)
 
 
 def _given_value(param, args: list[str]) -> str | None:

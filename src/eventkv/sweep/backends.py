@@ -1,0 +1,241 @@
+"""Where a sweep's workers run: ``serial`` (one worker in this process), ``process`` (worker processes on
+this machine, the cores split among them) and ``ray`` (Ray actors on a cluster).
+
+Each backend holds :class:`~eventkv.sweep.worker.Worker` objects — each loads a model once and keeps it —
+and hands them tasks from one pool, yielding each task's results as it finishes (in any order):
+
+    >>> with open_backend("serial", runs, threads=1) as pool:  # doctest: +SKIP
+    ...     for results in pool.map_unordered([("describe", key)]):
+    ...         ...
+
+Workers get their tasks as they become free (a shared queue for ``process``, Ray's
+:class:`~ray.util.ActorPool` for ``ray``), so a slow item never holds up the others.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Iterator, Sequence
+
+from eventkv.errors import EventKVError
+from eventkv.sweep.plan import PlannedRun
+from eventkv.sweep.worker import Worker
+
+BACKENDS = ("serial", "process", "ray")
+"""What ``--backend`` accepts."""
+
+DEFAULT_PROCESS_WORKERS = 2
+"""Worker processes of the ``process`` backend when ``--workers`` is not given: each holds its own copy of
+the model in memory, so more is not always better."""
+
+
+def cores() -> int:
+    """This machine's logical cores (what the ``serial`` and ``process`` backends divide)."""
+    return os.cpu_count() or 1
+
+
+class SerialBackend:
+    """One worker in this process, with ``threads`` torch threads (default: every core); torch's thread
+    count is restored on exit."""
+
+    name = "serial"
+
+    def __init__(self, runs: Sequence[PlannedRun], workers: int | None = None, threads: int | None = None) -> None:
+        self.runs, self.workers, self.threads = runs, 1, threads or cores()
+
+    def __enter__(self) -> SerialBackend:
+        import torch
+
+        self._saved = torch.get_num_threads()
+        self._worker = Worker(self.runs, self.threads)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch
+
+        self._worker = None
+        torch.set_num_threads(self._saved)
+
+    def map_unordered(self, tasks: Iterable[tuple]) -> Iterator[list[tuple]]:
+        for task in tasks:
+            yield self._worker.execute(task)
+
+
+# one Worker per worker process, made by the pool's initializer (a spawned process imports this module)
+_WORKER: Worker | None = None
+
+
+def _init_process(runs: Sequence[PlannedRun], threads: int) -> None:
+    global _WORKER
+    _WORKER = Worker(runs, threads)
+
+
+def _execute(task: tuple) -> list[tuple]:
+    return _WORKER.execute(task)
+
+
+class ProcessBackend:
+    """``workers`` spawned worker processes on this machine (default :data:`DEFAULT_PROCESS_WORKERS`), each
+    with ``threads`` torch threads (default: this machine's cores divided among the workers, at least 1),
+    taking tasks from one queue."""
+
+    name = "process"
+
+    def __init__(self, runs: Sequence[PlannedRun], workers: int | None = None, threads: int | None = None) -> None:
+        self.runs = runs
+        self.workers = workers or DEFAULT_PROCESS_WORKERS
+        self.threads = threads or max(1, cores() // self.workers)
+
+    def __enter__(self) -> ProcessBackend:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # spawn, not fork: a forked child would inherit torch's thread pools and any loaded model
+        self._pool = ProcessPoolExecutor(
+            max_workers=self.workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_process,
+            initargs=(tuple(self.runs), self.threads),
+        )
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._pool.shutdown(wait=exc[0] is None, cancel_futures=True)
+
+    def map_unordered(self, tasks: Iterable[tuple]) -> Iterator[list[tuple]]:
+        from concurrent.futures import as_completed
+        from concurrent.futures.process import BrokenProcessPool
+
+        futures = [self._pool.submit(_execute, t) for t in tasks]
+        try:
+            for f in as_completed(futures):
+                yield f.result()
+        except BrokenProcessPool:
+            raise EventKVError(
+                "a sweep worker process died (killed, or out of memory: each worker holds its own model): "
+                "run again with fewer --workers; finished records are kept and the sweep resumes."
+            ) from None
+        finally:
+            for f in futures:
+                f.cancel()
+
+
+def import_ray():
+    """The ``ray`` module.
+
+    Raises:
+        EventKVError: Ray is not installed (says how to install it).
+    """
+    try:
+        import ray
+    except ImportError:
+        raise EventKVError(
+            "--backend ray: Ray is not installed: pip install 'eventkv[ray]' (or use --backend process)."
+        ) from None
+    return ray
+
+
+class RayBackend:
+    """``workers`` Ray actors, each reserving ``threads`` CPUs (and ``gpus`` GPUs) and running torch with
+    ``threads`` threads, fed from one :class:`ray.util.ActorPool`.
+
+    ``address`` is passed to ``ray.init`` (None: Ray's default — the cluster in ``RAY_ADDRESS``, else a new
+    local instance on this machine's cores; ``auto``: the cluster started with ``ray start`` on this
+    machine; ``ray://host:10001``: a remote cluster through Ray Client). When Ray is already initialised
+    in this process (e.g. by the caller), that cluster is used and left running. Defaults: 1 thread per
+    worker, as many workers as the cluster has CPUs for.
+    """
+
+    name = "ray"
+
+    def __init__(
+        self,
+        runs: Sequence[PlannedRun],
+        workers: int | None = None,
+        threads: int | None = None,
+        address: str | None = None,
+        gpus: float = 0.0,
+    ) -> None:
+        self.runs, self.workers, self.threads, self.address, self.gpus = runs, workers, threads or 1, address, gpus
+
+    def __enter__(self) -> RayBackend:
+        ray = import_ray()
+        self._ray = ray
+        self._started = False
+        if not ray.is_initialized():
+            try:
+                ray.init(address=self.address)
+            except (ConnectionError, RuntimeError, ValueError) as exc:
+                raise EventKVError(
+                    f"--ray-address {self.address!r}: cannot start or reach a Ray cluster ({exc}): give the "
+                    "address of a running cluster (auto: the one `ray start --head` began on this machine), "
+                    "or leave --ray-address out to start a local one."
+                ) from None
+            self._started = True
+        try:
+            self._check_capacity()
+            from ray.util import ActorPool
+
+            actor = ray.remote(Worker).options(num_cpus=self.threads, num_gpus=self.gpus)
+            self._actors = [actor.remote(tuple(self.runs), self.threads) for _ in range(self.workers)]
+            self._pool = ActorPool(self._actors)
+        except BaseException:
+            self._shutdown()
+            raise
+        return self
+
+    def _check_capacity(self) -> None:
+        """Fill the default worker count; refuse workers the cluster cannot place (they would wait forever)."""
+        ray = self._ray
+        total = int(ray.cluster_resources().get("CPU", 0))
+        node_cpus = [int(n.get("Resources", {}).get("CPU", 0)) for n in ray.nodes() if n.get("Alive")]
+        largest = max(node_cpus, default=0)
+        if self.threads > largest:
+            raise EventKVError(
+                f"--threads {self.threads}: each Ray worker reserves that many CPUs on one node, and the largest "
+                f"node of the cluster has {largest}: give --threads {max(1, largest)} or fewer."
+            )
+        fits = sum(c // self.threads for c in node_cpus)
+        if self.workers is None:
+            self.workers = max(1, fits)
+        elif self.workers > fits:
+            raise EventKVError(
+                f"--workers {self.workers}: {self.workers} Ray workers of {self.threads} CPU(s) each do not fit the "
+                f"cluster ({total} CPUs, room for {fits}): give --workers {fits} or fewer, or fewer --threads."
+            )
+
+    def __exit__(self, *exc) -> None:
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        for a in getattr(self, "_actors", []):
+            self._ray.kill(a)
+        self._actors = []
+        if self._started:
+            self._ray.shutdown()
+
+    def map_unordered(self, tasks: Iterable[tuple]) -> Iterator[list[tuple]]:
+        yield from self._pool.map_unordered(lambda actor, task: actor.execute.remote(task), list(tasks))
+
+
+def open_backend(
+    name: str,
+    runs: Sequence[PlannedRun],
+    *,
+    workers: int | None = None,
+    threads: int | None = None,
+    ray_address: str | None = None,
+    gpus_per_worker: float = 0.0,
+):
+    """The backend called ``name`` (one of :data:`BACKENDS`), to use as a context manager.
+
+    Raises:
+        EventKVError: an unknown backend.
+    """
+    if name == "serial":
+        return SerialBackend(runs, workers, threads)
+    if name == "process":
+        return ProcessBackend(runs, workers, threads)
+    if name == "ray":
+        return RayBackend(runs, workers, threads, ray_address, gpus_per_worker)
+    raise EventKVError(f"--backend {name!r}: use one of {', '.join(BACKENDS)}.")
