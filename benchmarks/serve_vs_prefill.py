@@ -18,11 +18,12 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from transformers import DynamicCache
 
-from eventkv.log import Event, EventLog, tokenize, tokenize_query
+from eventkv.log import Event, EventLog, TokenizedLog, tokenize, tokenize_query
 from eventkv.models import load
 from eventkv.prefill import EventKV, model_forward, prefill
 from eventkv.readout import generate
@@ -30,6 +31,8 @@ from eventkv.serve import serve
 
 
 def make_log(tokenizer, profile, target_tokens: int, seed: int = 0) -> EventLog:
+    """A seeded log of register steps (``e0``, ``e1`` ...), just long enough that the chat head and
+    the events reach ``target_tokens`` tokens (at most one event over)."""
     rng = random.Random(seed)
     events, n, i = [], len(tokenizer(profile.chat_head)["input_ids"]), 0
     while n < target_tokens:
@@ -43,13 +46,58 @@ def make_log(tokenizer, profile, target_tokens: int, seed: int = 0) -> EventLog:
     return EventLog(events, instruction="You track registers. Answer with the value only.")
 
 
-def timed(fn, repeats: int) -> tuple[float, object]:
+def served_and_query(log: EventLog, tokenizer, profile, fraction: float, seed: int = 1) -> tuple[list[str], list[int]]:
+    """A seeded served set (``fraction`` of the log's events, at least one, in log order) and the
+    token ids of a question about one register (question + chat tail)."""
+    rng = random.Random(seed)
+    served = sorted(rng.sample(log.ids, max(1, round(fraction * len(log.ids)))), key=log.ids.index)
+    query = tokenize_query(tokenizer, profile, f"What was register R{rng.randrange(100)} last refreshed to?")
+    return served, query
+
+
+def timed(fn: Callable[[], object], repeats: int, sync: Callable[[], object] | None = None) -> tuple[float, object]:
+    """Median wall seconds over ``repeats`` calls of ``fn``, and the last call's result.
+
+    ``sync`` (e.g. ``torch.cuda.synchronize``) runs before each clock read, so work an accelerator
+    still has queued is counted in the call that queued it.
+    """
     times, out = [], None
     for _ in range(repeats):
+        if sync:
+            sync()
         t0 = time.perf_counter()
         out = fn()
+        if sync:
+            sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times), out
+
+
+@torch.inference_mode()
+def reprefill_answer(model, tlog: TokenizedLog, query: list[int], new_tokens: int) -> list[int]:
+    """Answer ``query`` with no stored rows: one forward over the history's ids and the query's at
+    the log's positions (``[1, n_rows + len(query)]``, the query right after ``history_end``), then
+    ``new_tokens`` greedy steps at batch 1 (no stop tokens: always ``new_tokens`` ids). Runs on the
+    model's device. Returns the generated token ids."""
+    dev = next(model.parameters()).device
+    ids = tlog.input_ids + query
+    pos = tlog.position_ids + list(range(tlog.history_end, tlog.history_end + len(query)))
+    cache = DynamicCache()
+    logits = model_forward(
+        model, torch.tensor([ids], device=dev), torch.tensor([pos], device=dev), cache, logits_to_keep=1
+    )[0, -1]
+    toks, p = [], pos[-1] + 1
+    for _ in range(new_tokens):
+        tok = int(logits.argmax())
+        toks.append(tok)
+        if len(toks) == new_tokens:
+            break
+        step = model_forward(
+            model, torch.tensor([[tok]], device=dev), torch.tensor([[p]], device=dev), cache, logits_to_keep=1
+        )
+        logits = step[0, -1]
+        p += 1
+    return toks
 
 
 def main() -> None:
@@ -69,9 +117,7 @@ def main() -> None:
     lm = load(args.model, dtype=args.dtype)
     log = make_log(lm.tokenizer, lm.profile, args.tokens)
     tlog = tokenize(log, lm.tokenizer, lm.profile)
-    rng = random.Random(1)
-    served = sorted(rng.sample(log.ids, max(1, round(args.served_fraction * len(log.ids)))), key=log.ids.index)
-    query = tokenize_query(lm.tokenizer, lm.profile, f"What was register R{rng.randrange(100)} last refreshed to?")
+    served, query = served_and_query(log, lm.tokenizer, lm.profile, args.served_fraction)
     print(
         f"model {args.model} ({lm.profile.dtype}), history {tlog.n_rows} tokens in {len(log.ids)} events, "
         f"served {len(served)} events ({args.served_fraction:.0%}), query {len(query)} tokens, "
@@ -90,23 +136,8 @@ def main() -> None:
             sc = serve(kv, served, "compact")
             return generate(lm.model, sc, query, max_new_tokens=args.new_tokens)
 
-        @torch.inference_mode()
         def reprefill():
-            ids = tlog.input_ids + query
-            pos = tlog.position_ids + list(range(tlog.history_end, tlog.history_end + len(query)))
-            cache = DynamicCache()
-            logits = model_forward(lm.model, torch.tensor([ids]), torch.tensor([pos]), cache, logits_to_keep=1)[0, -1]
-            toks, p = [], pos[-1] + 1
-            for _ in range(args.new_tokens):
-                tok = int(logits.argmax())
-                toks.append(tok)
-                if len(toks) == args.new_tokens:
-                    break
-                logits = model_forward(lm.model, torch.tensor([[tok]]), torch.tensor([[p]]), cache, logits_to_keep=1)[
-                    0, -1
-                ]
-                p += 1
-            return toks
+            return reprefill_answer(lm.model, tlog, query, args.new_tokens)
 
         from_store()  # warm-up (allocator, kernels)
         t_serve, _ = timed(from_store, args.repeats)
