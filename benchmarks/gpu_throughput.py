@@ -442,7 +442,13 @@ def serve_vs_reprefill(
                 f"{size(n * kv_per_token)} of disk ({size(disk.free)} free)"
             )
             continue
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+            base = torch.cuda.memory_allocated(dev)
         t_prefill, times, t_save = measure_length(lm, tlog, served, query, new_tokens, repeats, sync)
+        if dev.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(dev) - base
+            print(f"memory L={n}: peak {size(peak)} above the weights, estimated {size(need)} (the refusal rule)")
         fpt = flops_per_token(model_shape(model), n)
         achieved = fpt * n / t_prefill / 1e12
         print(
