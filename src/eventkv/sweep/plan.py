@@ -24,8 +24,8 @@ The format (docs/sweep.md; an example in examples/sweep.yaml)::
       - probe: donor-pair
         options: {max_new_tokens: 16}                    # probe options and per-entry run options
       - probe: access
-        label: access-late                               # {label} in the template (default: the probe)
-        grid: {root_slot: [13, 14]}                      # one run per value; name the key in `out`
+        label: access-root{root_slot}                    # {label} in out (default: the probe's name)
+        grid: {root_slot: [13, 14]}                      # one run per value; name the key in label or out
 """
 
 from __future__ import annotations
@@ -214,8 +214,8 @@ def parse_plan(data: Any, source: str = "plan") -> Plan:
                 raise EventKVError(f"{where}: probe {show_value(name)}: give a registered probe's name.")
             cls = _checked(where, lambda name=name: get_probe(name))
             label = entry.get("label", name)
-            if not isinstance(label, str) or not label.strip() or "/" in label:
-                raise EventKVError(f"{where}: label {show_value(label)}: give a non-empty name without '/'.")
+            if not isinstance(label, str):
+                raise EventKVError(f"{where}: label {show_value(label)}: give a name (a template like out's).")
             fields = tuple(f.name for f in dataclasses.fields(cls) if f.init)
             allowed = (*fields, *run_keys())
             options = entry.get("options", {})
@@ -237,51 +237,61 @@ def parse_plan(data: Any, source: str = "plan") -> Plan:
 
 
 def _planned(where, template, cls, label, model, seed, probe_opts, run_opts, varied) -> PlannedRun:
-    """One checked run: the probe built and validated, RunOptions validated against it, its folder named."""
+    """One checked run: the probe built and validated, RunOptions validated against it, its label and folder
+    named from their templates."""
     if "items" not in run_opts:
         raise EventKVError(f"{where}: items is not given: set items (items per run) at the plan's top level.")
     probe = _checked(where, lambda: cls(**probe_opts))
     run = _checked(where, lambda: RunOptions(model=model, seed=seed, progress=False, **run_opts))
     fields = {
         "probe": cls.name,
-        "label": label,
         "model": Path(model).name,
         "seed": seed,
         **{k: getattr(run, k) for k in run_keys()},
         **varied,
     }
     fields["dtype"] = _checked(where, run.resolved_dtype)
-    try:
-        out = Path(string.Formatter().vformat(_check_template(where, template), (), _Fields(fields, where)))
-    except (ValueError, IndexError) as exc:
-        raise EventKVError(
-            f"{where}: out {template!r}: not a folder template ({exc}); write fields as {{model}}."
-        ) from None
+    label = _format(where, "label", label, fields)
+    if not label.strip() or "/" in label:
+        raise EventKVError(f"{where}: label {label!r}: give a non-empty name without '/'.")
+    out = Path(_format(where, "out", template, {**fields, "label": label}))
     run = dataclasses.replace(run, out=out)
     _checked(where, lambda: run.validate(probe))
     return PlannedRun(label, cls.name, dict(probe_opts), run, where)
 
 
-def _check_template(where: str, template: str) -> str:
+def _format(where: str, what: str, template: str, fields: dict) -> str:
+    """``template`` with its ``{field}``s filled from ``fields``.
+
+    Raises:
+        EventKVError: a field that is not defined, or one with a format spec, conversion or index.
+    """
     for _, field, spec, conv in string.Formatter().parse(template):
         if field is not None and (not field or not field.isidentifier() or spec or conv):
+            shown = f"{{{field}{'!' + conv if conv else ''}{':' + spec if spec else ''}}}"
             raise EventKVError(
-                f"{where}: out {template!r}: field {{{field}{'!' + conv if conv else ''}{':' + spec if spec else ''}}} "
-                "is not allowed: write plain fields such as {probe}, {label}, {model}, {dtype}, {seed}."
+                f"{where}: {what} {template!r}: field {shown} is not allowed: write plain fields such as "
+                "{probe}, {label}, {model}, {dtype}, {seed}."
             )
-    return template
+    try:
+        return string.Formatter().vformat(template, (), _Fields(fields, where, what))
+    except (ValueError, IndexError) as exc:
+        raise EventKVError(
+            f"{where}: {what} {template!r}: not a template ({exc}); write fields as {{model}}."
+        ) from None
 
 
 class _Fields(dict):
     """The template's fields; a missing one is an error naming the fields there are."""
 
-    def __init__(self, fields: dict, where: str) -> None:
+    def __init__(self, fields: dict, where: str, what: str) -> None:
         super().__init__({k: _text(v) for k, v in fields.items()})
-        self.where = where
+        self.where, self.what = where, what
 
     def __missing__(self, key):
+        known = ", ".join(f"{{{k}}}" for k in self)
         raise EventKVError(
-            f"{self.where}: out template field {{{key}}} is not defined: use {', '.join(f'{{{k}}}' for k in self)} "
+            f"{self.where}: {self.what} template field {{{key}}} is not defined: use {known} "
             "(a grid key is a field of its entry's runs)."
         )
 
