@@ -360,6 +360,25 @@ def test_a_folder_made_with_other_settings_is_refused(reference, models, tmp_pat
     assert {p: p.read_bytes() for p in tmp_path.rglob(RECORDS)} == before  # not one record added anywhere
 
 
+def test_what_needs_the_model_is_checked_before_any_folder_is_written(models, tmp_path):
+    """A model that cannot be loaded, and an option the loaded model cannot run (the probe's check_model), stop
+    the sweep in its first step, naming the model or the run folder; no folder is made."""
+    with pytest.raises(EventKVError, match=r"^model '/nonexistent/tiny': "):
+        sweep(["/nonexistent/tiny"], tmp_path)
+    splice = {"probe": "splice", "options": {"cutoffs": "0,2", "max_new_tokens": 3, "heads": [5]}}
+    with pytest.raises(EventKVError) as exc:
+        sweep(models[:1], tmp_path, plan={"seeds": [0], "probes": [splice]})
+    assert str(exc.value) == (
+        f"{tmp_path}/splice/{Path(models[0]).name}-seed0: heads 5: this model has 2 KV heads per layer: "
+        "give heads 0..1."
+    )
+    with pytest.raises(
+        EventKVError, match=r"plan: threads 1000: give 1 to \d+ torch CPU threads .* \(or give --threads\)"
+    ):
+        sweep(models[:1], tmp_path, plan={"threads": 1000})
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_sweep_folder_is_a_run_folder(reference, models, tmp_path):
     """`eventkv run`'s runner resumes a sweep's folder (same identity: nothing to compute) and writes the same
     records into a new one at the same thread count."""

@@ -136,6 +136,11 @@ def run_sweep(plan: Plan, options: SweepOptions = SweepOptions(), console=None, 
     options.validate()
     runs = plan.runs
     threads = options.threads or plan.threads
+    if options.threads is None and options.backend != "ray":
+        try:  # the plan's threads bound by this machine's cores, as --threads is
+            check_threads(plan.threads)
+        except OptionError as exc:
+            raise EventKVError(f"{plan.source}: {exc} (or give --threads)") from None
     started, t0 = now(), time.perf_counter()
     backend = open_backend(
         options.backend,

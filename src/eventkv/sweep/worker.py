@@ -25,7 +25,7 @@ from __future__ import annotations
 import gc
 from typing import Sequence
 
-from eventkv.errors import EventKVError, cli_message
+from eventkv.errors import EventKVError
 from eventkv.sweep.plan import PlannedRun
 
 
@@ -83,7 +83,7 @@ class Worker:
                             self.probe(n).check_model(rt)
                             out.append(("described", n, self.identity(n), profile_dict(rt)))
                         except EventKVError as exc:
-                            out.append(("error", ("describe", n), cli_message(exc)))
+                            out.append(("error", ("describe", n), str(exc)))
                 return out
             _, n, index = task
             run = self.runs[n]
@@ -91,7 +91,7 @@ class Worker:
             record = compute_record(self.probe(n), rt, run.run.seed, index)
             return [("record", n, index, record, self.identity(n), _device(rt))]
         except EventKVError as exc:
-            return [("error", task, cli_message(exc))]
+            return [("error", task, str(exc))]  # an option by its plan name
 
 
 def _device(rt) -> str | None:
