@@ -137,6 +137,19 @@ def test_plan_run_options_per_entry_and_device():
         assert {r.run.device for r in plan.runs} == {"cpu"}
 
 
+def test_plan_device_checked_here_unless_the_workers_are_elsewhere():
+    """A device this machine lacks is refused when the plan is read, unless the runs go to a Ray cluster
+    (``check_devices=False``: its workers' model load checks it)."""
+    import torch
+
+    if "device" not in run_keys() or torch.cuda.is_available():
+        return  # a GPU machine has the device: nothing to refuse
+    data = {**plan_data(["/m/a"], "r", seeds=[0]), "device": "cuda"}
+    with pytest.raises(EventKVError, match=r"^plan: probes\[0\] \(donor-pair\): device 'cuda'"):
+        parse_plan(data)
+    assert {r.run.device for r in parse_plan(data, check_devices=False).runs} == {"cuda"}
+
+
 def test_example_plan_is_valid_and_loads_nothing(monkeypatch):
     import eventkv.models
 

@@ -56,7 +56,7 @@ def sweep(
 
         opts = SweepOptions(backend, workers, threads, ray_address, gpus_per_worker, progress)
         opts.validate()
-        p = load_plan(plan)
+        p = load_plan(plan, check_devices=backend != "ray")  # Ray workers may have GPUs this machine lacks
         console = Console()
         if dry_run:
             rows = p.describe()

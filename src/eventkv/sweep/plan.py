@@ -138,7 +138,7 @@ class Plan:
         return rows
 
 
-def load_plan(path: str | Path) -> Plan:
+def load_plan(path: str | Path, check_devices: bool = True) -> Plan:
     """Read a YAML plan file and expand and check it (see :func:`parse_plan`).
 
     Raises:
@@ -159,11 +159,15 @@ def load_plan(path: str | Path) -> Plan:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
         raise EventKVError(f"{path}: not valid YAML{where} ({problem}): fix the plan file.") from None
-    return parse_plan(data, source=str(path))
+    return parse_plan(data, source=str(path), check_devices=check_devices)
 
 
-def parse_plan(data: Any, source: str = "plan") -> Plan:
+def parse_plan(data: Any, source: str = "plan", check_devices: bool = True) -> Plan:
     """Expand a plan (the parsed YAML) into its runs and check every one before anything loads.
+
+    ``check_devices=False`` leaves out the check that this machine has each run's device (a Ray cluster's
+    workers may have GPUs the machine that reads the plan lacks); the workers' model load checks it then,
+    before any folder is written. ``{dtype}`` in a template is then ``auto`` resolved as on a CPU.
 
     Raises:
         EventKVError: naming the plan (``source``), the entry and the bad key or value and the fix: an
@@ -230,13 +234,24 @@ def parse_plan(data: Any, source: str = "plan") -> Plan:
                     run_opts = {k: v for k, v in settings.items() if k not in fields}
                     for seed in seeds:
                         runs.append(
-                            _planned(where, template, cls, label, model, seed, probe_opts, run_opts, {**top, **own})
+                            _planned(
+                                where,
+                                template,
+                                cls,
+                                label,
+                                model,
+                                seed,
+                                probe_opts,
+                                run_opts,
+                                {**top, **own},
+                                check_devices,
+                            )
                         )
     _refuse_duplicates(source, runs)
     return Plan(tuple(runs), threads, source)
 
 
-def _planned(where, template, cls, label, model, seed, probe_opts, run_opts, varied) -> PlannedRun:
+def _planned(where, template, cls, label, model, seed, probe_opts, run_opts, varied, check_devices) -> PlannedRun:
     """One checked run: the probe built and validated, RunOptions validated against it, its label and folder
     named from their templates."""
     if "items" not in run_opts:
@@ -250,13 +265,15 @@ def _planned(where, template, cls, label, model, seed, probe_opts, run_opts, var
         **{k: getattr(run, k) for k in run_keys()},
         **varied,
     }
-    fields["dtype"] = _checked(where, run.resolved_dtype)
+    # without the device check, every other option is validated as if the run were on this machine's CPU
+    here = run if check_devices or "device" not in run_keys() else dataclasses.replace(run, device="cpu")
+    fields["dtype"] = _checked(where, here.resolved_dtype)
     label = _format(where, "label", label, fields)
     if not label.strip() or "/" in label:
         raise EventKVError(f"{where}: label {label!r}: give a non-empty name without '/'.")
     out = Path(_format(where, "out", template, {**fields, "label": label}))
     run = dataclasses.replace(run, out=out)
-    _checked(where, lambda: run.validate(probe))
+    _checked(where, lambda: dataclasses.replace(here, out=out).validate(probe))
     return PlannedRun(label, cls.name, dict(probe_opts), run, where)
 
 
