@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import DynamicCache
 
 from eventkv.errors import EventKVError
@@ -44,6 +45,12 @@ def cache_kwarg(model: PreTrainedModel) -> str:
     ``past_key_values`` (older 5.x)."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def model_device(model: PreTrainedModel) -> torch.device:
+    """The device of ``model``'s parameters (``cpu``, ``cuda:0``): where every tensor fed to a forward — token
+    ids, position ids, attention masks — is created (``device=`` at creation, never a copy per step)."""
+    return next(model.parameters()).device
 
 
 def model_forward(
@@ -173,9 +180,10 @@ class EventKV:
 
     Attributes:
         log: the TokenizedLog that was prefilled (spans, token ids, position ids).
-        keys, values: one tensor per layer, ``[1, kv_heads, rows, head_dim]``; rows follow the
-            log's row order (header, then events).
-        positions: ``[rows]`` int64, the RoPE position id each row was computed at.
+        keys, values: one tensor per layer, ``[1, kv_heads, rows, head_dim]``, on the device of the
+            model that computed them; rows follow the log's row order (header, then events).
+        positions: ``[rows]`` int64 on the CPU, the RoPE position id each row was computed at
+            (bookkeeping: compared with the log's lists and saved; never fed to a forward).
         weights_digest: digest of the model weights that produced the rows.
         dtype: dtype name of the stored rows.
     """
@@ -200,7 +208,8 @@ class EventKV:
         return str(self.keys[0].dtype).removeprefix("torch.")
 
     def rows_of(self, event_ids: Sequence[str], include_header: bool = True) -> torch.Tensor:
-        """Row indices ``[n]`` (int64, ascending = log order) of the header and the given events.
+        """Row indices ``[n]`` (int64 on the CPU, ascending = log order) of the header and the given events;
+        move them once to the rows' device to select keys or values.
 
         Raises:
             EventKVError: an unknown event id.
@@ -210,7 +219,7 @@ class EventKV:
             spans.append(self.log.span(HEADER_ID))
         spans.sort(key=lambda s: s.row_start)
         idx = [r for s in spans for r in range(s.row_start, s.row_end)]
-        return torch.tensor(sorted(set(idx)), dtype=torch.long)
+        return torch.tensor(sorted(set(idx)), dtype=torch.long, device="cpu")
 
     def to(self, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None) -> "EventKV":
         """A copy of this EventKV with its rows cast to ``dtype`` (a floating torch dtype or its name,
@@ -317,12 +326,21 @@ class EventKV:
         return d
 
     @classmethod
-    def load(cls, directory: str | Path, expect_digest: str | None = None, verify: bool = True) -> "EventKV":
+    def load(
+        cls,
+        directory: str | Path,
+        expect_digest: str | None = None,
+        verify: bool = True,
+        device: str | torch.device = "cpu",
+    ) -> "EventKV":
         """Read an EventKV written by :meth:`save`.
 
         Args:
             expect_digest: if given, the stored weights digest must equal it.
             verify: check the tensor file's sha256 against the manifest.
+            device: where the keys and values are read to (the model's device, e.g. from
+                :func:`model_device`); the positions always stay on the CPU. Files written on one
+                device load on any other.
 
         Raises:
             EventKVError: missing/partial directory, checksum mismatch, or a different model.
@@ -344,13 +362,20 @@ class EventKV:
                 f"the EventKV in {str(d)!r} was made by weights {manifest['weights_digest'][:16]}, not by the model "
                 f"given ({expect_digest[:16]}): prefill again with this model."
             )
-        t = load_file(d / EVENTKV_TENSORS)
         n = manifest["n_layers"]
+        dev = torch.device(device)
+        # the rows are read straight to a CUDA GPU (safetensors reads to the CPU or CUDA; any other device
+        # is reached through the CPU); the positions stay on the CPU
+        with safe_open(d / EVENTKV_TENSORS, framework="pt", device=str(dev) if dev.type == "cuda" else "cpu") as f:
+            keys = [f.get_tensor(f"keys.{i}").unsqueeze(0).to(dev) for i in range(n)]
+            values = [f.get_tensor(f"values.{i}").unsqueeze(0).to(dev) for i in range(n)]
+        with safe_open(d / EVENTKV_TENSORS, framework="pt", device="cpu") as f:
+            positions = f.get_tensor("positions")
         return cls(
             TokenizedLog.from_dict(manifest["log"]),
-            [t[f"keys.{i}"].unsqueeze(0) for i in range(n)],
-            [t[f"values.{i}"].unsqueeze(0) for i in range(n)],
-            t["positions"],
+            keys,
+            values,
+            positions,
             manifest["weights_digest"],
             manifest.get("meta", {}),
         )
@@ -408,16 +433,16 @@ def prefill(
     """
     check_chunk_size(chunk_size)
     check_context(log.history_end, max_context)
-    ids = torch.tensor([log.input_ids], dtype=torch.long)
-    pos = torch.tensor([log.position_ids], dtype=torch.long)
-    device = next(model.parameters()).device
+    device = model_device(model)
+    ids = torch.tensor([log.input_ids], dtype=torch.long, device=device)
+    pos = torch.tensor([log.position_ids], dtype=torch.long, device=device)
     start = 0
     if prefix is not None:
         p = prefix.n_rows
         if (
             p > log.n_rows
             or prefix.log.input_ids[:p] != log.input_ids[:p]
-            or not torch.equal(prefix.positions, pos[0, :p])
+            or prefix.positions.tolist() != log.position_ids[:p]
         ):
             raise EventKVError(
                 "the prefix EventKV's rows are not the first rows of this log (token ids or positions differ)."
@@ -429,7 +454,8 @@ def prefill(
     step = chunk_size or log.n_rows
     for a in range(start, log.n_rows, step):
         b = min(a + step, log.n_rows)
-        model_forward(model, ids[:, a:b].to(device), pos[:, a:b].to(device), cache, logits_to_keep=1)
+        model_forward(model, ids[:, a:b], pos[:, a:b], cache, logits_to_keep=1)
     keys = [layer.keys for layer in cache.layers]
     values = [layer.values for layer in cache.layers]
-    return EventKV(log, keys, values, pos[0].clone(), weights_digest)
+    positions = torch.tensor(log.position_ids, dtype=torch.long, device="cpu")  # bookkeeping stays on the CPU
+    return EventKV(log, keys, values, positions, weights_digest)

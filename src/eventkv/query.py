@@ -13,7 +13,7 @@ from eventkv.errors import EventKVError, OptionError
 from eventkv.log import HEADER_ID, EventLog, tokenize, tokenize_query
 from eventkv.models.cache_dir import cache_root
 from eventkv.options import check_chunk_size, check_max_new_tokens, check_out_dir
-from eventkv.prefill import EventKV, check_context, prefill
+from eventkv.prefill import EventKV, check_context, model_device, prefill
 from eventkv.readout import CandidateScore, Generation, answer_served
 from eventkv.serve import ALL, SERVE_MODES, ServeMode, serve
 
@@ -54,8 +54,8 @@ def prefill_or_load(
     max_new_tokens: int = 0,
 ) -> tuple[EventKV, bool, Path]:
     """Tokenize and globally prefill ``log``, reusing the EventKV stored at ``store`` when it was made
-    from the same tokens by the same weights in the same dtype. Returns (EventKV, reused?, store
-    directory).
+    from the same tokens by the same weights in the same dtype (on any device: a stored EventKV is read
+    to the model's device). Returns (EventKV, reused?, store directory).
 
     The default store is content-addressed (model, dtype, tokens), so it only ever holds this very
     EventKV; a corrupted one there is prefilled again. A ``store`` given by the caller that holds a
@@ -86,7 +86,7 @@ def prefill_or_load(
     check_out_dir(store, "store")
     if (store / "eventkv.json").is_file():
         try:
-            ekv = EventKV.load(store, expect_digest=lm.profile.weights_digest)
+            ekv = EventKV.load(store, expect_digest=lm.profile.weights_digest, device=model_device(lm.model))
             if ekv.log.to_dict() == tlog.to_dict() and ekv.dtype == lm.profile.dtype:
                 return ekv, True, store
             why = "another log" if ekv.log.to_dict() != tlog.to_dict() else f"{ekv.dtype} rows, not {lm.profile.dtype}"

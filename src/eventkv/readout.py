@@ -142,6 +142,7 @@ class Batch:
     cache: a DynamicCache of GrowingLayers, per layer ``[batch, kv_heads, rows, head_dim]``
     (left-padded with zero rows); mask: ``[batch, rows]`` bool, False on pad rows and on rows a
     native cache hides; next_position: ``[batch]`` int64, each sequence's first query position.
+    All three live on the rows' device (the model's), so a decode step copies nothing to or from it.
     """
 
     cache: DynamicCache
@@ -161,16 +162,16 @@ class Batch:
             [layer.values.index_select(0, i) for layer in layers],
             capacity,
         )
-        return Batch(cache, self.mask.index_select(0, i), self.next_position.index_select(0, i.cpu()))
+        return Batch(cache, self.mask.index_select(0, i), self.next_position.index_select(0, i))
 
     def forward(self, model: PreTrainedModel, ids: torch.Tensor, offset: int, logits_to_keep: int = 0) -> torch.Tensor:
         """Append ``ids [batch, q]`` (at positions ``next_position + offset + arange(q)``) to this
         batch's rows; returns logits ``[batch, q or logits_to_keep, vocab]``."""
         dev = self.mask.device
         b, q = ids.shape
-        pos = self.next_position.to(dev).unsqueeze(1) + offset + torch.arange(q, device=dev).unsqueeze(0)
+        pos = self.next_position.unsqueeze(1) + offset + torch.arange(q, device=dev).unsqueeze(0)
         self.mask = torch.cat([self.mask, torch.ones(b, q, dtype=torch.bool, device=dev)], dim=1)
-        return model_forward(model, ids.to(dev), pos, self.cache, self.mask, logits_to_keep=logits_to_keep)
+        return model_forward(model, ids, pos, self.cache, self.mask, logits_to_keep=logits_to_keep)
 
 
 def stack(served: Sequence[ServedCache], extra: int = 0) -> Batch:
@@ -198,9 +199,8 @@ def stack(served: Sequence[ServedCache], extra: int = 0) -> Batch:
     cache.layers = layers
     mask = torch.zeros(len(served), n, dtype=torch.bool, device=dev)
     for i, s in enumerate(served):
-        vis = s.visible if s.visible is not None else torch.ones(s.n_rows, dtype=torch.bool)
-        mask[i, n - s.n_rows :] = vis.to(dev)
-    nxt = torch.tensor([s.next_position for s in served], dtype=torch.long)
+        mask[i, n - s.n_rows :] = True if s.visible is None else s.visible.to(dev)
+    nxt = torch.tensor([s.next_position for s in served], dtype=torch.long, device=dev)
     return Batch(cache, mask, nxt)
 
 
@@ -302,28 +302,27 @@ def _score(
     n_c = len(candidates)
     seqs = [prefix + list(c) for c in candidates]
     width = max(len(s) for s in seqs) - 1
+    dev = first.device
     # the first token of every sequence is scored from the query's logits, token k > 0 from the
-    # branch forward's output k - 1; targets are right-padded with token 0 (those entries are unread)
+    # branch forward's output k - 1; inputs and targets are right-padded with token 0 (those entries are
+    # unread). Every tensor is made on the model's device; the scores come back in one copy each.
     first_lp = token_logprobs(
-        first[scored].unsqueeze(1).expand(-1, n_c, -1), torch.tensor([[s[0] for s in seqs]] * len(scored))
-    )  # [scored, n_c]
+        first[scored].unsqueeze(1).expand(-1, n_c, -1),
+        torch.tensor([[s[0] for s in seqs]] * len(scored), dtype=torch.long, device=dev),
+    ).tolist()  # [scored][n_c]
     lp = None
     if width > 0:
         sub = batch.select([i for i in scored for _ in range(n_c)], batch.mask.shape[1] + width)
-        ids = torch.zeros(sub.size, width, dtype=torch.long)
-        targets = torch.zeros(sub.size, width, dtype=torch.long)
-        for r in range(sub.size):
-            s = seqs[r % n_c]
-            ids[r, : len(s) - 1] = torch.tensor(s[:-1])
-            targets[r, : len(s) - 1] = torch.tensor(s[1:])
-        lp = token_logprobs(sub.forward(model, ids, q), targets).cpu()  # [scored * n_c, width]
-    first_lp = first_lp.cpu()
+        padded = [seqs[r % n_c] + [0] * (width + 1 - len(seqs[r % n_c])) for r in range(sub.size)]
+        ids = torch.tensor([s[:-1] for s in padded], dtype=torch.long, device=dev)
+        targets = torch.tensor([s[1:] for s in padded], dtype=torch.long, device=dev)
+        lp = token_logprobs(sub.forward(model, ids, q), targets).tolist()  # [scored * n_c][width]
     for a, i in enumerate(scored):
         per = []
         for c, s in enumerate(seqs):
             r = a * n_c + c
-            per.append([float(first_lp[a, c]) if k == 0 else float(lp[r, k - 1]) for k in range(len(prefix), len(s))])
-        totals = torch.tensor([sum(t) for t in per], dtype=torch.float64)
+            per.append([first_lp[a][c] if k == 0 else lp[r][k - 1] for k in range(len(prefix), len(s))])
+        totals = torch.tensor([sum(t) for t in per], dtype=torch.float64, device="cpu")  # python floats: CPU
         probs = torch.softmax(totals, dim=0)
         out[i].candidates = [
             CandidateScore(texts[c] if texts else "", list(candidates[c]), float(totals[c]), per[c], float(probs[c]))
@@ -365,9 +364,8 @@ def _generate(
             feed.append(t)
         if all(done):
             break
-        logits = batch.forward(model, torch.tensor(feed, dtype=torch.long).unsqueeze(1), q + step, logits_to_keep=1)[
-            :, -1
-        ]
+        ids = torch.tensor(feed, dtype=torch.long, device=logits.device).unsqueeze(1)
+        logits = batch.forward(model, ids, q + step, logits_to_keep=1)[:, -1]
         step += 1
     for g, i in zip(gens, owners):
         if tokenizer is not None:

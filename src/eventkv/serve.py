@@ -32,7 +32,7 @@ from transformers import DynamicCache
 
 from eventkv.errors import EventKVError
 from eventkv.log import HEADER_ID
-from eventkv.prefill import EventKV, LayerRows, cache_from_rows, model_forward
+from eventkv.prefill import EventKV, LayerRows, cache_from_rows, model_device, model_forward
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -48,9 +48,10 @@ class ServedCache:
     """The rows a query is answered from.
 
     Attributes:
-        keys, values: per layer ``[1, kv_heads, rows, head_dim]``.
-        positions: ``[rows]`` int64 position ids of the rows.
-        visible: ``[rows]`` bool attention visibility (native mode), or None when all rows are visible.
+        keys, values: per layer ``[1, kv_heads, rows, head_dim]``, on the model's device.
+        positions: ``[rows]`` int64 position ids of the rows, on the CPU (bookkeeping, as in an EventKV).
+        visible: ``[rows]`` bool attention visibility (native mode) on the rows' device, or None when all
+            rows are visible.
         next_position: position id of the first query token.
         mode: the serving mode; served: the served event ids, in log order.
     """
@@ -107,7 +108,9 @@ def resolve_served(ekv: EventKV, served: str | Sequence[str]) -> tuple[str, ...]
 
 
 def _select(tensors: list[torch.Tensor], rows: torch.Tensor) -> list[torch.Tensor]:
-    return [t.index_select(2, rows.to(t.device)) for t in tensors]
+    """Rows ``rows`` (``[n]`` int64, any device: moved once) of each ``[1, kv_heads, rows, head_dim]`` tensor."""
+    rows = rows.to(tensors[0].device)
+    return [t.index_select(2, rows) for t in tensors]
 
 
 @torch.inference_mode()
@@ -164,18 +167,18 @@ def serve(
             _select(ekv.keys, rows), _select(ekv.values, rows), ekv.positions[rows], None, log.history_end, mode, ids
         )
     if mode == "native":
-        visible = torch.zeros(ekv.n_rows, dtype=torch.bool)
-        visible[ekv.rows_of(ids)] = True
-        return ServedCache(
-            list(ekv.keys), list(ekv.values), ekv.positions, visible.to(ekv.keys[0].device), log.history_end, mode, ids
-        )
+        dev = ekv.keys[0].device
+        visible = torch.zeros(ekv.n_rows, dtype=torch.bool, device=dev)
+        visible[ekv.rows_of(ids).to(dev)] = True
+        return ServedCache(list(ekv.keys), list(ekv.values), ekv.positions, visible, log.history_end, mode, ids)
     if model is None:
         raise EventKVError(f"serving mode {mode!r} re-encodes events and needs the model: pass model=...")
-    device = next(model.parameters()).device
+    device = model_device(model)
     header = log.span(HEADER_ID)
-    hrows = torch.arange(header.row_start, header.row_end)
+    hrows = slice(header.row_start, header.row_end)  # the header's rows are contiguous: views, no index
     if mode == "isolated":
-        header_keys, header_values = _select(ekv.keys, hrows), _select(ekv.values, hrows)
+        header_keys = [k[:, :, hrows] for k in ekv.keys]
+        header_values = [v[:, :, hrows] for v in ekv.values]
         keys, values = header_keys, header_values
         positions = [ekv.positions[hrows]]
         h = header.n_tokens
@@ -191,7 +194,7 @@ def serve(
                 rows = (
                     [layer.keys[:, :, h:] for layer in cache.layers],
                     [layer.values[:, :, h:] for layer in cache.layers],
-                    pos[0].cpu(),
+                    torch.arange(span.pos_start, span.pos_start + span.n_tokens, device="cpu"),  # no copy back
                 )
                 if isolated_memo is not None:  # copies, so the header rows of this forward are not kept
                     isolated_memo[key] = rows = ([t.clone() for t in rows[0]], [t.clone() for t in rows[1]], rows[2])
@@ -209,7 +212,7 @@ def serve(
     return ServedCache(
         [layer.keys for layer in cache.layers],
         [layer.values for layer in cache.layers],
-        pos[0].cpu(),
+        torch.arange(len(toks), device="cpu"),
         None,
         len(toks),
         mode,

@@ -100,8 +100,9 @@ def capture_prefill(
     """
     with _capturing(model, window) as seen:
         ekv = prefill(model, log, max_context=max_context)
-    positions = torch.tensor(log.position_ids, dtype=torch.long)
-    event_of_row = torch.full((log.n_rows,), -1, dtype=torch.long)
+    # the eviction rules compute on the CPU (eventkv.eviction.policies): what they read is copied there
+    positions = torch.tensor(log.position_ids, dtype=torch.long, device="cpu")
+    event_of_row = torch.full((log.n_rows,), -1, dtype=torch.long, device="cpu")
     for i, eid in enumerate(log.event_ids):
         span = log.span(eid)
         event_of_row[span.row_start : span.row_end] = i

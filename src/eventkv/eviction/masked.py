@@ -15,6 +15,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from eventkv.errors import EventKVError
+from eventkv.prefill import model_device
 from eventkv.readout import Readout, read_out
 from eventkv.serve import ServedCache, serve
 
@@ -41,7 +42,7 @@ def masked_attention(module, query, key, value, attention_mask, **kwargs):
         rows = mask.shape[1]
         group = q_heads // mask.shape[0]
         per_head = torch.ones(q_heads, kv, dtype=torch.bool, device=query.device)
-        per_head[:, :rows] = mask.to(query.device).repeat_interleave(group, dim=0)
+        per_head[:, :rows] = mask.repeat_interleave(group, dim=0)  # on the model's device (head_masked)
         per_head = per_head[None, :, None, :].expand(b, q_heads, q, kv)
         if attention_mask is None:  # sdpa_mask left causality to is_causal: spell it out
             cols = torch.arange(kv, device=query.device)
@@ -61,8 +62,9 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(HEAD_MASKED, sdpa_mask)
 @contextmanager
 def head_masked(model: PreTrainedModel, masks: dict[int, torch.Tensor]):
     """Inside the block, ``model``'s attention hides, per layer and KV head, the cache rows whose
-    mask entry is False (``masks[layer]``: ``[kv_heads, rows]`` bool; a layer without a mask sees
-    every row). Not re-entrant; one model at a time.
+    mask entry is False (``masks[layer]``: ``[kv_heads, rows]`` bool, on any device: moved to the
+    model's once, here, not in every forward; a layer without a mask sees every row). Not re-entrant;
+    one model at a time.
 
     Raises:
         EventKVError: a mask that is not 2-D bool.
@@ -76,7 +78,8 @@ def head_masked(model: PreTrainedModel, masks: dict[int, torch.Tensor]):
     if _MASKS is not None:
         raise EventKVError("head_masked is already active: nest no head-masked readouts.")
     previous = model.config._attn_implementation
-    _MASKS = dict(masks)
+    dev = model_device(model)
+    _MASKS = {layer: m.to(dev) for layer, m in masks.items()}
     model.set_attn_implementation(HEAD_MASKED)
     try:
         yield

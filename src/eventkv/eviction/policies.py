@@ -6,6 +6,11 @@ convention) keeps, per KV head, the ``rows - floor(r * rows)`` best-scored rows.
 Positions: every rule that depends on where a row sits reads ``LayerCapture.positions`` — the
 rows' real RoPE position ids from the log (position budgets leave gaps) — never the row index.
 
+Devices: a rule computes on the capture's device (every tensor it makes follows ``keys``); the
+captures of :func:`eventkv.eviction.capture.capture_prefill` are on the CPU, in float32 and float64,
+so a policy's scores do not depend on the device the model ran on beyond the captured inputs'
+rounding. Random scores are drawn on the CPU from a seeded generator whatever the device.
+
 Why not kvpress: kvpress 0.5.5 pins transformers < 5.3, its hooks fail on 5.24 (the attention
 keyword is now ``cache``), and importing it patches every attention function process-wide; the
 rules are short, so they are written here from the papers (a parity test runs where someone
@@ -90,7 +95,7 @@ class Policy:
         # ties: the later position wins — sort by position descending, then stably by score descending
         by_pos = torch.argsort(c.positions, descending=True, stable=True)
         by_score = torch.argsort(s[:, by_pos], dim=1, descending=True, stable=True)
-        mask = torch.zeros(c.kv_heads, c.rows, dtype=torch.bool)
+        mask = torch.zeros(c.kv_heads, c.rows, dtype=torch.bool, device=s.device)
         mask.scatter_(1, by_pos[by_score[:, :n_keep]], True)
         return mask
 
@@ -128,7 +133,7 @@ class StreamingLLM(Policy):
     def scores(self, c: LayerCapture) -> torch.Tensor:
         pos = c.positions.double()
         order = torch.argsort(c.positions, stable=True)
-        sink = torch.zeros(c.rows, dtype=torch.bool)
+        sink = torch.zeros(c.rows, dtype=torch.bool, device=c.positions.device)
         sink[order[: self.sinks]] = True  # the rows at the first `sinks` positions
         s = torch.where(sink, pos.max() + 1.0 + (self.sinks - pos), pos)
         return s.expand(c.kv_heads, -1).clone()
@@ -176,7 +181,7 @@ class SnapKV(Policy):
             else:
                 x = torch.nn.functional.avg_pool1d(x, self.kernel, 1, pad, count_include_pad=False)
             votes = x[:, 0, : votes.shape[-1]]
-        s = torch.full((c.kv_heads, c.rows), float("inf"), dtype=torch.float64)
+        s = torch.full((c.kv_heads, c.rows), float("inf"), dtype=torch.float64, device=votes.device)
         s[:, ~in_window] = votes
         return s
 
@@ -222,12 +227,13 @@ class ExpectedAttention(Policy):
         pre = (q * cos - _rotate_half(q) * sin) / att_scale
         mu = pre.mean(dim=1)  # [q_heads, d]
         # average rotation over the next `horizon` positions after the last one
-        future = c.query_positions.max().double() + 1 + torch.arange(self.horizon, dtype=torch.float64)
+        dev = q.device
+        future = c.query_positions.max().double() + 1 + torch.arange(self.horizon, dtype=torch.float64, device=dev)
         fang = future[:, None] * inv_freq[None, :]
         cbar = torch.cat([fang.cos().mean(0)] * 2) * att_scale
         sbar = torch.cat([fang.sin().mean(0)] * 2) * att_scale
         d = q.shape[-1]
-        rot = torch.diag(cbar) + torch.diag(sbar) @ _rotate_half_matrix(d)  # R-bar, [d, d]
+        rot = torch.diag(cbar) + torch.diag(sbar) @ _rotate_half_matrix(d, dev)  # R-bar, [d, d]
         k = c.keys.double().repeat_interleave(q.shape[0] // c.kv_heads, dim=0)  # [q_heads, rows, d]
         s = c.scale()
         logits = torch.einsum("hd,hrd->hr", mu @ rot.T, k) * s
@@ -247,9 +253,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
 
 
-def _rotate_half_matrix(d: int) -> torch.Tensor:
-    """P with ``P @ x == rotate_half(x)`` (the RoPE convention of transformers' Llama family)."""
-    return _rotate_half(torch.eye(d, dtype=torch.float64)).T
+def _rotate_half_matrix(d: int, device: torch.device) -> torch.Tensor:
+    """P with ``P @ x == rotate_half(x)`` (the RoPE convention of transformers' Llama family), ``[d, d]`` float64."""
+    return _rotate_half(torch.eye(d, dtype=torch.float64, device=device)).T
 
 
 @dataclass
@@ -260,8 +266,9 @@ class Random(Policy):
     seed: int = 0
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 100_003 + c.layer)
-        return torch.rand(c.kv_heads, c.rows, generator=g, dtype=torch.float64)
+        # drawn on the CPU: a CUDA generator gives other numbers for the same seed
+        g = torch.Generator(device="cpu").manual_seed(self.seed * 100_003 + c.layer)
+        return torch.rand(c.kv_heads, c.rows, generator=g, dtype=torch.float64, device="cpu").to(c.keys.device)
 
 
 @dataclass
@@ -278,7 +285,7 @@ class EventTopK(Policy):
             raise OptionError("policy", self.name, "event-level scoring needs each row's event: capture the log.")
         inner = self.inner.scores(c).mean(dim=0)
         ev = c.event_of_row
-        s = torch.empty(c.rows, dtype=torch.float64)
+        s = torch.empty(c.rows, dtype=torch.float64, device=inner.device)
         for e in ev.unique().tolist():
             rows = ev == e
             s[rows] = float("inf") if e < 0 else inner[rows].mean()
@@ -309,7 +316,7 @@ class UserPolicy(Policy):
     def scores(self, c: LayerCapture) -> torch.Tensor:
         if self.fn is None:
             raise OptionError("policy", None, "give UserPolicy(fn=...), a function of a LayerCapture.")
-        s = torch.as_tensor(self.fn(c), dtype=torch.float64)
+        s = torch.as_tensor(self.fn(c), dtype=torch.float64, device=c.keys.device)
         if s.shape != (c.kv_heads, c.rows):
             raise OptionError(
                 "policy scores", tuple(s.shape), f"return one score per (KV head, row): shape ({c.kv_heads}, {c.rows})."

@@ -44,7 +44,7 @@ from eventkv.memory.select import rank
 from eventkv.memory.store import SCHEMA_VERSION, Store, check_identity, model_identity, now
 from eventkv.memory.table import EventTable, record_from_row
 from eventkv.options import check_max_new_tokens, check_optional_int, is_int
-from eventkv.prefill import EventKV, check_context, prefill
+from eventkv.prefill import EventKV, check_context, model_device, prefill
 from eventkv.readout import answer_served
 from eventkv.serve import SERVE_MODES, ServeMode, serve
 
@@ -196,9 +196,6 @@ class EventMemory:
     def _n_rows(self) -> int:
         return self._table.n_rows()
 
-    def _device(self) -> torch.device:
-        return next(self.lm.model.parameters()).device
-
     def _load_rows(self) -> None:
         """Read every segment (row order), check the rows line up with the prefilled events, and keep
         them as the in-memory EventKV."""
@@ -225,7 +222,7 @@ class EventMemory:
         pos = torch.cat(positions)
         if log is None or log.n_rows != total or pos.tolist() != log.position_ids:
             raise self._corrupt(f"the segments hold {total} rows that do not line up with the prefilled events")
-        dev = self._device()
+        dev = model_device(self.lm.model)  # segments are read on the CPU; the rows go to the model once
         self._isolated.clear()
         self._ekv = EventKV(
             log,

@@ -26,7 +26,7 @@ import torch
 
 from eventkv.errors import EventKVError
 from eventkv.log import TokenizedLog, encode, header_text
-from eventkv.prefill import EventKV, prefill
+from eventkv.prefill import EventKV, model_device, prefill
 
 #: Encodings an arm can name (Study 1, "Setting"):
 #: ``compact`` — the served events' rows from the global prefill, at their original positions;
@@ -155,6 +155,15 @@ class Runtime:
         return getattr(self.profile, "weights_digest", "unhashed")
 
     @property
+    def device(self) -> str:
+        """Where the model runs (``"cpu"``, ``"cuda:0"``): its parameters' device, else the profile's
+        (a stand-in model without parameters), else ``"unknown"``."""
+        try:
+            return str(model_device(self.model))
+        except (AttributeError, StopIteration, TypeError):
+            return str(getattr(self.profile, "device", "") or "unknown")
+
+    @property
     def stop_token_ids(self) -> list[int]:
         return list(getattr(self.profile, "stop_token_ids", []) or [])
 
@@ -188,11 +197,12 @@ def _prefill_header(model, header_ids: list[int], digest: str) -> EventKV:
 
     if not header_ids:
         raise EventKVError("the header tokenizes to nothing: give the model a chat template or an instruction.")
-    dev = next(model.parameters()).device
+    dev = model_device(model)
     cache = DynamicCache()
-    pos = torch.arange(len(header_ids), dtype=torch.long)
-    model_forward(model, torch.tensor([header_ids], device=dev), pos.unsqueeze(0).to(dev), cache, logits_to_keep=1)
+    ids = torch.tensor([header_ids], device=dev)
+    model_forward(model, ids, torch.arange(len(header_ids), device=dev).unsqueeze(0), cache, logits_to_keep=1)
     log = TokenizedLog.from_ids(header_ids, [("<none>", [0], None)])
+    pos = torch.arange(len(header_ids), dtype=torch.long, device="cpu")  # an EventKV's positions live on the CPU
     return EventKV(log, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], pos, digest)
 
 

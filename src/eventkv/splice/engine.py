@@ -60,7 +60,7 @@ import torch
 
 from eventkv.errors import EventKVError
 from eventkv.log import encode
-from eventkv.prefill import cache_from_rows, check_context, model_forward
+from eventkv.prefill import cache_from_rows, check_context, model_device, model_forward
 from eventkv.readout import token_logprobs
 
 ARMS = ("clean", "scaffold", "zero-kv", "zero-k", "zero-v", "mask", "mean")
@@ -200,10 +200,6 @@ class SpliceResult:
     took_effect: bool = True
 
 
-def _device(model) -> torch.device:
-    return next(model.parameters()).device
-
-
 def _attention_modules(model) -> list[torch.nn.Module]:
     """The self-attention module of every decoder layer, indexed by layer."""
     mods = {}
@@ -227,7 +223,8 @@ def span_masked(
     While installed, the attention of layer ``l`` in ``plan`` does not see key rows
     ``span_rows[0] .. span_rows[1] - 1`` for the batch elements where ``plan[l]`` (``[batch]`` bool)
     is True; other layers and elements are untouched. ``heads[l]`` (``[batch, n_query_heads]``
-    bool), if given, limits the removal to those query heads. Both dicts are read at each forward
+    bool), if given, limits the removal to those query heads. Both are made on the model's device
+    (:func:`_spliced_rows` does), so a hook copies nothing per forward. Both dicts are read at each forward
     (so a caller may replace their tensors when it drops finished batch elements). The layer's own mask (causal,
     sliding window) is kept and combined; when the model passes none, a causal mask is built.
     Hooks are removed on exit, always.
@@ -250,9 +247,9 @@ def span_masked(
             dev = hidden.device
             base = kwargs.get("attention_mask")
             hide = torch.zeros(b, 1, 1, kv, dtype=torch.bool, device=dev)
-            hide[:, :, :, lo:hi] = sel.to(dev).view(b, 1, 1, 1)
+            hide[:, :, :, lo:hi] = sel.view(b, 1, 1, 1)
             if head_sel is not None:
-                hide = hide & head_sel.to(dev).view(b, -1, 1, 1)
+                hide = hide & head_sel.view(b, -1, 1, 1)
             if base is None:
                 rows = torch.arange(kv, device=dev)
                 qrows = torch.arange(past, kv, device=dev)
@@ -294,12 +291,12 @@ def _decode(
     known). Finished elements are dropped from the batch (and from the ``[B]``-indexed tensors in
     ``masks``). Returns (tokens per element, stopped per element, logits per element, cache); the
     cache is only complete when no element finished early (B = 1 without ``decided``)."""
-    dev = _device(model)
+    dev = model_device(model)
     b = forced.shape[0]
     cache = cache_from_rows(keys, values)
     q = forced.shape[1]
     pos = torch.arange(start_pos, start_pos + q, device=dev).unsqueeze(0).expand(b, -1)
-    logits = model_forward(model, forced.to(dev), pos, cache, logits_to_keep=1)[:, -1]
+    logits = model_forward(model, forced, pos, cache, logits_to_keep=1)[:, -1]
     nxt = start_pos + q
     toks: list[list[int]] = [[] for _ in range(b)]
     stopped = [False] * b
@@ -328,7 +325,7 @@ def _decode(
                 layer.values = layer.values.index_select(0, idx)
             for m in masks:
                 for key in list(m):
-                    m[key] = m[key].index_select(0, idx.to(m[key].device))
+                    m[key] = m[key].index_select(0, idx)
             active = [active[j] for j in keep_rows]
         ids = torch.tensor(feed, device=dev).view(-1, 1)
         p = torch.full((len(feed), 1), nxt, device=dev)
@@ -357,7 +354,7 @@ def clean_run(
         EventKVError: prompt plus generation longer than the model's context.
     """
     check_context(prompt.n_rows + max_new_tokens, max_context, what="prompt plus generation")
-    dev = _device(model)
+    dev = model_device(model)
     ids = torch.tensor([prompt.ids], device=dev)
     from transformers import DynamicCache
 
@@ -403,7 +400,7 @@ def donor_rows(model, run: CleanRun, donor_ids: Sequence[int]) -> tuple[list[tor
             f"the donor has {len(donor_ids)} tokens but the span has {hi - lo}: length-match the filler "
             "to the span (see filler_ids)."
         )
-    dev = _device(model)
+    dev = model_device(model)
     cache = cache_from_rows([k[:, :, :lo] for k in run.keys], [v[:, :, :lo] for v in run.values])
     model_forward(
         model,
@@ -507,13 +504,15 @@ def _spliced_rows(model, run: CleanRun, splices: Sequence[Splice], r0: int, dono
     """The spliced rows ``[0, r0)`` of a batch of splices: per layer keys and values
     ``[B, kv_heads, r0, head_dim]`` (fresh tensors; the clean run's are never written), and the
     ``mask`` arm's per-layer plans for :func:`span_masked` (``{layer: [B] bool}``,
-    ``{layer: [B, n_query_heads] bool}``)."""
+    ``{layer: [B, n_query_heads] bool}``), on the rows' device."""
     lo, hi = run.prompt.span_rows
     b = len(splices)
+    dev = run.keys[0].device
     keys, values = [], []
-    plan: dict[int, torch.Tensor] = {}
-    head_plan: dict[int, torch.Tensor] = {}
-    n_q_heads = None
+    plan: dict[int, list[bool]] = {}
+    head_plan: dict[int, list[list[bool]]] = {}
+    n_q_heads = int(model.config.get_text_config().num_attention_heads)
+    group = n_q_heads // run.keys[0].shape[1]
     for layer in range(run.n_layers):
         k = run.keys[layer][:, :, :r0].expand(b, -1, -1, -1).clone()
         v = run.values[layer][:, :, :r0].expand(b, -1, -1, -1).clone()
@@ -522,13 +521,10 @@ def _spliced_rows(model, run: CleanRun, splices: Sequence[Splice], r0: int, dono
                 continue
             hs = slice(None) if s.heads is None else list(s.heads)
             if s.arm == "mask":
-                plan.setdefault(layer, torch.zeros(b, dtype=torch.bool))[e] = True
+                plan.setdefault(layer, [False] * b)[e] = True
                 if s.heads is not None:
-                    if n_q_heads is None:
-                        n_q_heads = int(model.config.get_text_config().num_attention_heads)
-                    hp = head_plan.setdefault(layer, torch.ones(b, n_q_heads, dtype=torch.bool))
-                    group = n_q_heads // run.keys[0].shape[1]
-                    hp[e] = torch.tensor([h // group in s.heads for h in range(n_q_heads)])
+                    hp = head_plan.setdefault(layer, [[True] * n_q_heads for _ in range(b)])
+                    hp[e] = [h // group in s.heads for h in range(n_q_heads)]
                 continue
             if s.arm == "scaffold":
                 nk, nv = donors[s.donor][0][layer], donors[s.donor][1][layer]
@@ -540,7 +536,10 @@ def _spliced_rows(model, run: CleanRun, splices: Sequence[Splice], r0: int, dono
                 v[e, hs, lo:hi] = nv[0, hs].to(v.dtype)
         keys.append(k)
         values.append(v)
-    return keys, values, plan, head_plan
+    plans = [
+        {layer: torch.tensor(m, dtype=torch.bool, device=dev) for layer, m in p.items()} for p in (plan, head_plan)
+    ]
+    return keys, values, *plans
 
 
 def _run_batch(
@@ -560,7 +559,7 @@ def _run_batch(
     lo, hi = prompt.span_rows
     all_ids = prompt.ids + run.tokens
     r0 = _start_row(run, step, tail)
-    forced = torch.tensor([all_ids[r0 : p + step]], dtype=torch.long)
+    forced = torch.tensor([all_ids[r0 : p + step]], dtype=torch.long, device=model_device(model))
     b = len(splices)
     keys, values, plan, head_plan = _spliced_rows(model, run, splices, r0, donors)
     with span_masked(model, (lo, hi), plan, head_plan or None):
@@ -656,11 +655,21 @@ def splice_choice(
     forced = list(prompt.ids[r0:])
     n_opt, longest = len(options), max(len(o) for o in options)
     width = len(forced) + longest - 1
-    ids = torch.zeros(n_opt, width, dtype=torch.long)
-    for c, o in enumerate(options):
-        seq = forced + list(o[:-1])
-        ids[c, : len(seq)] = torch.tensor(seq)
-    dev = _device(model)
+    dev = model_device(model)
+    # per option: its input (forced + the option but its last token, right-padded with token 0), and
+    # [n_opt, longest] the logits row before each option token, that token, and whether it is one
+    # (the padding entries, at the last forced row with token 0, are computed but never summed)
+    seqs = [forced + list(o[:-1]) for o in options]
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs], dtype=torch.long, device=dev)
+    pad = [longest - len(o) for o in options]
+    at = torch.tensor(
+        [[len(forced) - 1 + j for j in range(len(o))] + [len(forced) - 1] * k for o, k in zip(options, pad)],
+        dtype=torch.long,
+        device=dev,
+    )
+    targets = torch.tensor([list(o) + [0] * k for o, k in zip(options, pad)], dtype=torch.long, device=dev)
+    real = torch.tensor([[True] * len(o) + [False] * k for o, k in zip(options, pad)], dtype=torch.bool, device=dev)
+    option = torch.arange(n_opt, device=dev).unsqueeze(1)  # [n_opt, 1]
     out: list[list[float]] = []
     for a in range(0, len(splices), batch_size):
         chunk = list(splices[a : a + batch_size])
@@ -670,17 +679,15 @@ def splice_choice(
         keys, values = [rep(k) for k in keys], [rep(v) for v in values]
         plan = {layer: rep(m) for layer, m in plan.items()}
         head_plan = {layer: rep(m) for layer, m in head_plan.items()}
-        batch_ids = ids.repeat(b, 1).to(dev)
+        batch_ids = ids.repeat(b, 1)
         pos = torch.arange(r0, r0 + width, device=dev).unsqueeze(0).expand(b * n_opt, -1)
         with span_masked(model, (lo, hi), plan, head_plan or None):
             logits = model_forward(model, batch_ids, pos, cache_from_rows(keys, values))
-        for e in range(b):
-            row = []
-            for c, o in enumerate(options):
-                x = e * n_opt + c
-                at = torch.arange(len(forced) - 1, len(forced) - 1 + len(o), device=logits.device)
-                row.append(float(token_logprobs(logits[x, at], torch.tensor(list(o))).sum()))
-            out.append(row)
+        # per splice one gather of its option tokens [n_opt, longest] (float64 over one splice's vocab rows
+        # at a time), summed on the device; the [b, n_opt] sums are copied back once
+        per = logits.reshape(b, n_opt, width, -1)
+        sums = [torch.where(real, token_logprobs(per[e][option, at], targets), 0.0).sum(dim=-1) for e in range(b)]
+        out.extend(torch.stack(sums).tolist())
     return out
 
 
