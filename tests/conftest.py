@@ -7,6 +7,17 @@ import json
 import pytest
 
 
+@pytest.fixture(autouse=True)
+def _auto_device_is_the_cpu(request, monkeypatch):
+    """``device="auto"`` resolves to the CPU in every test not marked ``cuda``, on every machine: the CPU
+    tests' expected values (exact counts, stated tolerances) are measured on the CPU, and a GPU machine
+    must not move them to another device. ``tests/test_cuda.py`` (marked ``cuda``) sees the GPU."""
+    if request.node.get_closest_marker("cuda") is None:
+        import eventkv.models.devices
+
+        monkeypatch.setattr(eventkv.models.devices, "cuda_available", lambda: False)
+
+
 @pytest.fixture()
 def jsonl(tmp_path):
     """An event log of three events ``a``, ``b``, ``c`` (texts ``event a`` ...)."""

@@ -155,7 +155,7 @@ def test_cli_run_donor_pair_end_to_end(tmp_path, monkeypatch):
     monkeypatch.setattr(
         eventkv.models,
         "load",
-        lambda name, dtype="float32": types.SimpleNamespace(
+        lambda name, dtype="float32", device="cpu": types.SimpleNamespace(
             model=tiny.model, tokenizer=tiny.tokenizer, profile=tiny.profile
         ),
     )

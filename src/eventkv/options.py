@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Iterable, Sequence
 
 from eventkv.errors import OptionError
@@ -26,6 +27,35 @@ DTYPE_HELP = (
     "with AVX512-BF16 or AMX), else float32 | float32 | bfloat16 | float16. The choice and the reason "
     "are recorded in the manifest"
 )
+
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+"""What ``--device`` / ``models.load(device=...)`` accept, besides ``cuda:N`` (the N-th CUDA GPU); ``"auto"`` is
+resolved by ``models.resolve_device`` (a CUDA GPU when torch sees one, else the CPU)."""
+
+DEVICE_HELP = (
+    "auto (default): the CUDA GPU when torch sees one, else the CPU | cpu | cuda | cuda:N. With --dtype auto a "
+    "GPU with native bf16 runs bfloat16; use --dtype float32 for reference numbers. The device is recorded "
+    "in the manifest"
+)
+
+_CUDA_INDEX = re.compile(r"cuda:(0|[1-9][0-9]*)")
+
+
+def check_device(device) -> str:
+    """``device`` if it is ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (syntax only: whether this machine has
+    that GPU is :func:`eventkv.models.resolve_device`'s check, which needs torch).
+
+    Raises:
+        OptionError: any other value (names the ``device`` field, the value and what is allowed).
+    """
+    if not isinstance(device, str) or not (device in DEVICE_CHOICES or _CUDA_INDEX.fullmatch(device)):
+        raise OptionError(
+            "device",
+            device,
+            "use auto (the CUDA GPU when torch sees one, else the CPU), cpu, cuda or cuda:N (the N-th GPU).",
+        )
+    return device
 
 
 def is_int(value) -> bool:

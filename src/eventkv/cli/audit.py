@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from eventkv.cli.common import comma_list, run_probe_command, user_errors
+from eventkv.cli.common import DEVICE_OPTION, comma_list, run_probe_command, user_errors
 from eventkv.options import DTYPE_HELP
 
 
@@ -28,6 +28,7 @@ def audit(
     seed: int = typer.Option(0, "--seed", help="item seed (the donor-pair probe's pairs for the same seed)"),
     out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: runs/audit/MODEL-DTYPE-seedSEED)"),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    device: str = DEVICE_OPTION,
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
 ) -> None:
@@ -48,4 +49,4 @@ def audit(
                     "ratios", r, "give compression ratios as numbers in [0, 1).", flag="--ratio"
                 ) from None
         probe = EvictionAudit(policies=comma_list(policy, "--policy"), ratios=tuple(ratios), window=window, sinks=sinks)
-        run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress))
+        run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress, device=device))

@@ -12,11 +12,16 @@ from rich.console import Console
 from rich.markup import escape
 
 from eventkv.errors import EventKVError, cli_message
+from eventkv.options import DEVICE_HELP
 
 if TYPE_CHECKING:  # eventkv.probes imports torch: the commands import it when they run, not for --help
     from eventkv.probes.run_options import RunOptions
 
 _err = Console(stderr=True)
+
+DEVICE_OPTION = typer.Option("auto", "--device", help=DEVICE_HELP)
+"""``--device``, shared by every command that loads a model (checked by
+:func:`eventkv.models.resolve_device` before the model loads)."""
 
 
 @contextmanager

@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from eventkv.cli.common import comma_list, int_list, run_probe_command, start_run, user_errors
+from eventkv.cli.common import DEVICE_OPTION, comma_list, int_list, run_probe_command, start_run, user_errors
 from eventkv.options import DTYPE_HELP
 
 _MODEL = typer.Option(
@@ -41,6 +41,7 @@ def trigger_bank(
     arms: str = typer.Option("kv,text", "--arms", help="kv,text[,isolated]"),
     max_new_tokens: int = _MAX_NEW,
     dtype: str = _DTYPE,
+    device: str = DEVICE_OPTION,
     threads: Optional[int] = _THREADS,
     progress: bool = _PROGRESS,
 ) -> None:
@@ -50,7 +51,7 @@ def trigger_bank(
         from eventkv.probes.trigger_bank import TriggerBank
 
         probe = TriggerBank(readout=readout, arm_names=comma_list(arms, "--arms"), max_new_tokens=max_new_tokens)
-        run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress))
+        run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress, device=device))
 
 
 def landing(
@@ -64,6 +65,7 @@ def landing(
     tost_margin: float = typer.Option(0.075, "--tost-margin", help="equivalence margin of the mention-donor TOST"),
     max_new_tokens: int = _MAX_NEW,
     dtype: str = _DTYPE,
+    device: str = DEVICE_OPTION,
     threads: Optional[int] = _THREADS,
     progress: bool = _PROGRESS,
 ) -> None:
@@ -73,7 +75,7 @@ def landing(
         from eventkv.probes.run_options import RunOptions
 
         probe = Landing(readout=readout, tost_margin=tost_margin, max_new_tokens=max_new_tokens)
-        run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress))
+        run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress, device=device))
 
 
 def access(
@@ -85,6 +87,7 @@ def access(
     cardinalities: str = typer.Option("binary,compass,phonetic,number", "--cardinalities"),
     max_new_tokens: int = _MAX_NEW,
     dtype: str = _DTYPE,
+    device: str = DEVICE_OPTION,
     threads: Optional[int] = _THREADS,
     progress: bool = _PROGRESS,
 ) -> None:
@@ -96,7 +99,7 @@ def access(
         probe = Access(
             readout=readout, cardinalities=comma_list(cardinalities, "--cardinalities"), max_new_tokens=max_new_tokens
         )
-        run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress))
+        run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress, device=device))
 
 
 def carriers(
@@ -113,6 +116,7 @@ def carriers(
     ),
     max_new_tokens: int = _MAX_NEW,
     dtype: str = _DTYPE,
+    device: str = DEVICE_OPTION,
     threads: Optional[int] = _THREADS,
     progress: bool = _PROGRESS,
 ) -> None:
@@ -127,7 +131,7 @@ def carriers(
             fix_query_position=fix_query_position,
             max_new_tokens=max_new_tokens,
         )
-        run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress))
+        run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress, device=device))
 
 
 def patch(
@@ -141,6 +145,7 @@ def patch(
     timing_repeats: int = typer.Option(2, "--timing-repeats"),
     max_new_tokens: int = _MAX_NEW,
     dtype: str = _DTYPE,
+    device: str = DEVICE_OPTION,
     threads: Optional[int] = _THREADS,
     progress: bool = _PROGRESS,
 ) -> None:
@@ -156,7 +161,7 @@ def patch(
             timing_repeats=timing_repeats,
             max_new_tokens=max_new_tokens,
         )
-        run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress))
+        run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress, device=device))
 
 
 def contract(
@@ -173,6 +178,7 @@ def contract(
         None, "--out", help="output directory (default: runs/contract/MODEL-DTYPE[-quick])"
     ),
     dtype: str = _DTYPE,
+    device: str = DEVICE_OPTION,
     threads: Optional[int] = _THREADS,
     progress: bool = _PROGRESS,
 ) -> None:
@@ -186,7 +192,7 @@ def contract(
             items = 8 if quick else 24
         plan(items, quick)  # bad --items fails here, before the model loads or --out is made
         opts, console, rt = start_run(
-            RunOptions(model, items, seed, out, dtype, threads, progress),
+            RunOptions(model, items, seed, out, dtype, threads, progress, device=device),
             folder="contract",
             name="{model}-{dtype}-quick" if quick else "{model}-{dtype}",
         )

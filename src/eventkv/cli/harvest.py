@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from eventkv.cli.common import run_probe_command, user_errors
+from eventkv.cli.common import DEVICE_OPTION, run_probe_command, user_errors
 from eventkv.options import DTYPE_HELP
 
 
@@ -27,6 +27,7 @@ def harvest(
     tost_margin: float = typer.Option(0.05, "--tost-margin", help="equivalence margin of the primary contrast"),
     out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: runs/harvest/MODEL-DTYPE-seed0)"),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    device: str = DEVICE_OPTION,
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
 ) -> None:
@@ -52,4 +53,4 @@ def harvest(
             if conversations is None
             else check_int("conversations", conversations, "give 1 or more.", flag="--conversations")
         )
-        run_probe_command(probe, RunOptions(model, items, 0, out, dtype, threads, progress))
+        run_probe_command(probe, RunOptions(model, items, 0, out, dtype, threads, progress, device=device))

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from eventkv.cli.common import comma_list, run_probe_command, user_errors
+from eventkv.cli.common import DEVICE_OPTION, comma_list, run_probe_command, user_errors
 from eventkv.options import DTYPE_HELP
 
 memory_app = typer.Typer(no_args_is_help=True, help="The event-KV agent memory: evaluate it on real dialogue.")
@@ -40,6 +40,7 @@ def memory_eval(
         None, "--out", help="run directory (default: runs/memory-eval/MODEL-DTYPE-seedSEED)"
     ),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    device: str = DEVICE_OPTION,
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
 ) -> None:
@@ -61,4 +62,4 @@ def memory_eval(
             batch_arms=batch_arms,
         )
         items = conversations * questions
-        run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress))
+        run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress, device=device))

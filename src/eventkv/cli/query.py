@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from eventkv.cli.common import DEVICE_OPTION
 from eventkv.options import DTYPE_HELP
 
 console = Console()
@@ -35,6 +36,7 @@ def query(
     ),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Greedy decoding budget (tokens)."),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    device: str = DEVICE_OPTION,
     store: Optional[Path] = typer.Option(
         None, "--store", help="Where the EventKV is stored/reused (default: content-addressed under the cache)."
     ),
@@ -44,20 +46,21 @@ def query(
 ) -> None:
     """Answer a question from the served events' KV rows (prefills the log once, then reuses it)."""
     from eventkv.log import EventLog
-    from eventkv.models import load, resolve_dtype
+    from eventkv.models import load, resolve_device, resolve_dtype
     from eventkv.query import answer, check_query
 
     elog = EventLog.from_jsonl(log, instruction=instruction)
     cands = candidates.split(",") if candidates is not None else []
     options = dict(mode=mode, candidates=cands, max_new_tokens=max_new_tokens, chunk_size=chunk_size, store=store)
     check_query(elog, serve, question, **options)  # fail before the model loads
-    resolve_dtype(dtype)
+    resolve_dtype(dtype, resolve_device(device)[0])
     with console.status(f"loading {model}"):
-        lm = load(model, dtype=dtype)
+        lm = load(model, dtype=dtype, device=device)
     with console.status("prefill / serve / answer"):
         ans = answer(lm, elog, serve, question, **options)
     console.print(
-        f"[dim]{lm.profile.dtype} ({lm.profile.dtype_reason}); served {', '.join(ans.served)} ({mode}): "
+        f"[dim]{lm.profile.dtype} ({lm.profile.dtype_reason}) on {lm.profile.device} ({lm.profile.device_reason}); "
+        f"served {', '.join(ans.served)} ({mode}): "
         f"{ans.n_rows_served} of {ans.n_rows_total} rows; "
         f"EventKV {'reused' if ans.reused else 'prefilled'} at {ans.store}[/dim]"
     )

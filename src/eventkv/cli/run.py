@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from eventkv.cli.common import comma_list, print_summary, run_probe_command, user_errors
+from eventkv.cli.common import DEVICE_OPTION, comma_list, print_summary, run_probe_command, user_errors
 from eventkv.errors import EventKVError
 from eventkv.options import DTYPE_HELP
 
@@ -51,6 +51,7 @@ def donor_pair(
     ),
     readout: str = typer.Option("both", "--readout", help="generate | logits | both"),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    device: str = DEVICE_OPTION,
     n_events: int = typer.Option(24, "--n-events", help="events per history"),
     decoy_slot: int = typer.Option(0, "--decoy-slot", help="slot of the decoy (0-based; slot i is <step i+1>)"),
     source_slots: str = typer.Option("8-11", "--source-slots", help="range the source slot is drawn from (inclusive)"),
@@ -80,7 +81,7 @@ def donor_pair(
             max_new_tokens=max_new_tokens,
             arm_names=comma_list(arms, "--arms"),
         )
-        run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress))
+        run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress, device=device))
 
 
 def report(

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from eventkv.cli.common import user_errors
+from eventkv.cli.common import DEVICE_OPTION, user_errors
 from eventkv.options import DTYPE_HELP, check_int
 
 
@@ -24,6 +24,7 @@ def serve(
     max_body: int = typer.Option(4 * 1024 * 1024, "--max-body", help="request body bytes at most (413 beyond)"),
     max_open: int = typer.Option(16, "--max-open", help="memories kept open (rows in RAM)"),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    device: str = DEVICE_OPTION,
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level"),
 ) -> None:
@@ -31,7 +32,7 @@ def serve(
     'eventkv\\[server]'). API docs at /docs; Prometheus metrics at /metrics."""
     with user_errors():
         from eventkv.errors import EventKVError, OptionError
-        from eventkv.models import load, resolve_dtype
+        from eventkv.models import load, resolve_device, resolve_dtype
         from eventkv.options import check_threads
 
         try:
@@ -56,12 +57,12 @@ def serve(
         tokens = read_tokens(token_file) if token_file is not None else {}
         check_bind(host, tokens)  # before the model loads
         check_port(host, port)
-        resolve_dtype(dtype)
+        resolve_dtype(dtype, resolve_device(device)[0])
         threads = check_threads(threads)
         if threads is not None:
             import torch
 
             torch.set_num_threads(threads)
-        lm = load(model, dtype=dtype)
+        lm = load(model, dtype=dtype, device=device)
         settings = Settings(lm, store, tokens, max_queue=max_queue, max_body=max_body, max_open=max_open)
         serve_forever(settings, host, port, log_level=log_level)

@@ -15,7 +15,7 @@ from typing import Optional
 import typer
 from rich.markdown import Markdown
 
-from eventkv.cli.common import int_list, start_run, user_errors
+from eventkv.cli.common import DEVICE_OPTION, int_list, start_run, user_errors
 from eventkv.errors import EventKVError
 from eventkv.options import DTYPE_HELP
 
@@ -100,6 +100,7 @@ def splice(
         None, "--out", help="run directory [default: runs/splice/MODEL-TASK-DTYPE-seedS]"
     ),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    device: str = DEVICE_OPTION,
     filler: Optional[str] = typer.Option(None, "--filler", help="scaffold filler text [default: a neutral sentence]"),
     heads: Optional[str] = typer.Option(None, "--heads", help="KV heads to splice, e.g. 0,1 [default: all]"),
     layer_set: str = typer.Option("from", "--layer-set", help="from = layers >= cutoff; only = the cutoff layer alone"),
@@ -133,7 +134,10 @@ def splice(
         )
         tname = Path(task).stem if probe.task == "jsonl" else task
         opts, console, rt = start_run(
-            RunOptions(model, items, seed, out, dtype, threads, progress), probe, name=SPLICE_DIR, task=tname
+            RunOptions(model, items, seed, out, dtype, threads, progress, device=device),
+            probe,
+            name=SPLICE_DIR,
+            task=tname,
         )
         summary = opts.run(probe, rt, console)
         console.print(Markdown(summary.data["markdown"]))

@@ -110,6 +110,8 @@ def run_contract(
             "seed": seed,
             "dtype": str(getattr(rt.profile, "dtype", "")).removeprefix("torch."),
             "dtype_reason": getattr(rt.profile, "dtype_reason", ""),
+            "device": rt.device,
+            "device_reason": getattr(rt.profile, "device_reason", ""),
             "environment": environment(),
             "plan": [{"probe": s.probe, "options": probe.options(), "items": s.items} for s, probe, *_ in jobs],
         },
@@ -141,9 +143,9 @@ def run_contract(
 def provenance(out: Path, probes) -> dict:
     """Model, dtype, seed and compute time of a contract directory, from its probes' manifests:
     ``{"dtype", "seed", "weights_digest", "seconds": {probe: s}, "total_seconds", "torch_threads":
-    [...]}`` (seconds summed over every invocation that computed items; the weights digest lets a
+    [...], "devices": [...]}`` (seconds summed over every invocation that computed items; the weights digest lets a
     memory check that a contract was measured on its own checkpoint)."""
-    info: dict = {"seconds": {}, "torch_threads": set()}
+    info: dict = {"seconds": {}, "torch_threads": set(), "devices": set()}
     for p in probes:
         m = json.loads((out / p / RUN_MANIFEST).read_text())
         info.setdefault("dtype", m["identity"].get("dtype"))
@@ -152,6 +154,8 @@ def provenance(out: Path, probes) -> dict:
         inv = m.get("invocations", [])
         info["seconds"][p] = round(sum(i.get("seconds", 0) for i in inv), 1)
         info["torch_threads"] |= {i["torch_threads"] for i in inv if "torch_threads" in i}
+        info["devices"] |= {i["device"] for i in inv if "device" in i}
     info["total_seconds"] = round(sum(info["seconds"].values()), 1)
     info["torch_threads"] = sorted(info["torch_threads"])
+    info["devices"] = sorted(info["devices"])
     return info

@@ -55,7 +55,7 @@ def write_contract(out: Path, model: str, summaries: dict[str, Summary], provena
     summaries (probe name -> Summary, each probe's run in ``out/<probe>/``).
 
     ``provenance`` is :func:`eventkv.contract.battery.provenance` of ``out`` (dtype, seed, compute
-    seconds per probe, torch threads). contract.json holds the model, the preset, the pairs per
+    seconds per probe, torch threads, devices). contract.json holds the model, the preset, the pairs per
     probe, the provenance and one section per contract probe (NaN written as null).
 
     Returns:
@@ -100,6 +100,7 @@ def write_contract(out: Path, model: str, summaries: dict[str, Summary], provena
         + ", ".join(f"{k} {_hms(v)}" for k, v in provenance["seconds"].items())
         + ")"
         + (f", torch threads {', '.join(map(str, provenance['torch_threads']))}" if provenance["torch_threads"] else "")
+        + (f", device {', '.join(provenance['devices'])}" if provenance.get("devices") else "")
         + ".",
         "",
         table.to_markdown(),

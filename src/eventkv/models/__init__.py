@@ -6,6 +6,7 @@ Modules, in import order (each imports only those above it):
 - `introspect`: `profile_for` reads a profile from a model's config and tokenizer (layer types, chat
   scaffold and its seams, stop tokens) — the one place model-specific facts are read;
 - `dtypes`: `resolve_dtype` / `native_bf16` (``dtype="auto"``);
+- `devices`: `resolve_device` / `cuda_available` (``device="auto"``);
 - `cache_dir`: the on-disk model cache, its manifests and their verification;
 - `aliases`: the packaged aliases, `ALIASES`, read from the package data file ``aliases.toml``;
 - `progress`: the progress display of a pull, and the scoped patches of transformers' progress bars;
@@ -17,6 +18,7 @@ Everything public is re-exported here: ``from eventkv.models import load, profil
 """
 
 from eventkv.models.aliases import ALIASES, AliasSpec, BuildFn, list_models
+from eventkv.models.devices import cuda_available, resolve_device
 from eventkv.models.dtypes import native_bf16, resolve_dtype
 from eventkv.models.fetch import pull
 from eventkv.models.introspect import (
@@ -39,6 +41,7 @@ __all__ = [
     "SEAM_CONTENTS",
     "AliasSpec",
     "BuildFn",
+    "cuda_available",
     "LoadedModel",
     "ModelProfile",
     "list_models",
@@ -46,6 +49,7 @@ __all__ = [
     "native_bf16",
     "profile_for",
     "pull",
+    "resolve_device",
     "resolve_dtype",
     "scaffold_seams",
 ]

@@ -7,6 +7,7 @@ import platform
 import torch
 
 from eventkv.errors import OptionError
+from eventkv.models import devices
 from eventkv.options import DTYPE_CHOICES
 
 __all__ = ["native_bf16", "resolve_dtype", "torch_dtype"]
@@ -29,7 +30,7 @@ def native_bf16(device: str | torch.device = "cpu") -> tuple[bool, str]:
     """
     dev = torch.device(device)
     if dev.type == "cuda":
-        if not torch.cuda.is_available():
+        if not devices.cuda_available():
             return False, "CUDA requested but not available"
         name = torch.cuda.get_device_name(dev)
         if torch.cuda.is_bf16_supported(including_emulation=False):

@@ -101,6 +101,7 @@ def profile_for(
         layer_types=layer_types,
         sliding_window=int(window) if sliding else None,
         dtype=str(model.dtype).removeprefix("torch."),
+        device=str(model.device),
         chat_head=head,
         chat_tail=tail,
         scaffold=scaffold,

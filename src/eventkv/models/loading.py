@@ -24,6 +24,7 @@ import torch
 from eventkv.errors import EventKVError
 from eventkv.files import sha256_file
 from eventkv.models.aliases import ALIASES
+from eventkv.models.devices import resolve_device
 from eventkv.models.dtypes import resolve_dtype, torch_dtype
 from eventkv.models.fetch import ensure_cached
 from eventkv.models.introspect import profile_for
@@ -39,7 +40,7 @@ _MiB = 1024 * 1024
 def load(
     name_or_path: str,
     dtype: str = "auto",
-    device: str = "cpu",
+    device: str = "auto",
     attn_implementation: str = "sdpa",
 ) -> LoadedModel:
     """Load a model and tokenizer, in eval mode, and read its `ModelProfile`.
@@ -57,21 +58,28 @@ def load(
     An alias is fetched and converted on first use (tens of seconds, progress shown on stderr);
     afterwards the cached directory is checked against its manifest on every load (sizes and
     full sha256 of every file) and re-fetched, with a logged warning, if it is partial or
-    corrupted. Cached weights are float32 and cast to ``dtype`` at load.
+    corrupted. Cached weights are float32 and cast to ``dtype`` at load, on the CPU; the model is
+    then moved to ``device``.
 
     Args:
-        dtype: ``"auto"`` (default: bfloat16 where the hardware computes it natively, float32
-            elsewhere; see `resolve_dtype`), ``"float32"``, ``"bfloat16"`` or ``"float16"``. The
-            choice and its reason are in ``profile.dtype`` and ``profile.dtype_reason``.
-        device: a torch device string (``"cpu"``, ``"cuda"``, ``"cuda:1"``...).
+        dtype: ``"auto"`` (default: bfloat16 where the device computes it natively — a CUDA GPU of
+            the Ampere generation or later, a CPU with AVX512-BF16 or AMX — float32 elsewhere; see
+            `resolve_dtype`), ``"float32"``, ``"bfloat16"`` or ``"float16"``. The choice and its
+            reason are in ``profile.dtype`` and ``profile.dtype_reason``.
+        device: ``"auto"`` (default: the CUDA GPU when torch sees one, else the CPU; see
+            `resolve_device`), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. Where the parameters landed and
+            why are in ``profile.device`` (e.g. ``"cuda:0"``) and ``profile.device_reason``.
         attn_implementation: passed to ``from_pretrained`` (``"sdpa"``, ``"eager"``...).
 
     Raises:
-        EventKVError: unknown alias or bad dtype/device; a model that cannot be found or read;
-            a pip failure or checksum mismatch while fetching an alias; a model with attention
-            layer kinds other than full/sliding.
+        OptionError: a bad dtype or device, or a CUDA device this machine does not have (checked
+            before anything is read or fetched).
+        EventKVError: unknown alias; a model that cannot be found or read; a pip failure or
+            checksum mismatch while fetching an alias; a model with attention layer kinds other
+            than full/sliding; a model that does not fit on the device.
     """
-    dev = _parse_device(device)
+    device, device_reason = resolve_device(device)
+    dev = torch.device(device)
     dtype, dtype_reason = resolve_dtype(dtype, dev)
     torch_type = torch_dtype(dtype)
     kind, ref = _resolve(name_or_path)
@@ -93,19 +101,15 @@ def load(
     model.eval()
     try:
         model.to(dev)
-    except (RuntimeError, AssertionError) as e:
+    except (RuntimeError, AssertionError) as e:  # e.g. torch.OutOfMemoryError: the model does not fit
         raise EventKVError(
-            f"device {device!r} is not usable here ({e}); pass device='cpu' or an available accelerator"
+            f"the model could not be moved to device {device!r} ({e}); use device='cpu', a smaller model, or "
+            "another GPU (cuda:N)"
         ) from e
-    profile = replace(profile_for(model, tokenizer, name_or_path, digest), dtype_reason=dtype_reason)
+    profile = replace(
+        profile_for(model, tokenizer, name_or_path, digest), dtype_reason=dtype_reason, device_reason=device_reason
+    )
     return LoadedModel(model=model, tokenizer=tokenizer, profile=profile)
-
-
-def _parse_device(device: str) -> torch.device:
-    try:
-        return torch.device(device)
-    except RuntimeError as e:
-        raise EventKVError(f"device {device!r} is not a torch device string; use e.g. 'cpu' or 'cuda:0'") from e
 
 
 def _resolve(name: str) -> tuple[str, str]:

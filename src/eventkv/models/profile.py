@@ -35,6 +35,7 @@ class ModelProfile:
         sliding_window: the sliding layers' window in tokens (``config.sliding_window``), or None
             when no layer slides.
         dtype: parameter dtype, e.g. ``"float32"``, ``"bfloat16"``.
+        device: where the parameters are when the profile is read, e.g. ``"cpu"``, ``"cuda:0"``.
         chat_head: the prompt text up to where the user's content starts. It is exactly what the
             tokenizer's chat template renders for one user message (Qwen2.5's and SmolLM2's
             templates add a default system message: it is kept, as part of the head), preceded by
@@ -52,6 +53,8 @@ class ModelProfile:
             for hub models, ``"unhashed"`` when not computed.
         dtype_reason: why ``dtype`` was chosen (``"requested"``, or what `resolve_dtype` detected
             for ``dtype="auto"``); empty for profiles not made by `load`.
+        device_reason: why ``device`` was chosen (``"requested"``, ``"requested: CUDA device <name>"``,
+            or what `resolve_device` found for ``device="auto"``); empty for profiles not made by `load`.
     """
 
     name: str
@@ -62,6 +65,7 @@ class ModelProfile:
     layer_types: tuple[str, ...]
     sliding_window: int | None
     dtype: str
+    device: str
     chat_head: str
     chat_tail: str
     scaffold: str
@@ -69,6 +73,7 @@ class ModelProfile:
     stop_token_ids: tuple[int, ...]
     weights_digest: str
     dtype_reason: str = ""
+    device_reason: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable dict of all fields (tuples become lists)."""

@@ -49,6 +49,11 @@ class RunOptions:
             ``float16``.
         threads: torch CPU threads, 1 .. the machine's logical cores; None: torch decides.
         progress: show a progress bar while items run.
+        device: ``auto`` (the CUDA GPU when torch sees one, else the CPU; resolved by
+            :func:`eventkv.models.resolve_device`), ``cpu``, ``cuda`` or ``cuda:N``. ``auto`` dtype is resolved
+            for this device (bfloat16 on a GPU with native bf16). The device is provenance, not identity: it
+            is recorded with every invocation in the manifest, and a run may be resumed on another device
+            when its dtype is the same (``docs/devices.md``).
     """
 
     model: str
@@ -58,16 +63,18 @@ class RunOptions:
     dtype: str = "auto"
     threads: int | None = None
     progress: bool = True
+    device: str = "auto"
 
     def validate(self, probe: Probe | None = None) -> None:
         """Check every option before anything loads or is written, in this order: the probe's own options
-        (``probe.validate()``), ``items`` (against what ``probe`` can make), ``threads``, ``dtype``, ``out``
-        (when given).
+        (``probe.validate()``), ``items`` (against what ``probe`` can make), ``threads``, ``device`` (a CUDA
+        device this machine lacks is refused here), ``dtype``, ``out`` (when given).
 
         Raises:
-            OptionError: naming the field (``items``, ``threads``, ``dtype``, ``out``) or the probe's option.
+            OptionError: naming the field (``items``, ``threads``, ``device``, ``dtype``, ``out``) or the
+                probe's option.
         """
-        from eventkv.models import resolve_dtype
+        from eventkv.models import resolve_device, resolve_dtype
         from eventkv.probes.runner import check_run_items
 
         if probe is not None:
@@ -76,18 +83,18 @@ class RunOptions:
         else:
             check_items(self.items)
         check_threads(self.threads)
-        resolve_dtype(self.dtype)
+        resolve_dtype(self.dtype, resolve_device(self.device)[0])
         check_out_dir(self.out)
 
     def resolved_dtype(self) -> str:
-        """The dtype name the model loads in (``auto`` resolved for the CPU).
+        """The dtype name the model loads in (``auto`` resolved for the device the model loads on).
 
         Raises:
-            OptionError: an unknown ``dtype``.
+            OptionError: an unknown ``dtype`` or a bad or missing ``device``.
         """
-        from eventkv.models import resolve_dtype
+        from eventkv.models import resolve_device, resolve_dtype
 
-        return resolve_dtype(self.dtype)[0]
+        return resolve_dtype(self.dtype, resolve_device(self.device)[0])[0]
 
     def default_out(self, folder: str, name: str = RUN_DIR, **fields: str) -> Path:
         """``runs/FOLDER/NAME``, ``NAME`` a format string over ``{model}`` (the last part of the model name or
@@ -122,8 +129,8 @@ class RunOptions:
             torch.set_num_threads(self.threads)
 
     def load_runtime(self, console=None) -> Runtime:
-        """Apply ``threads``, load ``model`` in ``dtype`` (a status line on the rich ``console`` while it loads)
-        and return the :class:`~eventkv.probes.base.Runtime` a probe runs on.
+        """Apply ``threads``, load ``model`` in ``dtype`` on ``device`` (a status line on the rich ``console``
+        while it loads) and return the :class:`~eventkv.probes.base.Runtime` a probe runs on.
 
         Raises:
             EventKVError: the model cannot be found, fetched or loaded (see :func:`eventkv.models.load`).
@@ -132,9 +139,10 @@ class RunOptions:
         from eventkv.probes.base import Runtime
 
         self.apply_threads()
-        loading = console.status(f"loading {self.model} ({self.dtype})") if console else contextlib.nullcontext()
+        what = f"loading {self.model} ({self.dtype}, device {self.device})"
+        loading = console.status(what) if console else contextlib.nullcontext()
         with loading:
-            lm = models.load(self.model, dtype=self.dtype)
+            lm = models.load(self.model, dtype=self.dtype, device=self.device)
         return Runtime(lm.model, lm.tokenizer, lm.profile)
 
     def run(self, probe: Probe, rt: Runtime, console=None) -> Summary:

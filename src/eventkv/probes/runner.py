@@ -4,7 +4,8 @@ A run directory holds
 
 * ``manifest.json`` — the run's **identity** (probe, record version, every option, seed, model,
   weights digest, dtype) plus provenance (eventkv version and git commit, package versions,
-  the model profile, the item count, and per-invocation timing);
+  the model profile with the device it was loaded on, the item count, and per invocation its
+  timing, torch threads and device);
 * ``records.jsonl`` — one JSON line per item, appended and fsynced as each item finishes;
 * ``summary.md`` (and ``figure.png``) — rendered from ``records.jsonl`` alone.
 
@@ -13,6 +14,12 @@ recomputed; a line cut short by a kill is dropped (only the item in flight is lo
 whose identity differs from the new run's is refused with :class:`EventKVError`. The item count
 is not part of the identity: asking for more items extends a run (item ``i`` depends only on the
 seed and ``i``).
+
+The device (the CPU or a CUDA GPU) is provenance, not identity: within one dtype it changes only
+the rounding of the reductions, as the thread count and the CPU's kernels do, so a run may be
+resumed on another device in the same dtype (``--dtype auto`` resolves per device, so an ``auto``
+run started on a CPU without native bf16 resumes on a GPU only with ``--dtype float32``). Each
+invocation records its device (``docs/devices.md``).
 """
 
 from __future__ import annotations
@@ -316,7 +323,7 @@ def run_items(
 ) -> None:
     """Compute the items ``todo`` in order, appending each record to ``out/records.jsonl`` as it
     finishes (``before(i)`` / ``after(i)`` are called around item ``i``, e.g. for a progress bar),
-    then add this invocation (start, items computed, seconds, torch threads) to the manifest."""
+    then add this invocation (start, items computed, seconds, torch threads, device) to the manifest."""
     t0, started = time.perf_counter(), now()
     for i in todo:
         if before:
@@ -331,6 +338,7 @@ def run_items(
         seconds=time.perf_counter() - t0,
         items_computed=len(todo),
         torch_threads=torch.get_num_threads(),
+        device=rt.device,
     )
 
 
