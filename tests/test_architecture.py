@@ -22,6 +22,7 @@ LAYERS = (
         "eventkv.cache_dir",
         "eventkv.log",
         "eventkv.prefill",
+        "eventkv.batched",
         "eventkv.serve",
         "eventkv.readout",
         "eventkv.query",

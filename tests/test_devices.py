@@ -325,7 +325,7 @@ DATA_PATH = [SRC / f"{m}.py" for m in ("log", "prefill", "serve", "readout", "qu
     p for d in ("splice", "contract", "probes", "memory", "eviction") for p in (SRC / d).rglob("*.py")
 )
 #: modules another change is editing; their fixes are listed in docs/devices.md ("Pending")
-PENDING = {"probes/pairs.py", "batched.py"}
+PENDING: set[str] = set()
 
 
 def _undevised(path: Path) -> list[str]:

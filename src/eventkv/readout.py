@@ -208,7 +208,7 @@ def stack(served: Sequence[ServedCache], extra: int = 0) -> Batch:
 def read_out(
     model: PreTrainedModel,
     served: Sequence[ServedCache],
-    query_ids: Sequence[int],
+    query_ids: Sequence[int] | Sequence[Sequence[int]],
     *,
     generate: Sequence[bool],
     score: Sequence[bool],
@@ -225,7 +225,10 @@ def read_out(
 
     Args:
         served: the served caches (any modes, any row counts).
-        query_ids: the query's token ids (question + chat tail), the same for every cache.
+        query_ids: the query's token ids (question + chat tail), the same for every cache; or one
+            query per cache, all of one length (several items' questions read out in one batch:
+            no padding goes between a cache's rows and its query, so sliding-window layers see
+            the rows they would see alone).
         generate: per cache, whether to decode greedily (up to ``max_new_tokens``, stopping on
             ``stop_token_ids``, which are not emitted).
         score: per cache, whether to score the candidates.
@@ -238,27 +241,25 @@ def read_out(
         one Readout per served cache, in order.
 
     Raises:
-        EventKVError: ``generate`` or ``score`` not one flag per served cache, empty query, empty
-            candidate, or history + query beyond the model's context.
+        EventKVError: ``generate`` or ``score`` not one flag per served cache, empty query, per-cache
+            queries not one per cache or of different lengths, empty candidate, or history + query
+            beyond the model's context.
     """
     if len(generate) != len(served) or len(score) != len(served):
         raise EventKVError(
             f"read_out got {len(served)} served caches but {len(generate)} generate and {len(score)} "
             f"score flags: give one generate flag and one score flag per served cache."
         )
-    if not query_ids:
-        raise EventKVError("the query is empty: give a question.")
+    queries = _queries(query_ids, len(served))
     if any(score) and (not candidates or any(len(c) == 0 for c in candidates)):
         raise EventKVError("candidate scoring needs at least one candidate and no empty candidate.")
     longest = max([len(c) for c in candidates], default=0) + len(answer_prefix_ids)
+    q = len(queries[0])
     for s in served:
-        check_context(
-            s.next_position + len(query_ids) + max(max_new_tokens, longest), max_context, what="history plus query"
-        )
-    batch = stack(served, extra=q_len_extra(query_ids, max_new_tokens, longest))
+        check_context(s.next_position + q + max(max_new_tokens, longest), max_context, what="history plus query")
+    batch = stack(served, extra=q_len_extra(queries[0], max_new_tokens, longest))
     dev = batch.mask.device
-    q = len(query_ids)
-    first = batch.forward(model, torch.tensor([list(query_ids)] * batch.size, device=dev), 0, logits_to_keep=1)[:, -1]
+    first = batch.forward(model, torch.tensor(queries, device=dev), 0, logits_to_keep=1)[:, -1]
     out = [Readout(None, []) for _ in served]
 
     scored = [i for i, f in enumerate(score) if f]
@@ -280,6 +281,29 @@ def read_out(
             keep_logits,
         )
     return out
+
+
+def _queries(query_ids: Sequence[int] | Sequence[Sequence[int]], n: int) -> list[list[int]]:
+    """One query per served cache: ``query_ids`` repeated ``n`` times, or the per-cache queries
+    checked (one per cache, none empty, all of one length)."""
+    if not query_ids:
+        raise EventKVError("the query is empty: give a question.")
+    if isinstance(query_ids[0], int):
+        return [list(query_ids)] * n
+    queries = [list(q) for q in query_ids]
+    if len(queries) != n:
+        raise EventKVError(
+            f"read_out got {n} served caches but {len(queries)} queries: give one query or one per cache."
+        )
+    if not all(queries):
+        raise EventKVError("a query is empty: give a question for every served cache.")
+    lengths = sorted({len(q) for q in queries})
+    if len(lengths) > 1:
+        raise EventKVError(
+            f"per-cache queries have lengths {lengths}: read out queries of one length together "
+            f"(group the caches by query length)."
+        )
+    return queries
 
 
 def q_len_extra(query_ids: Sequence[int], max_new_tokens: int, longest: int) -> int:

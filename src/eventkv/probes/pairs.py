@@ -234,14 +234,27 @@ class PairProbe(Probe):
     def answer(self, rt: Runtime, item: dict, parse: Callable[[str], str | None]) -> "PairRun":
         """:func:`run_pair` on ``item`` with this probe's arms and options (instruction, readouts,
         max new tokens, answer prefix, ``shared_prefix``, ``record_stopped``); ``parse`` reads the
-        answer out of a generation."""
-        return run_pair(
+        answer out of a generation. Inside :meth:`run_batch` the engine's runs are batched: the
+        first pass collects each item's engine input, the second hands back its run."""
+        batch = getattr(self, "_batch", None)
+        if batch is not None:
+            mode, store = batch
+            if mode == "collect":
+                store.append((item, parse))
+                raise _Deferred
+            if store and store[0][0] == item:
+                return store.pop(0)[1]
+        return self.answer_many(rt, [item], [parse])[0]
+
+    def answer_many(self, rt: Runtime, items: Sequence[dict], parses: Sequence[Callable]) -> list["PairRun"]:
+        """:func:`run_pairs` on several engine inputs with this probe's arms and options."""
+        return run_pairs(
             rt,
-            item,
+            items,
             self.pair_arms(),
             instruction=self.instruction,
             readouts=self.readouts,
-            parse=parse,
+            parses=parses,
             max_new_tokens=self.max_new_tokens,
             answer_prefix=self.answer_prefix,
             shared_prefix=self.shared_prefix,
@@ -249,9 +262,36 @@ class PairProbe(Probe):
             whole=self.prefill_whole,
         )
 
+    def run_batch(self, rt: Runtime, items: Sequence[dict]) -> list[dict]:
+        """The records of several items with their pairs batched (``--batch-pairs``, issue 14):
+        each item's :meth:`run_item` runs twice — first to collect the engine input it passes to
+        :meth:`answer`, then, after one :func:`run_pairs` over all of them, to write its record from
+        its run. One item is :meth:`run_item` itself. Records equal :meth:`run_item`'s up to float
+        rounding (tested on tiny models)."""
+        if len(items) <= 1:
+            return [self.run_item(rt, it) for it in items]
+        calls: list[tuple[dict, Callable]] = []
+        object.__setattr__(self, "_batch", ("collect", calls))
+        try:
+            for it in items:
+                try:
+                    self.run_item(rt, it)
+                except _Deferred:
+                    continue
+                raise EventKVError(f"probe {self.name!r}: run_item did not ask the pair engine; it cannot be batched.")
+            runs = self.answer_many(rt, [c[0] for c in calls], [c[1] for c in calls])
+            object.__setattr__(self, "_batch", ("replay", [(c[0], r) for c, r in zip(calls, runs)]))
+            return [self.run_item(rt, it) for it in items]
+        finally:
+            object.__setattr__(self, "_batch", None)
+
     def run_arms(self, rt: Runtime, item: dict, parse: Callable[[str], str | None]) -> dict:
         """The engine's part of a contract probe's record: :meth:`answer` then :meth:`PairRun.record`."""
         return self.answer(rt, item, parse).record()
+
+
+class _Deferred(Exception):
+    """Raised by :meth:`PairProbe.answer` while :meth:`PairProbe.run_batch` collects engine inputs."""
 
 
 @dataclass(frozen=True)
@@ -311,11 +351,10 @@ def serve_mixed(own: EventKV, other: EventKV, served: Sequence[str], swap: Seque
         s = src.log.span(e)
         if e in swap and (s.pos_start, s.n_tokens) != (own.log.span(e).pos_start, own.log.span(e).n_tokens):
             raise EventKVError(f"event {e!r} sits at different positions in the two variants: it cannot be swapped.")
-        rows = torch.arange(s.row_start, s.row_end)
-        for layer in range(len(ks)):
-            ks[layer].append(src.keys[layer].index_select(2, rows.to(src.keys[layer].device)))
-            vs[layer].append(src.values[layer].index_select(2, rows.to(src.values[layer].device)))
-        ps.append(src.positions[rows])
+        for layer in range(len(ks)):  # a span's rows are contiguous: a slice, on whatever device they live
+            ks[layer].append(src.keys[layer][:, :, s.row_start : s.row_end])
+            vs[layer].append(src.values[layer][:, :, s.row_start : s.row_end])
+        ps.append(src.positions[s.row_start : s.row_end])
     return ServedCache(
         [torch.cat(k, dim=2) for k in ks],
         [torch.cat(v, dim=2) for v in vs],
@@ -363,6 +402,14 @@ class PrefillCache:
     def prefill(self, log: TokenizedLog) -> EventKV:
         """The EventKV of ``log`` (keys/values ``[1, kv_heads, rows, head_dim]`` per layer),
         continuing the longest computed prefix or returning an identical earlier prefill."""
+        done, prefix = self.plan(log)
+        if done is not None:
+            return done
+        return self.add(self.rt.prefill(log, prefix=prefix))
+
+    def plan(self, log: TokenizedLog) -> tuple[EventKV | None, EventKV]:
+        """``(done, prefix)`` for ``log``: an identical earlier prefill (``done``, nothing to compute),
+        else None and the longest computed prefix to continue (the header's rows at least)."""
         ids, pos = log.input_ids, log.position_ids
         best, best_n = self.rt.header_kv(self.instruction), None
         for ekv in self._done:
@@ -371,10 +418,13 @@ class PrefillCache:
                 best, best_n = ekv, n
         if best_n is not None:
             if best_n == len(log.event_ids) and best.log.input_ids == ids and best.log.position_ids == pos:
-                return best
+                return best, best
             if best_n < len(best.log.event_ids):
                 best = _truncate(best, best_n)
-        ekv = self.rt.prefill(log, prefix=best)
+        return None, best
+
+    def add(self, ekv: EventKV) -> EventKV:
+        """Keep ``ekv`` (a prefill of this item) for later prefills to continue; returns it."""
         self._done.append(ekv)
         return ekv
 
@@ -383,9 +433,16 @@ class PrefillCache:
         its own, which both variants' prefills then continue: the donor-pair probe's order of
         forwards (header, shared events, each variant's remainder). Nothing when the variants
         differ in their first event or not at all."""
-        n = _common_events(pair[0], pair[1])
-        if 0 < n < len(pair[0].event_ids):
-            self.prefill(_leading(pair[0], n))
+        shared = shared_log(pair)
+        if shared is not None:
+            self.prefill(shared)
+
+
+def shared_log(pair: Sequence[TokenizedLog]) -> TokenizedLog | None:
+    """The header and the events both variants begin with (same tokens and positions), or None when
+    they differ in their first event or not at all (see :meth:`PrefillCache.prefill_shared`)."""
+    n = _common_events(pair[0], pair[1])
+    return _leading(pair[0], n) if 0 < n < len(pair[0].event_ids) else None
 
 
 def events_read(arms: Sequence["PairArm"], item: dict, log: TokenizedLog, history: str) -> tuple[int | None, bool]:
@@ -523,129 +580,235 @@ def run_pair(
         EventKVError: an arm naming an unknown history, role or question; a history or query
             beyond the model's context.
     """
-    cache = cache or PrefillCache(rt, instruction)
+    return run_pairs(
+        rt,
+        [item],
+        arms,
+        instruction=instruction,
+        readouts=readouts,
+        parses=[parse],
+        max_new_tokens=max_new_tokens,
+        answer_prefix=answer_prefix,
+        caches=None if cache is None else [cache],
+        shared_prefix=shared_prefix,
+        record_stopped=record_stopped,
+        whole=whole,
+    )[0]
+
+
+def run_pairs(
+    rt: Runtime,
+    items: Sequence[dict],
+    arms: Sequence[PairArm],
+    *,
+    instruction: str,
+    readouts: Sequence[str],
+    parses: Sequence[Callable[[str], str | None]],
+    max_new_tokens: int,
+    answer_prefix: str,
+    caches: Sequence[PrefillCache] | None = None,
+    shared_prefix: bool = False,
+    record_stopped: bool = False,
+    whole: bool = False,
+) -> list[PairRun]:
+    """:func:`run_pair` on several items at once (issue 14, "pairs batched across items"): the
+    items' prefills run in batches (round ``r`` takes each item's ``r``-th prefill — shared events,
+    variant A's lead, variant B's lead, then the rest — in one :func:`eventkv.batched.prefill_batch`
+    forward), and the served caches of every item are read out together, one :func:`read_out` per
+    question and query length (caches are left-padded, each with its own positions; no padding
+    goes between a cache's rows and its query). With one item this is exactly :func:`run_pair`'s
+    sequence of forwards, so its records are bitwise those of a batch of one; with more, they equal
+    them up to float rounding (the matmuls run at other shapes; tested on tiny models). The isolated
+    arms' encodings still run item by item.
+
+    Args:
+        items: the items (see the module docstring).
+        parses: one answer parser per item.
+        caches: one :class:`PrefillCache` per item (default: new ones).
+        arms, instruction, readouts, max_new_tokens, answer_prefix, shared_prefix, record_stopped,
+            whole: as for :func:`run_pair`, the same for every item.
+
+    Returns:
+        one :class:`PairRun` per item, in order.
+
+    Raises:
+        EventKVError: as :func:`run_pair`; ``parses`` or ``caches`` not one per item.
+    """
+    from eventkv.batched import prefill_batch
+
+    if len(parses) != len(items) or (caches is not None and len(caches) != len(items)):
+        raise EventKVError(
+            f"run_pairs got {len(items)} items but {len(parses)} parsers"
+            + ("" if caches is None else f" and {len(caches)} prefill caches")
+            + ": give one per item."
+        )
+    caches = list(caches) if caches is not None else [PrefillCache(rt, instruction) for _ in items]
     used = sorted({a.history for a in arms})
-    logs, ekvs = {}, {}
-    for h in used:
-        if h not in item["histories"]:
-            raise EventKVError(f"arm history {h!r} is not in the item (has {', '.join(item['histories'])}).")
-        logs[h] = tokenize_pair(rt, instruction, item["histories"][h], item.get("pad", {}).get(h))
-        n, everything = events_read(arms, item, logs[h][0], h)
-        everything = everything or whole
-        lead = logs[h] if n is None else [_leading(log, n) for log in logs[h]]
-        if shared_prefix:
-            cache.prefill_shared(lead)
-        ekvs[h] = [cache.prefill(log) for log in lead]
-        if everything and n is not None:  # the rest continues the lead: the lead's rows are the same either way
-            ekvs[h] = [cache.prefill(log) for log in logs[h]]
-    common = max(logs[h][0].history_end for h in used)
+    logs: list[dict[str, list[TokenizedLog]]] = []
+    jobs: list[list[tuple[str, TokenizedLog]]] = []  # per item, its prefills in order: (what, log)
+    for item in items:
+        logs.append({})
+        jobs.append([])
+        for h in used:
+            if h not in item["histories"]:
+                raise EventKVError(f"arm history {h!r} is not in the item (has {', '.join(item['histories'])}).")
+            logs[-1][h] = pair = tokenize_pair(rt, instruction, item["histories"][h], item.get("pad", {}).get(h))
+            n, everything = events_read(arms, item, pair[0], h)
+            everything = everything or whole
+            lead = pair if n is None else [_leading(log, n) for log in pair]
+            shared = shared_log(lead) if shared_prefix else None
+            if shared is not None:
+                jobs[-1].append(("shared", shared))
+            jobs[-1] += [(f"{h}/0", lead[0]), (f"{h}/1", lead[1])]
+            if everything and n is not None:  # the rest continues the lead: the lead's rows are the same either way
+                jobs[-1] += [(f"{h}/0", pair[0]), (f"{h}/1", pair[1])]
 
-    entries: list[tuple[str, tuple[int, ...], ServedCache]] = []
-    served_rec, qpos = {}, {}
-    for arm in arms:
-        roles = item["roles"][arm.history]
-        log0 = logs[arm.history][0]
-        if arm.served == "all":
-            ids = list(log0.event_ids)
-        else:
-            missing = [r for r in arm.served if r not in roles]
-            if missing:
-                raise EventKVError(f"arm {arm.name!r} serves role(s) {missing} missing from history {arm.history!r}.")
-            ids = [event_id(roles[r]) for r in arm.served]
-        swap = [event_id(roles[r]) for r in arm.swap]
-        pair = ekvs[arm.history]
-        caches: list[tuple[tuple[int, ...], ServedCache]] = []
-        if arm.encoding == "prefill":
-            caches = [
-                (
-                    (v,),
-                    ServedCache(
-                        e.keys, e.values, e.positions, None, e.log.history_end, "prefill", tuple(e.log.event_ids)
-                    ),
-                )
-                for v, e in enumerate(pair)
-            ]
-        elif arm.encoding == "isolated":
-            same = all(
-                logs[arm.history][0].event_tokens[log0.event_ids.index(e)]
-                == logs[arm.history][1].event_tokens[log0.event_ids.index(e)]
-                for e in ids
+    ekvs: list[dict[str, list[EventKV | None]]] = [{h: [None, None] for h in used} for _ in items]
+    for r in range(max(len(j) for j in jobs)):
+        todo: list[tuple[int, str, TokenizedLog, EventKV]] = []
+        done: list[tuple[int, str, EventKV]] = []
+        for i, item_jobs in enumerate(jobs):
+            if r < len(item_jobs):
+                what, log = item_jobs[r]
+                have, prefix = caches[i].plan(log)
+                if have is not None:
+                    done.append((i, what, have))
+                else:
+                    todo.append((i, what, log, prefix))
+        if todo:
+            made = prefill_batch(
+                rt.model,
+                [(log, prefix) for _, _, log, prefix in todo],
+                max_context=rt.max_context,
+                weights_digest=rt.weights_digest,
             )
-            if same:  # identical served tokens at identical positions: one encoding answers both variants
-                caches = [((0, 1), serve(pair[0], ids, "isolated", model=rt.model))]
-            else:
-                caches = [((v,), serve(pair[v], ids, "isolated", model=rt.model)) for v in (0, 1)]
-        elif swap:
-            caches = [((v,), serve_mixed(pair[v], pair[1 - v], ids, swap)) for v in (0, 1)]
-        else:
-            caches = [((v,), serve(pair[v], ids, "compact")) for v in (0, 1)]
-        p = common if arm.fixed_position else log0.history_end
-        qpos[arm.name] = p
-        for vs, sc in caches:
-            entries.append((arm.name, vs, dataclasses.replace(sc, next_position=p)))
-        served_rec[arm.name] = {
-            "events": ids if arm.served != "all" else "all",
-            "swap": swap,
-            "rows": [len(log.header_ids) + sum(log.span(e).n_tokens for e in ids) for log in logs[arm.history]],
-        }
+            done += [(i, what, caches[i].add(ekv)) for (i, what, _, _), ekv in zip(todo, made)]
+        for i, what, ekv in done:
+            if what != "shared":
+                h, v = what.split("/")
+                ekvs[i][h][int(v)] = ekv
 
-    cand_texts = list(item["candidates"])
-    cands = [rt.encode(" " + c) for c in cand_texts]
-    by_q: dict[str, list[int]] = {}
-    for k, (name, _, _) in enumerate(entries):
+    entries: list[tuple[int, str, tuple[int, ...], ServedCache]] = []  # (item, arm, variants, cache)
+    served_rec: list[dict] = [{} for _ in items]
+    qpos: list[dict] = [{} for _ in items]
+    for i, item in enumerate(items):
+        common = max(logs[i][h][0].history_end for h in used)
+        for arm in arms:
+            caches, qpos[i][arm.name], served_rec[i][arm.name] = _serve_arm(
+                rt, item, arm, logs[i][arm.history], ekvs[i][arm.history], common
+            )
+            entries += [(i, arm.name, vs, sc) for vs, sc in caches]
+
+    cand_texts = [list(item["candidates"]) for item in items]
+    cands = [[rt.encode(" " + c) for c in texts] for texts in cand_texts]
+    groups: dict[tuple, list[int]] = {}
+    queries: dict[tuple[int, str], list[int]] = {}
+    for k, (i, name, _, _) in enumerate(entries):
         q = next(a for a in arms if a.name == name).question
-        by_q.setdefault(q, []).append(k)
+        if q not in items[i]["questions"]:
+            raise EventKVError(f"question {q!r} is not in the item (has {', '.join(items[i]['questions'])}).")
+        if (i, q) not in queries:
+            queries[i, q] = tokenize_query(rt.tokenizer, rt.profile, items[i]["questions"][q])
+        key = (q, len(queries[i, q]), tuple(cand_texts[i]), tuple(map(tuple, cands[i])))
+        groups.setdefault(key, []).append(k)
     results: list = [None] * len(entries)
-    for q, ks in by_q.items():
-        if q not in item["questions"]:
-            raise EventKVError(f"question {q!r} is not in the item (has {', '.join(item['questions'])}).")
-        query = tokenize_query(rt.tokenizer, rt.profile, item["questions"][q])
+    for (q, _, texts, cand_ids), ks in groups.items():
+        qs = [queries[entries[k][0], q] for k in ks]
         res = read_out(
             rt.model,
-            [entries[k][2] for k in ks],
-            query,
+            [entries[k][3] for k in ks],
+            qs[0] if all(x == qs[0] for x in qs) else qs,
             generate=["generate" in readouts] * len(ks),
             score=["logits" in readouts] * len(ks),
-            candidates=cands,
-            candidate_texts=cand_texts,
+            candidates=[list(c) for c in cand_ids],
+            candidate_texts=list(texts),
             answer_prefix_ids=rt.encode(answer_prefix),
             max_new_tokens=max_new_tokens,
             stop_token_ids=rt.stop_token_ids,
             tokenizer=rt.tokenizer,
             max_context=rt.max_context,
         )
-        for k, r in zip(ks, res):
-            results[k] = r
+        for k, x in zip(ks, res):
+            results[k] = x
 
-    answers: dict[str, list[dict | None]] = {a.name: [None, None] for a in arms}
-    for (name, vs, _), res in zip(entries, results):
+    answers: list[dict[str, list[dict | None]]] = [{a.name: [None, None] for a in arms} for _ in items]
+    for (i, name, vs, _), res in zip(entries, results):
         out: dict = {}
         if res.generation is not None:
             g = res.generation
             out.update(text=g.text, n_tokens=len(g.tokens))
             if record_stopped:
                 out.update(stopped=g.stopped)
-            out.update(answer=parse(g.text))
+            out.update(answer=parses[i](g.text))
         if res.candidates:
             lps: dict[str, float] = {}
             for c in res.candidates:  # candidates that tokenize alike keep the first score
                 lps.setdefault(c.text, c.logprob)
             out.update(logprobs=lps, choice=max(lps, key=lps.get))
         for v in vs:
-            answers[name][v] = out
+            answers[i][name][v] = out
 
-    a, b = item["values"]
-    ca, cb = item.get("gold_candidates", item["values"])
-    outcomes, d = {}, {}
-    for arm in arms:
-        A, B = answers[arm.name]
-        outcomes[arm.name] = {}
-        if "generate" in readouts:
-            outcomes[arm.name]["generate"] = outcome(A["answer"], B["answer"], a, b)
-        if "logits" in readouts:
-            outcomes[arm.name]["logits"] = outcome(A["choice"], B["choice"], ca, cb)
-            d[arm.name] = donor_d(A["logprobs"], B["logprobs"], ca, cb) if ca != cb and len(A["logprobs"]) > 1 else 0.0
-    return PairRun(logs, ekvs, answers, outcomes, d, qpos, served_rec)
+    runs = []
+    for i, item in enumerate(items):
+        a, b = item["values"]
+        ca, cb = item.get("gold_candidates", item["values"])
+        outcomes, d = {}, {}
+        for arm in arms:
+            A, B = answers[i][arm.name]
+            outcomes[arm.name] = {}
+            if "generate" in readouts:
+                outcomes[arm.name]["generate"] = outcome(A["answer"], B["answer"], a, b)
+            if "logits" in readouts:
+                outcomes[arm.name]["logits"] = outcome(A["choice"], B["choice"], ca, cb)
+                d[arm.name] = (
+                    donor_d(A["logprobs"], B["logprobs"], ca, cb) if ca != cb and len(A["logprobs"]) > 1 else 0.0
+                )
+        runs.append(PairRun(logs[i], ekvs[i], answers[i], outcomes, d, qpos[i], served_rec[i]))
+    return runs
+
+
+def _serve_arm(
+    rt: Runtime, item: dict, arm: PairArm, logs: list[TokenizedLog], pair: list[EventKV], common: int
+) -> tuple[list[tuple[tuple[int, ...], ServedCache]], int, dict]:
+    """One arm of one item: ``([(variants answered, served cache)], query position, served
+    record)`` — one cache per variant, or one for both (an isolated arm whose served tokens are the
+    same in both variants)."""
+    roles = item["roles"][arm.history]
+    log0 = logs[0]
+    if arm.served == "all":
+        ids = list(log0.event_ids)
+    else:
+        missing = [r for r in arm.served if r not in roles]
+        if missing:
+            raise EventKVError(f"arm {arm.name!r} serves role(s) {missing} missing from history {arm.history!r}.")
+        ids = [event_id(roles[r]) for r in arm.served]
+    swap = [event_id(roles[r]) for r in arm.swap]
+    if arm.encoding == "prefill":
+        caches = [
+            (
+                (v,),
+                ServedCache(e.keys, e.values, e.positions, None, e.log.history_end, "prefill", tuple(e.log.event_ids)),
+            )
+            for v, e in enumerate(pair)
+        ]
+    elif arm.encoding == "isolated":
+        idx = [log0.event_ids.index(e) for e in ids]
+        if all(logs[0].event_tokens[j] == logs[1].event_tokens[j] for j in idx):
+            # identical served tokens at identical positions: one encoding answers both variants
+            caches = [((0, 1), serve(pair[0], ids, "isolated", model=rt.model))]
+        else:
+            caches = [((v,), serve(pair[v], ids, "isolated", model=rt.model)) for v in (0, 1)]
+    elif swap:
+        caches = [((v,), serve_mixed(pair[v], pair[1 - v], ids, swap)) for v in (0, 1)]
+    else:
+        caches = [((v,), serve(pair[v], ids, "compact")) for v in (0, 1)]
+    p = common if arm.fixed_position else log0.history_end
+    rec = {
+        "events": ids if arm.served != "all" else "all",
+        "swap": swap,
+        "rows": [len(log.header_ids) + sum(log.span(e).n_tokens for e in ids) for log in logs],
+    }
+    return [(vs, dataclasses.replace(sc, next_position=p)) for vs, sc in caches], p, rec
 
 
 def correct(record: dict, arm: str, readout: str, value_key: str = "values") -> list[bool]:

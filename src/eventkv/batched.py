@@ -1,0 +1,139 @@
+"""Batched prefill: several tokenized logs, each continuing its own prefix, in one forward pass.
+
+The data path's :func:`eventkv.prefill.prefill` computes one log at a time; on a GPU a batch of
+one leaves most of the device idle. :func:`prefill_batch` computes the rows of several logs at once
+(issue 14, "pairs batched across items"). Row ``i`` of the batch is laid out as
+
+    [left pad (P - p_i rows) | prefix_i rows (p_i) | new tokens_i (n_i) | right pad (N - n_i)]
+
+with ``P`` the longest prefix and ``N`` the longest continuation. The attention mask hides the left
+pad; the right pad needs no mask, since causal attention keeps every real token from seeing the pad
+tokens after it. Every real token is fed at its own log's position id. Padding lies outside every
+real token's span of rows (before a row's prefix or after its last token), so the distances
+counted in cache rows — what a sliding-window layer's window is measured in — are those of the
+unbatched prefill, and each log's rows equal :func:`~eventkv.prefill.prefill`'s up to float
+rounding (the matmuls run at another shape; ``tests/test_batch_pairs.py`` states the tolerance).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from eventkv.errors import EventKVError
+from eventkv.log import TokenizedLog
+from eventkv.prefill import EventKV, cache_from_rows, check_context, model_device, model_forward, prefill
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+__all__ = ["prefill_batch"]
+
+
+@torch.inference_mode()
+def prefill_batch(
+    model: PreTrainedModel,
+    jobs: Sequence[tuple[TokenizedLog, EventKV | None]],
+    *,
+    max_context: int | None = None,
+    weights_digest: str = "unhashed",
+) -> list[EventKV]:
+    """Global prefill of several logs in one forward pass (Study 1, "Setting", per log; batched as
+    in the module docstring).
+
+    Args:
+        model: a Hugging Face causal LM (eval mode).
+        jobs: ``(log, prefix)`` pairs: ``prefix`` is an EventKV whose rows are the first rows of
+            ``log`` (same token ids and positions), or None to prefill from the first row. One job
+            is passed to :func:`~eventkv.prefill.prefill` unchanged (bitwise the unbatched rows).
+        max_context: the model's context in tokens; a longer history raises.
+        weights_digest: recorded in each EventKV.
+
+    Returns:
+        one EventKV per job, in order: keys/values ``[1, kv_heads, log.n_rows, head_dim]`` per
+        layer (the prefix's rows followed by the new ones), positions ``[log.n_rows]`` int64.
+
+    Raises:
+        EventKVError: no job; a history longer than the context; a prefix that is not a prefix of
+            its log, or a log with nothing left to compute after its prefix.
+    """
+    if not jobs:
+        raise EventKVError("prefill_batch got no logs: give at least one (log, prefix) pair.")
+    if len(jobs) == 1:
+        log, prefix = jobs[0]
+        return [prefill(model, log, prefix=prefix, max_context=max_context, weights_digest=weights_digest)]
+    device = model_device(model)
+    starts = []
+    for k, (log, prefix) in enumerate(jobs):
+        check_context(log.history_end, max_context)
+        p = 0 if prefix is None else prefix.n_rows
+        if prefix is not None and (
+            p > log.n_rows
+            or prefix.log.input_ids[:p] != log.input_ids[:p]
+            or prefix.positions.tolist() != log.position_ids[:p]
+        ):
+            raise EventKVError(
+                f"log {k}: the prefix EventKV's rows are not the first rows of this log "
+                f"(token ids or positions differ)."
+            )
+        if p == log.n_rows:
+            raise EventKVError(f"log {k}: its prefix already holds every row; nothing is left to prefill.")
+        starts.append(p)
+    n_new = [log.n_rows - p for (log, _), p in zip(jobs, starts)]
+    big_p, big_n, b = max(starts), max(n_new), len(jobs)
+
+    ids, pos, mask = [], [], []
+    for (log, _), p, n in zip(jobs, starts, n_new):
+        own = log.position_ids[p:]
+        ids.append(log.input_ids[p:] + [0] * (big_n - n))  # right pad: token 0, never attended to
+        pos.append(own + [own[-1] + 1 + j for j in range(big_n - n)])  # pad positions: after the last real one
+        mask.append([False] * (big_p - p) + [True] * (p + big_n))
+    ids = torch.tensor(ids, dtype=torch.long, device=device)
+    pos = torch.tensor(pos, dtype=torch.long, device=device)
+    mask = torch.tensor(mask, dtype=torch.bool, device=device)
+    if big_p:
+        keys, values = [], []
+        for layer in range(_n_layers(jobs)):
+            k0, v0 = _prefix_rows(jobs, layer)
+            k = k0.new_zeros(b, k0.shape[1], big_p, k0.shape[3])
+            v = v0.new_zeros(b, v0.shape[1], big_p, v0.shape[3])
+            for i, ((_, prefix), p) in enumerate(zip(jobs, starts)):
+                if prefix is not None:
+                    k[i, :, big_p - p :] = prefix.keys[layer][0]
+                    v[i, :, big_p - p :] = prefix.values[layer][0]
+            keys.append(k)
+            values.append(v)
+        cache = cache_from_rows(keys, values)
+    else:
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+    model_forward(model, ids, pos, cache, mask, logits_to_keep=1)
+    out = []
+    for i, ((log, prefix), n) in enumerate(zip(jobs, n_new)):
+        ks, vs = [], []
+        for layer in cache.layers:
+            new_k = layer.keys[i : i + 1, :, big_p : big_p + n]
+            new_v = layer.values[i : i + 1, :, big_p : big_p + n]
+            if prefix is not None:
+                ks.append(torch.cat([prefix.keys[len(ks)], new_k], dim=2))
+                vs.append(torch.cat([prefix.values[len(vs)], new_v], dim=2))
+            else:
+                ks.append(new_k.contiguous())
+                vs.append(new_v.contiguous())
+        positions = torch.tensor(
+            log.position_ids, dtype=torch.long, device="cpu"
+        )  # an EventKV's positions live on the CPU
+        out.append(EventKV(log, ks, vs, positions, weights_digest))
+    return out
+
+
+def _n_layers(jobs: Sequence[tuple[TokenizedLog, EventKV | None]]) -> int:
+    return next(prefix.n_layers for _, prefix in jobs if prefix is not None)
+
+
+def _prefix_rows(jobs: Sequence[tuple[TokenizedLog, EventKV | None]], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefix's keys and values at ``layer`` (their dtype, device, heads and head dim set the pad's)."""
+    prefix = next(prefix for _, prefix in jobs if prefix is not None)
+    return prefix.keys[layer], prefix.values[layer]

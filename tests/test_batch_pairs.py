@@ -1,0 +1,148 @@
+"""Pairs batched across items (issue 14, point 3): :func:`eventkv.batched.prefill_batch` equals the
+one-at-a-time prefill, :func:`eventkv.readout.read_out` takes one query per cache, and a pair probe's
+``run_batch`` (``--batch-pairs N``) writes the records of ``run_item`` up to float rounding — the
+same greedy texts, answers and outcomes, candidate log-probs and d within TOL — on tiny Llama, Qwen2
+and Gemma 3 (sliding window of 16 rows, shorter than a history, so padding that moved a window
+would show) in float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from probe_fixtures import tiny_runtime
+
+from eventkv.batched import prefill_batch
+from eventkv.errors import EventKVError
+from eventkv.log import tokenize_query
+from eventkv.probes.donor_pair import DonorPair
+from eventkv.probes.landing import Landing
+from eventkv.probes.pairs import PrefillCache, tokenize_pair
+from eventkv.readout import read_out
+from eventkv.serve import serve
+
+FAMILIES = ["llama", "qwen2", "gemma3"]
+#: float32 on CPU: batched matmuls at other shapes round differently; measured differences here are ~1e-6
+TOL = 1e-4
+ROW_TOL = 1e-5
+
+
+def _close(a, b, path="record"):
+    """Records equal except floats, which agree within TOL."""
+    if isinstance(a, float) or isinstance(b, float):
+        assert isinstance(a, (int, float)) and isinstance(b, (int, float)), path
+        assert abs(a - b) <= TOL, f"{path}: {a} vs {b}"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            _close(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _close(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} vs {b!r}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_batch_equals_one_at_a_time(family):
+    rt = tiny_runtime(family)
+    probe = DonorPair()
+    jobs, want = [], []
+    for item in probe.items(5, [0, 1, 2]):
+        logs = tokenize_pair(rt, probe.instruction, item["events"])
+        header = rt.header_kv(probe.instruction)
+        for log in logs:  # logs of different lengths, from the header's rows
+            jobs.append((log, header))
+            want.append(rt.prefill(log, prefix=header))
+    # and one log from scratch (no prefix) beside them
+    jobs.append((jobs[0][0], None))
+    want.append(rt.prefill(jobs[0][0]))
+    got = prefill_batch(rt.model, jobs, max_context=rt.max_context, weights_digest=rt.weights_digest)
+    for g, w in zip(got, want):
+        assert g.log is w.log and torch.equal(g.positions, w.positions)
+        for layer in range(w.n_layers):
+            assert g.keys[layer].shape == w.keys[layer].shape
+            torch.testing.assert_close(g.keys[layer], w.keys[layer], atol=ROW_TOL, rtol=0)
+            torch.testing.assert_close(g.values[layer], w.values[layer], atol=ROW_TOL, rtol=0)
+
+
+def test_prefill_batch_refuses_bad_jobs():
+    rt = tiny_runtime("llama")
+    probe = DonorPair()
+    a, b = tokenize_pair(rt, probe.instruction, probe.items(0, [0])[0]["events"])
+    with pytest.raises(EventKVError, match="no logs"):
+        prefill_batch(rt.model, [])
+    ekv_a = rt.prefill(a)
+    with pytest.raises(EventKVError, match="log 1: the prefix"):
+        prefill_batch(rt.model, [(a, None), (b, ekv_a)])  # A's rows are no prefix of B's log
+    with pytest.raises(EventKVError, match="nothing is left"):
+        prefill_batch(rt.model, [(b, None), (a, ekv_a)])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_read_out_with_one_query_per_cache(family):
+    rt = tiny_runtime(family)
+    probe = DonorPair()
+    items = probe.items(1, range(6))
+    served, queries = [], []
+    for item in items:
+        log = tokenize_pair(rt, probe.instruction, item["events"])[0]
+        ekv = PrefillCache(rt, probe.instruction).prefill(log)
+        served.append(serve(ekv, ["e00", "e13"], "compact"))
+        queries.append(tokenize_query(rt.tokenizer, rt.profile, item["question"]))
+    n = len(queries[0])
+    same = [k for k, q in enumerate(queries) if len(q) == n]
+    assert len(same) >= 2 and len({tuple(queries[k]) for k in same}) >= 2  # different questions, one length
+    cands = [rt.encode(" " + s) for s in probe.states]
+    kw = dict(
+        candidates=cands,
+        candidate_texts=list(probe.states),
+        answer_prefix_ids=rt.encode("Answer:"),
+        max_new_tokens=4,
+        tokenizer=rt.tokenizer,
+    )
+
+    def flags(n):
+        return {"generate": [True] * n, "score": [True] * n}
+
+    together = read_out(rt.model, [served[k] for k in same], [queries[k] for k in same], **flags(len(same)), **kw)
+    for k, r in zip(same, together):
+        one = read_out(rt.model, [served[k]], queries[k], **flags(1), **kw)[0]
+        assert r.generation.tokens == one.generation.tokens
+        for c, d in zip(r.candidates, one.candidates):
+            assert abs(c.logprob - d.logprob) <= TOL
+    other = next((k for k, q in enumerate(queries) if len(q) != n), None)
+    if other is not None:
+        with pytest.raises(EventKVError, match="lengths"):
+            read_out(rt.model, [served[0], served[other]], [queries[0], queries[other]], **flags(2), **kw)
+    with pytest.raises(EventKVError, match="2 served caches but 1 queries"):
+        read_out(rt.model, served[:2], [queries[0]], **flags(2), **kw)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("arms", [("kv", "isolated"), ("kv", "isolated", "text-all", "kv-all")])
+def test_donor_pair_batch_n_equals_batch_1(family, arms):
+    rt = tiny_runtime(family)
+    probe = DonorPair(arm_names=arms, readout="both", max_new_tokens=3)
+    items = probe.items(2, range(5))
+    one = [probe.run_item(rt, it) for it in items]
+    many = probe.run_batch(rt, items)
+    assert [r["index"] for r in many] == [it["index"] for it in items]
+    for a, b in zip(one, many):
+        _close(a, b)
+
+
+def test_a_contract_probe_batches_too():
+    """Landing: several histories per item, swapped rows and fixed query positions."""
+    rt = tiny_runtime("qwen2")
+    probe = Landing(readout="logits")
+    items = probe.items(0, range(3))
+    one = [probe.run_item(rt, it) for it in items]
+    _close(one, probe.run_batch(rt, items))
+
+
+def test_batch_of_one_is_run_item_bit_for_bit():
+    rt = tiny_runtime("gemma3")
+    probe = DonorPair(arm_names=("kv", "isolated"), max_new_tokens=3)
+    item = probe.items(4, [0])[0]
+    assert probe.run_batch(rt, [item]) == [probe.run_item(rt, item)]
