@@ -1,13 +1,25 @@
-"""Donor-pair throughput: pairs per hour, and the ratio of a pair's wall time to the time of its
-forward passes (the floor: the probe's prefills, isolated encodings, query forwards, candidate
-forwards and decode steps, timed inside ``model.forward``).
+"""Donor-pair throughput: pairs per hour of eventkv's donor-pair probe against the study's way, measured
+in one run on the same model, dtype, threads and pairs.
 
-    python benchmarks/donor_pair_throughput.py --model smollm2-135m --dtype float32 --pairs 6
+    python benchmarks/donor_pair_throughput.py --model qwen2.5-coder-1.5b --dtype float32 --threads 2 --pairs 6
 
-Prints one line per pair, then ``pairs/hour: N`` and ``ratio to forward-pass floor: R.RRx``.
-Every arm of the probe runs (kv, isolated, text-all, kv-all), both readouts, 64 new tokens.
-Study 1's own script (two prefills, four short generations per pair, no isolated/text arms)
-does about 270 pairs/hour with qwen2.5-coder-1.5b in bfloat16 on a 2-core machine.
+Three ways are timed on every pair, in a rotating order (so a slower or busier stretch of the
+machine falls on each of them alike):
+
+* ``study``: Study 1's own way (Part A of its causal probe): per variant the whole history is
+  prefilled from scratch (header included), then greedy generation at batch 1 for {decoy, root}
+  served compactly and for every event (:func:`study_pair`);
+* ``eventkv all arms``: ``eventkv run donor-pair`` with kv, isolated, text-all, kv-all (both
+  readouts: greedy generation and candidate log-probs);
+* ``eventkv kv,isolated``: ``eventkv run donor-pair --arms kv,isolated`` — lazy prefill stops each
+  variant after the root (issue 14), both readouts.
+
+With ``--batch-pairs N`` (N > 1) a fourth way runs the kv,isolated arms N pairs at a time
+(``DonorPair.run_batch``: histories prefilled and read out in one batch).
+
+Prints one line per pair and way, then per way: mean seconds per pair, pairs per hour and the
+ratio of its pairs per hour to the study's. Model load and one warm-up pair per way are excluded.
+``--profile`` prints a cProfile of the eventkv ways.
 """
 
 from __future__ import annotations
@@ -20,84 +32,15 @@ import torch
 
 from eventkv.models import load
 from eventkv.probes import DonorPair, Runtime
-from eventkv.probes.base import ForwardTimer
+
+ALL_ARMS = ("kv", "isolated", "text-all", "kv-all")
+LAZY_ARMS = ("kv", "isolated")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--pairs", type=int, default=6, help="timed pairs (after one warm-up pair)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--profile", action="store_true", help="print a cProfile of the timed pairs")
-    ap.add_argument(
-        "--baseline",
-        action="store_true",
-        help="also time the same pairs the way Study 1's script runs them (per variant a full "
-        "prefill; generations for kv and text-all one at a time; no isolated arm, no candidates)",
-    )
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
-    t = time.perf_counter()
-    lm = load(args.model, dtype=args.dtype)
-    print(
-        f"model {args.model} ({args.dtype}) loaded in {time.perf_counter() - t:.1f} s; "
-        f"torch threads {torch.get_num_threads()}"
-    )
-    rt = Runtime(lm.model, lm.tokenizer, lm.profile)
-    probe = DonorPair(max_new_tokens=args.max_new_tokens)
-    items = probe.items(args.seed, range(args.pairs + 1))
-
-    probe.run_item(rt, items[0])  # warm-up: header prefill, allocator, kernels
-    walls, fwds = [], []
-    prof = None
-    if args.profile:
-        import cProfile
-
-        prof = cProfile.Profile()
-        prof.enable()
-    for it in items[1:]:
-        timer = ForwardTimer()
-        with timer.installed(rt.model):
-            t = time.perf_counter()
-            rec = probe.run_item(rt, it)
-            wall = time.perf_counter() - t
-        gen = sum(rec["arms"][a][v].get("n_tokens", 0) for a in rec["arms"] for v in "AB")
-        walls.append(wall)
-        fwds.append(timer.seconds)
-        print(
-            f"pair {it['index']}: {wall:6.2f} s wall, {timer.seconds:6.2f} s in {timer.calls} forwards "
-            f"(ratio {wall / timer.seconds:.3f}); history {rec['history_end']} positions; "
-            f"{gen} tokens generated over the arms"
-        )
-    if prof is not None:
-        import pstats
-
-        prof.disable()
-        pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
-    mean = statistics.mean(walls)
-    print(f"mean pair time: {mean:.2f} s (forward passes {statistics.mean(fwds):.2f} s)")
-    print(f"pairs/hour: {3600 / mean:.0f}")
-    print(f"ratio to forward-pass floor: {sum(walls) / sum(fwds):.3f}x")
-    if args.baseline:
-        base = [baseline_pair(rt, probe, it) for it in items[1:]]
-        for it, b in zip(items[1:], base):
-            print(f"baseline pair {it['index']}: {b:6.2f} s wall")
-        print(
-            f"baseline pairs/hour: {3600 / statistics.mean(base):.0f} (study-style: 2 full prefills, "
-            f"4 one-at-a-time generations, no isolated arm, no candidate scoring)"
-        )
-        print(f"speed-up over baseline: {statistics.mean(base) / mean:.2f}x")
-
-
-def baseline_pair(rt: Runtime, probe: DonorPair, item: dict) -> float:
-    """One pair the study's way, on eventkv's data path: header + all events prefilled from scratch
-    per variant, then greedy generation (batch 1) for {decoy, root} served compactly and for every
-    event. Returns wall seconds."""
+def study_pair(rt: Runtime, probe: DonorPair, item: dict) -> float:
+    """One donor pair the study's way, on eventkv's data path: per variant the header and every event
+    prefilled from scratch, then greedy generation at batch 1 (up to ``probe.max_new_tokens`` tokens)
+    for {decoy, root} served compactly and for every event. Returns wall seconds."""
     from eventkv.log import TokenizedLog, tokenize_query
     from eventkv.prefill import prefill
     from eventkv.readout import generate
@@ -121,6 +64,95 @@ def baseline_pair(rt: Runtime, probe: DonorPair, item: dict) -> float:
                 max_new_tokens=probe.max_new_tokens,
                 stop_token_ids=rt.stop_token_ids,
             )
+    return time.perf_counter() - t
+
+
+#: the name this function had before issue 14 (kept for scripts that import it)
+baseline_pair = study_pair
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--pairs", type=int, default=6, help="timed pairs per way (after one warm-up pair)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--batch-pairs", type=int, default=1, help="also time kv,isolated N pairs at a time (N > 1)")
+    ap.add_argument("--profile", action="store_true", help="print a cProfile of the eventkv ways")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    t = time.perf_counter()
+    lm = load(args.model, dtype=args.dtype, device=args.device)
+    cpu = torch.cpu.get_capabilities().get("cpu_name") if hasattr(torch.cpu, "get_capabilities") else None
+    print(
+        f"model {args.model} ({lm.profile.dtype}, {args.device}) loaded in {time.perf_counter() - t:.1f} s; "
+        f"torch threads {torch.get_num_threads()}; CPU {cpu or 'unknown'}, kernels "
+        f"{torch.backends.cpu.get_cpu_capability()}"
+    )
+    rt = Runtime(lm.model, lm.tokenizer, lm.profile)
+    probes = {
+        "eventkv all arms": DonorPair(max_new_tokens=args.max_new_tokens, arm_names=ALL_ARMS),
+        "eventkv kv,isolated": DonorPair(max_new_tokens=args.max_new_tokens, arm_names=LAZY_ARMS),
+    }
+    study = DonorPair(max_new_tokens=args.max_new_tokens)
+    items = study.items(args.seed, range(args.pairs + 1))
+    warm, timed = items[0], items[1:]
+
+    ways = {"study": lambda it: study_pair(rt, study, it)}
+    for name, probe in probes.items():
+        ways[name] = lambda it, p=probe: _timed(lambda: p.run_item(rt, it))
+    for way in ways.values():  # warm-up: header prefill, allocator, kernels
+        way(warm)
+
+    prof = None
+    if args.profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+    secs: dict[str, list[float]] = {name: [] for name in ways}
+    names = list(ways)
+    for k, it in enumerate(timed):
+        for j in range(len(names)):
+            name = names[(k + j) % len(names)]
+            if prof is not None and name != "study":
+                prof.enable()
+            s = ways[name](it)
+            if prof is not None:
+                prof.disable()
+            secs[name].append(s)
+            print(f"pair {it['index']}: {name:<22} {s:7.2f} s")
+
+    if args.batch_pairs > 1:
+        name = f"eventkv kv,isolated batch {args.batch_pairs}"
+        p = probes["eventkv kv,isolated"]
+        p.run_batch(rt, items[: min(args.batch_pairs, len(items))])  # warm-up at the batch shape
+        per = []
+        for a in range(0, len(timed), args.batch_pairs):
+            chunk = timed[a : a + args.batch_pairs]
+            s = _timed(lambda c=chunk: p.run_batch(rt, c))
+            per.extend([s / len(chunk)] * len(chunk))
+            print(f"pairs {chunk[0]['index']}-{chunk[-1]['index']}: {name} {s:7.2f} s")
+        secs[name] = per
+
+    if prof is not None:
+        import pstats
+
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+    base = statistics.mean(secs["study"])
+    print(f"\n{'way':<32} {'s/pair':>8} {'pairs/hour':>11} {'vs study':>9}")
+    for name, s in secs.items():
+        mean = statistics.mean(s)
+        print(f"{name:<32} {mean:8.2f} {3600 / mean:11.0f} {base / mean:8.2f}x")
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
     return time.perf_counter() - t
 
 

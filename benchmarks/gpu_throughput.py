@@ -11,7 +11,7 @@ Random weights make the answers meaningless; the work per token is the real mode
      attention; embeddings and lm_head are not counted, the prefill keeps one logit) and the
      achieved share of the ceiling;
   3. donor pairs per hour (DonorPair, arms kv and isolated, both readouts) at batch 1
-     (``run_item``), at batch N (``run_items``, one batched engine call) and the study's way
+     (``run_item``), at batch N (``run_batch``, one batched engine call) and the study's way
      (``study_pair`` of ``donor_pair_throughput.py``; ``baseline_pair`` until that lands);
   4. serve-from-cache vs re-prefill at each L: answer a query from the EventKV held on the
      device, from the EventKV stored on disk (load + copy to the device), and by prefilling the
@@ -341,7 +341,7 @@ def matmul_tflops(n: int, dtype: torch.dtype, dev: torch.device, repeats: int) -
 def donor_pairs(rt: Runtime, *, pairs: int, batch: int, max_new_tokens: int, seed: int, sync) -> None:
     """Print donor pairs per hour (DonorPair, arms kv and isolated, both readouts, ``max_new_tokens``
     greedy tokens) three ways, each after one untimed warm-up: batch 1 (``run_item`` per pair),
-    batch ``batch`` (``run_items``, when the probe has it; else says so and skips) and the study's
+    batch ``batch`` (``run_batch``, when the probe has it; else says so and skips) and the study's
     way (``study_pair``, else ``baseline_pair``, of ``donor_pair_throughput.py``); then the ratios.
     Seconds are wall time with the device synchronised; pairs/hour = 3600 / mean seconds per pair."""
     import donor_pair_throughput as dpt
@@ -375,17 +375,17 @@ def donor_pairs(rt: Runtime, *, pairs: int, batch: int, max_new_tokens: int, see
         f"{3600 / per_pair['batch 1']:.0f} pairs/hour (history {rec['history_end']} positions)"
     )
 
-    if hasattr(probe, "run_items"):
+    if hasattr(probe, "run_batch"):
         chunks = [timed_items[i : i + batch] for i in range(0, n_batched, batch)]
-        probe.run_items(rt, chunks[0])  # warm-up at the timed batch size (allocator, kernels)
-        total = sum(clock(lambda c=c: probe.run_items(rt, c))[0] for c in chunks)
+        probe.run_batch(rt, chunks[0])  # warm-up at the timed batch size (allocator, kernels)
+        total = sum(clock(lambda c=c: probe.run_batch(rt, c))[0] for c in chunks)
         per_pair[f"batch {batch}"] = total / n_batched
         print(
-            f"donor pairs, batch {batch} (run_items; {what}): {n_batched} pairs in {len(chunks)} call(s), "
+            f"donor pairs, batch {batch} (run_batch; {what}): {n_batched} pairs in {len(chunks)} call(s), "
             f"{per_pair[f'batch {batch}']:.3f} s/pair = {3600 / per_pair[f'batch {batch}']:.0f} pairs/hour"
         )
     else:
-        print(f"donor pairs, batch {batch}: unavailable (DonorPair has no run_items yet); batch 1 above is the loop")
+        print(f"donor pairs, batch {batch}: unavailable (DonorPair has no run_batch yet); batch 1 above is the loop")
 
     study(rt, probe, warm)
     st = [clock(lambda it=it: study(rt, probe, it))[0] for it in timed_items[:pairs]]

@@ -146,3 +146,61 @@ def test_batch_of_one_is_run_item_bit_for_bit():
     probe = DonorPair(arm_names=("kv", "isolated"), max_new_tokens=3)
     item = probe.items(4, [0])[0]
     assert probe.run_batch(rt, [item]) == [probe.run_item(rt, item)]
+
+
+def test_runner_batches_and_records_it(tmp_path):
+    """``run_probe(batch=3)`` writes the records of batch 1 (within TOL), in index order, resumes a
+    cut run, and records ``batch_pairs`` with the invocation."""
+    from eventkv.probes.runner import RUN_MANIFEST, load_records, run_probe
+
+    rt = tiny_runtime("llama")
+    probe = DonorPair(arm_names=("kv", "isolated"), readout="both", max_new_tokens=3)
+
+    def run(out, items, batch):
+        return run_probe(
+            probe, rt, model="tiny", items=items, seed=7, out=out, progress=False, figure=False, batch=batch
+        )
+
+    run(tmp_path / "one", 5, 1)
+    run(tmp_path / "many", 2, 3)  # a first invocation stops after 2 items
+    run(tmp_path / "many", 5, 3)  # resumed: items 2..4 in one batch
+    one, many = load_records(tmp_path / "one"), load_records(tmp_path / "many")
+    assert [r["index"] for r in many] == [0, 1, 2, 3, 4]
+    _close(one, many)
+    import json
+
+    invocations = json.loads((tmp_path / "many" / RUN_MANIFEST).read_text())["invocations"]
+    assert [(x["items_computed"], x["batch_pairs"]) for x in invocations] == [(2, 3), (3, 3)]
+
+
+def test_batch_pairs_is_refused_for_a_probe_that_does_not_batch():
+    from eventkv.errors import OptionError
+    from eventkv.probes.base import get_probe
+    from eventkv.probes.run_options import RunOptions
+
+    splice = get_probe("splice")()
+    assert not splice.batches_items and DonorPair.batches_items
+    with pytest.raises(OptionError, match="batch_pairs 2: probe 'splice' computes its items one at a time"):
+        RunOptions("m", 2, batch_pairs=2, device="cpu").validate(splice)
+    RunOptions("m", 2, batch_pairs=2, device="cpu").validate(DonorPair())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_encode_alone_equals_serving_each_event_alone(family):
+    from eventkv.batched import encode_alone
+
+    rt = tiny_runtime(family)
+    probe = DonorPair()
+    log = tokenize_pair(rt, probe.instruction, probe.items(0, [0])[0]["events"])[0]
+    ekv = PrefillCache(rt, probe.instruction).prefill(log)
+    ids = ["e00", "e05", "e13"]
+    want = serve(ekv, ids, "isolated", model=rt.model)
+    events = [(log.event_tokens[log.event_ids.index(e)], log.span(e).pos_start) for e in ids]
+    rows = encode_alone(rt.model, rt.header_kv(probe.instruction), events)
+    memo = {(e, p, tuple(t)): r for e, (t, p), r in zip(ids, events, rows)}
+    got = serve(ekv, ids, "isolated", model=rt.model, isolated_memo=memo)
+    assert torch.equal(got.positions, want.positions)
+    for a, b in zip(got.keys + got.values, want.keys + want.values):
+        torch.testing.assert_close(a, b, atol=ROW_TOL, rtol=0)
+    with pytest.raises(EventKVError, match="at least one event"):
+        encode_alone(rt.model, rt.header_kv(probe.instruction), [])

@@ -203,6 +203,9 @@ _BAD_OPTIONS = [
     (["run", "donor-pair", "--arms", "kv,bogus"], "--arms kv,bogus:"),
     (["run", "donor-pair", "--arms", "kv,kv-all"], "--arms kv,kv-all: kv-all is checked against text-all"),
     (["run", "donor-pair", "--readout", "bogus"], "--readout 'bogus': use generate, logits or both"),
+    (["run", "donor-pair", "--batch-pairs", "0"], "--batch-pairs 0: give a whole number of items >= 1"),
+    (["run", "landing", "--batch-pairs", "-2"], "--batch-pairs -2:"),
+    (["contract", "--batch-pairs", "0"], "--batch-pairs 0:"),
     # run trigger-bank / landing / access / carriers / patch
     (["run", "trigger-bank", "--arms", "text"], "--arms text: give arms of kv, text, isolated"),
     (["run", "trigger-bank", "--max-new-tokens", "0"], "--max-new-tokens 0:"),

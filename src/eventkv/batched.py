@@ -28,7 +28,7 @@ from eventkv.prefill import EventKV, cache_from_rows, check_context, model_devic
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["prefill_batch"]
+__all__ = ["encode_alone", "prefill_batch"]
 
 
 @torch.inference_mode()
@@ -137,3 +137,55 @@ def _prefix_rows(jobs: Sequence[tuple[TokenizedLog, EventKV | None]], layer: int
     """A prefix's keys and values at ``layer`` (their dtype, device, heads and head dim set the pad's)."""
     prefix = next(prefix for _, prefix in jobs if prefix is not None)
     return prefix.keys[layer], prefix.values[layer]
+
+
+@torch.inference_mode()
+def encode_alone(
+    model: PreTrainedModel,
+    header: EventKV,
+    events: Sequence[tuple[Sequence[int], int]],
+) -> list[tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]]:
+    """Encode events each alone after the header, at their own positions, in one forward: the
+    isolated control of Study 1 ("Setting": an event's rows with no other event in view), batched.
+
+    Row ``i`` of the batch is the header's rows followed by event ``i``'s tokens at positions
+    ``pos_start, pos_start + 1, ...``, right-padded to the longest event (causal attention keeps the
+    pad out of every real token's view). The rows equal :func:`eventkv.serve.serve`'s one-at-a-time
+    ``isolated`` encoding up to float rounding.
+
+    Args:
+        header: an EventKV whose rows are the header (e.g. :meth:`Runtime.header_kv`'s); only
+            ``log.span("<header>")``'s rows are used.
+        events: ``(token ids, first position)`` per event.
+
+    Returns:
+        per event, in the form :func:`eventkv.serve.serve`'s ``isolated_memo`` holds: keys and values
+        per layer ``[1, kv_heads, n_tokens, head_dim]``, and positions ``[n_tokens]`` (int64, CPU).
+
+    Raises:
+        EventKVError: no event, or an event with no tokens.
+    """
+    from eventkv.log import HEADER_ID
+
+    if not events or any(len(tokens) == 0 for tokens, _ in events):
+        raise EventKVError("encode_alone needs at least one event, and no event without tokens.")
+    device = model_device(model)
+    span = header.log.span(HEADER_ID)
+    h, b, n = span.n_tokens, len(events), max(len(tokens) for tokens, _ in events)
+    keys = [k[:, :, span.row_start : span.row_end].expand(b, -1, -1, -1).contiguous() for k in header.keys]
+    values = [v[:, :, span.row_start : span.row_end].expand(b, -1, -1, -1).contiguous() for v in header.values]
+    cache = cache_from_rows(keys, values)
+    ids = torch.tensor([list(t) + [0] * (n - len(t)) for t, _ in events], dtype=torch.long, device=device)
+    pos = torch.tensor([list(range(p, p + n)) for _, p in events], dtype=torch.long, device=device)
+    model_forward(model, ids, pos, cache, logits_to_keep=1)
+    out = []
+    for i, (tokens, p) in enumerate(events):
+        m = len(tokens)
+        out.append(
+            (
+                [layer.keys[i : i + 1, :, h : h + m].contiguous() for layer in cache.layers],
+                [layer.values[i : i + 1, :, h : h + m].contiguous() for layer in cache.layers],
+                torch.arange(p, p + m, dtype=torch.long, device="cpu"),  # an EventKV's positions live on the CPU
+            )
+        )
+    return out

@@ -136,6 +136,19 @@ def check_items(items) -> int:
     return check_int("items", items, "run at least one item.")
 
 
+def check_batch_pairs(batch_pairs) -> int:
+    """``--batch-pairs``: a whole number >= 1, the items a pair probe computes in one batch (issue 14).
+
+    Raises:
+        OptionError: ``batch_pairs`` is not a whole number >= 1.
+    """
+    allowed = "give a whole number of items >= 1 (1: one item at a time; 8 or more pays off on a GPU)."
+    check_optional_int("batch_pairs", batch_pairs, allowed)
+    if batch_pairs is None or batch_pairs < 1:
+        raise OptionError("batch_pairs", batch_pairs, allowed)
+    return batch_pairs
+
+
 def check_threads(threads) -> int | None:
     """``--threads``: None (torch decides) or 1 .. the machine's logical cores (more threads than cores
     only slow torch down, and a huge count fails to start threads).

@@ -23,6 +23,14 @@ DEVICE_OPTION = typer.Option("auto", "--device", help=DEVICE_HELP)
 """``--device``, shared by every command that loads a model (checked by
 :func:`eventkv.models.resolve_device` before the model loads)."""
 
+BATCH_PAIRS_OPTION = typer.Option(
+    1,
+    "--batch-pairs",
+    help="donor pairs computed in one batch (prefills and readouts; records equal batch 1 up to float "
+    "rounding); pays off on a GPU",
+)
+"""``--batch-pairs``, shared by the pair probes' commands (:attr:`RunOptions.batch_pairs`)."""
+
 
 @contextmanager
 def user_errors():

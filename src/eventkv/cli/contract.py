@@ -12,7 +12,15 @@ from typing import Optional
 
 import typer
 
-from eventkv.cli.common import DEVICE_OPTION, comma_list, int_list, run_probe_command, start_run, user_errors
+from eventkv.cli.common import (
+    BATCH_PAIRS_OPTION,
+    DEVICE_OPTION,
+    comma_list,
+    int_list,
+    run_probe_command,
+    start_run,
+    user_errors,
+)
 from eventkv.options import DTYPE_HELP
 
 _MODEL = typer.Option(
@@ -44,6 +52,7 @@ def trigger_bank(
     device: str = DEVICE_OPTION,
     threads: Optional[int] = _THREADS,
     progress: bool = _PROGRESS,
+    batch_pairs: int = BATCH_PAIRS_OPTION,
 ) -> None:
     """Trigger bank (Study 1): write-through vs comprehension over 16 carrier constructions."""
     with user_errors():
@@ -51,7 +60,8 @@ def trigger_bank(
         from eventkv.probes.trigger_bank import TriggerBank
 
         probe = TriggerBank(readout=readout, arm_names=comma_list(arms, "--arms"), max_new_tokens=max_new_tokens)
-        run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress, device=device))
+        opts = RunOptions(model, items, seed, out, dtype, threads, progress, device=device, batch_pairs=batch_pairs)
+        run_probe_command(probe, opts)
 
 
 def landing(
@@ -68,6 +78,7 @@ def landing(
     device: str = DEVICE_OPTION,
     threads: Optional[int] = _THREADS,
     progress: bool = _PROGRESS,
+    batch_pairs: int = BATCH_PAIRS_OPTION,
 ) -> None:
     """Landing (Study 1): root vs reference edge, co-served mention, root x mention factorial (TOST), depth-3 chains."""
     with user_errors():
@@ -75,7 +86,8 @@ def landing(
         from eventkv.probes.run_options import RunOptions
 
         probe = Landing(readout=readout, tost_margin=tost_margin, max_new_tokens=max_new_tokens)
-        run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress, device=device))
+        opts = RunOptions(model, items, seed, out, dtype, threads, progress, device=device, batch_pairs=batch_pairs)
+        run_probe_command(probe, opts)
 
 
 def access(
@@ -90,6 +102,7 @@ def access(
     device: str = DEVICE_OPTION,
     threads: Optional[int] = _THREADS,
     progress: bool = _PROGRESS,
+    batch_pairs: int = BATCH_PAIRS_OPTION,
 ) -> None:
     """Access (Study 1): recovery vs chance for binary, 4-way, 8-way and 3-digit payloads."""
     with user_errors():
@@ -99,7 +112,8 @@ def access(
         probe = Access(
             readout=readout, cardinalities=comma_list(cardinalities, "--cardinalities"), max_new_tokens=max_new_tokens
         )
-        run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress, device=device))
+        opts = RunOptions(model, items, seed, out, dtype, threads, progress, device=device, batch_pairs=batch_pairs)
+        run_probe_command(probe, opts)
 
 
 def carriers(
@@ -119,6 +133,7 @@ def carriers(
     device: str = DEVICE_OPTION,
     threads: Optional[int] = _THREADS,
     progress: bool = _PROGRESS,
+    batch_pairs: int = BATCH_PAIRS_OPTION,
 ) -> None:
     """Programmed carriers (Study 1): answer-free carriers served alone and beside the shared row."""
     with user_errors():
@@ -131,7 +146,8 @@ def carriers(
             fix_query_position=fix_query_position,
             max_new_tokens=max_new_tokens,
         )
-        run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress, device=device))
+        opts = RunOptions(model, items, seed, out, dtype, threads, progress, device=device, batch_pairs=batch_pairs)
+        run_probe_command(probe, opts)
 
 
 def patch(
@@ -148,6 +164,7 @@ def patch(
     device: str = DEVICE_OPTION,
     threads: Optional[int] = _THREADS,
     progress: bool = _PROGRESS,
+    batch_pairs: int = BATCH_PAIRS_OPTION,
 ) -> None:
     """Served patches (Study 1, Updates): patch event vs re-prefill time against L, stale-value leak."""
     with user_errors():
@@ -161,7 +178,8 @@ def patch(
             timing_repeats=timing_repeats,
             max_new_tokens=max_new_tokens,
         )
-        run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress, device=device))
+        opts = RunOptions(model, items, seed, out, dtype, threads, progress, device=device, batch_pairs=batch_pairs)
+        run_probe_command(probe, opts)
 
 
 def contract(
@@ -181,6 +199,7 @@ def contract(
     device: str = DEVICE_OPTION,
     threads: Optional[int] = _THREADS,
     progress: bool = _PROGRESS,
+    batch_pairs: int = BATCH_PAIRS_OPTION,
 ) -> None:
     """The memory contract (Study 1): run the whole battery (donor pair, trigger bank, landing, access,
     programmed carriers, patches), resumably, and write contract.md, contract.json and figures."""
@@ -192,13 +211,21 @@ def contract(
             items = 8 if quick else 24
         plan(items, quick)  # bad --items fails here, before the model loads or --out is made
         opts, console, rt = start_run(
-            RunOptions(model, items, seed, out, dtype, threads, progress, device=device),
+            RunOptions(model, items, seed, out, dtype, threads, progress, device=device, batch_pairs=batch_pairs),
             folder="contract",
             name="{model}-{dtype}-quick" if quick else "{model}-{dtype}",
         )
         out = opts.out
         js = run_contract(
-            rt, model=model, out=out, items=items, quick=quick, seed=seed, console=console, progress=progress
+            rt,
+            model=model,
+            out=out,
+            items=items,
+            quick=quick,
+            seed=seed,
+            console=console,
+            progress=progress,
+            batch=batch_pairs,
         )
         console.print(js["markdown_table"], markup=False, highlight=False, soft_wrap=True)
         console.print(f"contract: {out / 'contract.md'}  json: {out / 'contract.json'}  figures: {out / 'figures'}")

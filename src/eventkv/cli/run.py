@@ -12,7 +12,14 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from eventkv.cli.common import DEVICE_OPTION, comma_list, print_summary, run_probe_command, user_errors
+from eventkv.cli.common import (
+    BATCH_PAIRS_OPTION,
+    DEVICE_OPTION,
+    comma_list,
+    print_summary,
+    run_probe_command,
+    user_errors,
+)
 from eventkv.errors import EventKVError
 from eventkv.options import DTYPE_HELP
 
@@ -64,6 +71,7 @@ def donor_pair(
         None, "--threads", help="torch CPU threads (default: torch decides; 1 is faster on a busy machine)"
     ),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
+    batch_pairs: int = BATCH_PAIRS_OPTION,
 ) -> None:
     """Donor pairs (Study 1): does the answer follow an omitted source through the served rows?"""
     with user_errors():
@@ -81,7 +89,8 @@ def donor_pair(
             max_new_tokens=max_new_tokens,
             arm_names=comma_list(arms, "--arms"),
         )
-        run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress, device=device))
+        opts = RunOptions(model, items, seed, out, dtype, threads, progress, device=device, batch_pairs=batch_pairs)
+        run_probe_command(probe, opts)
 
 
 def report(

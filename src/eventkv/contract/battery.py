@@ -83,8 +83,10 @@ def run_contract(
     console=None,
     progress: bool = True,
     only: tuple[str, ...] = CONTRACT_PROBES,
+    batch: int = 1,
 ) -> dict:
-    """Run the battery into ``out`` (resuming every probe directory) and write the contract.
+    """Run the battery into ``out`` (resuming every probe directory), ``batch`` items at a time in the
+    probes that batch them (``--batch-pairs``), and write the contract.
 
     Returns:
         the contract dict (also written to ``out/contract.json``).
@@ -135,6 +137,7 @@ def run_contract(
                 todo,
                 before=describe if bar else None,
                 after=(lambda i: bar.advance(task)) if bar else None,
+                batch=batch if probe.batches_items else 1,
             )
     summaries = {s.probe: render(out / s.probe) for s in steps}
     return write_contract(out, model, summaries, provenance(out, summaries), quick=quick)

@@ -218,6 +218,8 @@ class Probe:
     record_version: ClassVar[int] = 1
     #: options that make the probe fast enough for the registry's smoke test on a tiny model
     smoke_options: ClassVar[dict] = {}
+    #: :meth:`run_batch` computes several items in one batch (``--batch-pairs``); False: one at a time
+    batches_items: ClassVar[bool] = False
 
     def options(self) -> dict:
         """Every option as a JSON-able dict (tuples become lists)."""

@@ -194,14 +194,17 @@ class PairProbe(Probe):
     """
 
     #: 2: lazy prefill (issue 14) splits each history's forward at the last event a subset arm reads,
-    #: which moves the rows of text arms by float rounding against version-1 records
-    record_version: ClassVar[int] = 2
+    #: which moves the rows of text arms by float rounding against version-1 records; 3: a pair's two
+    #: variants are prefilled in one batched forward where they continue the same rows, and isolated
+    #: events are encoded together (issue 14), which moves rows by float rounding against version 2
+    record_version: ClassVar[int] = 3
     #: prefill the variants' common leading events once, as their own prefix (see :func:`run_pair`)
     shared_prefix: ClassVar[bool] = False
     #: record whether each generation ended on a stop token (``stopped``)
     record_stopped: ClassVar[bool] = False
     #: prefill every history to its end even when no arm needs it (see :func:`run_pair`'s ``whole``)
     prefill_whole: ClassVar[bool] = False
+    batches_items: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         """Every field whose default is a tuple becomes a tuple (options arrive as JSON lists from a
@@ -645,7 +648,8 @@ def run_pairs(
     caches = list(caches) if caches is not None else [PrefillCache(rt, instruction) for _ in items]
     used = sorted({a.history for a in arms})
     logs: list[dict[str, list[TokenizedLog]]] = []
-    jobs: list[list[tuple[str, TokenizedLog]]] = []  # per item, its prefills in order: (what, log)
+    # per item, its prefills in rounds: the prefills of one round do not continue each other
+    jobs: list[list[list[tuple[str, TokenizedLog]]]] = []
     for item in items:
         logs.append({})
         jobs.append([])
@@ -657,19 +661,20 @@ def run_pairs(
             everything = everything or whole
             lead = pair if n is None else [_leading(log, n) for log in pair]
             shared = shared_log(lead) if shared_prefix else None
-            if shared is not None:
-                jobs[-1].append(("shared", shared))
-            jobs[-1] += [(f"{h}/0", lead[0]), (f"{h}/1", lead[1])]
+            variants = [[(f"{h}/0", lead[0])], [(f"{h}/1", lead[1])]]
+            if shared is not None:  # both variants continue the shared events: one round
+                jobs[-1] += [[("shared", shared)], variants[0] + variants[1]]
+            else:  # variant B continues variant A's rows up to their first difference
+                jobs[-1] += variants
             if everything and n is not None:  # the rest continues the lead: the lead's rows are the same either way
-                jobs[-1] += [(f"{h}/0", pair[0]), (f"{h}/1", pair[1])]
+                jobs[-1].append([(f"{h}/0", pair[0]), (f"{h}/1", pair[1])])
 
     ekvs: list[dict[str, list[EventKV | None]]] = [{h: [None, None] for h in used} for _ in items]
     for r in range(max(len(j) for j in jobs)):
         todo: list[tuple[int, str, TokenizedLog, EventKV]] = []
         done: list[tuple[int, str, EventKV]] = []
         for i, item_jobs in enumerate(jobs):
-            if r < len(item_jobs):
-                what, log = item_jobs[r]
+            for what, log in item_jobs[r] if r < len(item_jobs) else ():
                 have, prefix = caches[i].plan(log)
                 if have is not None:
                     done.append((i, what, have))
@@ -688,6 +693,7 @@ def run_pairs(
                 h, v = what.split("/")
                 ekvs[i][h][int(v)] = ekv
 
+    memo = _encode_isolated(rt, instruction, items, arms, logs)
     entries: list[tuple[int, str, tuple[int, ...], ServedCache]] = []  # (item, arm, variants, cache)
     served_rec: list[dict] = [{} for _ in items]
     qpos: list[dict] = [{} for _ in items]
@@ -695,7 +701,7 @@ def run_pairs(
         common = max(logs[i][h][0].history_end for h in used)
         for arm in arms:
             caches, qpos[i][arm.name], served_rec[i][arm.name] = _serve_arm(
-                rt, item, arm, logs[i][arm.history], ekvs[i][arm.history], common
+                rt, item, arm, logs[i][arm.history], ekvs[i][arm.history], common, memo
             )
             entries += [(i, arm.name, vs, sc) for vs, sc in caches]
 
@@ -767,8 +773,41 @@ def run_pairs(
     return runs
 
 
+def _encode_isolated(
+    rt: Runtime, instruction: str, items: Sequence[dict], arms: Sequence[PairArm], logs: list[dict]
+) -> dict[tuple, tuple]:
+    """Every event an isolated arm serves, over all items and variants, encoded alone after the
+    header in one forward (:func:`eventkv.batched.encode_alone`), as an ``isolated_memo`` for
+    :func:`eventkv.serve.serve` (keyed by event id, first position and token ids)."""
+    from eventkv.batched import encode_alone
+
+    wanted: dict[tuple, tuple[list[int], int]] = {}
+    for i, item in enumerate(items):
+        for arm in arms:
+            if arm.encoding != "isolated":
+                continue
+            roles = item["roles"][arm.history]
+            log0 = logs[i][arm.history][0]
+            ids = (
+                list(log0.event_ids) if arm.served == "all" else [event_id(roles[r]) for r in arm.served if r in roles]
+            )
+            for log in logs[i][arm.history]:
+                for e in ids:
+                    tokens = log.event_tokens[log.event_ids.index(e)]
+                    wanted.setdefault((e, log.span(e).pos_start, tuple(tokens)), (list(tokens), log.span(e).pos_start))
+    if not wanted:
+        return {}
+    return dict(zip(wanted, encode_alone(rt.model, rt.header_kv(instruction), list(wanted.values()))))
+
+
 def _serve_arm(
-    rt: Runtime, item: dict, arm: PairArm, logs: list[TokenizedLog], pair: list[EventKV], common: int
+    rt: Runtime,
+    item: dict,
+    arm: PairArm,
+    logs: list[TokenizedLog],
+    pair: list[EventKV],
+    common: int,
+    memo: dict | None = None,
 ) -> tuple[list[tuple[tuple[int, ...], ServedCache]], int, dict]:
     """One arm of one item: ``([(variants answered, served cache)], query position, served
     record)`` — one cache per variant, or one for both (an isolated arm whose served tokens are the
@@ -795,9 +834,9 @@ def _serve_arm(
         idx = [log0.event_ids.index(e) for e in ids]
         if all(logs[0].event_tokens[j] == logs[1].event_tokens[j] for j in idx):
             # identical served tokens at identical positions: one encoding answers both variants
-            caches = [((0, 1), serve(pair[0], ids, "isolated", model=rt.model))]
+            caches = [((0, 1), serve(pair[0], ids, "isolated", model=rt.model, isolated_memo=memo))]
         else:
-            caches = [((v,), serve(pair[v], ids, "isolated", model=rt.model)) for v in (0, 1)]
+            caches = [((v,), serve(pair[v], ids, "isolated", model=rt.model, isolated_memo=memo)) for v in (0, 1)]
     elif swap:
         caches = [((v,), serve_mixed(pair[v], pair[1 - v], ids, swap)) for v in (0, 1)]
     else:

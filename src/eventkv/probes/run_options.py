@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eventkv.options import check_items, check_out_dir, check_threads
+from eventkv.options import check_batch_pairs, check_items, check_out_dir, check_threads
 
 if TYPE_CHECKING:
     from eventkv.probes.base import Probe, Runtime, Summary
@@ -54,6 +54,9 @@ class RunOptions:
             for this device (bfloat16 on a GPU with native bf16). The device is provenance, not identity: it
             is recorded with every invocation in the manifest, and a run may be resumed on another device
             when its dtype is the same (``docs/devices.md``).
+        batch_pairs: items computed in one batch by a probe that batches them (the pair probes:
+            :meth:`~eventkv.probes.base.Probe.run_batch`; issue 14). Records equal those of 1 up to float
+            rounding; it is provenance (recorded per invocation), not identity.
     """
 
     model: str
@@ -64,15 +67,17 @@ class RunOptions:
     threads: int | None = None
     progress: bool = True
     device: str = "auto"
+    batch_pairs: int = 1
 
     def validate(self, probe: Probe | None = None) -> None:
         """Check every option before anything loads or is written, in this order: the probe's own options
-        (``probe.validate()``), ``items`` (against what ``probe`` can make), ``threads``, ``device`` (a CUDA
-        device this machine lacks is refused here), ``dtype``, ``out`` (when given).
+        (``probe.validate()``), ``items`` (against what ``probe`` can make), ``threads``, ``batch_pairs`` (above
+        1 only for a probe that batches items), ``device`` (a CUDA device this machine lacks is refused here),
+        ``dtype``, ``out`` (when given).
 
         Raises:
-            OptionError: naming the field (``items``, ``threads``, ``device``, ``dtype``, ``out``) or the
-                probe's option.
+            OptionError: naming the field (``items``, ``threads``, ``batch_pairs``, ``device``, ``dtype``,
+                ``out``) or the probe's option.
         """
         from eventkv.models import resolve_device, resolve_dtype
         from eventkv.probes.runner import check_run_items
@@ -83,6 +88,13 @@ class RunOptions:
         else:
             check_items(self.items)
         check_threads(self.threads)
+        check_batch_pairs(self.batch_pairs)
+        if probe is not None and self.batch_pairs > 1 and not probe.batches_items:
+            from eventkv.errors import OptionError
+
+            raise OptionError(
+                "batch_pairs", self.batch_pairs, f"probe {probe.name!r} computes its items one at a time: use 1."
+            )
         resolve_dtype(self.dtype, resolve_device(self.device)[0])
         check_out_dir(self.out)
 
@@ -166,4 +178,5 @@ class RunOptions:
             out=self.out,
             progress=self.progress,
             console=console,
+            batch=self.batch_pairs,
         )

@@ -205,8 +205,10 @@ def run_probe(
     progress: bool = True,
     console=None,
     figure: bool = True,
+    batch: int = 1,
 ) -> Summary:
-    """Run ``probe`` on ``items`` items into ``out`` (resuming), then write summary.md and the figure.
+    """Run ``probe`` on ``items`` items into ``out`` (resuming), ``batch`` items at a time
+    (:meth:`Probe.run_batch`), then write summary.md and the figure.
 
     Returns:
         the Summary of every record in the directory.
@@ -219,7 +221,9 @@ def run_probe(
     manifest, todo = open_run(probe, rt, model=model, items=items, seed=seed, out=out)
     with progress_bar(progress, console) as bar:
         task = bar.add_task(f"{probe.name}", total=items, completed=items - len(todo)) if bar else None
-        run_items(probe, rt, seed, out, manifest, todo, after=(lambda i: bar.advance(task)) if bar else None)
+        run_items(
+            probe, rt, seed, out, manifest, todo, after=(lambda i: bar.advance(task)) if bar else None, batch=batch
+        )
     return render(out, figure=figure)
 
 
@@ -319,18 +323,35 @@ def add_invocation(
 
 
 def run_items(
-    probe: Probe, rt: Runtime, seed: int, out: Path, manifest: dict, todo: Sequence[int], before=None, after=None
+    probe: Probe,
+    rt: Runtime,
+    seed: int,
+    out: Path,
+    manifest: dict,
+    todo: Sequence[int],
+    before=None,
+    after=None,
+    batch: int = 1,
 ) -> None:
-    """Compute the items ``todo`` in order, appending each record to ``out/records.jsonl`` as it
-    finishes (``before(i)`` / ``after(i)`` are called around item ``i``, e.g. for a progress bar),
-    then add this invocation (start, items computed, seconds, torch threads, device) to the manifest."""
+    """Compute the items ``todo`` in order, ``batch`` at a time (:meth:`Probe.run_batch`; 1:
+    :func:`compute_record` per item), appending each record to ``out/records.jsonl`` as its batch
+    finishes (``before(i)`` / ``after(i)`` are called around item ``i``, e.g. for a progress bar;
+    a kill loses at most the batch in flight), then add this invocation (start, items computed,
+    seconds, torch threads, device, batch) to the manifest."""
     t0, started = time.perf_counter(), now()
-    for i in todo:
+    for a in range(0, len(todo), max(1, batch)):
+        chunk = list(todo[a : a + max(1, batch)])
         if before:
-            before(i)
-        append_record(out, compute_record(probe, rt, seed, i))
-        if after:
-            after(i)
+            for i in chunk:
+                before(i)
+        if len(chunk) == 1:
+            records = [compute_record(probe, rt, seed, chunk[0])]
+        else:
+            records = probe.run_batch(rt, probe.items(seed, chunk))
+        for i, record in zip(chunk, records):
+            append_record(out, record)
+            if after:
+                after(i)
     add_invocation(
         out,
         manifest,
@@ -339,6 +360,7 @@ def run_items(
         items_computed=len(todo),
         torch_threads=torch.get_num_threads(),
         device=rt.device,
+        batch_pairs=batch,
     )
 
 

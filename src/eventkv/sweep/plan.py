@@ -47,7 +47,8 @@ if TYPE_CHECKING:
 
 #: RunOptions fields a sweep sets itself: ``model`` and ``seed`` from the plan's lists, ``out`` from its
 #: template, ``threads`` per worker (the plan's top-level ``threads`` or the CLI), ``progress`` for the sweep
-SWEEP_FIELDS = ("model", "seed", "out", "threads", "progress")
+#: batch_pairs: a sweep's workers compute one item per request (see docs/sweep.md)
+SWEEP_FIELDS = ("model", "seed", "out", "threads", "progress", "batch_pairs")
 
 DEFAULT_OUT = (RUNS / "{label}" / RUN_DIR).as_posix()
 """The default folder template: ``runs/<label>/<model>-<dtype>-seed<seed>``, where ``eventkv run`` puts the
