@@ -67,10 +67,6 @@ def study_pair(rt: Runtime, probe: DonorPair, item: dict) -> float:
     return time.perf_counter() - t
 
 
-#: the name this function had before issue 14 (kept for scripts that import it)
-baseline_pair = study_pair
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")

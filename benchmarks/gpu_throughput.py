@@ -12,7 +12,7 @@ Random weights make the answers meaningless; the work per token is the real mode
      achieved share of the ceiling;
   3. donor pairs per hour (DonorPair, arms kv and isolated, both readouts) at batch 1
      (``run_item``), at batch N (``run_batch``, one batched engine call) and the study's way
-     (``study_pair`` of ``donor_pair_throughput.py``; ``baseline_pair`` until that lands);
+     (``study_pair`` of ``donor_pair_throughput.py``);
   4. serve-from-cache vs re-prefill at each L: answer a query from the EventKV held on the
      device, from the EventKV stored on disk (load + copy to the device), and by prefilling the
      history again; speed-ups. A length that would not fit the device's free memory (or the
@@ -342,13 +342,11 @@ def donor_pairs(rt: Runtime, *, pairs: int, batch: int, max_new_tokens: int, see
     """Print donor pairs per hour (DonorPair, arms kv and isolated, both readouts, ``max_new_tokens``
     greedy tokens) three ways, each after one untimed warm-up: batch 1 (``run_item`` per pair),
     batch ``batch`` (``run_batch``, when the probe has it; else says so and skips) and the study's
-    way (``study_pair``, else ``baseline_pair``, of ``donor_pair_throughput.py``); then the ratios.
+    way (``study_pair`` of ``donor_pair_throughput.py``); then the ratios.
     Seconds are wall time with the device synchronised; pairs/hour = 3600 / mean seconds per pair."""
     import donor_pair_throughput as dpt
 
-    study = getattr(dpt, "study_pair", None)
-    study_name = "study_pair" if study else "baseline_pair (study_pair not in donor_pair_throughput.py yet)"
-    study = study or dpt.baseline_pair
+    study, study_name = dpt.study_pair, "study_pair"
     probe = DonorPair(arm_names=("kv", "isolated"), max_new_tokens=max_new_tokens)
     n_batched = batch * math.ceil(pairs / batch)
     items = probe.items(seed, range(1 + max(pairs, n_batched)))
@@ -375,17 +373,14 @@ def donor_pairs(rt: Runtime, *, pairs: int, batch: int, max_new_tokens: int, see
         f"{3600 / per_pair['batch 1']:.0f} pairs/hour (history {rec['history_end']} positions)"
     )
 
-    if hasattr(probe, "run_batch"):
-        chunks = [timed_items[i : i + batch] for i in range(0, n_batched, batch)]
-        probe.run_batch(rt, chunks[0])  # warm-up at the timed batch size (allocator, kernels)
-        total = sum(clock(lambda c=c: probe.run_batch(rt, c))[0] for c in chunks)
-        per_pair[f"batch {batch}"] = total / n_batched
-        print(
-            f"donor pairs, batch {batch} (run_batch; {what}): {n_batched} pairs in {len(chunks)} call(s), "
-            f"{per_pair[f'batch {batch}']:.3f} s/pair = {3600 / per_pair[f'batch {batch}']:.0f} pairs/hour"
-        )
-    else:
-        print(f"donor pairs, batch {batch}: unavailable (DonorPair has no run_batch yet); batch 1 above is the loop")
+    chunks = [timed_items[i : i + batch] for i in range(0, n_batched, batch)]
+    probe.run_batch(rt, chunks[0])  # warm-up at the timed batch size (allocator, kernels)
+    total = sum(clock(lambda c=c: probe.run_batch(rt, c))[0] for c in chunks)
+    per_pair[f"batch {batch}"] = total / n_batched
+    print(
+        f"donor pairs, batch {batch} (run_batch; {what}): {n_batched} pairs in {len(chunks)} call(s), "
+        f"{per_pair[f'batch {batch}']:.3f} s/pair = {3600 / per_pair[f'batch {batch}']:.0f} pairs/hour"
+    )
 
     study(rt, probe, warm)
     st = [clock(lambda it=it: study(rt, probe, it))[0] for it in timed_items[:pairs]]
