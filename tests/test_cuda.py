@@ -38,10 +38,10 @@ from __future__ import annotations
 
 import json
 import os
-import random
 
 import pytest
 import torch
+from test_gates import make_log  # the gates' log: 10 random events, every third with a position budget
 
 from eventkv.log import Event, EventLog, TokenizedLog, tokenize, tokenize_query
 from eventkv.prefill import EventKV, prefill
@@ -93,16 +93,6 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def cpu(tensors):
     return [t.detach().float().cpu() for t in tensors]
-
-
-def make_log(n_events=10, seed=0, budgets=True, vocab=256) -> TokenizedLog:
-    """The log of ``tests/test_gates.py``: 10 random events, every third with a position budget."""
-    rng = random.Random(seed)
-    events = []
-    for i in range(n_events):
-        toks = [rng.randrange(3, vocab) for _ in range(rng.randrange(3, 8))]
-        events.append((f"e{i}", toks, (len(toks) + 3) if (budgets and i % 3 == 0) else None))
-    return TokenizedLog.from_ids([1, 2, 3, 4], events)
 
 
 _MODELS: dict = {}
