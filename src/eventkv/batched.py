@@ -46,7 +46,9 @@ def prefill_batch(
         model: a Hugging Face causal LM (eval mode).
         jobs: ``(log, prefix)`` pairs: ``prefix`` is an EventKV whose rows are the first rows of
             ``log`` (same token ids and positions), or None to prefill from the first row. One job
-            is passed to :func:`~eventkv.prefill.prefill` unchanged (bitwise the unbatched rows).
+            is passed to :func:`~eventkv.prefill.prefill` unchanged (bitwise the unbatched rows); a
+            job whose prefix already holds every row of its log computes nothing (its EventKV is the
+            prefix's rows under ``log``, as :func:`~eventkv.prefill.prefill` returns it).
         max_context: the model's context in tokens; a longer history raises.
         weights_digest: recorded in each EventKV.
 
@@ -56,7 +58,7 @@ def prefill_batch(
 
     Raises:
         EventKVError: no job; a history longer than the context; a prefix that is not a prefix of
-            its log, or a log with nothing left to compute after its prefix.
+            its log.
     """
     if not jobs:
         raise EventKVError("prefill_batch got no logs: give at least one (log, prefix) pair.")
@@ -77,9 +79,22 @@ def prefill_batch(
                 f"log {k}: the prefix EventKV's rows are not the first rows of this log "
                 f"(token ids or positions differ)."
             )
-        if p == log.n_rows:
-            raise EventKVError(f"log {k}: its prefix already holds every row; nothing is left to prefill.")
         starts.append(p)
+    whole = [k for k, ((log, _), p) in enumerate(zip(jobs, starts)) if p == log.n_rows]
+    if whole:  # nothing to compute for these: prefill() would feed no token either
+        rest = [k for k in range(len(jobs)) if k not in whole]
+        made = (
+            prefill_batch(model, [jobs[k] for k in rest], max_context=max_context, weights_digest=weights_digest)
+            if rest
+            else []
+        )
+        out: list[EventKV | None] = [None] * len(jobs)
+        for k, ekv in zip(rest, made):
+            out[k] = ekv
+        for k in whole:
+            log, prefix = jobs[k]
+            out[k] = prefill(model, log, prefix=prefix, max_context=max_context, weights_digest=weights_digest)
+        return out
     n_new = [log.n_rows - p for (log, _), p in zip(jobs, starts)]
     big_p, big_n, b = max(starts), max(n_new), len(jobs)
 
