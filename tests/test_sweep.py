@@ -208,6 +208,7 @@ BAD_PLANS = [
         "/m/a, seed 0, root_slot=14): put what tells them apart into the out template",
     ),
     (_bad(probes=[{"probe": "access", "label": "a/b"}]), "label 'a/b': give a non-empty name without '/'."),
+    (_bad(batch_pairs=2), "unknown key 'batch_pairs' (a sweep's workers compute one item per request"),
 ]
 
 

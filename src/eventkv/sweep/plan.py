@@ -357,9 +357,11 @@ def _product(grid: dict[str, list]) -> list[dict]:
 def _known_keys(where: str, mapping: dict, allowed: tuple[str, ...], what: str, key_word: str = "key") -> None:
     for key in mapping:
         if key not in allowed:
-            hint = (
-                " (the sweep sets it: threads at the plan's top level or with --threads)" if key in SWEEP_FIELDS else ""
-            )
+            hint = ""
+            if key == "batch_pairs":
+                hint = " (a sweep's workers compute one item per request; --batch-pairs is for eventkv run)"
+            elif key in SWEEP_FIELDS:
+                hint = " (the sweep sets it: threads at the plan's top level or with --threads)"
             raise EventKVError(f"{where}: unknown {key_word} {key!r}{hint}: {what} takes {', '.join(allowed)}.")
 
 
