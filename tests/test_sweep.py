@@ -6,6 +6,7 @@ folder made with other settings; a sweep folder is an ordinary run folder."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -447,3 +448,48 @@ def test_cli_sweep_dry_run_run_and_errors(models, tmp_path, monkeypatch, capsys)
     plan.write_text(yaml.safe_dump({**data, "probes": [{"probe": "access", "options": {"root_slot": "five"}}]}))
     code, out, err = run_cli(monkeypatch, capsys, "sweep", str(plan))
     assert code == 2 and f"error: {plan}: probes[0] (access): root_slot 'five':" in err and "Traceback" not in err
+
+
+def _orphan_parent(pid_file: str) -> None:  # a spawned "sweep process" whose worker writes its pid, then waits
+    import multiprocessing
+
+    child = multiprocessing.get_context("spawn").Process(target=_orphan_worker, args=(pid_file,))
+    child.start()
+    child.join()
+
+
+def _orphan_worker(pid_file: str) -> None:
+    import time
+
+    from eventkv.sweep.backends import exit_with_parent
+
+    exit_with_parent()
+    Path(pid_file).write_text(str(os.getpid()))
+    time.sleep(120)
+
+
+def test_a_worker_ends_when_the_sweep_process_is_killed(tmp_path):
+    """kill -9 of the sweep process: its spawned workers end too (they hold a model each)."""
+    import multiprocessing
+    import signal
+    import time
+
+    pid_file = tmp_path / "worker.pid"
+    parent = multiprocessing.get_context("spawn").Process(target=_orphan_parent, args=(str(pid_file),))
+    parent.start()
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline, "the worker never started"
+        time.sleep(0.1)
+    worker = int(pid_file.read_text())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.join()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(worker, signal.SIGKILL)
+    pytest.fail("the worker outlived its killed parent by 20 s")

@@ -67,7 +67,29 @@ _WORKER: Worker | None = None
 
 def _init_process(runs: Sequence[PlannedRun], threads: int) -> None:
     global _WORKER
+    exit_with_parent()
     _WORKER = Worker(runs, threads)
+
+
+def exit_with_parent() -> None:
+    """End this spawned process when its parent ends. Why: a sweep process killed with SIGKILL cannot
+    stop its pool, and each orphaned worker would keep a whole model in memory (found by a trial: two
+    workers of 1.1 GB each left running). A daemon thread waits on the parent's sentinel (the standard
+    library's handle that becomes ready when the parent exits) and then exits at once. Nothing in a
+    process that is not a multiprocessing child."""
+    import multiprocessing
+    import multiprocessing.connection
+    import threading
+
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="eventkv-exit-with-parent", daemon=True).start()
 
 
 def _execute(task: tuple) -> list[tuple]:
