@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
 
+from eventkv.errors import EventKVError
 from eventkv.models import load
+from eventkv.options import check_batch_pairs
 from eventkv.probes import DonorPair, Runtime
 
 ALL_ARMS = ("kv", "isolated", "text-all", "kv-all")
@@ -79,6 +82,7 @@ def main() -> None:
     ap.add_argument("--batch-pairs", type=int, default=1, help="also time kv,isolated N pairs at a time (N > 1)")
     ap.add_argument("--profile", action="store_true", help="print a cProfile of the eventkv ways")
     args = ap.parse_args()
+    check_batch_pairs(args.batch_pairs)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -153,4 +157,8 @@ def _timed(fn) -> float:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except EventKVError as e:  # a bad option or an unusable device: one line, exit 2
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
