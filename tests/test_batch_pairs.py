@@ -187,6 +187,7 @@ def test_runner_batches_and_records_it(tmp_path):
 
     invocations = json.loads((tmp_path / "many" / RUN_MANIFEST).read_text())["invocations"]
     assert [(x["items_computed"], x["batch_pairs"]) for x in invocations] == [(2, 3), (3, 3)]
+    assert all("device" in x and "device_reason" in x for x in invocations)
 
 
 def test_batch_pairs_is_refused_for_a_probe_that_does_not_batch():

@@ -19,7 +19,7 @@ The device (the CPU or a CUDA GPU) is provenance, not identity: within one dtype
 the rounding of the reductions, as the thread count and the CPU's kernels do, so a run may be
 resumed on another device in the same dtype (``--dtype auto`` resolves per device, so an ``auto``
 run started on a CPU without native bf16 resumes on a GPU only with ``--dtype float32``). Each
-invocation records its device (``docs/devices.md``).
+invocation records its device and why it was chosen (``docs/devices.md``).
 """
 
 from __future__ import annotations
@@ -337,7 +337,7 @@ def run_items(
     :func:`compute_record` per item), appending each record to ``out/records.jsonl`` as its batch
     finishes (``before(i)`` / ``after(i)`` are called around item ``i``, e.g. for a progress bar;
     a kill loses at most the batch in flight), then add this invocation (start, items computed,
-    seconds, torch threads, device, batch) to the manifest."""
+    seconds, torch threads, device and why it was chosen, batch) to the manifest."""
     t0, started = time.perf_counter(), now()
     for a in range(0, len(todo), max(1, batch)):
         chunk = list(todo[a : a + max(1, batch)])
@@ -360,6 +360,8 @@ def run_items(
         items_computed=len(todo),
         torch_threads=torch.get_num_threads(),
         device=rt.device,
+        # the profile's reason is this invocation's; an earlier invocation's reason is kept here
+        device_reason=getattr(rt.profile, "device_reason", ""),
         batch_pairs=batch,
     )
 
