@@ -493,3 +493,20 @@ def test_a_worker_ends_when_the_sweep_process_is_killed(tmp_path):
         time.sleep(0.1)
     os.kill(worker, signal.SIGKILL)
     pytest.fail("the worker outlived its killed parent by 20 s")
+
+
+def test_cli_sweep_interrupted_says_how_to_resume(tmp_path, monkeypatch, capsys):
+    import eventkv.sweep
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(
+        yaml.safe_dump(plan_data(["/m/a"], tmp_path / "runs", probes=[{"probe": "access", "options": ACCESS}]))
+    )
+    monkeypatch.setattr(eventkv.sweep, "run_sweep", interrupted)
+    code, out, err = run_cli(monkeypatch, capsys, "sweep", str(plan), "--no-progress")
+    assert code == 130
+    assert "interrupted: every finished record is kept; run the same command again to resume." in err
+    assert "Traceback" not in out + err
