@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from eventkv.errors import EventKVError
-from eventkv.log import TokenizedLog
+from eventkv.log import HEADER_ID, TokenizedLog
 from eventkv.prefill import EventKV, cache_from_rows, check_context, model_device, model_forward, prefill
 
 if TYPE_CHECKING:
@@ -108,9 +108,10 @@ def prefill_batch(
     pos = torch.tensor(pos, dtype=torch.long, device=device)
     mask = torch.tensor(mask, dtype=torch.bool, device=device)
     if big_p:
+        ref = next(prefix for _, prefix in jobs if prefix is not None)  # its rows set the pad's dtype and shape
         keys, values = [], []
-        for layer in range(_n_layers(jobs)):
-            k0, v0 = _prefix_rows(jobs, layer)
+        for layer in range(ref.n_layers):
+            k0, v0 = ref.keys[layer], ref.values[layer]
             k = k0.new_zeros(b, k0.shape[1], big_p, k0.shape[3])
             v = v0.new_zeros(b, v0.shape[1], big_p, v0.shape[3])
             for i, ((_, prefix), p) in enumerate(zip(jobs, starts)):
@@ -137,21 +138,9 @@ def prefill_batch(
             else:
                 ks.append(new_k.contiguous())
                 vs.append(new_v.contiguous())
-        positions = torch.tensor(
-            log.position_ids, dtype=torch.long, device="cpu"
-        )  # an EventKV's positions live on the CPU
+        positions = torch.tensor(log.position_ids, dtype=torch.long, device="cpu")  # an EventKV's live on the CPU
         out.append(EventKV(log, ks, vs, positions, weights_digest))
     return out
-
-
-def _n_layers(jobs: Sequence[tuple[TokenizedLog, EventKV | None]]) -> int:
-    return next(prefix.n_layers for _, prefix in jobs if prefix is not None)
-
-
-def _prefix_rows(jobs: Sequence[tuple[TokenizedLog, EventKV | None]], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A prefix's keys and values at ``layer`` (their dtype, device, heads and head dim set the pad's)."""
-    prefix = next(prefix for _, prefix in jobs if prefix is not None)
-    return prefix.keys[layer], prefix.values[layer]
 
 
 @torch.inference_mode()
@@ -180,8 +169,6 @@ def encode_alone(
     Raises:
         EventKVError: no event, or an event with no tokens.
     """
-    from eventkv.log import HEADER_ID
-
     if not events or any(len(tokens) == 0 for tokens, _ in events):
         raise EventKVError("encode_alone needs at least one event, and no event without tokens.")
     device = model_device(model)

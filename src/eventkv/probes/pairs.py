@@ -615,14 +615,15 @@ def run_pairs(
     whole: bool = False,
 ) -> list[PairRun]:
     """:func:`run_pair` on several items at once (issue 14, "pairs batched across items"): the
-    items' prefills run in batches (round ``r`` takes each item's ``r``-th prefill — shared events,
-    variant A's lead, variant B's lead, then the rest — in one :func:`eventkv.batched.prefill_batch`
-    forward), and the served caches of every item are read out together, one :func:`read_out` per
-    question and query length (caches are left-padded, each with its own positions; no padding
-    goes between a cache's rows and its query). With one item this is exactly :func:`run_pair`'s
-    sequence of forwards, so its records are bitwise those of a batch of one; with more, they equal
-    them up to float rounding (the matmuls run at other shapes; tested on tiny models). The isolated
-    arms' encodings still run item by item.
+    items' prefills run in rounds, each round of every item in one :func:`eventkv.batched.prefill_batch`
+    forward (the shared events; both variants' leads, which continue them — with ``shared_prefix``,
+    else variant A's lead and then B's, which continues A's rows; then the rest of each history when
+    an arm reads everything); every event an isolated arm serves is encoded alone in one
+    :func:`eventkv.batched.encode_alone` forward; and the served caches of every item are read out
+    together, one :func:`read_out` per question and query length (caches are left-padded, each with
+    its own positions; no padding goes between a cache's rows and its query). :func:`run_pair` is
+    this function on one item; with more, the records equal one item's at a time up to float
+    rounding (the matmuls run at other shapes; tested on tiny models).
 
     Args:
         items: the items (see the module docstring).
@@ -719,11 +720,10 @@ def run_pairs(
         groups.setdefault(key, []).append(k)
     results: list = [None] * len(entries)
     for (q, _, texts, cand_ids), ks in groups.items():
-        qs = [queries[entries[k][0], q] for k in ks]
         res = read_out(
             rt.model,
             [entries[k][3] for k in ks],
-            qs[0] if all(x == qs[0] for x in qs) else qs,
+            [queries[entries[k][0], q] for k in ks],
             generate=["generate" in readouts] * len(ks),
             score=["logits" in readouts] * len(ks),
             candidates=[list(c) for c in cand_ids],
@@ -786,18 +786,28 @@ def _encode_isolated(
         for arm in arms:
             if arm.encoding != "isolated":
                 continue
-            roles = item["roles"][arm.history]
-            log0 = logs[i][arm.history][0]
-            ids = (
-                list(log0.event_ids) if arm.served == "all" else [event_id(roles[r]) for r in arm.served if r in roles]
-            )
             for log in logs[i][arm.history]:
-                for e in ids:
+                for e in _served_ids(item, arm, logs[i][arm.history][0]):
                     tokens = log.event_tokens[log.event_ids.index(e)]
                     wanted.setdefault((e, log.span(e).pos_start, tuple(tokens)), (list(tokens), log.span(e).pos_start))
     if not wanted:
         return {}
     return dict(zip(wanted, encode_alone(rt.model, rt.header_kv(instruction), list(wanted.values()))))
+
+
+def _served_ids(item: dict, arm: PairArm, log: TokenizedLog) -> list[str]:
+    """The event ids ``arm`` serves from ``log`` (its history's variant A; the ids are the same in B).
+
+    Raises:
+        EventKVError: a role the arm serves that its history does not have.
+    """
+    if arm.served == "all":
+        return list(log.event_ids)
+    roles = item["roles"][arm.history]
+    missing = [r for r in arm.served if r not in roles]
+    if missing:
+        raise EventKVError(f"arm {arm.name!r} serves role(s) {missing} missing from history {arm.history!r}.")
+    return [event_id(roles[r]) for r in arm.served]
 
 
 def _serve_arm(
@@ -812,16 +822,9 @@ def _serve_arm(
     """One arm of one item: ``([(variants answered, served cache)], query position, served
     record)`` — one cache per variant, or one for both (an isolated arm whose served tokens are the
     same in both variants)."""
-    roles = item["roles"][arm.history]
     log0 = logs[0]
-    if arm.served == "all":
-        ids = list(log0.event_ids)
-    else:
-        missing = [r for r in arm.served if r not in roles]
-        if missing:
-            raise EventKVError(f"arm {arm.name!r} serves role(s) {missing} missing from history {arm.history!r}.")
-        ids = [event_id(roles[r]) for r in arm.served]
-    swap = [event_id(roles[r]) for r in arm.swap]
+    ids = _served_ids(item, arm, log0)
+    swap = [event_id(item["roles"][arm.history][r]) for r in arm.swap]
     if arm.encoding == "prefill":
         caches = [
             (

@@ -229,8 +229,7 @@ def run_sweep(plan: Plan, options: SweepOptions = SweepOptions(), console=None, 
                         _check_record(runs[n].out, opened[n][0], index, record, ident)
                         append_record(runs[n].out, record)
                         computed[n] += 1
-                        if device is not None:
-                            devices[n].add(device)
+                        devices[n].add(device)
                         left[n] -= 1
                         if bar:
                             bar.advance(task)

@@ -89,12 +89,6 @@ class Worker:
             run = self.runs[n]
             rt = self.runtime(run.model_key)
             record = compute_record(self.probe(n), rt, run.run.seed, index)
-            return [("record", n, index, record, self.identity(n), _device(rt))]
+            return [("record", n, index, record, self.identity(n), rt.device)]
         except EventKVError as exc:
             return [("error", task, str(exc))]  # an option by its plan name
-
-
-def _device(rt) -> str | None:
-    """The device the runtime's model is on (``cpu``, ``cuda:0`` ...), or None where it does not say."""
-    device = getattr(rt, "device", None)
-    return None if device is None else str(device)
