@@ -9,6 +9,22 @@ class EventKVError(Exception):
     """
 
 
+class StoreDamaged(EventKVError):
+    """A memory store whose files fail their checks: a SQLite file that does not open or read, rows,
+    text or token ids whose checksum does not match, a record that does not parse. Only that memory
+    is refused (the service answers HTTP 409 with code ``damaged``); every other memory keeps working.
+    The message names the memory and the damaged part, and says how to recover (restore the store
+    from a backup, or delete it and add its events again).
+    """
+
+
+class OutOfSpace(EventKVError):
+    """A write refused because its filesystem is full or over quota (``ENOSPC``/``EDQUOT``). Nothing
+    of the write was kept: the store is as it was before the call (the service answers HTTP 507 with
+    code ``insufficient_storage``), and the same write succeeds once space is freed.
+    """
+
+
 class OptionError(EventKVError):
     """A bad option value. ``str()`` names the library field (``max_new_tokens 0: generate at
     least 1 token.``); :meth:`for_cli` names the command-line flag instead (``--max-new-tokens 0:

@@ -1,4 +1,4 @@
-"""The HTTP service over EventMemory (issue 12): a FastAPI app built by :func:`create_app`.
+"""The HTTP service over EventMemory: a FastAPI app built by :func:`create_app`.
 
 Layout: ``STORE/<namespace>/<memory id>/`` is one EventMemory store (``docs/memory.md``); a posted
 contract is kept as ``STORE/<namespace>/.contracts/<memory id>.json``. Every request is scoped to one
@@ -35,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from eventkv.errors import EventKVError, OptionError
+from eventkv.errors import EventKVError, OptionError, OutOfSpace, StoreDamaged
 from eventkv.memory.reader import read_memory
 from eventkv.memory.records import MemoryEvent
 from eventkv.service import schemas as s
@@ -261,6 +261,10 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.exception_handler(EventKVError)
     async def refused(request: Request, exc: EventKVError):
+        if isinstance(exc, StoreDamaged):
+            return _error(409, "damaged", scrub(str(exc)))
+        if isinstance(exc, OutOfSpace):
+            return _error(507, "insufficient_storage", scrub(str(exc)))
         if not isinstance(exc, (NotFound, Conflict, OptionError, QueueFull, ShuttingDown)):
             return _error(422, "refused", scrub(str(exc)))
         if isinstance(exc, (QueueFull, ShuttingDown)):
