@@ -202,8 +202,8 @@ class SnapKV(Policy):
     queries' softmax attention to each earlier row is summed over the window, averaged over each
     GQA group's query heads, smoothed by 1D pooling (``kernel``, ``pooling`` max or avg, stride 1,
     same length; avg counts the zero padding, as SnapKV's code and kvpress do), and the window's
-    own rows are always kept. Defaults: SnapKV's code (window 32, kernel 7, max); kvpress's are
-    window 64, kernel 5, avg.
+    own rows are always kept. Defaults: window 32, kernel 7, max; kvpress's SnapKVPress uses window
+    64, kernel 5, avg (``SnapKV(window=64, kernel=5, pooling="avg")``).
 
     Raises:
         OptionError: ``window`` or ``kernel`` not a whole number >= 1, ``pooling`` not max/avg (on
