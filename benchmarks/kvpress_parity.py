@@ -7,14 +7,15 @@ environment), from the repository root::
     /tmp/kvpress-venv/bin/pip install torch==2.13.0 kvpress==0.5.5
     /tmp/kvpress-venv/bin/python benchmarks/kvpress_parity.py
 
-It needs nothing of eventkv. It builds a tiny random Llama from the config below (weights drawn
-from NumPy's PCG64 with a fixed seed, the same on every CPU), a fixed prompt of token ids, and
-writes to ``tests/data/kvpress_parity/``:
+It needs nothing of eventkv. It builds two tiny random models from the config below — a Llama
+and a Qwen2 (whose q/k/v projections have biases, drawn too) — with weights drawn from NumPy's
+PCG64 with a fixed seed (the same on every CPU), a fixed prompt of token ids, and writes to
+``tests/data/kvpress_parity/``:
 
-* ``config.json``: the LlamaConfig keyword arguments;
-* ``model.safetensors``: the weights (float32), so eventkv's test loads exactly these;
-* ``kept_rows.json``: the token ids, the versions, and per press and compression ratio the rows
-  kvpress kept, per layer and KV head (sorted row indices).
+* ``config.json``: the config keyword arguments (both families);
+* ``<family>.safetensors``: the weights (float32), so eventkv's test loads exactly these;
+* ``kept_rows.json``: the token ids, the versions, and per family, press and compression ratio
+  the rows kvpress kept, per layer and KV head (sorted row indices).
 
 How the kept rows are read: the prompt runs once without a press (the full cache) and once inside
 each press's context manager (kvpress compresses every layer's cache after its prefill forward);
@@ -60,16 +61,21 @@ PRESSES = (
 )
 
 
-def build_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
+FAMILIES = ("llama", "qwen2")
 
-    cfg = LlamaConfig(**CONFIG)
+
+def build_model(family: str):
+    """The tiny ``family`` model: every matrix and bias N(0, WEIGHT_STD) from PCG64(SEED), in name order."""
+    import transformers
+
+    cls = {"llama": "Llama", "qwen2": "Qwen2"}[family]
+    cfg = getattr(transformers, cls + "Config")(**CONFIG)
     cfg._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(cfg).eval()
+    model = getattr(transformers, cls + "ForCausalLM")(cfg).eval()
     rng = np.random.default_rng(SEED)
     with torch.no_grad():
-        for _, p in sorted(model.named_parameters()):
-            if p.dim() >= 2:
+        for name, p in sorted(model.named_parameters()):
+            if p.dim() >= 2 or name.endswith(".bias"):
                 p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape)) * WEIGHT_STD))
     return model
 
@@ -118,23 +124,28 @@ def main() -> None:
     from safetensors.torch import save_file
 
     torch.manual_seed(SEED)
-    model = build_model()
     ids = prompt_ids()
-    full = cache_rows(model, ids)
-    cells = {}
-    for name, cls, options in PRESSES:
-        for ratio in RATIOS:
-            press = getattr(kvpress, cls)(compression_ratio=ratio, **options)
-            cells[f"{name}@{ratio:g}"] = {
-                "press": cls,
-                "options": options,
-                "ratio": ratio,
-                "kept": kept_indices(full, cache_rows(model, ids, press)),
-            }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "config.json").write_text(json.dumps(CONFIG, indent=1) + "\n")
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied to embed
-    save_file(state, str(args.out / "model.safetensors"))
+    models = {}
+    for family in FAMILIES:
+        model = build_model(family)
+        full = cache_rows(model, ids)
+        cells = {}
+        for name, cls, options in PRESSES:
+            for ratio in RATIOS:
+                press = getattr(kvpress, cls)(compression_ratio=ratio, **options)
+                cells[f"{name}@{ratio:g}"] = {
+                    "press": cls,
+                    "options": options,
+                    "ratio": ratio,
+                    "kept": kept_indices(full, cache_rows(model, ids, press)),
+                }
+        models[family] = cells
+        state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
+        save_file(state, str(args.out / f"{family}.safetensors"))
+        for key, cell in cells.items():
+            print(family, key, [len(h) for layer in cell["kept"] for h in layer])
     fixture = {
         "made_by": "benchmarks/kvpress_parity.py",
         "versions": {
@@ -145,11 +156,9 @@ def main() -> None:
         "seed": SEED,
         "weight_std": WEIGHT_STD,
         "input_ids": ids,
-        "cells": cells,
+        "models": models,
     }
     (args.out / "kept_rows.json").write_text(json.dumps(fixture, indent=None, separators=(",", ":")) + "\n")
-    for key, cell in cells.items():
-        print(key, [len(h) for layer in cell["kept"] for h in layer])
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """Every eviction policy with a kvpress counterpart keeps the rows NVIDIA kvpress 0.5.5 keeps.
 
 The fixtures in ``tests/data/kvpress_parity/`` were written by ``benchmarks/kvpress_parity.py`` in
-an environment with kvpress installed: a tiny random Llama (2 layers, 2 KV heads, its weights
-stored there), 61 fixed token ids, and per press and compression ratio (0.3, 0.75) the rows
-kvpress kept in each (layer, KV head) cell. Here eventkv loads the same weights and ids, computes
-every policy's keep masks with kvpress's settings, and compares cell by cell: identical, except
-inside a tie of Knorm in layer 0, where kvpress's order is its rounding's (docs/eviction.md).
+an environment with kvpress installed: a tiny random Llama and a tiny random Qwen2 (q/k/v biases),
+2 layers and 2 KV heads each, their weights stored there, 61 fixed token ids, and per model, press
+and compression ratio (0.3, 0.75) the rows kvpress kept in each (layer, KV head) cell. Here eventkv
+loads the same weights and ids, computes every policy's keep masks with kvpress's settings, and
+compares cell by cell: identical, except inside a tie of Knorm in layer 0, where kvpress's order
+is its rounding's (docs/eviction.md).
 """
 
 from __future__ import annotations
@@ -35,15 +36,25 @@ POLICY = {
 }
 
 
-@pytest.fixture(scope="module")
-def captures():
-    from safetensors.torch import load_file
-    from transformers import LlamaConfig, LlamaForCausalLM
+FAMILIES = {"llama": "Llama", "qwen2": "Qwen2"}
 
-    cfg = LlamaConfig(**json.loads((DATA / "config.json").read_text()))
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def captures(family):
+    """Each layer's capture of the fixture's prompt on ``family``'s stored weights."""
+    import transformers
+    from safetensors.torch import load_file
+
+    cls = FAMILIES[family]
+    cfg = getattr(transformers, cls + "Config")(**json.loads((DATA / "config.json").read_text()))
     cfg._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(cfg).eval()
-    got = model.load_state_dict(load_file(str(DATA / "model.safetensors")), strict=False)
+    model = getattr(transformers, cls + "ForCausalLM")(cfg).eval()
+    got = model.load_state_dict(load_file(str(DATA / f"{family}.safetensors")), strict=False)
     assert got.missing_keys == ["lm_head.weight"] and not got.unexpected_keys  # lm_head is tied to the embedding
     model.tie_weights()
     # the ids as a header and three events: contiguous positions 0..60, the prompt kvpress saw
@@ -54,11 +65,13 @@ def captures():
 
 
 def test_the_fixture_covers_every_comparable_policy():
-    presses = {key.split("@")[0] for key in FIXTURE["cells"]}
-    assert presses == set(POLICY) and len(FIXTURE["cells"]) == 2 * len(POLICY)
+    assert set(FIXTURE["models"]) == set(FAMILIES)
+    for cells in FIXTURE["models"].values():
+        presses = {key.split("@")[0] for key in cells}
+        assert presses == set(POLICY) and len(cells) == 2 * len(POLICY)
+        # kvpress's kept count, max(1, int(rows * (1 - r))): 42 of 61 at 0.3, where rows - floor(r * rows) is 43
+        assert {len(h) for h in cells["knorm@0.3"]["kept"][0]} == {42} == {kept_count(61, 0.3)}
     assert FIXTURE["versions"]["kvpress"] == "0.5.5"
-    # kvpress's kept count, max(1, int(rows * (1 - r))): 42 of 61 at 0.3, where rows - floor(r * rows) is 43
-    assert {len(h) for h in FIXTURE["cells"]["knorm@0.3"]["kept"][0]} == {42} == {kept_count(61, 0.3)}
     assert kept_count(61, 0.75) == 15 and kept_count(1, 0.75) == 1 and kept_count(3, 0.5) == 1
 
 
@@ -66,9 +79,9 @@ def _kept(mask_row: torch.Tensor) -> set[int]:
     return set(torch.nonzero(mask_row).flatten().tolist())
 
 
-@pytest.mark.parametrize("key", sorted(FIXTURE["cells"]))
-def test_each_policy_keeps_kvpress_rows(captures, key):
-    cell = FIXTURE["cells"][key]
+@pytest.mark.parametrize("key", sorted(FIXTURE["models"]["llama"]))
+def test_each_policy_keeps_kvpress_rows(family, captures, key):
+    cell = FIXTURE["models"][family][key]
     name, ratio = key.split("@")[0], cell["ratio"]
     policy = POLICY[name]
     for c in captures:
@@ -82,7 +95,7 @@ def test_each_policy_keeps_kvpress_rows(captures, key):
             # the one documented difference: which rows of a Knorm tie at the kept/evicted boundary stay
             boundary = scores[h][mask[h]].min()
             tie = set(torch.nonzero(scores[h] == boundary).flatten().tolist())
-            where = f"{key} layer {c.layer} head {h}: eventkv only {sorted(ours - theirs)}, kvpress only "
+            where = f"{family} {key} layer {c.layer} head {h}: eventkv only {sorted(ours - theirs)}, kvpress only "
             assert name == "knorm" and c.layer == 0, where + f"{sorted(theirs - ours)}"
             assert ours ^ theirs <= tie, where + f"{sorted(theirs - ours)} (the tie is rows {sorted(tie)})"
             assert len({IDS[r] for r in tie}) == 1  # a tie of one token id's rows (RoPE keeps the key norm)
