@@ -253,9 +253,9 @@ def test_policy_parameters_are_refused_when_the_policy_is_made(cls, name, bad):
 
 
 def test_every_registered_policy_is_made_with_its_defaults_and_its_edges():
-    for name in POLICIES:
-        make_policy(name)
-    StreamingLLM(sinks=0), SnapKV(window=1, kernel=1), ExpectedAttention(sinks=0, horizon=1, epsilon=0)
+    assert [type(make_policy(name)) for name in POLICIES] == list(POLICIES.values())
+    assert StreamingLLM(sinks=0).sinks == 0 and SnapKV(window=1, kernel=1).window == 1
+    assert ExpectedAttention(sinks=0, horizon=1, epsilon=0).horizon == 1 and Random(seed=0).seed == 0
 
 
 def test_the_audit_refuses_a_policy_parameter_as_the_library_does():
@@ -293,6 +293,11 @@ def test_kept_count_is_kvpress_count():
     assert [kept_count(61, r) for r in (0.0, 0.3, 0.5, 0.75, 0.99)] == [61, 42, 30, 15, 1]
     assert kept_count(10, 0.7) == int(10 * (1 - 0.7)) == 3  # the same float arithmetic (0.3 * 10 = 3.0000000000000004)
     assert kept_count(1, 0.5) == 1
+    for bad in (1.0, 1.5, -0.1, float("nan"), True):
+        with pytest.raises(OptionError, match="^ratio "):
+            kept_count(10, bad)
+    with pytest.raises(OptionError, match="^rows 0"):
+        kept_count(0, 0.5)
     c = capture(rows=12)
     assert int(keep_mask(Knorm(), c, 0.3)[0].sum()) == 8  # 12 - floor(3.6) would keep 9
 

@@ -460,7 +460,14 @@ def kept_count(rows: int, ratio: float) -> int:
     """Rows kept of ``rows`` at compression ratio ``ratio``: ``max(1, int(rows * (1 - ratio)))``,
     kvpress 0.5.5's count in the same float arithmetic (``rows * (1 - ratio)`` rounded down; at
     least one row). ``rows - floor(ratio * rows)`` would keep one row more whenever ``ratio * rows``
-    is fractional."""
+    is fractional.
+
+    Raises:
+        OptionError: ``ratio`` outside [0, 1) or not a number; ``rows`` not a whole number >= 1.
+    """
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:  # nan fails too
+        raise OptionError("ratio", ratio, "give a compression ratio in [0, 1): the fraction of rows evicted.")
+    check_int("rows", rows, "give the layer's row count, a whole number >= 1.")
     return max(1, int(rows * (1 - ratio)))
 
 
@@ -474,6 +481,4 @@ def keep_mask(policy: Policy, c: LayerCapture, ratio: float) -> torch.Tensor:
     Raises:
         OptionError: ``ratio`` outside [0, 1); scores of the wrong shape, or nan.
     """
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:  # nan fails too
-        raise OptionError("ratio", ratio, "give a compression ratio in [0, 1): the fraction of rows evicted.")
     return policy.keep(c, kept_count(c.rows, ratio))
