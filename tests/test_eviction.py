@@ -97,13 +97,16 @@ def test_snapkv_by_hand():
     c = capture(rows=12, window=4)
     att = _window_softmax(c)
     prefix = [r for r in range(12) if c.positions[r] < c.query_positions.min()]
-    for kernel in (1, 3):
-        scores = SnapKV(window=4, kernel=kernel, pooling="max").scores(c)
+    for kernel, pooling in ((1, "max"), (3, "max"), (3, "avg"), (5, "avg")):
+        scores = SnapKV(window=4, kernel=kernel, pooling=pooling).scores(c)
         for kh in range(KV):
             heads = range(kh * 2, kh * 2 + 2)
             votes = [np.mean([att[h, :, r].sum() for h in heads]) for r in prefix]
-            if kernel == 3:
-                votes = [max(votes[max(0, i - 1) : i + 2]) for i in range(len(votes))]
+            half = kernel // 2
+            if pooling == "max" and kernel > 1:
+                votes = [max(votes[max(0, i - half) : i + half + 1]) for i in range(len(votes))]
+            elif pooling == "avg":  # the zero padding counts: every window sums to kernel entries
+                votes = [sum(votes[max(0, i - half) : i + half + 1]) / kernel for i in range(len(votes))]
             np.testing.assert_allclose(scores[kh, prefix].numpy(), votes, rtol=1e-6)
             assert all(math.isinf(scores[kh, r]) for r in range(12) if r not in prefix)  # the window is kept
 
