@@ -1,4 +1,4 @@
-"""Eviction policies (issue 13, point 1): each rule against a hand computation on small captures
+"""Eviction policies: each rule against a hand computation on small captures
 (per head; positions with gaps and out of row order), the capture against the model's own attention,
 and the per-(layer, head) masked serving path against unmasked and row-masked native serving."""
 
@@ -23,6 +23,7 @@ from eventkv.eviction import (
     Tova,
     UserPolicy,
     keep_mask,
+    kept_count,
     make_policy,
 )
 from eventkv.eviction.capture import capture_prefill
@@ -96,13 +97,16 @@ def test_snapkv_by_hand():
     c = capture(rows=12, window=4)
     att = _window_softmax(c)
     prefix = [r for r in range(12) if c.positions[r] < c.query_positions.min()]
-    for kernel in (1, 3):
-        scores = SnapKV(window=4, kernel=kernel, pooling="max").scores(c)
+    for kernel, pooling in ((1, "max"), (3, "max"), (3, "avg"), (5, "avg")):
+        scores = SnapKV(window=4, kernel=kernel, pooling=pooling).scores(c)
         for kh in range(KV):
             heads = range(kh * 2, kh * 2 + 2)
             votes = [np.mean([att[h, :, r].sum() for h in heads]) for r in prefix]
-            if kernel == 3:
-                votes = [max(votes[max(0, i - 1) : i + 2]) for i in range(len(votes))]
+            half = kernel // 2
+            if pooling == "max" and kernel > 1:
+                votes = [max(votes[max(0, i - half) : i + half + 1]) for i in range(len(votes))]
+            elif pooling == "avg":  # the zero padding counts: every window sums to kernel entries
+                votes = [sum(votes[max(0, i - half) : i + half + 1]) / kernel for i in range(len(votes))]
             np.testing.assert_allclose(scores[kh, prefix].numpy(), votes, rtol=1e-6)
             assert all(math.isinf(scores[kh, r]) for r in range(12) if r not in prefix)  # the window is kept
 
@@ -121,15 +125,17 @@ def test_event_topk_respects_the_budget_with_infinite_inner_scores():
     c = capture(rows=12, window=4)  # SnapKV scores the window's rows +inf
     for ratio in (0.5, 0.75):
         m = keep_mask(EventTopK(inner=SnapKV(window=4)), c, ratio)
-        assert int(m[0].sum()) <= 12 - math.floor(ratio * 12) and m[0, :2].all()  # header first, within budget
+        assert int(m[0].sum()) <= kept_count(12, ratio) and m[0, :2].all()  # header first, within budget
 
 
 def test_tova_by_hand():
     c = capture()
     att = _window_softmax(c)[:, -1, :].mean(axis=0)
     s = Tova().scores(c)
-    np.testing.assert_allclose(s[0].numpy(), att, rtol=1e-6)
-    assert torch.equal(s[0], s[1])
+    last = int(torch.argmax(c.positions))  # the last query's own row: always kept, as kvpress's TOVAPress
+    others = [r for r in range(c.rows) if r != last]
+    np.testing.assert_allclose(s[0, others].numpy(), att[others], rtol=1e-6)
+    assert math.isinf(s[0, last]) and torch.equal(s[0], s[1])
 
 
 def _rotate(x, angles):
@@ -149,22 +155,30 @@ def test_expected_attention_by_hand():
     future = c.query_positions.max().item() + 1 + np.arange(horizon)
     # R-bar as a matrix: the mean of the future rotations, each built by rotating the basis vectors
     rbar = np.mean([_rotate(np.eye(D), p * inv_freq).T for p in future], axis=0)
-    for use_cov in (False, True):
-        got = ExpectedAttention(horizon=horizon, use_covariance=use_cov, use_vnorm=True).scores(c).numpy()
-        pre32 = _rotate(c.queries.double().numpy(), -c.query_positions.numpy()[:, None] * inv_freq)
+    pre32 = _rotate(c.queries.double().numpy(), -c.query_positions.numpy()[:, None] * inv_freq)
+    order = np.argsort(c.positions.numpy(), kind="stable")
+    for use_cov, sinks in ((False, 0), (True, 0), (True, 4), (True, 9)):
+        got = ExpectedAttention(horizon=horizon, use_covariance=use_cov, sinks=sinks).scores(c).numpy()
+        sink_rows = set(order[:sinks].tolist())  # the rows at the first `sinks` positions
+        free = [r for r in range(c.rows) if r not in sink_rows]
+        first_free = min(int(c.positions[r]) for r in free)
+        counted = [w for w in range(6) if int(c.query_positions[w]) >= first_free]  # queries at sinks left out
+        assert len(counted) == (6 if sinks < 9 else 3)
         for kh in range(KV):
             per_head = []
             for h in (2 * kh, 2 * kh + 1):
-                mu = rbar @ pre32[h].mean(axis=0)
-                k = c.keys[kh].double().numpy()
+                qs = pre32[h][counted]
+                mu = rbar @ qs.mean(axis=0)
+                k = c.keys[kh].double().numpy()[free]
                 logits = k @ mu / math.sqrt(D)
-                if use_cov:
-                    cov = rbar @ np.cov(pre32[h].T) @ rbar.T
+                if use_cov:  # the maximum-likelihood covariance (divided by n), as kvpress's
+                    cov = rbar @ np.cov(qs.T, bias=True) @ rbar.T
                     logits = logits + 0.5 / D * np.einsum("rd,de,re->r", k, cov, k)
                 e = np.exp(logits - logits.max())
                 per_head.append(e / e.sum())
-            want = np.mean(per_head, axis=0) * np.linalg.norm(c.values[kh].double().numpy(), axis=-1)
-            np.testing.assert_allclose(got[kh], want, rtol=1e-5)
+            want = np.mean(per_head, axis=0) * np.linalg.norm(c.values[kh].double().numpy()[free], axis=-1)
+            np.testing.assert_allclose(got[kh, free], want, rtol=1e-5)
+            assert all(math.isinf(got[kh, r]) for r in sink_rows)  # sinks always kept
 
 
 def test_random_is_seeded_per_layer():
@@ -208,6 +222,106 @@ def test_ratio_zero_keeps_everything_and_bad_input_is_named():
         SnapKV().scores(no_q)
 
 
+BAD_PARAMETERS = [
+    (StreamingLLM, "sinks", -1),  # would keep the oldest rows as "sinks" from the end
+    (StreamingLLM, "sinks", 2.5),
+    (StreamingLLM, "sinks", True),
+    (SnapKV, "window", 0),
+    (SnapKV, "window", -8),
+    (SnapKV, "kernel", 0),
+    (SnapKV, "pooling", "mean"),
+    (ExpectedAttention, "horizon", 0),
+    (ExpectedAttention, "sinks", -1),
+    (ExpectedAttention, "epsilon", -0.1),
+    (ExpectedAttention, "epsilon", float("nan")),
+    (ExpectedAttention, "use_covariance", "yes"),
+    (ExpectedAttention, "use_vnorm", 1),
+    (Random, "seed", -1),
+    (Random, "seed", 0.5),
+    (EventTopK, "inner", "knorm"),
+    (UserPolicy, "fn", None),
+    (UserPolicy, "fn", 3),
+]
+
+
+@pytest.mark.parametrize("cls, name, bad", BAD_PARAMETERS, ids=[f"{c.name}-{f}-{v!r}" for c, f, v in BAD_PARAMETERS])
+def test_policy_parameters_are_refused_when_the_policy_is_made(cls, name, bad):
+    """Each policy checks its own fields, so the library refuses what the CLI refuses."""
+    with pytest.raises(OptionError) as err:
+        cls(**{name: bad})
+    assert err.value.field == name and str(err.value).startswith(f"{name} ")
+    if cls.name in POLICIES:
+        with pytest.raises(OptionError, match=f"^{name} "):
+            make_policy(cls.name, **{name: bad})
+
+
+def test_every_registered_policy_is_made_with_its_defaults_and_its_edges():
+    assert [type(make_policy(name)) for name in POLICIES] == list(POLICIES.values())
+    assert StreamingLLM(sinks=0).sinks == 0 and SnapKV(window=1, kernel=1).window == 1
+    assert ExpectedAttention(sinks=0, horizon=1, epsilon=0).horizon == 1 and Random(seed=0).seed == 0
+
+
+def test_the_audit_refuses_a_policy_parameter_as_the_library_does():
+    from eventkv.eviction.audit import EvictionAudit
+
+    with pytest.raises(OptionError) as err:
+        EvictionAudit(policies=("streaming",), sinks=-1)
+    assert err.value.for_cli().startswith("--sinks -1: ")
+
+
+def test_snapkv_refuses_a_window_that_leaves_no_row_before_it():
+    """kvpress's SnapKVPress asserts more tokens than its window; here the policy refuses with the fix,
+    rather than scoring every row as the window's and evicting the header."""
+    c = capture(rows=12, window=12)
+    with pytest.raises(OptionError, match="window 12: the layer has 12 rows.*below 12"):
+        keep_mask(SnapKV(window=12, kernel=1), c, 0.5)
+    m = keep_mask(SnapKV(window=11, kernel=1), c, 0.0)
+    assert m.all()
+    m = keep_mask(SnapKV(window=11, kernel=1), c, 0.05)  # keep 11 of 12: only the window's rows
+    assert kept_rows(m) == [list(range(1, 12))] * 2
+
+
+def test_expected_attention_refuses_a_layer_of_sinks_only():
+    c = capture(rows=12, window=4)
+    with pytest.raises(OptionError, match="sinks 12: the layer has 12 rows, all sinks"):
+        ExpectedAttention(sinks=12).scores(c)
+    c.query_positions = torch.tensor([0, 4, 6, 10])  # a capture of the first four queries only
+    with pytest.raises(OptionError, match="sinks 4: every captured query sits at a sink position"):
+        ExpectedAttention(sinks=4).scores(c)
+
+
+def test_kept_count_is_kvpress_count():
+    """``max(1, int(rows * (1 - r)))``, kvpress 0.5.5's count: one row fewer than ``rows - floor(r * rows)``
+    whenever ``r * rows`` is fractional, and never an empty layer."""
+    assert [kept_count(61, r) for r in (0.0, 0.3, 0.5, 0.75, 0.99)] == [61, 42, 30, 15, 1]
+    assert kept_count(10, 0.7) == int(10 * (1 - 0.7)) == 3  # the same float arithmetic (0.3 * 10 = 3.0000000000000004)
+    assert kept_count(1, 0.5) == 1
+    for bad in (1.0, 1.5, -0.1, float("nan"), True):
+        with pytest.raises(OptionError, match="^ratio "):
+            kept_count(10, bad)
+    with pytest.raises(OptionError, match="^rows 0"):
+        kept_count(0, 0.5)
+    c = capture(rows=12)
+    assert int(keep_mask(Knorm(), c, 0.3)[0].sum()) == 8  # 12 - floor(3.6) would keep 9
+
+
+def test_knorm_ties_within_float32_rounding_keep_the_later_position():
+    c = capture(rows=6)
+    c.positions = torch.arange(6)
+    base = c.keys[:, 0].clone()
+    c.keys[:, 2] = base * (1 + 2e-7)  # the same norm up to rounding, as one token's rotated keys in layer 0
+    c.keys[:, 4] = base
+    assert not torch.equal(c.keys[:, 2].double().norm(dim=-1), base.double().norm(dim=-1))
+    s = Knorm().scores(c)
+    assert torch.equal(s[:, 0], s[:, 2]) and torch.equal(s[:, 0], s[:, 4])
+    for h in range(KV):  # a budget that keeps one of the three tied rows keeps the latest position
+        n_better = int((s[h] > s[h, 0]).sum())
+        m = Knorm().keep(c, n_better + 1)
+        assert m[h, 4] and not m[h, 0] and not m[h, 2]
+    c.keys[:, 2] = base * (1 + 1e-5)  # a real difference is not a tie
+    assert not torch.equal(Knorm().scores(c)[:, 2], Knorm().scores(c)[:, 0])
+
+
 # ====================================================================== capture on a real forward
 @pytest.fixture(scope="module")
 def llama():
@@ -237,7 +351,7 @@ def test_capture_reads_the_log_positions_and_the_model_attention(llama):
     finally:
         lm.model.set_attn_implementation("sdpa")
     model_att = out.attentions[-1][0, :, -1, :].double().mean(dim=0)
-    assert (Tova().scores(c)[0] - model_att).abs().max() < 1e-5
+    assert (Tova().scores(c)[0, :-1] - model_att[:-1]).abs().max() < 1e-5  # the last row: always kept (inf)
 
 
 # ====================================================================== the per-head masked path
@@ -300,13 +414,3 @@ def test_gate_masked_serving(family):
     assert max(float((a - b).abs().max()) for a, b in zip(got_b.generation.logits, ref_b.generation.logits)) <= 1e-5
     with pytest.raises(EventKVError, match="mask of layer 0"):
         read_out_masked(lm.model, ekv, [torch.ones(1, 3, dtype=torch.bool)], q, **opts)
-
-
-def test_parity_with_kvpress_knorm_where_installed():
-    """Where someone installs kvpress by hand (it pins transformers < 5.3, so never in CI): its
-    KnormPress scores equal ours on the same keys."""
-    kvpress = pytest.importorskip("kvpress")
-    c = capture()
-    keys = c.keys[None]  # [batch, kv_heads, rows, head_dim]
-    theirs = kvpress.KnormPress().score(None, None, keys, c.values[None], None, {})[0]
-    assert torch.allclose(theirs.double(), Knorm().scores(c), atol=1e-6)

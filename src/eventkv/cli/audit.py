@@ -1,5 +1,5 @@
-"""``eventkv audit``: the eviction audit on donor-pair histories (:mod:`eventkv.eviction.audit`;
-issue 13). User errors print one line (no traceback) and exit 2."""
+"""``eventkv audit``: the eviction audit on donor-pair histories (:mod:`eventkv.eviction.audit`).
+User errors print one line (no traceback) and exit 2."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """eventkv.eviction: KV-cache eviction policies written from their papers, scored on our real
-position ids, and the per-(layer, head) keep masks they produce (issue 13, point 1). See
+position ids, and the per-(layer, head) keep masks they produce. See
 ``docs/eviction.md``."""
 
 from eventkv.eviction.policies import (
@@ -15,6 +15,7 @@ from eventkv.eviction.policies import (
     Tova,
     UserPolicy,
     keep_mask,
+    kept_count,
     make_policy,
 )
 
@@ -31,5 +32,6 @@ __all__ = [
     "StreamingLLM",
     "Tova",
     "keep_mask",
+    "kept_count",
     "make_policy",
 ]

@@ -1,4 +1,4 @@
-"""``eventkv audit``: the eviction audit on donor-pair histories (issue 13, point 2; Study 1, "The
+"""``eventkv audit``: the eviction audit on donor-pair histories (Study 1, "The
 corollary for eviction research").
 
 An eviction ablation that drops a source event and keeps its accuracy does not show the source
@@ -81,6 +81,8 @@ class EvictionAudit(Probe):
             )
         check_int("window", self.window, "observe at least 1 token.", flag="--window")
         check_int("sinks", self.sinks, "keep at least 0 sink positions.", minimum=0, flag="--sinks")
+        for name in self.policies:  # each policy checks its own parameters: refused here as in the library
+            self._policy(name, 0)
         self._donor = DonorPair(
             n_events=self.n_events,
             root_slot=self.root_slot,

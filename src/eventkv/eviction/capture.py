@@ -1,4 +1,4 @@
-"""Capture what the eviction rules read, during one global prefill (issue 13, point 1): per layer
+"""Capture what the eviction rules read, during one global prefill: per layer
 the queries (after RoPE) of the last ``window`` tokens, the attention's scale and the rotary
 frequencies, beside the rows the prefill stores. The capture is an attention function registered
 under eventkv's own name (``AttentionInterface.register``) and switched on for one model for the

@@ -1,4 +1,4 @@
-"""Native serving with a per-(layer, KV head) keep mask (issue 13, point 1): every row stays in the
+"""Native serving with a per-(layer, KV head) keep mask: every row stays in the
 cache at its position and each head of each layer attends only to the rows its mask keeps — what
 a per-head eviction policy (SnapKV, Knorm, ...) presents, without moving a row. An attention
 function registered under eventkv's own name applies the masks; it is switched on for one model

@@ -1,7 +1,11 @@
-"""KV-cache eviction policies as pure scoring rules over one layer's captured inputs (issue 13,
-point 1), each written from its paper. A policy scores every (KV head, row) of a layer; the
-:func:`keep_mask` of a **compression ratio** ``r`` (the fraction of rows evicted, kvpress's
-convention) keeps, per KV head, the ``rows - floor(r * rows)`` best-scored rows.
+"""KV-cache eviction policies as pure scoring rules over one layer's captured inputs, each written
+from its paper and checked against NVIDIA kvpress 0.5.5's presses (``tests/test_kvpress_parity.py``).
+A policy scores every (KV head, row) of a layer; the :func:`keep_mask` of a **compression ratio**
+``r`` (the fraction of rows evicted) keeps, per KV head, the ``max(1, int(rows * (1 - r)))``
+best-scored rows — kvpress's count, the same float expression.
+
+Parameters are checked when a policy is made (``__post_init__``): a bad one raises
+:class:`~eventkv.errors.OptionError` naming the field, in the library as on the command line.
 
 Positions: every rule that depends on where a row sits reads ``LayerCapture.positions`` — the
 rows' real RoPE position ids from the log (position budgets leave gaps) — never the row index.
@@ -13,8 +17,9 @@ rounding. Random scores are drawn on the CPU from a seeded generator whatever th
 
 Why not kvpress: kvpress 0.5.5 pins transformers < 5.3, its hooks fail on 5.24 (the attention
 keyword is now ``cache``), and importing it patches every attention function process-wide; the
-rules are short, so they are written here from the papers (a parity test runs where someone
-installs kvpress by hand).
+rules are short, so they are written here from the papers; ``benchmarks/kvpress_parity.py``, run
+where kvpress is installed, writes the rows its presses keep on a tiny model (``tests/data/kvpress_parity/``)
+and the parity test compares every policy with them.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Callable, ClassVar
 import torch
 
 from eventkv.errors import OptionError
+from eventkv.options import check_int
 
 
 @dataclass
@@ -121,21 +127,39 @@ def _per_kv_head(att: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return att.reshape(kv_heads, att.shape[0] // kv_heads, att.shape[-1]).mean(dim=1)
 
 
+def _check_bool(field_name: str, value, allowed: str) -> None:
+    if not isinstance(value, bool):
+        raise OptionError(field_name, value, allowed)
+
+
+def _sink_rows(c: LayerCapture, sinks: int) -> torch.Tensor:
+    """``[rows]`` bool: the rows at the first ``sinks`` positions (all rows when there are fewer)."""
+    sink = torch.zeros(c.rows, dtype=torch.bool, device=c.positions.device)
+    sink[torch.argsort(c.positions, stable=True)[:sinks]] = True
+    return sink
+
+
 @dataclass
 class StreamingLLM(Policy):
     """Keep the first ``sinks`` positions (attention sinks) and the most recent rows (Xiao et al.,
     "Efficient Streaming Language Models with Attention Sinks", arXiv 2309.17453, Section 3.2: 4
-    initial tokens + a rolling window). Score: sinks first, then by position, later = better."""
+    initial tokens + a rolling window; kvpress's StreamingLLMPress). Score: sinks first, then by
+    position, later = better. With more sinks than kept rows, the first kept-count positions stay.
+
+    Raises:
+        OptionError: ``sinks`` not a whole number >= 0.
+    """
 
     name: ClassVar[str] = "streaming"
     sinks: int = 4
 
+    def __post_init__(self) -> None:
+        check_int("sinks", self.sinks, "keep 0 or more sink positions (a whole number; the paper keeps 4).", minimum=0)
+
     def scores(self, c: LayerCapture) -> torch.Tensor:
         pos = c.positions.double()
-        order = torch.argsort(c.positions, stable=True)
-        sink = torch.zeros(c.rows, dtype=torch.bool, device=c.positions.device)
-        sink[order[: self.sinks]] = True  # the rows at the first `sinks` positions
-        s = torch.where(sink, pos.max() + 1.0 + (self.sinks - pos), pos)
+        sink = _sink_rows(c, self.sinks)
+        s = torch.where(sink, pos.max() + 1.0 + (pos.max() - pos), pos)  # sinks above every other row, earliest first
         return s.expand(c.kv_heads, -1).clone()
 
 
@@ -143,31 +167,72 @@ class StreamingLLM(Policy):
 class Knorm(Policy):
     """Keep the keys of the smallest L2 norm (Devoto et al., "A Simple and Effective L2 Norm-Based
     Strategy for KV Cache Compression", arXiv 2406.11430, Section 3: low key norm correlates with
-    high attention). Score: ``-||k||`` per head and row."""
+    high attention; kvpress's KnormPress). Score: ``-||k||`` per head and row.
+
+    Ties: RoPE is a rotation, so in layer 0 every row of one token id has the same key norm, and
+    only the rotated keys' float32 rounding (~1e-7 relative) tells them apart. Norms within
+    ``TIE_RTOL`` of each other (sorted, chained) are therefore one score — the group's — and
+    :meth:`Policy.keep` keeps the later positions of a tie, on every CPU alike. kvpress leaves the
+    order of such rows to its rounding and ``topk`` (docs/eviction.md, "Parity with kvpress")."""
 
     name: ClassVar[str] = "knorm"
+    TIE_RTOL: ClassVar[float] = 8 * torch.finfo(torch.float32).eps  # 9.5e-7: 8 float32 ulps
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
-        return -c.keys.double().norm(dim=-1)
+        return -_merge_near_ties(c.keys.double().norm(dim=-1), self.TIE_RTOL)
+
+
+def _merge_near_ties(x: torch.Tensor, rtol: float) -> torch.Tensor:
+    """``x [heads, rows]`` >= 0 with each run of values whose neighbours (sorted, per head) differ by at
+    most ``rtol`` of the larger replaced by the run's smallest value: rounding noise becomes an exact tie."""
+    v, order = torch.sort(x, dim=-1)
+    close = (v[:, 1:] - v[:, :-1]) <= rtol * v[:, 1:]
+    starts = torch.cat([torch.ones_like(close[:, :1]), ~close], dim=-1)  # True where a new run begins
+    run = torch.cumsum(starts.long(), dim=-1) - 1  # [heads, rows] run index in sorted order
+    first = torch.zeros_like(v).scatter_reduce_(-1, run, v, reduce="amin", include_self=False)
+    out = torch.empty_like(x)
+    out.scatter_(-1, order, first.gather(-1, run))
+    return out
 
 
 @dataclass
 class SnapKV(Policy):
     """Observation-window attention (Li et al., "SnapKV: LLM Knows What You Are Looking for Before
-    Generation", arXiv 2404.14469, Section 4.2): the last ``window`` queries' softmax attention to
-    each earlier row is summed over the window, averaged over each GQA group's query heads,
-    smoothed by 1D pooling (``kernel``, ``pooling`` max or avg, stride 1, same length), and the
-    window's own rows are always kept."""
+    Generation", arXiv 2404.14469, Section 4.2; kvpress's SnapKVPress): the last ``window``
+    queries' softmax attention to each earlier row is summed over the window, averaged over each
+    GQA group's query heads, smoothed by 1D pooling (``kernel``, ``pooling`` max or avg, stride 1,
+    same length; avg counts the zero padding, as SnapKV's code and kvpress do), and the window's
+    own rows are always kept. Defaults: window 32, kernel 7, max; kvpress's SnapKVPress uses window
+    64, kernel 5, avg (``SnapKV(window=64, kernel=5, pooling="avg")``).
+
+    Raises:
+        OptionError: ``window`` or ``kernel`` not a whole number >= 1, ``pooling`` not max/avg (on
+            construction); a capture with fewer than ``window`` queries, or not more rows than
+            ``window`` (nothing before the window to score, as kvpress refuses), on scoring.
+    """
 
     name: ClassVar[str] = "snapkv"
     window: int = 32
     kernel: int = 7
     pooling: str = "max"
 
+    def __post_init__(self) -> None:
+        check_int("window", self.window, "observe at least 1 query (a whole number; SnapKV uses 32).")
+        check_int("kernel", self.kernel, "pool over at least 1 row (a whole number; 1 = no pooling).")
+        if self.pooling not in ("max", "avg"):
+            raise OptionError("pooling", self.pooling, "use max or avg.")
+
     def scores(self, c: LayerCapture) -> torch.Tensor:
-        if c.queries is not None and c.queries.shape[1] < self.window:
+        if c.need_queries(self.name).shape[1] < self.window:
             raise OptionError(
                 "window", self.window, f"the capture holds {c.queries.shape[1]} queries: capture at least the window."
+            )
+        if c.rows <= self.window:
+            raise OptionError(
+                "window",
+                self.window,
+                f"the layer has {c.rows} rows: the window must leave rows before it to score "
+                f"(give a window below {c.rows}).",
             )
         att = _window_attention(c, self.name, self.window)  # [q_heads, window, rows]
         in_window = c.positions >= c.query_positions[-self.window :].min()
@@ -179,7 +244,7 @@ class SnapKV(Policy):
             if self.pooling == "max":
                 x = torch.nn.functional.max_pool1d(x, self.kernel, 1, pad)
             else:
-                x = torch.nn.functional.avg_pool1d(x, self.kernel, 1, pad, count_include_pad=False)
+                x = torch.nn.functional.avg_pool1d(x, self.kernel, 1, pad, count_include_pad=True)
             votes = x[:, 0, : votes.shape[-1]]
         s = torch.full((c.kv_heads, c.rows), float("inf"), dtype=torch.float64, device=votes.device)
         s[:, ~in_window] = votes
@@ -189,63 +254,105 @@ class SnapKV(Policy):
 @dataclass
 class Tova(Policy):
     """Token omission via attention (Oren et al., "Transformers are Multi-State RNNs", arXiv
-    2401.06104, Section 4): keep the rows the last query attends to most, its attention averaged
-    over all heads of the layer (one mask for every head)."""
+    2401.06104, Section 4; kvpress's TOVAPress): keep the rows the last query attends to most, its
+    attention averaged over all heads of the layer (one mask for every head). The last query's own
+    row is always kept, as in kvpress (the paper lets it compete; its weight is usually high)."""
 
     name: ClassVar[str] = "tova"
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
         att = _window_attention(c, self.name, 1)[:, -1, :]  # the last query: [q_heads, rows]
-        return att.mean(dim=0).expand(c.kv_heads, -1).clone()
+        s = att.mean(dim=0)
+        s = torch.where(c.positions == c.query_positions[-1], float("inf"), s)
+        return s.expand(c.kv_heads, -1).clone()
 
 
 @dataclass
 class ExpectedAttention(Policy):
     """Expected attention of future queries (Devoto et al., "Expected Attention: KV Cache
     Compression by Estimating Attention from Future Queries Distribution", 2025; kvpress's
-    ExpectedAttentionPress): queries are modelled as Gaussian, with the mean and covariance of the
-    window's queries before RoPE; both are rotated by the average RoPE rotation over the next
-    ``horizon`` positions after the history; a row's score is the expected attention logit
-    ``mu.k * s + s^2 k^T Sigma k / 2`` (the log of E[exp(s q.k)] under the Gaussian), softmaxed
-    over rows, averaged over each GQA group, and weighted by the value norm (``use_vnorm``)."""
+    ExpectedAttentionPress): queries are modelled as Gaussian, with the mean and covariance
+    (divided by n, the maximum-likelihood estimate, as kvpress) of the captured queries before
+    RoPE; both are rotated by the average RoPE rotation over the next ``horizon`` positions after
+    the history; a row's score is the expected attention logit ``mu.k * s + s^2 k^T Sigma k / 2``
+    (the log of E[exp(s q.k)] under the Gaussian), softmaxed over rows, averaged over each GQA
+    group, and weighted by the value norm (``use_vnorm``: ``(att + epsilon) * ||v||``).
+
+    Sinks: the rows at the first ``sinks`` positions (attention sinks, kvpress's ``n_sink``) are
+    always kept and left out of the scores, the softmax and the query statistics (a query at a
+    sink position is not counted).
+
+    Raises:
+        OptionError: ``horizon`` < 1, ``sinks`` < 0, ``epsilon`` negative or not finite, or a flag
+            that is not a bool (on construction); a capture without queries, RoPE, rows after the
+            sinks or a query after them (on scoring).
+    """
 
     name: ClassVar[str] = "expected"
     horizon: int = 512
     use_covariance: bool = True
     use_vnorm: bool = True
     epsilon: float = 0.0
+    sinks: int = 4
+
+    def __post_init__(self) -> None:
+        check_int("horizon", self.horizon, "average RoPE over at least 1 future position (kvpress uses 512).")
+        check_int("sinks", self.sinks, "keep 0 or more sink positions (a whole number; kvpress keeps 4).", minimum=0)
+        _check_bool("use_covariance", self.use_covariance, "give True or False.")
+        _check_bool("use_vnorm", self.use_vnorm, "give True or False.")
+        if (
+            isinstance(self.epsilon, bool)
+            or not isinstance(self.epsilon, (int, float))
+            or not math.isfinite(self.epsilon)
+            or self.epsilon < 0
+        ):
+            raise OptionError("epsilon", self.epsilon, "give a finite number >= 0 added to the scores (default 0).")
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
         q = c.need_queries(self.name).double()
         if c.rope is None:
             raise OptionError("policy", self.name, "expected attention rotates queries with RoPE: capture it.")
+        sink = _sink_rows(c, self.sinks)
+        if bool(sink.all()):
+            raise OptionError(
+                "sinks", self.sinks, f"the layer has {c.rows} rows, all sinks: give fewer sinks than rows."
+            )
+        first_free = c.positions[~sink].min()  # queries at sink positions are left out of the statistics
+        counted = c.query_positions >= first_free
+        if not bool(counted.any()):
+            raise OptionError(
+                "sinks", self.sinks, "every captured query sits at a sink position: capture later queries."
+            )
+        q, qpos = q[:, counted], c.query_positions[counted]
         inv_freq, att_scale = c.rope
         inv_freq = inv_freq.double()
         # back to pre-RoPE queries: each (i, i + d/2) pair rotated by -angle, scale removed
-        ang = c.query_positions.double()[:, None] * inv_freq[None, :]  # [window, d/2]
+        ang = qpos.double()[:, None] * inv_freq[None, :]  # [window, d/2]
         cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
         pre = (q * cos - _rotate_half(q) * sin) / att_scale
         mu = pre.mean(dim=1)  # [q_heads, d]
-        # average rotation over the next `horizon` positions after the last one
+        # average rotation over the next `horizon` positions after the history's last one
         dev = q.device
-        future = c.query_positions.max().double() + 1 + torch.arange(self.horizon, dtype=torch.float64, device=dev)
+        future = c.positions.max().double() + 1 + torch.arange(self.horizon, dtype=torch.float64, device=dev)
         fang = future[:, None] * inv_freq[None, :]
         cbar = torch.cat([fang.cos().mean(0)] * 2) * att_scale
         sbar = torch.cat([fang.sin().mean(0)] * 2) * att_scale
         d = q.shape[-1]
         rot = torch.diag(cbar) + torch.diag(sbar) @ _rotate_half_matrix(d, dev)  # R-bar, [d, d]
-        k = c.keys.double().repeat_interleave(q.shape[0] // c.kv_heads, dim=0)  # [q_heads, rows, d]
+        k = c.keys.double()[:, ~sink].repeat_interleave(q.shape[0] // c.kv_heads, dim=0)  # [q_heads, free rows, d]
         s = c.scale()
         logits = torch.einsum("hd,hrd->hr", mu @ rot.T, k) * s
-        if self.use_covariance and pre.shape[1] > 1:
+        if self.use_covariance:
             centered = pre - mu[:, None, :]
-            cov = torch.einsum("hwd,hwe->hde", centered, centered) / (pre.shape[1] - 1)
+            cov = torch.einsum("hwd,hwe->hde", centered, centered) / pre.shape[1]
             cov = rot @ cov @ rot.T
             logits = logits + 0.5 * s * s * torch.einsum("hrd,hde,hre->hr", k, cov, k)
         att = _per_kv_head(torch.softmax(logits, dim=-1), c.kv_heads)
         if self.use_vnorm:
-            att = (att + self.epsilon) * c.values.double().norm(dim=-1)
-        return att
+            att = (att + self.epsilon) * c.values.double()[:, ~sink].norm(dim=-1)
+        out = torch.full((c.kv_heads, c.rows), float("inf"), dtype=torch.float64, device=att.device)
+        out[:, ~sink] = att
+        return out
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -265,6 +372,9 @@ class Random(Policy):
     name: ClassVar[str] = "random"
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        check_int("seed", self.seed, "give a whole number >= 0 as the seed.", minimum=0)
+
     def scores(self, c: LayerCapture) -> torch.Tensor:
         # drawn on the CPU: a CUDA generator gives other numbers for the same seed
         g = torch.Generator(device="cpu").manual_seed(self.seed * 100_003 + c.layer)
@@ -279,6 +389,10 @@ class EventTopK(Policy):
 
     name: ClassVar[str] = "event-topk"
     inner: Policy = field(default_factory=Knorm)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.inner, Policy):
+            raise OptionError("inner", self.inner, "give a policy (e.g. Knorm()) whose scores are pooled per event.")
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
         if c.event_of_row is None:
@@ -313,9 +427,11 @@ class UserPolicy(Policy):
     name: ClassVar[str] = "callable"
     fn: Callable[[LayerCapture], torch.Tensor] | None = None
 
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            raise OptionError("fn", self.fn, "give UserPolicy(fn=...), a function of a LayerCapture.")
+
     def scores(self, c: LayerCapture) -> torch.Tensor:
-        if self.fn is None:
-            raise OptionError("policy", None, "give UserPolicy(fn=...), a function of a LayerCapture.")
         s = torch.as_tensor(self.fn(c), dtype=torch.float64, device=c.keys.device)
         if s.shape != (c.kv_heads, c.rows):
             raise OptionError(
@@ -340,9 +456,24 @@ def make_policy(name: str, **options) -> Policy:
     return POLICIES[name](**options)
 
 
+def kept_count(rows: int, ratio: float) -> int:
+    """Rows kept of ``rows`` at compression ratio ``ratio``: ``max(1, int(rows * (1 - ratio)))``,
+    kvpress 0.5.5's count in the same float arithmetic (``rows * (1 - ratio)`` rounded down; at
+    least one row). ``rows - floor(ratio * rows)`` would keep one row more whenever ``ratio * rows``
+    is fractional.
+
+    Raises:
+        OptionError: ``ratio`` outside [0, 1) or not a number; ``rows`` not a whole number >= 1.
+    """
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:  # nan fails too
+        raise OptionError("ratio", ratio, "give a compression ratio in [0, 1): the fraction of rows evicted.")
+    check_int("rows", rows, "give the layer's row count, a whole number >= 1.")
+    return max(1, int(rows * (1 - ratio)))
+
+
 def keep_mask(policy: Policy, c: LayerCapture, ratio: float) -> torch.Tensor:
     """The rows a policy keeps at compression ratio ``ratio`` (fraction evicted): at most
-    ``rows - floor(ratio * rows)`` per KV head (:meth:`Policy.keep`).
+    :func:`kept_count` rows per KV head (:meth:`Policy.keep`).
 
     Returns:
         ``[kv_heads, rows]`` bool.
@@ -350,6 +481,4 @@ def keep_mask(policy: Policy, c: LayerCapture, ratio: float) -> torch.Tensor:
     Raises:
         OptionError: ``ratio`` outside [0, 1); scores of the wrong shape, or nan.
     """
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:
-        raise OptionError("ratio", ratio, "give a compression ratio in [0, 1): the fraction of rows evicted.")
-    return policy.keep(c, c.rows - math.floor(ratio * c.rows))
+    return policy.keep(c, kept_count(c.rows, ratio))
