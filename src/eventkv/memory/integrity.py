@@ -199,7 +199,8 @@ def check_event_row(directory: str | Path, row, sealed: bool = True) -> tuple[tu
         now = _parts(row)
         bad = [PARTS[p] for p in PARTS if stored.get(p) != now[p]]
         if bad:
-            raise damaged(directory, f"{who}: its {' and '.join(bad)} do not match the checksum written with it")
+            verb = "does" if len(bad) == 1 else "do"
+            raise damaged(directory, f"{who}: its {' and '.join(bad)} {verb} not match the checksum written with it")
     try:
         tags = json.loads(row["tags"])
     except json.JSONDecodeError as exc:

@@ -182,13 +182,15 @@ class EventMemory:
 
     def _reload(self) -> None:
         """Read every event row and check it (:meth:`EventTable.from_rows`: checksums, JSON fields,
-        layout); raises StoreDamaged naming the event and the damaged field."""
-        self._data_version = self.store.data_version()
+        layout); raises StoreDamaged naming the event and the damaged field (and again at every verb
+        until the store reads whole)."""
+        seen = self.store.data_version()
         rows = self.store.event_rows()
         self._table = EventTable.from_rows(rows, len(self.header_ids), self.store.directory)
         self._recs = self._table.records
         self._by_id = self._table.by_id
         self._tokens = self._table.tokens
+        self._data_version = seen
 
     def _stored(self) -> list[MemoryRecord]:
         """Every event with rows in the history (deleted included, forgotten excluded), in history order."""

@@ -44,10 +44,14 @@ _IGNORABLE = (
     (0xE0000, 0xE0FFF),
 )
 ID_RULE = (
-    "event ids are compared in Unicode NFC (an NFD id names the same event); ids holding invisible characters "
-    "(control, format, default-ignorable) or compatibility forms (fullwidth letters, ligatures, no-break "
-    "spaces) are refused"
+    "event ids are compared in Unicode NFC; control, format and default-ignorable characters and compatibility "
+    "forms such as fullwidth letters are refused"
 )
+
+
+def _char(ch: str) -> str:
+    name = unicodedata.name(ch, "")
+    return f"U+{ord(ch):04X} {name}" if name else f"U+{ord(ch):04X}"
 
 
 def canonical_event_id(value: str) -> str:
@@ -69,8 +73,7 @@ def canonical_event_id(value: str) -> str:
             raise OptionError(
                 "event id",
                 value,
-                f"it holds U+{cp:04X} {unicodedata.name(ch, '(unnamed)')} ({what}, which does not show): give the "
-                f"id without it ({ID_RULE}).",
+                f"it holds {_char(ch)} ({what}, which does not show): give the id without it ({ID_RULE}).",
                 flag="event id",
             )
     if unicodedata.normalize("NFKC", nfc) != nfc:
@@ -78,8 +81,8 @@ def canonical_event_id(value: str) -> str:
         raise OptionError(
             "event id",
             value,
-            f"it holds U+{ord(ch):04X} {unicodedata.name(ch, '(unnamed)')}, a look-alike of "
-            f"{unicodedata.normalize('NFKC', ch)!r}: write {unicodedata.normalize('NFKC', nfc)!r} instead ({ID_RULE}).",
+            f"it holds {_char(ch)}, a look-alike of {unicodedata.normalize('NFKC', ch)!r}: write "
+            f"{unicodedata.normalize('NFKC', nfc)!r} instead ({ID_RULE}).",
             flag="event id",
         )
     return nfc
