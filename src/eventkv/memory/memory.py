@@ -126,10 +126,15 @@ class EventMemory:
         and its commit); every segment is then checked against its sha256 (``verify="size"`` or
         ``EVENTKV_MEMORY_VERIFY=size``: its size only).
 
+        A store of schema 1 (before event checksums) is upgraded first (``docs/memory.md``).
+
         Raises:
+            StoreDamaged: the manifest, the database (SQLite's ``quick_check``, an event's checksum,
+                a field that does not parse, the layout) or a segment file is damaged; the message
+                names the memory, the event and the damaged part.
             EventKVError: no memory in ``directory``; one made by other weights, tokenizer, chat
                 template or dtype (the message names both values: stale KV is refused, never used);
-                a missing or corrupted segment.
+                a store of a newer schema.
         """
         store = Store.open(directory, verify=verify)
         try:

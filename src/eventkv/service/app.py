@@ -408,6 +408,10 @@ def create_app(settings: Settings) -> FastAPI:
                 out.append(memory_out(d))
             except StoreDamaged as exc:  # that memory alone: the others are listed as usual
                 out.append(s.DamagedMemoryOut(id=d.name, namespace=ns, damaged=scrub(str(exc))))
+            except EventKVError:
+                if (d / "manifest.json").is_file():
+                    raise
+                # deleted while the namespace was listed: no longer one of its memories
         return out
 
     @app.get("/v1/memories/{mid}", response_model=s.MemoryOut)
