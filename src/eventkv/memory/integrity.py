@@ -81,8 +81,14 @@ def guard(directory: str | Path, what: str = "its database does not read") -> It
 
 
 def _h(value) -> str:
-    text = json.dumps(value, ensure_ascii=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    # a tag byte keeps NULL, a string and a JSON value apart (text None is not the text "null")
+    if isinstance(value, str):
+        data = b"s" + value.encode("utf-8", "surrogatepass")
+    elif value is None:
+        data = b"n"
+    else:
+        data = b"j" + json.dumps(value, ensure_ascii=True, separators=(",", ":")).encode()
+    return hashlib.sha256(data).hexdigest()[:16]
 
 
 def _parts(row) -> dict[str, str]:
@@ -171,12 +177,12 @@ def check_event_row(directory: str | Path, row, sealed: bool = True) -> tuple[tu
     Raises:
         StoreDamaged: naming the event (id and seq) and the damaged field.
     """
-    keys = row.keys()
     for col, types in _TYPES.items():
-        if col not in keys:
-            raise damaged(directory, f"its events table has no column {col!r}")
-        value = row[col]
-        if not isinstance(value, types) or isinstance(value, bool):
+        try:
+            value = row[col]
+        except (IndexError, KeyError):
+            raise damaged(directory, f"its events table has no column {col!r}") from None
+        if type(value) not in types:
             got = _SQL_TYPE.get(type(value), type(value).__name__)
             want = " or ".join(_SQL_TYPE[t] for t in types)
             raise damaged(directory, f"{_name(row)}: its {col} is stored as {got}, not {want}")
@@ -189,7 +195,7 @@ def check_event_row(directory: str | Path, row, sealed: bool = True) -> tuple[tu
                 raise damaged(directory, f"{who} is marked forgotten but still holds its {col}")
         return (), None
     if sealed:
-        checksum = row["checksum"] if "checksum" in keys else None
+        checksum = row["checksum"]
         try:
             stored = json.loads(checksum) if isinstance(checksum, str) else None
         except json.JSONDecodeError:
@@ -213,11 +219,7 @@ def check_event_row(directory: str | Path, row, sealed: bool = True) -> tuple[tu
         tokens = json.loads(row["token_ids"])
     except json.JSONDecodeError as exc:
         raise damaged(directory, f"{who}: its token ids are not valid JSON ({exc.msg})") from None
-    if (
-        not isinstance(tokens, list)
-        or not tokens
-        or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens)
-    ):
+    if type(tokens) is not list or not tokens or not all(type(t) is int for t in tokens) or min(tokens) < 0:
         raise damaged(directory, f"{who}: its token ids are not a non-empty JSON list of token ids")
     if len(tokens) != row["n_rows"] or row["width"] < row["n_rows"]:
         raise damaged(
