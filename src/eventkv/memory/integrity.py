@@ -102,9 +102,12 @@ def event_checksum(row) -> str:
 
 
 def seal_events(conn: sqlite3.Connection) -> int:
-    """Inside a write transaction: write the checksum of every stored event row that has none (the
-    rows this transaction inserted) and drop the checksum of every forgotten marker. Returns the rows
-    sealed."""
+    """Inside a write transaction, before its commit: write the checksum of every stored event row that
+    has none and drop the checksum of every forgotten marker. Returns the rows sealed.
+
+    The rows without one are those this transaction inserted: a row another connection committed
+    without a checksum is refused by the memory's next read (``PRAGMA data_version`` moved), before
+    any write of its own. Every write transaction must call this (``Store.transaction`` does)."""
     rows = conn.execute("SELECT * FROM events WHERE checksum IS NULL AND forgotten = 0").fetchall()
     conn.executemany("UPDATE events SET checksum = ? WHERE seq = ?", [(event_checksum(r), r["seq"]) for r in rows])
     conn.execute("UPDATE events SET checksum = NULL WHERE forgotten = 1 AND checksum IS NOT NULL")
