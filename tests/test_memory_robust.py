@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from eventkv.errors import EventKVError
+from eventkv.errors import EventKVError, StoreDamaged
 from eventkv.memory import EventMemory
 from eventkv.memory.store import DATABASE, MANIFEST
 from eventkv.testing import tiny_lm
@@ -28,11 +28,11 @@ def test_one_writer_per_store(lm, tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["manifest-json", "manifest-key", "database"])
-def test_a_damaged_store_is_an_eventkv_error(lm, tmp_path, damage):
+def test_a_damaged_store_is_refused_as_damaged(lm, tmp_path, damage):
     EventMemory.create(tmp_path / "m", lm, namespace="a").close()
     if damage == "manifest-json":
         (tmp_path / "m" / MANIFEST).write_text("{not json")
-        match = "manifest .* is not readable JSON"
+        match = "damaged: its manifest is not readable JSON"
     elif damage == "manifest-key":
         m = json.loads((tmp_path / "m" / MANIFEST).read_text())
         del m["header_ids"]
@@ -40,8 +40,8 @@ def test_a_damaged_store_is_an_eventkv_error(lm, tmp_path, damage):
         match = "lacks header_ids"
     else:
         (tmp_path / "m" / DATABASE).write_bytes(b"this is not a database" * 100)
-        match = "database .* is not readable"
-    with pytest.raises(EventKVError, match=match):
+        match = "damaged: its database does not open"
+    with pytest.raises(StoreDamaged, match=match):
         EventMemory.open(tmp_path / "m", lm)
 
 

@@ -37,12 +37,13 @@ from typing import TYPE_CHECKING, Iterable, Literal, Sequence
 
 import torch
 
-from eventkv.errors import EventKVError, OptionError
+from eventkv.errors import EventKVError, OptionError, StoreDamaged
 from eventkv.log import HEADER_ID, Event, TokenizedLog, encode, header_text, tokenize_query
+from eventkv.memory.integrity import damaged
 from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
 from eventkv.memory.select import rank
 from eventkv.memory.store import SCHEMA_VERSION, Store, check_identity, model_identity, now
-from eventkv.memory.table import EventTable, record_from_row
+from eventkv.memory.table import EventTable
 from eventkv.options import check_max_new_tokens, check_optional_int, is_int
 from eventkv.prefill import EventKV, check_context, model_device, prefill
 from eventkv.readout import answer_served
@@ -125,10 +126,15 @@ class EventMemory:
         and its commit); every segment is then checked against its sha256 (``verify="size"`` or
         ``EVENTKV_MEMORY_VERIFY=size``: its size only).
 
+        A store of schema 1 (before event checksums) is upgraded first (``docs/memory.md``).
+
         Raises:
+            StoreDamaged: the manifest, the database (SQLite's ``quick_check``, an event's checksum,
+                a field that does not parse, the layout) or a segment file is damaged; the message
+                names the memory, the event and the damaged part.
             EventKVError: no memory in ``directory``; one made by other weights, tokenizer, chat
                 template or dtype (the message names both values: stale KV is refused, never used);
-                a missing or corrupted segment.
+                a store of a newer schema.
         """
         store = Store.open(directory, verify=verify)
         try:
@@ -171,15 +177,25 @@ class EventMemory:
 
     # ================================================================== internal state
     def _check_open(self) -> None:
+        """Every verb starts here: refuse a closed memory; when another connection committed to the
+        database since the last read (an ``sqlite3`` shell, a process without the writer lock), read
+        the events again, so a change made behind the memory's back is checked before it is used."""
         if self._closed:
             raise EventKVError(f"the memory {str(self.store.directory)!r} is closed: open it again.")
+        if self.store.data_version() != self._data_version:
+            self._reload()
 
     def _reload(self) -> None:
-        rows = self.store.conn.execute("SELECT * FROM events ORDER BY seq").fetchall()
-        self._table = EventTable([record_from_row(r) for r in rows], len(self.header_ids))
+        """Read every event row and check it (:meth:`EventTable.from_rows`: checksums, JSON fields,
+        layout); raises StoreDamaged naming the event and the damaged field (and again at every verb
+        until the store reads whole)."""
+        seen = self.store.data_version()
+        rows = self.store.event_rows()
+        self._table = EventTable.from_rows(rows, len(self.header_ids), self.store.directory)
         self._recs = self._table.records
         self._by_id = self._table.by_id
-        self._tokens = {r["id"]: json.loads(r["token_ids"]) for r in rows if r["token_ids"] is not None}
+        self._tokens = self._table.tokens
+        self._data_version = seen
 
     def _stored(self) -> list[MemoryRecord]:
         """Every event with rows in the history (deleted included, forgotten excluded), in history order."""
@@ -232,11 +248,8 @@ class EventMemory:
             self.lm.profile.weights_digest,
         )
 
-    def _corrupt(self, what: str) -> EventKVError:
-        return EventKVError(
-            f"the memory in {str(self.store.directory)!r} is inconsistent ({what}): restore it from a backup, or "
-            f"create a new memory and add the events again."
-        )
+    def _corrupt(self, what: str) -> StoreDamaged:
+        return damaged(self.store.directory, what)
 
     def _lookup(self, event_id: str) -> MemoryRecord:
         return self._table.lookup(event_id)
@@ -793,15 +806,17 @@ class EventMemory:
             if select == "view":
                 return self.view_ids()
             raise OptionError("select", select, "give None (BM25 selection), 'all', 'view', or a list of event ids.")
-        ids = list(select)
+        ids, out = list(select), []
         for i in ids:
             if not isinstance(i, str):
                 raise OptionError("select", ids, "give event ids as strings.")
-            if self._lookup(i).forgotten:
+            rec = self._lookup(i)
+            if rec.forgotten:
                 raise EventKVError(
                     f"event {i!r} is forgotten: it has no rows to serve; leave it out of the served set."
                 )
-        return ids
+            out.append(rec.id)  # the stored spelling (an NFD id given for an NFC one)
+        return out
 
     def query(
         self,

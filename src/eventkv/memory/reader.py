@@ -1,7 +1,8 @@
 """Read a memory without its model: a consistent snapshot of a store's event table, counts and
-version through a read-only SQLite connection (issue 12, point 4: the HTTP service's ``GET``
-routes never wait behind model work). WAL lets this reader run while the store's one writer
-commits; it sees the last committed state."""
+version through a read-only SQLite connection (the HTTP service's ``GET`` routes and ``/metrics``
+never wait behind model work). WAL lets this reader run while the store's one writer commits; it
+sees the last committed state, checked as the writer checks it (a damaged store raises
+:class:`eventkv.errors.StoreDamaged`, never a raw ``sqlite3`` or JSON error)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eventkv.errors import EventKVError
+from eventkv.memory.integrity import (
+    MANIFEST_CHECKSUM,
+    check_manifest,
+    damaged,
+    guard,
+    has_checksums,
+    read_meta,
+    read_version,
+)
 from eventkv.memory.records import MemoryStats
-from eventkv.memory.store import DATABASE, Store, directory_bytes
-from eventkv.memory.table import EventTable, record_from_row
+from eventkv.memory.store import DATABASE, Store, check_segment_files, check_segment_row, directory_bytes
+from eventkv.memory.table import EventTable
 
 
 @dataclass(frozen=True)
@@ -34,33 +44,49 @@ def read_memory(directory: str | Path) -> MemorySnapshot:
     """A read-only snapshot of the memory in ``directory`` (no model, no writer lock).
 
     The events, segments and version are read in one read transaction, so they belong to one
-    commit. Segment checksums are not verified here (the writer verifies on open).
+    commit. Every event row is checked (types, checksum, JSON fields, layout:
+    :meth:`EventTable.from_rows`), the manifest against its recorded checksum, and every segment
+    file's presence and size (a ``stat`` each; their sha256 is checked by the writer on open). A
+    store of schema 1 (no checksums yet: upgraded by the first :meth:`EventMemory.open`) is read
+    with every check but the checksums.
 
     Raises:
-        EventKVError: no memory in ``directory``, a damaged manifest or database.
+        StoreDamaged: the manifest, the database or a segment file is damaged (names the memory and
+            the damaged part).
+        EventKVError: no memory in ``directory``, a database that cannot be opened or read now.
     """
     d = Path(directory)
     manifest = Store.read_manifest(d)
     try:
-        conn = sqlite3.connect(f"{(d / DATABASE).resolve().as_uri()}?mode=ro", uri=True, isolation_level=None)
+        with guard(d, "its database does not open"):
+            conn = sqlite3.connect(f"{(d / DATABASE).resolve().as_uri()}?mode=ro", uri=True, isolation_level=None)
     except sqlite3.Error as exc:
         raise EventKVError(f"the database of the memory in {str(d)!r} cannot be opened ({exc}).") from None
     try:
         conn.row_factory = sqlite3.Row
-        conn.execute("BEGIN")
-        rows = conn.execute("SELECT * FROM events ORDER BY seq").fetchall()
-        segments = conn.execute("SELECT COUNT(*) FROM segments").fetchone()[0]
-        version = int(conn.execute("SELECT value FROM meta WHERE key = 'version'").fetchone()[0])
-        conn.execute("COMMIT")
+        with guard(d):
+            conn.execute("BEGIN")
+            sealed = has_checksums(conn)
+            rows = conn.execute("SELECT * FROM events ORDER BY seq").fetchall()
+            segments = conn.execute("SELECT * FROM segments ORDER BY row_start").fetchall()
+            recorded = read_meta(d, conn, MANIFEST_CHECKSUM)
+            version = read_version(d, conn)
+            conn.execute("COMMIT")
     except sqlite3.Error as exc:
         raise EventKVError(
-            f"the database of the memory in {str(d)!r} is not readable ({exc}): the store is damaged; restore it "
-            "from a backup or create a new memory."
+            f"the database of the memory in {str(d)!r} is not readable now ({exc}): try again."
         ) from None
     finally:
         conn.close()
-    table = EventTable([record_from_row(r) for r in rows], len(manifest["header_ids"]))
+    if manifest["schema"] >= 2 and not sealed:
+        raise damaged(d, "its events table has no checksum column, yet its manifest says schema 2")
+    if sealed or recorded is not None:
+        check_manifest(d, manifest, recorded)
+    for seg in segments:
+        check_segment_row(d, seg)
+    check_segment_files(d, segments)
+    table = EventTable.from_rows(rows, len(manifest["header_ids"]), d, sealed)
     stats = table.stats(
-        rows_prefilled=table.rows_prefilled(), segments=segments, bytes_on_disk=directory_bytes(d), version=version
+        rows_prefilled=table.rows_prefilled(), segments=len(segments), bytes_on_disk=directory_bytes(d), version=version
     )
     return MemorySnapshot(manifest, table, version, stats)

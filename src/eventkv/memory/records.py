@@ -5,10 +5,11 @@ them without loading anything."""
 
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from eventkv.errors import EventKVError
+from eventkv.errors import EventKVError, OptionError
 
 if TYPE_CHECKING:  # pragma: no cover
     from eventkv.readout import CandidateScore, Generation
@@ -19,6 +20,73 @@ KINDS = ("event", "patch", "carrier")
 #: the kinds a caller may ``add`` (patches are only appended by ``update``)
 ADD_KINDS = ("event", "carrier")
 
+#: character categories that do not show: control (Cc), format (Cf: zero-width space, joiners, bidi
+#: controls, soft hyphen), lone surrogates (Cs), private use (Co), line and paragraph separators
+INVISIBLE_CATEGORIES = {
+    "Cc": "a control character",
+    "Cf": "an invisible format character",
+    "Cs": "a lone surrogate",
+    "Co": "a private-use character",
+    "Zl": "a line separator",
+    "Zp": "a paragraph separator",
+}
+#: Unicode's Default_Ignorable_Code_Point characters outside those categories (DerivedCoreProperties.txt):
+#: they render as nothing too (combining grapheme joiner, Hangul fillers, Khmer inherent vowels,
+#: Mongolian and other variation selectors, tags)
+_IGNORABLE = (
+    (0x034F, 0x034F),
+    (0x115F, 0x1160),
+    (0x17B4, 0x17B5),
+    (0x180B, 0x180F),
+    (0x3164, 0x3164),
+    (0xFE00, 0xFE0F),
+    (0xFFA0, 0xFFA0),
+    (0xE0000, 0xE0FFF),
+)
+ID_RULE = (
+    "event ids are compared in Unicode NFC; control, format and default-ignorable characters and compatibility "
+    "forms such as fullwidth letters are refused"
+)
+
+
+def _char(ch: str) -> str:
+    name = unicodedata.name(ch, "")
+    return f"U+{ord(ch):04X} {name}" if name else f"U+{ord(ch):04X}"
+
+
+def canonical_event_id(value: str) -> str:
+    """The one form of an event id the memory stores and compares: ``value`` in Unicode NFC, so the
+    composed and decomposed spellings of ``josé`` are one id.
+
+    Raises:
+        OptionError: ``value`` holds a character that does not show (:data:`INVISIBLE_CATEGORIES`,
+            Unicode's default-ignorable characters: U+200B zero-width space, U+202E right-to-left
+            override, variation selectors, U+3164 Hangul filler) or one whose compatibility form
+            (NFKC) differs, a look-alike of another id (fullwidth ``ｄａｎａ`` for ``dana``, U+00A0
+            no-break space, the ligature ``ﬁ``). The message names the character and the fix.
+    """
+    nfc = unicodedata.normalize("NFC", value)
+    for ch in nfc:
+        cat, cp = unicodedata.category(ch), ord(ch)
+        if cat in INVISIBLE_CATEGORIES or any(a <= cp <= b for a, b in _IGNORABLE):
+            what = INVISIBLE_CATEGORIES.get(cat, "a default-ignorable character")
+            raise OptionError(
+                "event id",
+                value,
+                f"it holds {_char(ch)} ({what}, which does not show): give the id without it ({ID_RULE}).",
+                flag="event id",
+            )
+    if unicodedata.normalize("NFKC", nfc) != nfc:
+        ch = next((c for c in nfc if unicodedata.normalize("NFKC", c) != c), nfc[0])
+        raise OptionError(
+            "event id",
+            value,
+            f"it holds {_char(ch)}, a look-alike of {unicodedata.normalize('NFKC', ch)!r}: write "
+            f"{unicodedata.normalize('NFKC', nfc)!r} instead ({ID_RULE}).",
+            flag="event id",
+        )
+    return nfc
+
 
 @dataclass(frozen=True)
 class MemoryEvent:
@@ -28,7 +96,8 @@ class MemoryEvent:
         text: the event's text, exactly as it enters the prompt (non-blank).
         role: optional speaker label; the event is rendered ``"{role}: {text}"`` (as :class:`eventkv.log.Event`).
         id: optional unique name (no commas, no surrounding spaces); ``None`` = the memory names it
-            ``e{seq}``.
+            ``e{seq}``. Kept in its :func:`canonical_event_id` form (NFC; look-alike and invisible
+            characters refused when the event is made).
         tags: free labels kept with the event (JSON in the store; not part of the prompt).
         budget: optional position budget in tokens (>= the event's token count): the event reserves
             that many positions whatever its length (Study 1, "Donor pair").
@@ -41,6 +110,11 @@ class MemoryEvent:
     tags: tuple[str, ...] = ()
     budget: int | None = None
     kind: str = "event"
+
+    def __post_init__(self) -> None:
+        # every add (library, HTTP route, client) builds a MemoryEvent: the one place a new id takes its form
+        if isinstance(self.id, str):
+            object.__setattr__(self, "id", canonical_event_id(self.id))
 
     @classmethod
     def coerce(cls, obj) -> "MemoryEvent":

@@ -5,7 +5,9 @@ Layout of a store directory::
     manifest.json            schema version, namespace, model name, weights / tokenizer / chat-template
                              digests, dtype, instruction, header token ids (written once, atomically)
     memory.sqlite (+ -wal)   stdlib sqlite3, WAL journal, synchronous=FULL, secure_delete=ON:
-                             tables events, segments, meta (see SCHEMA)
+                             tables events, segments, meta (see SCHEMA); every stored event row
+                             carries a checksum of its text, token ids and fields, and meta the
+                             manifest's checksum (:mod:`eventkv.memory.integrity`)
     segments/NNNNNN.safetensors
                              one file per prefill call: ``keys.{layer}`` / ``values.{layer}``
                              ``[kv_heads, rows, head_dim]`` and ``positions`` ``[rows]`` int64; never
@@ -18,6 +20,16 @@ makes a committed transaction durable. A kill between the two leaves a segment f
 row points to: :meth:`Store.open` deletes it (and any ``*.tmp``). Each segment's sha256 is in the
 database and checked on open (full hash by default; ``EVENTKV_MEMORY_VERIFY=size`` checks only the
 file size, for very large stores). Nothing here is pickled: JSON, safetensors and SQLite only.
+
+Damage: every read of the store's state that fails because the stored bytes are damaged (an SQLite
+page that does not read, a checksum that does not match, a manifest or field that does not parse, a
+segment file missing, short or unreadable) raises :class:`eventkv.errors.StoreDamaged` naming the
+memory and the damaged part; :meth:`Store.open` also runs SQLite's ``PRAGMA quick_check``.
+
+Schema versions: 2 (event and manifest checksums). A store of schema 1 (written before checksums
+existed) is upgraded by the first :meth:`Store.open`: the ``checksum`` column is added and every
+stored event and the manifest are sealed as they are then (one transaction), and the manifest is
+rewritten with ``schema`` 2. Damage done before that open cannot be told from the content.
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ import datetime as dt
 import hashlib
 import json
 import os
+import re
 import sqlite3
 import tempfile
 from pathlib import Path
@@ -37,11 +50,24 @@ from safetensors.torch import load_file, save_file
 
 from eventkv.errors import EventKVError
 from eventkv.files import fsync_path, sha256_file, write_json_atomic
+from eventkv.memory.integrity import (
+    MANIFEST_CHECKSUM,
+    check_manifest,
+    damaged,
+    guard,
+    has_checksums,
+    manifest_checksum,
+    read_meta,
+    read_version,
+    seal_events,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from eventkv.models.profile import LoadedModel
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: schema versions this eventkv opens (1: upgraded on open, see the module docstring)
+READABLE_SCHEMAS = (1, 2)
 MANIFEST = "manifest.json"
 DATABASE = "memory.sqlite"
 SEGMENTS = "segments"
@@ -58,6 +84,19 @@ MANIFEST_KEYS = (
     "header_ids",
 )
 """``full`` (default): sha256 of every segment on open; ``size``: only each file's size."""
+#: manifest fields every reader uses, and their JSON types (``list``: a list of token ids)
+MANIFEST_TYPES = {
+    "namespace": str,
+    "model": str,
+    "instruction": str,
+    "weights_digest": str,
+    "tokenizer_digest": str,
+    "chat_template_digest": str,
+    "dtype": str,
+    "header_ids": list,
+}
+#: how a segment's ``file`` column reads (a damaged one must not name a file outside the store)
+SEGMENT_FILE = re.compile(rf"{SEGMENTS}/[0-9]{{6,}}\.safetensors")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
@@ -78,7 +117,8 @@ CREATE TABLE IF NOT EXISTS events (
     deleted INTEGER NOT NULL DEFAULT 0,
     forgotten INTEGER NOT NULL DEFAULT 0,
     pinned INTEGER NOT NULL DEFAULT 0,
-    created TEXT NOT NULL
+    created TEXT NOT NULL,
+    checksum TEXT                     -- JSON {text, token_ids, fields}; NULL for a forgotten marker
 );
 CREATE TABLE IF NOT EXISTS segments (
     id INTEGER PRIMARY KEY,
@@ -235,6 +275,7 @@ class Store:
         conn.execute("BEGIN IMMEDIATE")
         conn.execute("INSERT INTO meta VALUES ('version', '0')")
         conn.execute("INSERT INTO meta VALUES ('created', ?)", (now(),))
+        conn.execute("INSERT INTO meta VALUES (?, ?)", (MANIFEST_CHECKSUM, manifest_checksum(manifest)))
         conn.execute("COMMIT")
         manifest = {"schema": SCHEMA_VERSION, **manifest, "created": now()}
         write_json_atomic(d / MANIFEST, manifest)
@@ -259,21 +300,28 @@ class Store:
         try:
             manifest = json.loads((d / MANIFEST).read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise EventKVError(
-                f"the manifest of the memory in {str(d)!r} is not readable JSON ({exc}): the store is damaged; "
-                "restore it from a backup or create a new memory."
-            ) from None
+            raise damaged(d, f"its manifest is not readable JSON ({exc})") from None
         missing = [k for k in MANIFEST_KEYS if k not in manifest] if isinstance(manifest, dict) else list(MANIFEST_KEYS)
         if missing:
+            raise damaged(d, f"its manifest lacks {', '.join(missing)}")
+        schema = manifest["schema"]
+        if not isinstance(schema, int) or isinstance(schema, bool) or schema < 1:
+            raise damaged(d, f"its manifest's schema version is {schema!r}, not a version number")
+        if schema not in READABLE_SCHEMAS:
             raise EventKVError(
-                f"the manifest of the memory in {str(d)!r} lacks {', '.join(missing)}: the store is damaged or was "
-                "not written by eventkv; restore it from a backup or create a new memory."
+                f"the memory in {str(d)!r} has schema version {schema!r}, this eventkv reads "
+                f"{', '.join(map(str, READABLE_SCHEMAS))}: open it with the eventkv version that wrote it."
             )
-        if manifest.get("schema") != SCHEMA_VERSION:
-            raise EventKVError(
-                f"the memory in {str(d)!r} has schema version {manifest.get('schema')!r}, this eventkv reads "
-                f"{SCHEMA_VERSION}: open it with the eventkv version that wrote it."
+        for key, kind in MANIFEST_TYPES.items():
+            value = manifest.get(key)
+            ok = (
+                isinstance(value, str)
+                if kind is str
+                else isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
             )
+            if not ok:
+                what = "a string" if kind is str else "a list of token ids"
+                raise damaged(d, f"its manifest's {key} is {str(value)[:40]!r}, not {what}")
         return manifest
 
     @classmethod
@@ -291,19 +339,60 @@ class Store:
         d = Path(directory)
         manifest = cls.read_manifest(d)
         lock = cls.lock(d)
+        conn = None
         try:
-            conn = cls.connect(d / DATABASE)
-            conn.execute("SELECT value FROM meta WHERE key = 'version'").fetchone()
-        except sqlite3.DatabaseError as exc:
+            with guard(d, "its database does not open"):
+                conn = cls.connect(d / DATABASE)
+            store = cls(d, manifest, conn, lock)
+            store.check_database()
+            if manifest["schema"] < SCHEMA_VERSION:
+                store.upgrade()
+            check_manifest(d, store.manifest, read_meta(d, conn, MANIFEST_CHECKSUM))
+            store.discard_orphans()
+            store.verify(verify or os.environ.get(VERIFY_ENV, "full"))
+        except BaseException:
+            if conn is not None:
+                conn.close()
             lock.close()
-            raise EventKVError(
-                f"the database of the memory in {str(d)!r} is not readable ({exc}): the store is damaged; restore "
-                "it from a backup or create a new memory."
-            ) from None
-        store = cls(d, manifest, conn, lock)
-        store.discard_orphans()
-        store.verify(verify or os.environ.get(VERIFY_ENV, "full"))
+            raise
         return store
+
+    def check_database(self) -> None:
+        """SQLite's ``PRAGMA quick_check`` (every page and b-tree of the file reads and is well formed)
+        and a readable version counter.
+
+        Raises:
+            StoreDamaged: the first problem SQLite reports.
+        """
+        with guard(self.directory):
+            problems = [r[0] for r in self.conn.execute("PRAGMA quick_check").fetchall()]
+        if problems != ["ok"]:
+            shown = "; ".join(" ".join(str(x).split())[:200] for x in problems[:3])
+            raise damaged(self.directory, f"SQLite's check of its database fails ({shown})")
+        read_version(self.directory, self.conn)
+
+    def upgrade(self) -> None:
+        """Upgrade a schema-1 store to schema 2 in place (writer lock held): add the ``checksum`` column,
+        seal every stored event and the manifest as they are (one transaction, the version unchanged),
+        then rewrite the manifest with ``schema`` 2. Idempotent: a kill between the commit and the
+        manifest's rewrite is finished by the next open."""
+        d = self.directory
+        with guard(d):
+            self.conn.execute("BEGIN IMMEDIATE")
+            try:
+                if not has_checksums(self.conn):
+                    self.conn.execute("ALTER TABLE events ADD COLUMN checksum TEXT")
+                seal_events(self.conn)
+                self.conn.execute(
+                    "INSERT OR IGNORE INTO meta VALUES (?, ?)", (MANIFEST_CHECKSUM, manifest_checksum(self.manifest))
+                )
+                self.conn.execute("COMMIT")
+            except BaseException:
+                if self.conn.in_transaction:
+                    self.conn.execute("ROLLBACK")
+                raise
+        self.manifest = {**self.manifest, "schema": SCHEMA_VERSION}
+        write_json_atomic(d / MANIFEST, self.manifest)
 
     def close(self) -> None:
         self.conn.close()
@@ -313,35 +402,70 @@ class Store:
     @contextlib.contextmanager
     def transaction(self, bump: bool = True) -> Iterator[sqlite3.Connection]:
         """``BEGIN IMMEDIATE`` ... ``COMMIT`` (``ROLLBACK`` on any exception); bumps the version unless
-        ``bump`` is False (a write that changes no event: computing rows)."""
-        self.conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield self.conn
-            if bump:
-                self.conn.execute("UPDATE meta SET value = CAST(value AS INTEGER) + 1 WHERE key = 'version'")
-            self.conn.execute("COMMIT")
-        except BaseException:
-            self.conn.execute("ROLLBACK")
-            raise
+        ``bump`` is False (a write that changes no event: computing rows). Before the commit every
+        event row the transaction inserted is sealed with its checksum
+        (:func:`eventkv.memory.integrity.seal_events`).
+
+        Raises:
+            StoreDamaged: the database's bytes are damaged (nothing is committed).
+        """
+        with guard(self.directory):
+            self.conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self.conn
+                seal_events(self.conn)
+                if bump:
+                    self.conn.execute("UPDATE meta SET value = CAST(value AS INTEGER) + 1 WHERE key = 'version'")
+                self.conn.execute("COMMIT")
+            except BaseException:
+                if self.conn.in_transaction:  # SQLite may have rolled back already (a damaged page, a full disk)
+                    self.conn.execute("ROLLBACK")
+                raise
 
     @property
     def version(self) -> int:
-        return int(self.conn.execute("SELECT value FROM meta WHERE key = 'version'").fetchone()[0])
+        return read_version(self.directory, self.conn)
+
+    def event_rows(self) -> list[sqlite3.Row]:
+        """Every row of the ``events`` table in history order (unchecked: see ``EventTable.from_rows``).
+
+        Raises:
+            StoreDamaged: the database does not read.
+        """
+        with guard(self.directory):
+            return self.conn.execute("SELECT * FROM events ORDER BY seq").fetchall()
+
+    def data_version(self) -> int:
+        """SQLite's ``PRAGMA data_version``: moves when another connection (another process, an
+        ``sqlite3`` shell) commits to the database, never for this connection's own commits."""
+        with guard(self.directory):
+            return self.conn.execute("PRAGMA data_version").fetchone()[0]
 
     def scrub(self) -> None:
         """Make deleted text unrecoverable from the files: checkpoint the WAL into the database and
         truncate it, rebuild the database (VACUUM; freed pages are zeroed by secure_delete), and
         checkpoint again."""
-        self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        self.conn.execute("VACUUM")
-        self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        with guard(self.directory):
+            self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self.conn.execute("VACUUM")
+            self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     # ------------------------------------------------------------------ segments
     def segment_rows(self) -> list[sqlite3.Row]:
-        return self.conn.execute("SELECT * FROM segments ORDER BY row_start").fetchall()
+        """Every row of the ``segments`` table by first row, each checked (:func:`check_segment_row`).
+
+        Raises:
+            StoreDamaged: the database does not read, or a row's fields are damaged.
+        """
+        with guard(self.directory):
+            rows = self.conn.execute("SELECT * FROM segments ORDER BY row_start").fetchall()
+        for row in rows:
+            check_segment_row(self.directory, row)
+        return rows
 
     def next_segment_id(self) -> int:
-        row = self.conn.execute("SELECT MAX(id) FROM segments").fetchone()
+        with guard(self.directory):
+            row = self.conn.execute("SELECT MAX(id) FROM segments").fetchone()
         return (row[0] or 0) + 1
 
     def write_segment(
@@ -394,22 +518,22 @@ class Store:
         """A segment's rows: per layer keys and values ``[kv_heads, rows, head_dim]``, and positions ``[rows]``.
 
         Raises:
-            EventKVError: a file that does not hold ``n_layers`` layers of ``row['n_rows']`` rows.
+            StoreDamaged: a file that does not read as safetensors, or does not hold ``n_layers`` layers
+                of ``row['n_rows']`` rows and their positions.
         """
-        t = load_file(self.directory / row["file"])
+        seg = row["file"]
+        try:
+            t = load_file(self.directory / seg)
+        except Exception as exc:  # safetensors raises its own error type for a malformed file
+            raise damaged(self.directory, f"segment {seg!r} does not read ({type(exc).__name__}: {exc})") from None
         try:
             keys = [t[f"keys.{i}"] for i in range(n_layers)]
             values = [t[f"values.{i}"] for i in range(n_layers)]
+            n = int(t["positions"].shape[0])
         except KeyError:
-            raise EventKVError(
-                f"segment {row['file']!r} of {str(self.directory)!r} does not hold {n_layers} layers: the store is "
-                f"corrupted; restore it from a backup or create a new memory."
-            ) from None
-        if int(t["positions"].shape[0]) != row["n_rows"]:
-            raise EventKVError(
-                f"segment {row['file']!r} holds {int(t['positions'].shape[0])} rows, its database row says "
-                f"{row['n_rows']}: the store is corrupted; restore it from a backup or create a new memory."
-            )
+            raise damaged(self.directory, f"segment {seg!r} does not hold {n_layers} layers and positions") from None
+        if n != row["n_rows"] or any(k.shape[1] != n for k in keys + values):
+            raise damaged(self.directory, f"segment {seg!r} holds {n} rows, its database row says {row['n_rows']}")
         return keys, values, t["positions"]
 
     def discard_orphans(self) -> list[str]:
@@ -433,25 +557,18 @@ class Store:
         (``how="full"``) of the recorded sha256.
 
         Raises:
-            EventKVError: a missing or corrupted segment; an unknown ``how``.
+            StoreDamaged: a missing, short, long or (``full``) changed segment file.
+            EventKVError: an unknown ``how``.
         """
         if how not in ("full", "size"):
             raise EventKVError(f"{VERIFY_ENV}={how!r}: use 'full' (sha256 of every segment) or 'size'.")
-        for row in self.segment_rows():
-            f = self.directory / row["file"]
-            fix = "the store is corrupted; restore the directory from a backup or create a new memory"
-            if not f.is_file():
-                raise EventKVError(f"segment {row['file']!r} of {str(self.directory)!r} is missing: {fix}.")
-            if f.stat().st_size != row["bytes"]:
-                raise EventKVError(
-                    f"segment {row['file']!r} of {str(self.directory)!r} has {f.stat().st_size} bytes, not the "
-                    f"{row['bytes']} recorded: {fix}."
-                )
-            if how == "full" and sha256_file(f) != row["sha256"]:
-                raise EventKVError(
-                    f"segment {row['file']!r} of {str(self.directory)!r} does not match its sha256 "
-                    f"({row['sha256'][:16]}...): {fix}."
-                )
+        check_segment_files(self.directory, self.segment_rows())
+        if how == "full":
+            for row in self.segment_rows():
+                if sha256_file(self.directory / row["file"]) != row["sha256"]:
+                    raise damaged(
+                        self.directory, f"segment {row['file']!r} does not match its sha256 ({row['sha256'][:16]}...)"
+                    )
 
     def remove_files(self, files: Sequence[str]) -> None:
         """Remove segment files that no committed row points to any more (after the commit)."""
@@ -462,6 +579,35 @@ class Store:
 
     def bytes_on_disk(self) -> int:
         return directory_bytes(self.directory)
+
+
+def check_segment_row(directory: Path, row) -> None:
+    """One ``segments`` row's fields: of their SQL types, and a file name inside ``segments/``.
+
+    Raises:
+        StoreDamaged: naming the segment and the field.
+    """
+    for col, kind in (("id", int), ("file", str), ("sha256", str), ("bytes", int), ("n_rows", int), ("row_start", int)):
+        if not isinstance(row[col], kind):
+            raise damaged(directory, f"segment {row['id']!r}: its {col} is {str(row[col])[:40]!r}, not of its type")
+    if not SEGMENT_FILE.fullmatch(row["file"]):
+        raise damaged(directory, f"segment {row['id']!r} names the file {row['file'][:80]!r}, not one in {SEGMENTS}/")
+
+
+def check_segment_files(directory: Path, rows: Sequence[sqlite3.Row]) -> None:
+    """Every segment file of ``rows`` present and of its recorded size (a ``stat`` each).
+
+    Raises:
+        StoreDamaged: a missing, short or long segment file.
+    """
+    for row in rows:
+        f = directory / row["file"]
+        if not f.is_file():
+            raise damaged(directory, f"segment {row['file']!r} is missing")
+        if f.stat().st_size != row["bytes"]:
+            raise damaged(
+                directory, f"segment {row['file']!r} has {f.stat().st_size} bytes, not the {row['bytes']} recorded"
+            )
 
 
 def directory_bytes(directory: Path) -> int:

@@ -6,21 +6,25 @@ and by the model-free :class:`eventkv.memory.reader.MemoryReader` the HTTP servi
 from __future__ import annotations
 
 import json
+import sqlite3
+from pathlib import Path
 from typing import Sequence
 
 from eventkv.errors import EventKVError
-from eventkv.memory.records import MemoryRecord, MemoryStats
+from eventkv.memory.integrity import check_event_row, check_layout
+from eventkv.memory.records import MemoryRecord, MemoryStats, canonical_event_id
 
 
-def record_from_row(row) -> MemoryRecord:
-    """A :class:`MemoryRecord` from a row of the store's ``events`` table (``sqlite3.Row`` or mapping)."""
+def record_from_row(row, tags: tuple[str, ...] | None = None) -> MemoryRecord:
+    """A :class:`MemoryRecord` from a row of the store's ``events`` table (``sqlite3.Row`` or mapping);
+    ``tags`` already parsed, else read from the row's JSON (unchecked: see :meth:`EventTable.from_rows`)."""
     return MemoryRecord(
         seq=row["seq"],
         id=row["id"],
         kind=row["kind"],
         text=row["text"],
         role=row["role"],
-        tags=tuple(json.loads(row["tags"])),
+        tags=tuple(json.loads(row["tags"])) if tags is None else tags,
         budget=row["budget"],
         position=row["position"],
         width=row["width"],
@@ -38,18 +42,50 @@ def record_from_row(row) -> MemoryRecord:
 class EventTable:
     """A memory's records in history order plus its header length (in tokens = rows = positions)."""
 
-    def __init__(self, records: Sequence[MemoryRecord], header_len: int) -> None:
+    def __init__(
+        self,
+        records: Sequence[MemoryRecord],
+        header_len: int,
+        tokens: dict[str, list[int]] | None = None,
+    ) -> None:
         self.records: list[MemoryRecord] = list(records)
         self.header_len = header_len
         self.by_id = {r.id: r for r in self.records}
+        #: token ids of every stored event, by id (filled by :meth:`from_rows`)
+        self.tokens: dict[str, list[int]] = tokens or {}
+
+    @classmethod
+    def from_rows(cls, rows: Sequence, header_len: int, directory: str | Path, sealed: bool = True) -> "EventTable":
+        """The table of a store's ``events`` rows (history order), every row checked
+        (:func:`eventkv.memory.integrity.check_event_row`: types, checksum when ``sealed``, JSON
+        fields) and the layout checked (:func:`eventkv.memory.integrity.check_layout`).
+
+        Raises:
+            StoreDamaged: a row or the layout fails its check (names the memory, the event, the field).
+        """
+        records, tokens = [], {}
+        for raw in rows:
+            row = dict(zip(raw.keys(), raw)) if isinstance(raw, sqlite3.Row) else raw  # by name: a dict is faster
+            tags, toks = check_event_row(directory, row, sealed)
+            rec = record_from_row(row, tags)
+            records.append(rec)
+            if toks is not None:
+                tokens[rec.id] = toks
+        check_layout(directory, records, header_len)
+        return cls(records, header_len, tokens)
 
     def lookup(self, event_id: str) -> MemoryRecord:
-        """The record of ``event_id`` (a forgotten event: its marker).
+        """The record of ``event_id`` (a forgotten event: its marker). The id is looked up as given,
+        then in its :func:`eventkv.memory.records.canonical_event_id` form (NFC), so every spelling
+        of one id finds it.
 
         Raises:
             EventKVError: unknown id (the message lists some known ids).
+            OptionError: an id no event can have (invisible or look-alike characters).
         """
         rec = self.by_id.get(event_id) if isinstance(event_id, str) else None
+        if rec is None and isinstance(event_id, str):
+            rec = self.by_id.get(canonical_event_id(event_id))
         if rec is not None:
             return rec
         known = [r.id for r in self.records if not r.forgotten]

@@ -327,6 +327,8 @@ def create_app(settings: Settings) -> FastAPI:
         if eid is not None:
             try:
                 mem.get(eid)
+            except StoreDamaged:
+                raise
             except EventKVError:
                 raise NotFound(f"no event {eid!r} in memory {d.name!r}.") from None
         return mem
@@ -394,11 +396,23 @@ def create_app(settings: Settings) -> FastAPI:
         await on_worker(job)
         return memory_out(d)
 
-    @app.get("/v1/memories", response_model=list[s.MemoryOut])
+    @app.get("/v1/memories", response_model=list[s.MemoryOut | s.DamagedMemoryOut])
     def list_memories(ns: str = Depends(namespace)):
         base = root / ns
         dirs = sorted(p for p in base.iterdir() if not p.name.startswith(".")) if base.is_dir() else []
-        return [memory_out(d) for d in dirs if (d / "manifest.json").is_file()]
+        out: list[s.MemoryOut | s.DamagedMemoryOut] = []
+        for d in dirs:
+            if not (d / "manifest.json").is_file():
+                continue
+            try:
+                out.append(memory_out(d))
+            except StoreDamaged as exc:  # that memory alone: the others are listed as usual
+                out.append(s.DamagedMemoryOut(id=d.name, namespace=ns, damaged=scrub(str(exc))))
+            except EventKVError:
+                if (d / "manifest.json").is_file():
+                    raise
+                # deleted while the namespace was listed: no longer one of its memories
+        return out
 
     @app.get("/v1/memories/{mid}", response_model=s.MemoryOut)
     def get_memory(mid: str, ns: str = Depends(namespace)):

@@ -105,6 +105,15 @@ class MemoryOut(BaseModel):
     stats: StatsOut
 
 
+class DamagedMemoryOut(BaseModel):
+    """A memory of the namespace whose store fails its checks (``GET /v1/memories`` lists it instead of
+    failing the whole listing; every route of that memory answers 409 ``damaged``)."""
+
+    id: str
+    namespace: str
+    damaged: str = Field(description="what is damaged and how to recover (as the 409's message)")
+
+
 class CandidateOut(BaseModel):
     text: str
     tokens: list[int]
