@@ -18,7 +18,6 @@ pytest.importorskip("fastapi")
 from service_fixtures import LiveApp  # noqa: E402
 
 from eventkv.service.app import Settings, create_app  # noqa: E402
-from eventkv.service.server import Connections  # noqa: E402
 from eventkv.testing import tiny_lm  # noqa: E402
 
 
@@ -130,6 +129,8 @@ def read_answer(s: socket.socket) -> bytes:
 
 @pytest.fixture()
 def strict(lm, tmp_path):
+    from eventkv.service.server import Connections
+
     app = create_app(Settings(lm, tmp_path / "store", body_timeout=0.5))
     with LiveApp(app, **Connections(header_timeout=0.5, keep_alive=0.5).uvicorn_options()) as live:
         yield live
@@ -166,8 +167,8 @@ def test_timeouts_are_options_of_serve(monkeypatch, capsys, tmp_path):
         code, out, err = run_cli(
             monkeypatch, capsys, "serve", "--model", "/no/model", "--store", str(tmp_path / "s"), flag, "0"
         )
-        assert code == 2 and flag in err and "Traceback" not in out + err
+        assert code == 2 and f"{flag} 0.0: give a number of seconds > 0." in err and "Traceback" not in out + err
     code, _, err = run_cli(
         monkeypatch, capsys, "serve", "--model", "x", "--store", str(tmp_path), "--limit-concurrency", "0"
     )
-    assert code == 2 and "--limit-concurrency" in err
+    assert code == 2 and "--limit-concurrency 0: allow at least 1 connection." in err
