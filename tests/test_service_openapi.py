@@ -50,6 +50,8 @@ def test_every_error_is_declared_with_the_error_body(lm, tmp_path):
                 assert op["responses"][str(status)]["content"] == error, (method, path, status)
             if path != "/health":
                 assert op["security"] == [{"bearer": []}] and 401 in declared, (method, path)
+            else:
+                assert "security" not in op and 401 not in declared  # the one open route
             if path.startswith("/v1/"):
                 assert {403, 422} <= declared, (method, path)
             if method == "post" and "{mid}" in path:
@@ -141,6 +143,9 @@ def test_the_client_maps_live_answers(lm, tmp_path):
                 mem.add("x", expected_version=0)
             with pytest.raises(wire.InvalidRequest):
                 mem.query("q", k=0)
+            with pytest.raises(wire.Conflict):
+                mem.destroy(expected_version=0)  # version 0 is a version too: sent, and stale
+            mem.destroy(expected_version=mem.version)
 
 
 SCHEMATHESIS_CONFIG = """

@@ -265,7 +265,9 @@ class Client:
 
     def destroy(self, *, expected_version: int | None = None) -> None:
         """Delete the whole memory on the server (its files are removed)."""
-        self._call("DELETE", self._base, params={"expected_version": expected_version} if expected_version else None)
+        self._call(
+            "DELETE", self._base, params=None if expected_version is None else {"expected_version": expected_version}
+        )
 
     # ------------------------------------------------------------------ writes (EventMemory's verbs)
     def add(

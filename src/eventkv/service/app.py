@@ -195,6 +195,10 @@ class Measure:
 
         try:
             await self.app(scope, receive, sending)
+        except Exception:
+            if status == 499:  # no answer was started: the server answers 500
+                status = 500
+            raise
         finally:
             route = getattr(scope.get("route"), "path", "unmatched")
             method = scope["method"] if scope["method"] in METHODS else "other"
@@ -527,11 +531,12 @@ def create_app(settings: Settings) -> FastAPI:
         )
 
     # ------------------------------------------------------------------ routes
-    def errors(*statuses: int) -> dict:
+    def errors(*statuses: int, auth: bool = True) -> dict:
         """The OpenAPI ``responses`` of a route: each status with the error body (and its headers),
-        plus those of every route: 408 and 413 (the body middleware), 401 with a token file."""
+        plus those of every route: 408 and 413 (the body middleware), 401 with a token file (unless
+        ``auth`` is False: /health needs no token)."""
         out = {}
-        for status in sorted({408, 413, *statuses} | ({401} if settings.tokens else set())):
+        for status in sorted({408, 413, *statuses} | ({401} if settings.tokens and auth else set())):
             out[status] = {"model": s.ErrorOut, "description": STATUS_TEXT[status]}
             if status == 503:
                 out[status]["headers"] = {"Retry-After": {"schema": {"type": "string"}, "description": "seconds"}}
@@ -543,7 +548,7 @@ def create_app(settings: Settings) -> FastAPI:
     MEMORY = (*SCOPED, 404, 409)  # and a memory id: unknown, damaged
     QUEUED = (*MEMORY, 503, 507)  # and model work: queue full, a full disk (a query's lazy prefill writes)
 
-    @app.get("/health", response_model=s.HealthOut, responses=errors())
+    @app.get("/health", response_model=s.HealthOut, responses=errors(auth=False))
     def health():
         return s.HealthOut(
             status="ok", model=getattr(lm.profile, "name", "?"), queue_depth=worker.depth if worker else 0
