@@ -1,4 +1,4 @@
-"""The service tests' helpers (issue 12, point 6): a real ``eventkv serve`` in a subprocess on
+"""The service tests' helpers: a real ``eventkv serve`` in a subprocess on
 127.0.0.1 and a port uvicorn picks (:class:`eventkv.service.server.ServerProcess`, float32, one
 thread), and the sharpened tiny model it serves."""
 
