@@ -398,6 +398,6 @@ def test_event_ids_over_http_and_in_the_client(served):
         assert r.status_code == 422 and r.json()["code"] == "invalid_option", r.text
         assert "event id" in r.json()["message"] and names.split(" ")[0] in r.json()["message"]
     r = call(srv, "POST", "/v1/memories/ids/events", namespace="ids", json={"events": [{"text": "y", "id": nfc}]})
-    assert r.status_code == 422 and "duplicate event id 'josé'" in r.json()["message"]
+    assert r.status_code == 409 and "event id 'josé' is taken" in r.json()["message"], r.text
     ids = [e["id"] for e in call(srv, "GET", "/v1/memories/ids/events", namespace="ids").json()]
     assert ids == [nfc]

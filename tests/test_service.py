@@ -1,4 +1,4 @@
-"""``eventkv serve`` (issue 12): a real uvicorn server on 127.0.0.1 and a free port (tests/service_fixtures),
+"""``eventkv serve``: a real uvicorn server on 127.0.0.1 and a free port (tests/service_fixtures),
 tiny random model (sharpened, float32). Every endpoint through :class:`eventkv.memory.client.Client`
 and raw httpx; answers through HTTP equal the library's on the same store; namespaces; auth; the
 409 / 413 / 422 / 503 paths; SIGTERM leaves the store consistent; SIGKILL mid-stream loses no
@@ -143,14 +143,14 @@ def test_bad_requests_are_4xx_with_a_json_body(server):
             ("POST", f"{base}/events", {"events": [{"text": ""}]}, 422),
             ("POST", f"{base}/events", {"events": [{"text": "x", "colour": 1}]}, 422),
             ("POST", f"{base}/events", {"events": [{"text": "x", "budget": 0}]}, 422),
-            ("POST", f"{base}/events", {"events": [{"text": "x", "id": "e1"}]}, 422),  # taken id: refused
+            ("POST", f"{base}/events", {"events": [{"text": "x", "id": "e1"}]}, 409),  # a taken id: the state
             ("POST", f"{base}/query", {"question": "q", "mode": "sideways"}, 422),
             ("POST", f"{base}/query", {"question": "q", "max_new_tokens": 0}, 422),
-            ("POST", f"{base}/query", {"question": "q", "select": ["nope"]}, 422),
+            ("POST", f"{base}/query", {"question": "q", "select": ["nope"]}, 404),  # an unknown id
             ("POST", f"{base}/events/nope/update", {"text": "x"}, 404),
             ("GET", f"{base}/events/nope", None, 404),
             ("GET", "/v1/nothing", None, 404),
-            ("POST", "/v1/memories", {"id": "x", "namespace": "other"}, 422),
+            ("POST", "/v1/memories", {"id": "x", "namespace": "other"}, 403),  # not the request's namespace
             ("POST", "/v1/memories", {"id": "x", "model": "some/other-model"}, 422),
             ("DELETE", "/health", None, 405),
         ]

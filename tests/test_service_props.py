@@ -1,4 +1,4 @@
-"""Property-based tests (hypothesis) of the service's names and request models (issue 12, point 6):
+"""Property-based tests (hypothesis) of the service's names and request models:
 arbitrary strings as memory ids / namespaces, arbitrary bodies, and arbitrary ids sent to a live
 server — never a path outside the store, never a 500."""
 

@@ -1,4 +1,4 @@
-"""``eventkv serve``: EventMemory as an HTTP service (:mod:`eventkv.service`; issue 12). Option
+"""``eventkv serve``: EventMemory as an HTTP service (:mod:`eventkv.service`). Option
 errors print one line and exit 2 before the model loads."""
 
 from __future__ import annotations
@@ -23,6 +23,16 @@ def serve(
     max_queue: int = typer.Option(64, "--max-queue", help="model jobs waiting at most (503 + Retry-After beyond)"),
     max_body: int = typer.Option(4 * 1024 * 1024, "--max-body", help="request body bytes at most (413 beyond)"),
     max_open: int = typer.Option(16, "--max-open", help="memories kept open (rows in RAM)"),
+    header_timeout: float = typer.Option(
+        10.0, "--header-timeout", help="seconds for a request's headers to arrive (the connection is closed beyond)"
+    ),
+    body_timeout: float = typer.Option(
+        30.0, "--body-timeout", help="seconds for a request's body to arrive (408 beyond)"
+    ),
+    keep_alive: float = typer.Option(5.0, "--keep-alive", help="seconds an idle keep-alive connection stays open"),
+    limit_concurrency: int = typer.Option(
+        256, "--limit-concurrency", help="open connections and running requests at most (503 beyond)"
+    ),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
     device: str = DEVICE_OPTION,
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
@@ -44,7 +54,7 @@ def serve(
                 f"eventkv serve needs the server extra ({exc.name} is not installed): pip install 'eventkv[server]'."
             ) from None
         from eventkv.service.app import Settings
-        from eventkv.service.server import check_bind, check_port, read_tokens, serve_forever
+        from eventkv.service.server import Connections, check_bind, check_port, read_tokens, serve_forever
 
         check_int("port", port, "give a TCP port, 0-65535 (0: any free port).", minimum=0, flag="--port")
         if port > 65535:
@@ -52,6 +62,14 @@ def serve(
         check_int("max_queue", max_queue, "allow at least 1 waiting job.", flag="--max-queue")
         check_int("max_body", max_body, "allow at least 1 KiB.", minimum=1024, flag="--max-body")
         check_int("max_open", max_open, "keep at least 1 memory open.", flag="--max-open")
+        check_int("limit_concurrency", limit_concurrency, "allow at least 1 connection.", flag="--limit-concurrency")
+        for name, value in (
+            ("header_timeout", header_timeout),
+            ("body_timeout", body_timeout),
+            ("keep_alive", keep_alive),
+        ):
+            if not value > 0:
+                raise OptionError(name, value, "give a number of seconds > 0.")
         if store.exists() and not store.is_dir():
             raise OptionError("store", str(store), "the store is a file: give a directory.", flag="--store")
         tokens = read_tokens(token_file) if token_file is not None else {}
@@ -64,5 +82,8 @@ def serve(
 
             torch.set_num_threads(threads)
         lm = load(model, dtype=dtype, device=device)
-        settings = Settings(lm, store, tokens, max_queue=max_queue, max_body=max_body, max_open=max_open)
-        serve_forever(settings, host, port, log_level=log_level)
+        settings = Settings(
+            lm, store, tokens, max_queue=max_queue, max_body=max_body, max_open=max_open, body_timeout=body_timeout
+        )
+        connections = Connections(header_timeout, keep_alive, limit_concurrency)
+        serve_forever(settings, host, port, log_level=log_level, connections=connections)

@@ -1,4 +1,4 @@
-"""Names that become paths: memory ids and namespaces (issue 12, point 3). One rule for both, checked
+"""Names that become paths: memory ids and namespaces. One rule for both, checked
 before any path is built, so no request can name a file outside its namespace directory."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The service's request and response bodies (issue 12, point 1): pydantic models with field limits,
+"""The service's request and response bodies: pydantic models with field limits,
 so a body out of bounds is a 422 before any work is queued. Responses mirror the library's records
 (:mod:`eventkv.memory.records`) field for field."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
 from eventkv.memory.records import Added, MemoryRecord, MemoryStats
 from eventkv.service.names import MAX_NAME, NAME_PATTERN
@@ -19,7 +19,22 @@ Text = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TEXT, patte
 #: an event id travels in URL paths: no ``/`` (no URL could name it) and no NUL
 EventId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID, pattern=r"^[^/\x00]+$")]
 Tag = Annotated[str, StringConstraints(min_length=1, max_length=100)]
-Version = Annotated[int, Field(ge=0, description="the memory's version this write expects (409 when it moved on)")]
+
+
+def _whole(value):
+    """A float with no fractional part as an int: JSON Schema's ``integer`` includes ``3.0``, and a
+    client that sends it means 3; strings and booleans still fail the strict int check."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def whole(**limits):
+    """A whole number within ``limits`` (pydantic's ``ge``, ``le``), as JSON Schema's ``integer``:
+    ``3`` or ``3.0``, never ``"3"`` or ``true``. (The limits come before the validator, so the
+    schema shows them as ``minimum``/``maximum``.)"""
+    return Annotated[int, Field(**limits), BeforeValidator(_whole)]
+
+
+Version = Annotated[whole(ge=0), Field(description="the memory's version this write expects (409 when it moved on)")]
 
 
 class _Body(BaseModel):
@@ -40,7 +55,7 @@ class EventIn(_Body):
     role: Annotated[str, StringConstraints(min_length=1, max_length=100)] | None = None
     id: EventId | None = None
     tags: list[Tag] = Field(default_factory=list, max_length=64)
-    budget: int | None = Field(None, ge=1, le=1_000_000)
+    budget: whole(ge=1, le=1_000_000) | None = None
     kind: Literal["event", "carrier"] = "event"
 
 
@@ -72,20 +87,20 @@ class CarrierIn(Write):
 
 class SelectIn(_Body):
     question: Text
-    k: int = Field(8, ge=1, le=10_000)
-    budget_rows: int | None = Field(None, ge=1)
+    k: whole(ge=1, le=10_000) = 8
+    budget_rows: whole(ge=1) | None = None
 
 
 class QueryIn(_Body):
     question: Text
     select: Literal["all", "view"] | list[EventId] | None = Field(None, max_length=10_000)
-    k: int = Field(8, ge=1, le=10_000)
+    k: whole(ge=1, le=10_000) = 8
     mode: Literal["compact", "native", "isolated", "text"] = "compact"
     candidates: list[Annotated[str, StringConstraints(min_length=1, max_length=2_000)]] | None = Field(
-        None, max_length=64
+        None, max_length=64, json_schema_extra={"uniqueItems": True}
     )
-    max_new_tokens: int = Field(32, ge=1, le=4096)
-    budget_rows: int | None = Field(None, ge=1)
+    max_new_tokens: whole(ge=1, le=4096) = 32
+    budget_rows: whole(ge=1) | None = None
 
 
 # ---------------------------------------------------------------------- responses
@@ -151,5 +166,14 @@ class WriteOut(BaseModel):
 
 
 class ErrorOut(BaseModel):
+    """Every error answer's body: ``code`` names the kind (the table in docs/service.md), ``message``
+    says what was wrong and how to fix it."""
+
     code: str
     message: str
+
+
+class HealthOut(BaseModel):
+    status: Literal["ok"]
+    model: str
+    queue_depth: int

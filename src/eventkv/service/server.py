@@ -1,4 +1,4 @@
-"""Start the service: token file, bind-address rule, uvicorn (issue 12, points 1 and 3)."""
+"""Start the service: token file, bind-address rule, uvicorn with connection timeouts."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from eventkv.errors import EventKVError, OptionError
@@ -77,7 +78,7 @@ def is_loopback(host: str) -> bool:
 
 
 def check_bind(host: str, tokens: dict) -> None:
-    """Refuse a non-loopback bind without tokens (issue 12, point 3).
+    """Refuse a non-loopback bind without tokens.
 
     Raises:
         OptionError: ``host`` is not loopback and no token file was given.
@@ -113,10 +114,94 @@ def check_port(host: str, port: int) -> None:
             ) from None
 
 
-def serve_forever(settings, host: str, port: int, *, log_level: str = "info", graceful_s: float = 30.0) -> None:
+@dataclass(frozen=True)
+class Connections:
+    """How long a connection may take, and how many may be open (uvicorn's knobs, and one it lacks).
+
+    Attributes:
+        header_timeout: seconds from a connection's opening (or its previous answer) until the
+            request's headers are complete; beyond, the connection is closed without an answer.
+        keep_alive: seconds an idle keep-alive connection stays open (uvicorn's ``timeout_keep_alive``).
+        limit_concurrency: open connections plus running requests at most; beyond, uvicorn answers
+            503 (plain text) at once.
+    """
+
+    header_timeout: float = 10.0
+    keep_alive: float = 5.0
+    limit_concurrency: int = 256
+
+    def uvicorn_options(self) -> dict:
+        """The options of ``uvicorn.Config`` that carry these limits."""
+        return {
+            "http": header_timeout_protocol(self.header_timeout),
+            "timeout_keep_alive": self.keep_alive,
+            "limit_concurrency": self.limit_concurrency,
+        }
+
+
+def header_timeout_protocol(seconds: float) -> type:
+    """uvicorn's h11 protocol with a deadline for a request's headers.
+
+    Why: uvicorn arms no timer while it waits for a request's headers (its keep-alive timer runs only
+    between requests, and any byte received cancels it), so a client that opens a connection and
+    sends nothing, or trickles a header a byte at a time, holds the connection open indefinitely.
+    Here a timer starts when the connection opens and when each answer completes, and is cancelled
+    once h11 has parsed a whole request line and headers; when it fires the connection is closed.
+    """
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeout(H11Protocol):
+        _header_timer = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(seconds, self._headers_too_slow)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_too_slow(self) -> None:
+            self._header_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:  # the headers are in: the body has its own timeout
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return HeaderTimeout
+
+
+def serve_forever(
+    settings,
+    host: str,
+    port: int,
+    *,
+    log_level: str = "info",
+    graceful_s: float = 30.0,
+    connections: Connections = Connections(),
+) -> None:
     """Run the app under uvicorn until SIGINT/SIGTERM; on shutdown uvicorn stops accepting, lets
     running requests finish (at most ``graceful_s`` seconds), then the app's lifespan finishes the
-    worker's queued jobs and closes every memory."""
+    worker's queued jobs and closes every memory. ``connections``: the timeouts and the connection
+    limit (:class:`Connections`)."""
     import uvicorn
 
     from eventkv.service.app import create_app
@@ -127,7 +212,14 @@ def serve_forever(settings, host: str, port: int, *, log_level: str = "info", gr
     # with these handlers in place it then exits 0: the shutdown was clean (the lifespan closed every store)
     previous = {sig: signal.signal(sig, _exit_cleanly) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_s)
+        uvicorn.run(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            timeout_graceful_shutdown=graceful_s,
+            **connections.uvicorn_options(),
+        )
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
