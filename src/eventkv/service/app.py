@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
+import logging
 import os
 import shutil
 import time
@@ -36,8 +36,10 @@ from prometheus_client.core import GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eventkv.errors import EventKVError, OptionError, OutOfSpace, StoreDamaged
+from eventkv.files import out_of_space, write_json_atomic
 from eventkv.memory.reader import read_memory
 from eventkv.memory.records import MemoryEvent
+from eventkv.memory.store import remove_leftovers
 from eventkv.service import schemas as s
 from eventkv.service.names import check_name
 from eventkv.service.worker import ModelWorker, QueueFull, ShuttingDown
@@ -167,6 +169,27 @@ class BearerAuth:
         return await self.app(scope, receive, send)
 
 
+def clean_leftovers(root: Path) -> list[str]:
+    """At start-up, remove what writes killed mid-way left under the store root ``root``, in every
+    namespace: staging directories of interrupted creations and manifest-less store directories
+    (:func:`eventkv.memory.store.remove_leftovers`), ``.trash-*`` directories of interrupted
+    deletions, and contracts whose memory does not exist. Returns the removed paths, relative
+    to ``root``, sorted (each also logged)."""
+    removed = []
+    for ns in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        removed += [f"{ns.name}/{n}" for n in remove_leftovers(ns)]
+        for trash in sorted(ns.glob(".trash-*")):
+            shutil.rmtree(trash, ignore_errors=True)
+            removed.append(f"{ns.name}/{trash.name}")
+        for contract in sorted((ns / CONTRACTS).glob("*.json")) if (ns / CONTRACTS).is_dir() else []:
+            if not (ns / contract.stem / "manifest.json").is_file():
+                contract.unlink(missing_ok=True)
+                removed.append(f"{ns.name}/{CONTRACTS}/{contract.name}")
+    for path in removed:
+        logging.getLogger("eventkv.service").warning("removed %s: left by a write that was killed mid-way", path)
+    return sorted(removed)
+
+
 def create_app(settings: Settings) -> FastAPI:
     """The service's FastAPI app over ``settings`` (the worker starts with the app and stops with
     its lifespan: queued work finishes, every memory is closed)."""
@@ -174,6 +197,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     root = Path(settings.store)
     root.mkdir(parents=True, exist_ok=True)
+    clean_leftovers(root)
     lm = settings.lm
     worker: ModelWorker | None = None
 
@@ -373,21 +397,21 @@ def create_app(settings: Settings) -> FastAPI:
 
         def job():
             nonlocal contract_path
+            remove_leftovers(d.parent, mid)  # what a creation killed mid-way left: the id is free again
             if d.exists():
                 raise Conflict(f"memory {mid!r} already exists in namespace {ns!r}: pick another id.")
             if body.contract is not None:
                 cdir = root / ns / CONTRACTS
                 cdir.mkdir(parents=True, exist_ok=True)
                 contract_path = cdir / f"{mid}.json"
-                fd = os.open(contract_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                with os.fdopen(fd, "w") as f:
-                    json.dump(body.contract, f)
+                with out_of_space(cdir, f"the contract of memory {mid!r}"):
+                    write_json_atomic(contract_path, body.contract, indent=None, newline=False, mode=0o600)
             try:
+                # atomic: built aside and renamed into place, so d is absent or complete
                 mem = EventMemory.create(d, lm, namespace=ns, instruction=body.instruction, contract=contract_path)
             except BaseException:
                 if contract_path is not None:
                     contract_path.unlink(missing_ok=True)
-                shutil.rmtree(d, ignore_errors=True)
                 raise
             worker.adopt(d, mem)
 
