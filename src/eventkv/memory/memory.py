@@ -145,7 +145,9 @@ class EventMemory:
         return mem
 
     def close(self) -> None:
-        """Close the database connection (idempotent). Every acknowledged write is already on disk."""
+        """Close the database connection (idempotent). Every acknowledged write is already on disk; a
+        purge a reader blocked (:class:`eventkv.errors.PurgePending`) is tried once more first (at
+        most 1 s), else the next open completes it."""
         if not self._closed:
             self.store.close()
             self._closed = True
