@@ -632,7 +632,7 @@ class EventMemory:
         rec = self._lookup(event_id)
         if rec.forgotten:
             if self.store.purge_pending:
-                self.store.purge(purge_wait_s)
+                self._purge(event_id, purge_wait_s)
                 return 0
             raise EventKVError(f"event {event_id!r} is already forgotten.")
         targets = [rec] + [r for r in self._recs if rec.kind != "patch" and r.supersedes == rec.id and not r.forgotten]
@@ -686,8 +686,17 @@ class EventMemory:
 
         self._commit(write, rows, drop_files=drop_files)
         self._isolated.clear()
-        self.store.purge(purge_wait_s)
+        self._purge(event_id, purge_wait_s)
         return recomputed
+
+    def _purge(self, event_id: str, wait_s: float) -> None:
+        try:
+            self.store.purge(wait_s)
+        except PurgePending as exc:
+            raise PurgePending(
+                f"event {event_id!r} is forgotten (its text, token ids and rows are in no committed state; it is "
+                f"never served or returned), but its bytes are not erased yet. {exc}"
+            ) from None
 
     def rebase(self) -> int:
         """Re-prefill the current view as a new history: the live events in history order, each with

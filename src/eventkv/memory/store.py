@@ -452,10 +452,9 @@ class Store:
             conn.execute(f"PRAGMA busy_timeout = {BUSY_MS}")
         if busy or (wal.exists() and wal.stat().st_size):
             raise PurgePending(
-                f"the dropped text of the memory in {str(self.directory)!r} is gone from every committed state "
-                f"but its bytes are still in {DATABASE}-wal or in database pages a reader still needs: {why}; "
-                "then call forget on the same id again (or close the memory, or open it again) to complete the "
-                "purge."
+                f"The memory in {str(self.directory)!r} still holds the dropped text's bytes in {DATABASE}-wal or "
+                f"in database pages a reader needs: {why}; then call forget on the same id again (or close the "
+                "memory, or open it again) to complete the purge."
             )
         with contextlib.suppress(OutOfSpace), self.transaction(bump=False) as c:  # kept: the next purge is a no-op
             c.execute("DELETE FROM meta WHERE key = ?", (PURGE_KEY,))
