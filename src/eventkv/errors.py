@@ -25,6 +25,18 @@ class OutOfSpace(EventKVError):
     """
 
 
+class PurgePending(EventKVError):
+    """A ``forget`` that is done logically but whose bytes are not yet erased from the store's files.
+
+    The event is forgotten: its text, token ids and rows are no longer stored in any committed
+    state, never served and never returned, and the id stays reserved. But the old bytes are still
+    in ``memory.sqlite-wal`` (or in database pages a reader's snapshot still needs), because another
+    connection held a read snapshot past the purge deadline, or the filesystem was too full to
+    checkpoint. The purge is completed by calling ``forget`` on the same id again, by closing the
+    memory, or by the next open; the message says which reader or condition blocked it.
+    """
+
+
 class OptionError(EventKVError):
     """A bad option value. ``str()`` names the library field (``max_new_tokens 0: generate at
     least 1 token.``); :meth:`for_cli` names the command-line flag instead (``--max-new-tokens 0:

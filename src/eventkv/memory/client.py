@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 from urllib.parse import quote
 
-from eventkv.errors import EventKVError, OutOfSpace, StoreDamaged
+from eventkv.errors import EventKVError, OutOfSpace, PurgePending, StoreDamaged
 from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
 
 #: the request header that scopes a request to one namespace
@@ -103,6 +103,7 @@ ERRORS: dict[str, tuple[int, type[EventKVError]]] = {
     "internal": (500, InternalError),
     "busy": (503, QueueFull),
     "shutting_down": (503, ShuttingDown),
+    "purge_pending": (503, PurgePending),
     "insufficient_storage": (507, OutOfSpace),
 }
 

@@ -30,14 +30,16 @@ Example (a tiny random model; a real one comes from :func:`eventkv.models.load`)
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sqlite3
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Literal, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Literal, Sequence
 
 import torch
 
-from eventkv.errors import EventKVError, OptionError, StoreDamaged
+from eventkv.errors import EventKVError, OptionError, OutOfSpace, PurgePending, StoreDamaged
 from eventkv.log import HEADER_ID, Event, TokenizedLog, encode, header_text, tokenize_query
 from eventkv.memory.integrity import damaged
 from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
@@ -53,6 +55,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from eventkv.models.profile import LoadedModel
 
 SelectSpec = None | Literal["all", "view"] | Sequence[str]
+#: seconds rebase waits for readers before leaving its purge to close / open
+REBASE_PURGE_S = 1.0
 
 
 class EventMemory:
@@ -147,7 +151,9 @@ class EventMemory:
         return mem
 
     def close(self) -> None:
-        """Close the database connection (idempotent). Every acknowledged write is already on disk."""
+        """Close the database connection (idempotent). Every acknowledged write is already on disk; a
+        purge a reader blocked (:class:`eventkv.errors.PurgePending`) is tried once more first (at
+        most 1 s), else the next open completes it."""
         if not self._closed:
             self.store.close()
             self._closed = True
@@ -262,8 +268,10 @@ class EventMemory:
         return self._table.units()
 
     # ================================================================== writes
-    def _append(self, items: list[dict]) -> list[Added]:
+    def _append(self, items: list[dict], prefill: bool = False) -> list[Added]:
         """Validate, tokenize and insert events in one transaction; nothing is written if any is bad.
+        With ``prefill``, the rows of every pending event and of the new ones are computed first and
+        their segment committed in the same transaction (:meth:`_commit`): all or nothing.
 
         ``items``: dicts with text, role, id (or None), tags, budget, kind, supersedes.
         """
@@ -326,14 +334,86 @@ class EventMemory:
             added.append(Added(eid, pos, width))
             seq, pos, row = seq + 1, pos + width, row + len(toks)
         check_context(pos, self.lm.profile.max_context, what=f"history after adding {len(rows)} event(s)")
-        with self.store.transaction() as c:
+
+        def insert(c) -> None:
             c.executemany(
                 "INSERT INTO events (seq, id, kind, text, role, tags, budget, token_ids, position, width, row_start, "
                 "n_rows, supersedes, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 rows,
             )
-        self._reload()
+
+        new_rows = None
+        if prefill:
+            stored = self._stored()
+            log = TokenizedLog(
+                list(self.header_ids),
+                [r.id for r in stored] + [r[1] for r in rows],
+                [self._tokens[r.id] for r in stored] + [json.loads(r[7]) for r in rows],
+                [r.budget for r in stored] + [r[6] for r in rows],
+            )
+            pending = [r.seq for r in stored if not r.prefilled] + [r[0] for r in rows]
+            new_rows = (self._compute(log, self._ekv), self._n_prefilled(), pending)
+        self._commit(insert, new_rows)
         return added
+
+    # ================================================================== the one commit path
+    def _n_prefilled(self) -> int:
+        return self._ekv.n_rows if self._ekv is not None else 0
+
+    def _compute(self, log: TokenizedLog, prefix: EventKV | None) -> EventKV:
+        """The rows of ``log``, continuing from ``prefix`` (its rows are reused, not recomputed)."""
+        lm = self.lm
+        return prefill(
+            lm.model, log, prefix=prefix, max_context=lm.profile.max_context, weights_digest=lm.profile.weights_digest
+        )
+
+    def _commit(
+        self,
+        write: Callable[[sqlite3.Connection], None] | None,
+        rows: tuple[EventKV | None, int, Sequence[int]] | None = None,
+        *,
+        bump: bool = True,
+        drop_files: Sequence[str] = (),
+    ) -> None:
+        """Every write of EventMemory goes through here, all or nothing:
+
+        1. with ``rows = (ekv, start, seqs)``: rows ``start:`` of ``ekv`` are written as one new
+           segment file, fsynced (:meth:`Store.write_segment`), before anything is committed;
+        2. one transaction: ``write(c)``, the segment's row, the events ``seqs`` pointed at the
+           segment, the version bumped (unless ``bump`` is False);
+        3. only after the commit: the in-memory rows become ``ekv``, the event table is reloaded from
+           the database, and ``drop_files`` (segments the transaction unlinked from every row) are
+           removed.
+
+        On any failure in 1-2 (``OutOfSpace`` for a full filesystem) the transaction is rolled back,
+        the new segment file removed and the in-memory state left as it was: the store on disk and
+        the open memory both equal the state before the call.
+        """
+        seg = None
+        ekv = rows[0] if rows is not None else self._ekv
+        if rows is not None and ekv is not None and ekv.n_rows > rows[1]:
+            _, start, seqs = rows
+            seg = self.store.write_segment(
+                self.store.next_segment_id(),
+                [k[0, :, start:] for k in ekv.keys],
+                [v[0, :, start:] for v in ekv.values],
+                ekv.positions[start:],
+            )
+        try:
+            with self.store.transaction(bump=bump) as c:
+                if write is not None:
+                    write(c)
+                if seg is not None:
+                    self.store.insert_segment(c, seg, start)
+                    c.executemany("UPDATE events SET segment = ? WHERE seq = ?", [(seg["id"], q) for q in seqs])
+        except BaseException:
+            if seg is not None:
+                self.store.remove_files([seg["file"]])
+            raise
+        if rows is not None:
+            self._ekv = ekv
+        self._reload()
+        self.store.remove_files([f for f in drop_files if seg is None or f != seg["file"]])
 
     def add(self, events: Iterable[MemoryEvent | dict | str] | MemoryEvent | dict | str, *, prefill: bool = False):
         """Append events to the history (Study 1, "Setting": an agent history is a sequence of events).
@@ -341,8 +421,10 @@ class EventMemory:
         Each event is tokenized alone (``[role + ": "] + text + "\\n"``) and placed right after the
         history: its first RoPE position is the history's end, and it reserves ``budget`` positions
         (or its token count). All events of one call are committed in one transaction; the call
-        returns only after the commit (and, with ``prefill=True``, after the new rows' segment file
-        and its directory are fsynced and the segment's row is committed).
+        returns only after the commit. With ``prefill=True`` the rows (of these events and of any
+        pending ones) are computed and their segment file and its directory fsynced *before* that
+        transaction, which commits the events and the segment together: an add either returns with
+        everything on disk, or raises having kept nothing.
 
         Args:
             events: MemoryEvent objects, dicts with the same keys, or plain strings (a single one is
@@ -357,6 +439,7 @@ class EventMemory:
                 than the event's token count, or a history longer than the model's context (checked
                 before anything is written or computed).
             OptionError: no events.
+            OutOfSpace: the store's filesystem is full: nothing was kept (the memory is as before).
         """
         if isinstance(events, (str, dict, MemoryEvent)):
             events = [events]
@@ -367,10 +450,7 @@ class EventMemory:
             {"id": e.id, "text": e.text, "role": e.role, "tags": e.tags, "budget": e.budget, "kind": e.kind}
             for e in evs
         ]
-        added = self._append(items)
-        if prefill:
-            self.prefill()
-        return added
+        return self._append(items, prefill=prefill)
 
     def prefill(self) -> int:
         """Compute the rows of every event not yet prefilled, continuing from the stored rows
@@ -382,40 +462,27 @@ class EventMemory:
 
         Raises:
             EventKVError: the history is longer than the model's context.
+            OutOfSpace: the store's filesystem is full: no rows were kept (the events stay pending).
         """
         self._check_open()
         return self._prefill()
 
-    def _prefill(self, upto_seq: int | None = None) -> int:
+    def _pending(self) -> tuple[EventKV | None, int, list[int]]:
+        """``(ekv, start, seqs)``: the rows of the whole stored history (the stored ones reused, the
+        pending events' computed), the first computed row, and the pending events' seqs (empty:
+        nothing pending, ``ekv`` is the stored rows)."""
         stored = self._stored()
-        target = [r for r in stored if upto_seq is None or r.seq <= upto_seq]
-        pending = [r for r in target if not r.prefilled]
+        pending = [r.seq for r in stored if not r.prefilled]
         if not pending:
+            return self._ekv, self._n_prefilled(), []
+        return self._compute(self._log(stored), self._ekv), self._n_prefilled(), pending
+
+    def _prefill(self) -> int:
+        ekv, start, seqs = self._pending()
+        if not seqs:
             return 0
-        log = self._log(target)
-        lm = self.lm
-        ekv = prefill(
-            lm.model,
-            log,
-            prefix=self._ekv,
-            max_context=lm.profile.max_context,
-            weights_digest=lm.profile.weights_digest,
-        )
-        start = self._ekv.n_rows if self._ekv is not None else 0
-        seg_id = self.store.next_segment_id()
-        seg = self.store.write_segment(
-            seg_id, [k[0, :, start:] for k in ekv.keys], [v[0, :, start:] for v in ekv.values], ekv.positions[start:]
-        )
-        try:
-            # rows only: the events are unchanged, so the version (what expected_version compares) stays
-            with self.store.transaction(bump=False) as c:
-                self.store.insert_segment(c, seg, start)
-                c.executemany("UPDATE events SET segment = ? WHERE seq = ?", [(seg_id, r.seq) for r in pending])
-        except BaseException:
-            self.store.remove_files([seg["file"]])
-            raise
-        self._ekv = ekv
-        self._reload()
+        # rows only: the events are unchanged, so the version (what expected_version compares) stays
+        self._commit(None, (ekv, start, seqs), bump=False)
         return ekv.n_rows - start
 
     def update(self, event_id: str, text: str, *, prefill: bool = False) -> Added:
@@ -431,6 +498,7 @@ class EventMemory:
         Raises:
             EventKVError: unknown id, a deleted or forgotten event, empty text, or a history longer
                 than the model's context.
+            OutOfSpace: the store's filesystem is full: nothing was kept.
         """
         self._check_open()
         root = self._root(self._lookup(event_id))
@@ -444,9 +512,7 @@ class EventMemory:
             n += 1
             pid = f"{root.id}~{n}"
         item = {"id": pid, "text": text, "role": root.role, "tags": root.tags, "budget": None, "kind": "patch"}
-        (added,) = self._append([{**item, "supersedes": root.id}])
-        if prefill:
-            self.prefill()
+        (added,) = self._append([{**item, "supersedes": root.id}], prefill=prefill)
         return added
 
     def delete(self, event_id: str) -> None:
@@ -461,9 +527,7 @@ class EventMemory:
         rec = self._lookup(event_id)
         if not rec.live:
             raise EventKVError(f"event {event_id!r} is already {'forgotten' if rec.forgotten else 'deleted'}.")
-        with self.store.transaction() as c:
-            c.execute("UPDATE events SET deleted = 1 WHERE seq = ?", (rec.seq,))
-        self._reload()
+        self._commit(lambda c: c.execute("UPDATE events SET deleted = 1 WHERE seq = ?", (rec.seq,)))
 
     def pin(self, event_id: str, pinned: bool = True) -> None:
         """Keep an event in every served set :meth:`select` builds (or release it with ``pinned=False``).
@@ -473,14 +537,21 @@ class EventMemory:
             EventKVError: unknown id; pinning a deleted or forgotten event.
         """
         self._check_open()
-        root = self._root(self._lookup(event_id))
-        if pinned and not root.live:
-            raise EventKVError(
-                f"event {root.id!r} is {'forgotten' if root.forgotten else 'deleted'}: it cannot be pinned."
+        self._pin([event_id], pinned)
+
+    def _pin(self, event_ids: Sequence[str], pinned: bool) -> None:
+        """Pin (or release) several events in one transaction: all of them, or none."""
+        roots = [self._root(self._lookup(e)) for e in event_ids]
+        for root in roots:
+            if pinned and not root.live:
+                raise EventKVError(
+                    f"event {root.id!r} is {'forgotten' if root.forgotten else 'deleted'}: it cannot be pinned."
+                )
+        self._commit(
+            lambda c: c.executemany(
+                "UPDATE events SET pinned = ? WHERE seq = ?", [(int(bool(pinned)), r.seq) for r in roots]
             )
-        with self.store.transaction() as c:
-            c.execute("UPDATE events SET pinned = ? WHERE seq = ?", (int(bool(pinned)), root.seq))
-        self._reload()
+        )
 
     def carrier(
         self, sources: Sequence[str], subject: str, kind: str = "auto", *, prefill: bool = False
@@ -494,7 +565,8 @@ class EventMemory:
         writes the kind with the largest donor shift significantly above 0 on this checkpoint
         (:func:`eventkv.memory.carriers.choose_kind`); when none qualifies, or no contract was given,
         it writes **no** carrier and pins the sources instead, so their text is served with every
-        query (the study's fallback), and says so in the result. An explicit kind is always written.
+        query (the study's fallback), and says so in the result (every source in one transaction).
+        An explicit kind is always written.
 
         Args:
             sources: ids of the events the carrier is about (each must be live).
@@ -528,21 +600,13 @@ class EventMemory:
             chosen, reason = kind, f"{kind}: chosen by the caller."
         if chosen is None:
             carrier_text("passive", subject, ids)  # the same argument checks as a written carrier
-            for sid in ids:
-                self.pin(sid)
+            self._pin(ids, True)  # every source or none
             return CarrierResult(None, None, tuple(ids), reason)
         text = carrier_text(chosen, subject, ids)
         added = self.add([MemoryEvent(text, kind="carrier", tags=("carrier", chosen))], prefill=prefill)[0]
         return CarrierResult(chosen, added, (), reason)
 
-    def _relayout(self, c) -> None:
-        """Rewrite position and row_start of every stored event from the header on (after a removal)."""
-        pos = row = len(self.header_ids)
-        for r in self._stored():
-            c.execute("UPDATE events SET position = ?, row_start = ? WHERE seq = ?", (pos, row, r.seq))
-            pos, row = pos + r.width, row + r.n_rows
-
-    def forget(self, event_id: str) -> int:
+    def forget(self, event_id: str, *, purge_wait_s: float = 10.0) -> int:
         """The privacy path: remove an event's text and rows **and re-prefill every later event**.
 
         Why later events too: every row after the event was computed with the event in view, so it
@@ -554,103 +618,114 @@ class EventMemory:
         Forgetting an event forgets its patches too (forgetting a patch forgets that patch only).
         The event's database row is kept as a ``forgotten`` marker holding only its id, kind and
         creation time (text, role, tags, token ids, positions and rows are erased), so the id cannot
-        be reused; later events move down to contiguous positions. The database is then vacuumed with
-        ``secure_delete`` on and its WAL checkpointed and truncated, so the text is in no file of the
-        store directory; the segment files holding the event's rows are replaced (rows before the
-        event copied into a new file, committed, the old files unlinked).
+        be reused; later events move down to contiguous positions. All or nothing: the later rows
+        are recomputed and written as a new segment file (with the rows before the event that
+        shared a segment with it) *before* one transaction commits the markers, the new layout and
+        the new segment; the old segment files are unlinked after the commit. Then the purge: the
+        WAL is checkpointed into the database (whose freed bytes ``secure_delete`` zeroed) and
+        truncated, so the text is in no file of the store directory when this returns.
+
+        Args:
+            purge_wait_s: how long the purge waits (seconds) for other connections' read snapshots,
+                which keep the old pages alive, to end.
 
         Returns:
-            rows recomputed (the later events that had rows; 0 when the event had none).
+            rows recomputed (the later events that had rows; 0 when the event had none, and when a
+            second call completes a pending purge).
 
         Raises:
-            EventKVError: unknown id, or an event already forgotten.
+            EventKVError: unknown id, or an event already forgotten (and purged).
+            PurgePending: the event is forgotten, but a reader held its snapshot past
+                ``purge_wait_s`` (or the filesystem was too full to checkpoint), so its bytes are still
+                in ``memory.sqlite-wal``; call ``forget`` on the id again, or close the memory, to
+                complete the purge.
+            OutOfSpace: the filesystem is full before the commit: nothing was forgotten.
         """
         self._check_open()
         rec = self._lookup(event_id)
         if rec.forgotten:
+            if self.store.purge_pending:
+                self._purge(event_id, purge_wait_s)
+                return 0
             raise EventKVError(f"event {event_id!r} is already forgotten.")
         targets = [rec] + [r for r in self._recs if rec.kind != "patch" and r.supersedes == rec.id and not r.forgotten]
         gone = {r.seq for r in targets}
         first = min(gone)
-        later_with_rows = [r for r in self._stored() if r.seq > first and r.seq not in gone and r.prefilled]
-        before = [r for r in self._stored() if r.seq < first]
-        keep = 0  # rows kept: everything before the first forgotten event (0: recompute from the header)
-        new_seg, drop_files, keep_ekv = None, [], None
-        if any(r.prefilled for r in targets) and before:
-            keep = before[-1].row_start + before[-1].n_rows
+        remaining = [r for r in self._stored() if r.seq not in gone]
+        before = [r for r in remaining if r.seq < first]
+        later_with_rows = [r for r in remaining if r.seq > first and r.prefilled]
+        rows, drop_files, recomputed = None, [], 0
         if any(r.prefilled for r in targets):
-            segs = self.store.segment_rows()
-            straddle = [s for s in segs if s["row_start"] < keep < s["row_start"] + s["n_rows"]]
-            drop = [s for s in segs if s["row_start"] + s["n_rows"] > keep]
+            # rows kept: everything before the first forgotten event (0: recompute from the header)
+            keep = before[-1].row_start + before[-1].n_rows if before else 0
+            drop = [s for s in self.store.segment_rows() if s["row_start"] + s["n_rows"] > keep]
             drop_files = [s["file"] for s in drop]
+            start = min(s["row_start"] for s in drop)  # the new segment starts where the first dropped one did
+            ekv = self._ekv
+            kept = None
             if keep:
-                ekv = self._ekv
-                keep_ekv = EventKV(
+                kept = EventKV(
                     self._log(before),
                     [k[:, :, :keep] for k in ekv.keys],
                     [v[:, :, :keep] for v in ekv.values],
                     ekv.positions[:keep],
                     ekv.weights_digest,
                 )
-            if straddle:
-                s = straddle[0]
-                a = s["row_start"]
-                new_seg = self.store.write_segment(
-                    self.store.next_segment_id(),
-                    [k[0, :, a:keep] for k in keep_ekv.keys],
-                    [v[0, :, a:keep] for v in keep_ekv.values],
-                    keep_ekv.positions[a:keep],
+            new, later = kept, []
+            if later_with_rows:  # the later events up to the last one that had rows, at their new positions
+                later = [r for r in remaining if first < r.seq <= later_with_rows[-1].seq]
+                new = self._compute(self._log(before + later), kept)
+                recomputed = new.n_rows - keep
+            # the new segment holds rows start: — the kept rows that shared a dropped segment, then the later ones
+            rows = (new, start, [r.seq for r in before if r.row_start >= start] + [r.seq for r in later])
+
+        def write(c) -> None:
+            for f in drop_files:
+                c.execute(
+                    "UPDATE events SET segment = NULL WHERE segment = (SELECT id FROM segments WHERE file = ?)", (f,)
                 )
-                new_seg["row_start"] = a
-        try:
-            with self.store.transaction() as c:
-                for f in drop_files:
-                    c.execute(
-                        "UPDATE events SET segment = NULL WHERE segment = (SELECT id FROM segments WHERE file = ?)",
-                        (f,),
-                    )
-                    c.execute("DELETE FROM segments WHERE file = ?", (f,))
-                if new_seg is not None:
-                    self.store.insert_segment(c, new_seg, new_seg["row_start"])
-                    c.execute(
-                        "UPDATE events SET segment = ? WHERE forgotten = 0 AND segment IS NULL AND row_start < ? "
-                        "AND seq < ?",
-                        (new_seg["id"], keep, first),
-                    )
-                c.executemany(
-                    "UPDATE events SET text = NULL, role = NULL, tags = '[]', budget = NULL, token_ids = NULL, "
-                    "position = NULL, width = 0, row_start = NULL, n_rows = 0, segment = NULL, forgotten = 1, "
-                    "pinned = 0, deleted = 0 WHERE seq = ?",
-                    [(s,) for s in gone],
-                )
-                self._table = EventTable([r for r in self._recs if r.seq not in gone], len(self.header_ids))  # relayout
-                self._relayout(c)
-        except BaseException:
-            if new_seg is not None:
-                self.store.remove_files([new_seg["file"]])
-            self._reload()
-            raise
-        self.store.remove_files(drop_files)
-        self._ekv = keep_ekv if drop_files else self._ekv
+                c.execute("DELETE FROM segments WHERE file = ?", (f,))
+            c.executemany(
+                "UPDATE events SET text = NULL, role = NULL, tags = '[]', budget = NULL, token_ids = NULL, "
+                "position = NULL, width = 0, row_start = NULL, n_rows = 0, segment = NULL, forgotten = 1, "
+                "pinned = 0, deleted = 0 WHERE seq = ?",
+                [(q,) for q in gone],
+            )
+            pos = row = len(self.header_ids)  # the later events move down to contiguous positions
+            for r in remaining:
+                c.execute("UPDATE events SET position = ?, row_start = ? WHERE seq = ?", (pos, row, r.seq))
+                pos, row = pos + r.width, row + r.n_rows
+            self.store.mark_purge(c)
+
+        self._commit(write, rows, drop_files=drop_files)
         self._isolated.clear()
-        self._reload()
-        self.store.scrub()
-        if not later_with_rows:
-            return 0
-        return self._prefill(upto_seq=later_with_rows[-1].seq)
+        self._purge(event_id, purge_wait_s)
+        return recomputed
+
+    def _purge(self, event_id: str, wait_s: float) -> None:
+        try:
+            self.store.purge(wait_s)
+        except PurgePending as exc:
+            raise PurgePending(
+                f"event {event_id!r} is forgotten (its text, token ids and rows are in no committed state; it is "
+                f"never served or returned), but its bytes are not erased yet. {exc}"
+            ) from None
 
     def rebase(self) -> int:
         """Re-prefill the current view as a new history: the live events in history order, each with
         its latest patch's text folded in (keeping its id, role, tags, pin, and budget when the new
         text fits it), at contiguous positions. Tombstoned events, patches and their rows are dropped
         (forgotten markers stay). The new rows are written to a new segment and committed with the
-        new event table in one transaction; the old segment files are removed after the commit.
+        new event table in one transaction (all or nothing); the old segment files are removed after
+        the commit, and the dropped text is purged from the WAL as :meth:`forget` does (if a reader
+        blocks it for ``REBASE_PURGE_S``, it completes at close or the next open).
 
         Returns:
             rows computed (the whole new history, header included).
 
         Raises:
             EventKVError: the new history is longer than the model's context.
+            OutOfSpace: the filesystem is full: nothing was changed.
         """
         self._check_open()
         units = sorted(self._units(), key=lambda u: u[0].seq)
@@ -665,54 +740,44 @@ class EventMemory:
             events.append((root.id, toks, budget))
             pos, row = pos + width, row + len(toks)
         old_files = [s["file"] for s in self.store.segment_rows()]
-        ekv = seg = None
+        ekv = None
         if events:
             log = TokenizedLog.from_ids(self.header_ids, events)
             check_context(log.history_end, self.lm.profile.max_context)
-            lm = self.lm
-            ekv = prefill(lm.model, log, max_context=lm.profile.max_context, weights_digest=lm.profile.weights_digest)
-            seg = self.store.write_segment(
-                self.store.next_segment_id(), [k[0] for k in ekv.keys], [v[0] for v in ekv.values], ekv.positions
+            ekv = self._compute(log, None)
+
+        def write(c) -> None:
+            c.execute("DELETE FROM events WHERE forgotten = 0")
+            c.execute("DELETE FROM segments")
+            c.executemany(
+                "INSERT INTO events (seq, id, kind, text, role, tags, budget, token_ids, position, width, "
+                "row_start, n_rows, pinned, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [
+                    (
+                        root.seq,
+                        root.id,
+                        root.kind,
+                        cur.text,
+                        root.role,
+                        json.dumps(list(root.tags)),
+                        budget,
+                        json.dumps(toks),
+                        p,
+                        w,
+                        r0,
+                        len(toks),
+                        int(root.pinned),
+                        root.created,
+                    )
+                    for root, cur, toks, budget, p, w, r0 in rows
+                ],
             )
-        try:
-            with self.store.transaction() as c:
-                c.execute("DELETE FROM events WHERE forgotten = 0")
-                c.execute("DELETE FROM segments")
-                if seg is not None:
-                    self.store.insert_segment(c, seg, 0)
-                c.executemany(
-                    "INSERT INTO events (seq, id, kind, text, role, tags, budget, token_ids, position, width, "
-                    "row_start, n_rows, segment, pinned, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    [
-                        (
-                            root.seq,
-                            root.id,
-                            root.kind,
-                            cur.text,
-                            root.role,
-                            json.dumps(list(root.tags)),
-                            budget,
-                            json.dumps(toks),
-                            p,
-                            w,
-                            r0,
-                            len(toks),
-                            seg["id"],
-                            int(root.pinned),
-                            root.created,
-                        )
-                        for root, cur, toks, budget, p, w, r0 in rows
-                    ],
-                )
-        except BaseException:
-            if seg is not None:
-                self.store.remove_files([seg["file"]])
-            raise
-        self.store.remove_files([f for f in old_files if seg is None or f != seg["file"]])
-        self._ekv = ekv
+            self.store.mark_purge(c)  # the dropped events' text
+
+        self._commit(write, (ekv, 0, [r[0].seq for r in rows]), drop_files=old_files)
         self._isolated.clear()
-        self._reload()
-        self.store.scrub()
+        with contextlib.suppress(PurgePending):  # not the privacy path: a blocked purge completes at close or open
+            self.store.purge(REBASE_PURGE_S)
         return ekv.n_rows if ekv is not None else 0
 
     # ================================================================== reads
@@ -832,7 +897,10 @@ class EventMemory:
     ) -> MemoryAnswer:
         """Answer a question from served rows (Study 1, "Setting": sparse serving, then a readout).
 
-        Pending events are prefilled first (lazy prefill). The served events' rows stay at their
+        Pending events are prefilled first (lazy prefill) and their segment committed; when the
+        store's filesystem is full the query is answered from the rows computed in memory, which
+        are not kept (the events stay pending; the next query or :meth:`prefill` tries again), so a
+        full disk never fails a read. The served events' rows stay at their
         original positions (never re-rotated) and the question starts at the first position after
         the whole history; the answer is the greedy continuation (:func:`eventkv.readout.read_out`),
         and each candidate's full continuation is scored (nats) when candidates are given.
@@ -932,12 +1000,17 @@ class EventMemory:
                 f"{ctx - end - len(q)} new tokens.",
             )
         t0 = time.perf_counter()
-        self._prefill()
+        ekv, start, seqs = self._pending()
+        if seqs:
+            try:
+                self._commit(None, (ekv, start, seqs), bump=False)
+            except OutOfSpace:
+                pass  # answered from the rows computed here; they stay pending, the next query or prefill() retries
         prefill_ms = 1e3 * (time.perf_counter() - t0)
         caches, serve_ms = [], []
         for ids, (_, mode) in zip(served_ids, plans):
             t1 = time.perf_counter()
-            caches.append(serve(self._ekv, ids, mode, model=lm.model, isolated_memo=self._isolated))
+            caches.append(serve(ekv, ids, mode, model=lm.model, isolated_memo=self._isolated))
             serve_ms.append(1e3 * (time.perf_counter() - t1))
         t2 = time.perf_counter()
         outs = answer_served(

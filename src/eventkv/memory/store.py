@@ -30,26 +30,36 @@ Schema versions: 2 (event and manifest checksums). A store of schema 1 (written 
 existed) is upgraded by the first :meth:`Store.open`: the ``checksum`` column is added and every
 stored event and the manifest are sealed as they are then (one transaction), and the manifest is
 rewritten with ``schema`` 2. Damage done before that open cannot be told from the content.
+
+All or nothing: a write that fails (a full filesystem included, raised as
+:class:`eventkv.errors.OutOfSpace`) rolls its transaction back and removes the segment file it
+wrote, so the store is as it was. A store is created in a staging directory beside its final
+place (``.<name>.creating-<random>``), fsynced and renamed into place in one step: a directory
+with a manifest is a complete store, and a kill mid-create leaves only a staging directory, which
+:func:`remove_leftovers` removes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import errno
 import hashlib
 import json
 import os
 import re
+import shutil
 import sqlite3
 import tempfile
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from eventkv.errors import EventKVError
-from eventkv.files import fsync_path, sha256_file, write_json_atomic
+from eventkv.errors import EventKVError, OutOfSpace, PurgePending
+from eventkv.files import fsync_path, out_of_space, sha256_file, write_json_atomic
 from eventkv.memory.integrity import (
     MANIFEST_CHECKSUM,
     check_manifest,
@@ -73,6 +83,16 @@ DATABASE = "memory.sqlite"
 SEGMENTS = "segments"
 VERIFY_ENV = "EVENTKV_MEMORY_VERIFY"
 LOCK = ".lock"
+#: the infix of a staging directory, ``.<name>.creating-<random>``, beside the store being created
+STAGING = ".creating-"
+#: what a store directory holds before its manifest lands (an interrupted creation leaves a subset)
+STORE_FILES = frozenset({DATABASE, DATABASE + "-wal", DATABASE + "-shm", DATABASE + "-journal", SEGMENTS, LOCK})
+#: SQLite's busy timeout (ms) for every statement but a purge's checkpoint, which has its own deadline
+BUSY_MS = 5000
+#: the meta key set, in the transaction that drops text (forget, rebase), until the purge completes
+PURGE_KEY = "purge"
+#: seconds ``close`` and ``open`` wait for readers to let a pending purge complete
+CLOSE_PURGE_S = 1.0
 #: what a manifest must hold for EventMemory to open the store
 MANIFEST_KEYS = (
     "schema",
@@ -237,22 +257,31 @@ class Store:
     # ------------------------------------------------------------------ create / open
     @staticmethod
     def connect(path: Path) -> sqlite3.Connection:
-        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=BUSY_MS / 1000)
         conn.row_factory = sqlite3.Row
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=FULL")
-        # why secure_delete: forget() must leave no copy of the text in freed database pages
-        conn.execute("PRAGMA secure_delete=ON")
-        conn.execute("PRAGMA foreign_keys=ON")
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+            # why secure_delete: forget() must leave no copy of the text in freed database pages
+            conn.execute("PRAGMA secure_delete=ON")
+            conn.execute("PRAGMA foreign_keys=ON")
+        except BaseException:
+            conn.close()  # not left to the garbage collector: its files stay open until then
+            raise
         return conn
 
     @classmethod
     def create(cls, directory: str | Path, manifest: dict) -> "Store":
-        """Make a new store in ``directory`` (absent or empty). The manifest is written last, so a
-        directory with a manifest is a complete store.
+        """Make a new store in ``directory`` (absent or empty), atomically: the store is built in a
+        staging directory beside it (``.<name>.creating-<random>``: database, schema, ``segments/``,
+        manifest), every file and directory fsynced, then renamed onto ``directory`` in one step and
+        the parent fsynced. A kill at any point leaves either no store or the whole store; what an
+        interrupted creation left (stale staging directories of this name, a manifest-less directory
+        holding only store files) is removed first (:func:`remove_leftovers`).
 
         Raises:
             EventKVError: ``directory`` is a file, already holds a memory, or holds other files.
+            OutOfSpace: the filesystem is full (nothing is left behind).
         """
         d = Path(directory)
         if d.exists() and not d.is_dir():
@@ -262,25 +291,57 @@ class Store:
                 f"{str(d)!r} already holds a memory: open it with EventMemory.open(directory, lm), "
                 "or give a new directory."
             )
+        d.parent.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(d.parent, d.name)
         if d.is_dir() and any(d.iterdir()):
             raise EventKVError(
                 f"{str(d)!r} exists and is not a memory (it holds {', '.join(sorted(p.name for p in d.iterdir())[:4])}"
                 f"): give a new or empty directory."
             )
-        (d / SEGMENTS).mkdir(parents=True, exist_ok=True)
-        lock = cls.lock(d)
-        (d / DATABASE).touch(mode=0o600)  # the database holds every event's text: owner-only, like the segments
-        conn = cls.connect(d / DATABASE)
-        conn.executescript(SCHEMA)
-        conn.execute("BEGIN IMMEDIATE")
-        conn.execute("INSERT INTO meta VALUES ('version', '0')")
-        conn.execute("INSERT INTO meta VALUES ('created', ?)", (now(),))
-        conn.execute("INSERT INTO meta VALUES (?, ?)", (MANIFEST_CHECKSUM, manifest_checksum(manifest)))
-        conn.execute("COMMIT")
         manifest = {"schema": SCHEMA_VERSION, **manifest, "created": now()}
-        write_json_atomic(d / MANIFEST, manifest)
-        fsync_path(d / SEGMENTS)
-        fsync_path(d)
+        stage = d.parent / f".{d.name}{STAGING}{uuid.uuid4().hex[:12]}"
+        lock, placed = None, False
+        try:
+            with out_of_space(d.parent, f"the new memory {d.name!r}"):
+                stage.mkdir()
+                lock = cls.lock(stage)  # held through the rename (same inode): a live creation is never a leftover
+                (stage / SEGMENTS).mkdir()
+                (stage / DATABASE).touch(mode=0o600)  # the database holds every event's text: owner-only
+                conn = cls.connect(stage / DATABASE)
+                try:
+                    conn.executescript(SCHEMA)
+                    conn.execute("BEGIN IMMEDIATE")
+                    conn.execute("INSERT INTO meta VALUES ('version', '0')")
+                    conn.execute("INSERT INTO meta VALUES ('created', ?)", (now(),))
+                    conn.execute("INSERT INTO meta VALUES (?, ?)", (MANIFEST_CHECKSUM, manifest_checksum(manifest)))
+                    conn.execute("COMMIT")
+                    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                finally:
+                    # closed before the rename: SQLite reopens its -wal and -shm files by path
+                    conn.close()
+                write_json_atomic(stage / MANIFEST, manifest)
+                for f in (stage / DATABASE, stage / SEGMENTS, stage):
+                    fsync_path(f)
+                try:
+                    os.rename(stage, d)  # replaces an empty directory; fails on a non-empty one
+                except OSError as exc:
+                    if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                        raise EventKVError(
+                            f"{str(d)!r} was filled by another process while this memory was being created: "
+                            "give another directory."
+                        ) from None
+                    raise
+                placed = True
+                fsync_path(d.parent)
+                conn = cls.connect(d / DATABASE)
+        except BaseException:
+            if placed:  # a create that raises leaves nothing: moved back aside (one step), then removed
+                with contextlib.suppress(OSError):
+                    os.rename(d, stage)
+            if lock is not None:
+                lock.close()
+            shutil.rmtree(stage, ignore_errors=True)
+            raise
         return cls(d, manifest, conn, lock)
 
     @staticmethod
@@ -350,6 +411,9 @@ class Store:
             check_manifest(d, store.manifest, read_meta(d, conn, MANIFEST_CHECKSUM))
             store.discard_orphans()
             store.verify(verify or os.environ.get(VERIFY_ENV, "full"))
+            if store.purge_pending:  # a forget committed but killed (or blocked) before its purge completed
+                with contextlib.suppress(PurgePending):  # still blocked: the flag stays, close tries again
+                    store.purge(CLOSE_PURGE_S)
         except BaseException:
             if conn is not None:
                 conn.close()
@@ -394,9 +458,17 @@ class Store:
         self.manifest = {**self.manifest, "schema": SCHEMA_VERSION}
         write_json_atomic(d / MANIFEST, self.manifest)
 
-    def close(self) -> None:
-        self.conn.close()
-        self._lock.close()
+    def close(self, purge: bool = True) -> None:
+        """Close the connection and release the writer lock. A pending purge (:meth:`purge`) is
+        tried first, for at most ``CLOSE_PURGE_S`` seconds; if it is still blocked the flag stays in
+        the database and the next open tries again."""
+        try:
+            if purge and self.purge_pending:
+                with contextlib.suppress(EventKVError, sqlite3.Error, OSError):  # the flag stays for the next open
+                    self.purge(CLOSE_PURGE_S)
+        finally:
+            self.conn.close()
+            self._lock.close()
 
     # ------------------------------------------------------------------ transactions
     @contextlib.contextmanager
@@ -408,8 +480,9 @@ class Store:
 
         Raises:
             StoreDamaged: the database's bytes are damaged (nothing is committed).
+            OutOfSpace: the filesystem is full (the transaction is rolled back: nothing of it is kept).
         """
-        with guard(self.directory):
+        with out_of_space(self.directory, "the transaction"), guard(self.directory):
             self.conn.execute("BEGIN IMMEDIATE")
             try:
                 yield self.conn
@@ -418,8 +491,11 @@ class Store:
                     self.conn.execute("UPDATE meta SET value = CAST(value AS INTEGER) + 1 WHERE key = 'version'")
                 self.conn.execute("COMMIT")
             except BaseException:
-                if self.conn.in_transaction:  # SQLite may have rolled back already (a damaged page, a full disk)
-                    self.conn.execute("ROLLBACK")
+                # why the check: SQLite rolls a transaction back by itself on SQLITE_FULL / SQLITE_IOERR, and
+                # a ROLLBACK then fails ("no transaction is active") and would hide the real error
+                if self.conn.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        self.conn.execute("ROLLBACK")
                 raise
 
     @property
@@ -441,14 +517,58 @@ class Store:
         with guard(self.directory):
             return self.conn.execute("PRAGMA data_version").fetchone()[0]
 
-    def scrub(self) -> None:
-        """Make deleted text unrecoverable from the files: checkpoint the WAL into the database and
-        truncate it, rebuild the database (VACUUM; freed pages are zeroed by secure_delete), and
-        checkpoint again."""
-        with guard(self.directory):
-            self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            self.conn.execute("VACUUM")
-            self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    # ------------------------------------------------------------------ purge (erasing dropped text)
+    @staticmethod
+    def mark_purge(conn: sqlite3.Connection) -> None:
+        """Inside a transaction that drops text (forget, rebase): flag the store as holding bytes to
+        purge, committed with the drop, so a kill before :meth:`purge` completes is purged at open."""
+        conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, '1')", (PURGE_KEY,))
+
+    @property
+    def purge_pending(self) -> bool:
+        """Whether a committed drop of text (forget, rebase) may still have its bytes in the files."""
+        return self.conn.execute("SELECT 1 FROM meta WHERE key = ?", (PURGE_KEY,)).fetchone() is not None
+
+    def purge(self, wait_s: float) -> None:
+        """Erase dropped text from the files: ``PRAGMA wal_checkpoint(TRUNCATE)`` copies the WAL into
+        the database (whose freed bytes ``secure_delete`` has zeroed) and truncates it to 0 bytes, then
+        the purge flag is cleared. SQLite waits (its busy handler, retrying) at most ``wait_s`` seconds
+        for readers whose snapshot needs the old pages.
+
+        Raises:
+            PurgePending: a reader still held its snapshot at the deadline, or the filesystem was too
+                full to checkpoint; the flag stays set (a later purge, close or open completes it).
+        """
+        conn = self.conn
+        wal = self.directory / (DATABASE + "-wal")
+        conn.execute(f"PRAGMA busy_timeout = {max(0, int(wait_s * 1000))}")
+        try:
+            busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        except sqlite3.Error as exc:  # SQLITE_FULL: the checkpoint could not grow the database file
+            busy, why = 1, f"the checkpoint failed ({exc}): free space on the store's filesystem"
+        else:
+            why = (
+                f"another connection held a read snapshot of the database for more than {wait_s:g} s, so the "
+                "write-ahead log could not be checkpointed and truncated: end that reader (a long read "
+                "transaction, a backup, an open sqlite3 shell)"
+            )
+        finally:
+            conn.execute(f"PRAGMA busy_timeout = {BUSY_MS}")
+        if busy or (wal.exists() and wal.stat().st_size):
+            raise PurgePending(
+                f"The memory in {str(self.directory)!r} still holds the dropped text's bytes in {DATABASE}-wal or "
+                f"in database pages a reader needs: {why}; then call forget on the same id again (or close the "
+                "memory, or open it again) to complete the purge."
+            )
+        with contextlib.suppress(OutOfSpace), self.transaction(bump=False) as c:  # kept: the next purge is a no-op
+            c.execute("DELETE FROM meta WHERE key = ?", (PURGE_KEY,))
+        # the flag's own frames hold no text: truncating them again is tidiness, not privacy
+        conn.execute("PRAGMA busy_timeout = 0")
+        try:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        finally:
+            conn.execute(f"PRAGMA busy_timeout = {BUSY_MS}")
 
     # ------------------------------------------------------------------ segments
     def segment_rows(self) -> list[sqlite3.Row]:
@@ -485,18 +605,20 @@ class Store:
             tensors[f"values.{i}"] = v.detach().to("cpu").clone(memory_format=torch.contiguous_format)
         seg_dir = self.directory / SEGMENTS
         name = f"{seg_id:06d}.safetensors"
-        fd, tmp = tempfile.mkstemp(dir=seg_dir, prefix=f".{name}-", suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata={"format": "eventkv-memory-segment", "schema": str(SCHEMA_VERSION)})
-            fsync_path(tmp)
-            digest = sha256_file(tmp)
-            size = os.path.getsize(tmp)
-            os.replace(tmp, seg_dir / name)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        fsync_path(seg_dir)
+        with out_of_space(self.directory, f"segment {name}"):
+            fd, tmp = tempfile.mkstemp(dir=seg_dir, prefix=f".{name}-", suffix=".tmp")
+            os.close(fd)
+            try:
+                save_file(tensors, tmp, metadata={"format": "eventkv-memory-segment", "schema": str(SCHEMA_VERSION)})
+                fsync_path(tmp)
+                digest = sha256_file(tmp)
+                size = os.path.getsize(tmp)
+                os.replace(tmp, seg_dir / name)
+                fsync_path(seg_dir)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                (seg_dir / name).unlink(missing_ok=True)  # renamed but not fsynced: no row points to it yet
+                raise
         return {
             "id": seg_id,
             "file": f"{SEGMENTS}/{name}",
@@ -571,11 +693,15 @@ class Store:
                     )
 
     def remove_files(self, files: Sequence[str]) -> None:
-        """Remove segment files that no committed row points to any more (after the commit)."""
+        """Remove segment files that no committed row points to any more (after the commit, or after
+        a failed write). Best effort: a file that cannot be removed now is an orphan, which
+        :meth:`open` removes (no committed row points to it)."""
         for f in files:
-            (self.directory / f).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                (self.directory / f).unlink(missing_ok=True)
         if files:
-            fsync_path(self.directory / SEGMENTS)
+            with contextlib.suppress(OSError):
+                fsync_path(self.directory / SEGMENTS)
 
     def bytes_on_disk(self) -> int:
         return directory_bytes(self.directory)
@@ -608,6 +734,65 @@ def check_segment_files(directory: Path, rows: Sequence[sqlite3.Row]) -> None:
             raise damaged(
                 directory, f"segment {row['file']!r} has {f.stat().st_size} bytes, not the {row['bytes']} recorded"
             )
+
+
+def _lock_is_free(directory: Path) -> bool:
+    """Whether no live process holds ``directory``'s writer lock (a missing lock file counts as free)."""
+    import fcntl
+
+    try:
+        f = open(directory / LOCK, "rb")  # noqa: SIM115 - closed below
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        f.close()
+    return True
+
+
+def is_partial(directory: Path) -> bool:
+    """Whether ``directory`` is what an interrupted creation left: a directory with no manifest that
+    holds only store files (database, WAL, segments, lock, a manifest's ``*.tmp``) and whose lock no
+    live process holds. An empty directory is not partial (``create`` accepts it as it is)."""
+    if not directory.is_dir() or directory.is_symlink() or (directory / MANIFEST).exists():
+        return False
+    names = {p.name for p in directory.iterdir()}
+    if not names:
+        return False
+    stray = {n for n in names if n not in STORE_FILES and not (n.startswith(f".{MANIFEST}-") and n.endswith(".tmp"))}
+    return not stray and _lock_is_free(directory)
+
+
+def remove_leftovers(parent: str | Path, name: str | None = None) -> list[str]:
+    """Remove what interrupted creations left in ``parent`` (a directory of stores): staging
+    directories (``.<name>.creating-*``) whose creator is gone (its lock is free), and partial
+    store directories (:func:`is_partial`). With ``name``, only those of that store name.
+
+    Returns:
+        the names removed, sorted.
+    """
+    parent = Path(parent)
+    if not parent.is_dir():
+        return []
+    removed = []
+    for p in sorted(parent.iterdir()):
+        stem = p.name[1:].partition(STAGING)[0] if p.name.startswith(".") and STAGING in p.name else None
+        if stem is not None and (name is None or stem == name) and p.is_dir() and not p.is_symlink():
+            if not _lock_is_free(p):
+                continue
+        elif not (p.name == name or (name is None and not p.name.startswith("."))) or not is_partial(p):
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p.name)
+    if removed:
+        with contextlib.suppress(OSError):
+            fsync_path(parent)
+    return removed
 
 
 def directory_bytes(directory: Path) -> int:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
+import logging
 import os
 import shutil
 import time
@@ -45,6 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from eventkv.errors import EventKVError, OptionError, StoreDamaged
+from eventkv.files import out_of_space, write_json_atomic
 from eventkv.memory.client import (
     DEFAULT_NAMESPACE,
     ERRORS,
@@ -56,9 +57,10 @@ from eventkv.memory.client import (
 )
 from eventkv.memory.reader import read_memory
 from eventkv.memory.records import MemoryEvent
+from eventkv.memory.store import remove_leftovers
 from eventkv.service import schemas as s
 from eventkv.service.names import MAX_NAME, NAME, NAME_PATTERN, check_name
-from eventkv.service.worker import ModelWorker, QueueFull, ShuttingDown
+from eventkv.service.worker import ModelWorker
 
 CONTRACTS = ".contracts"
 
@@ -79,7 +81,8 @@ STATUS_TEXT = {
     413: "the request body is over the server's limit (`body_too_large`)",
     422: "`invalid_request`: outside the schema, or not JSON; `invalid_option`: a bad memory id, namespace "
     "or model; `refused`: the memory cannot carry out the request",
-    503: "the model queue is full (`busy`) or the server is stopping (`shutting_down`); retry after Retry-After",
+    503: "the model queue is full (`busy`), the server is stopping (`shutting_down`), or a forget is done but its "
+    "bytes are still on disk behind a reader (`purge_pending`: forget the same id again); retry after Retry-After",
     507: "the store's filesystem is full (`insufficient_storage`); nothing was written",
 }
 
@@ -259,6 +262,27 @@ class BearerAuth:
         return await self.app(scope, receive, send)
 
 
+def clean_leftovers(root: Path) -> list[str]:
+    """At start-up, remove what writes killed mid-way left under the store root ``root``, in every
+    namespace: staging directories of interrupted creations and manifest-less store directories
+    (:func:`eventkv.memory.store.remove_leftovers`), ``.trash-*`` directories of interrupted
+    deletions, and contracts whose memory does not exist. Returns the removed paths, relative
+    to ``root``, sorted (each also logged)."""
+    removed = []
+    for ns in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        removed += [f"{ns.name}/{n}" for n in remove_leftovers(ns)]
+        for trash in sorted(ns.glob(".trash-*")):
+            shutil.rmtree(trash, ignore_errors=True)
+            removed.append(f"{ns.name}/{trash.name}")
+        for contract in sorted((ns / CONTRACTS).glob("*.json")) if (ns / CONTRACTS).is_dir() else []:
+            if not (ns / contract.stem / "manifest.json").is_file():
+                contract.unlink(missing_ok=True)
+                removed.append(f"{ns.name}/{CONTRACTS}/{contract.name}")
+    for path in removed:
+        logging.getLogger("eventkv.service").warning("removed %s: left by a write that was killed mid-way", path)
+    return sorted(removed)
+
+
 def create_app(settings: Settings) -> FastAPI:
     """The service's FastAPI app over ``settings`` (the worker starts with the app and stops with
     its lifespan: queued work finishes, every memory is closed)."""
@@ -266,6 +290,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     root = Path(settings.store)
     root.mkdir(parents=True, exist_ok=True)
+    clean_leftovers(root)
     lm = settings.lm
     worker: ModelWorker | None = None
 
@@ -381,7 +406,7 @@ def create_app(settings: Settings) -> FastAPI:
             (c for c, (_, kind) in ERRORS.items() if isinstance(exc, kind)),
             "invalid_option" if isinstance(exc, OptionError) else "refused",
         )
-        headers = {"Retry-After": "1"} if isinstance(exc, (QueueFull, ShuttingDown)) else None
+        headers = {"Retry-After": "1"} if ERRORS[code][0] == 503 else None
         return _error(ERRORS[code][0], code, scrub(str(exc)), headers)
 
     @app.exception_handler(_ClientGone)
@@ -582,21 +607,21 @@ def create_app(settings: Settings) -> FastAPI:
 
         def job():
             nonlocal contract_path
+            remove_leftovers(d.parent, mid)  # what a creation killed mid-way left: the id is free again
             if d.exists():
                 raise Conflict(f"memory {mid!r} already exists in namespace {ns!r}: pick another id.")
             if body.contract is not None:
                 cdir = root / ns / CONTRACTS
                 cdir.mkdir(parents=True, exist_ok=True)
                 contract_path = cdir / f"{mid}.json"
-                fd = os.open(contract_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                with os.fdopen(fd, "w") as f:
-                    json.dump(body.contract, f)
+                with out_of_space(cdir, f"the contract of memory {mid!r}"):
+                    write_json_atomic(contract_path, body.contract, indent=None, newline=False, mode=0o600)
             try:
+                # atomic: built aside and renamed into place, so d is absent or complete
                 mem = EventMemory.create(d, lm, namespace=ns, instruction=body.instruction, contract=contract_path)
             except BaseException:
                 if contract_path is not None:
                     contract_path.unlink(missing_ok=True)
-                shutil.rmtree(d, ignore_errors=True)
                 raise
             worker.adopt(d, mem)
 
@@ -727,7 +752,8 @@ def create_app(settings: Settings) -> FastAPI:
         mid: MemoryId, eid: EventIdPath, request: Request, body: s.Write | None = None, ns: str = Depends(namespace)
     ):
         def verb(mem):
-            not_forgotten(mem, eid, "forgotten again")
+            if not mem.store.purge_pending:  # forgetting again completes a pending purge (see purge_pending)
+                not_forgotten(mem, eid, "forgotten again")
             rows = mem.forget(eid)
             return s.WriteOut(version=mem.version, rows=rows)
 
