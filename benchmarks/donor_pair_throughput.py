@@ -12,7 +12,7 @@ machine falls on each of them alike):
 * ``eventkv all arms``: ``eventkv run donor-pair`` with kv, isolated, text-all, kv-all (both
   readouts: greedy generation and candidate log-probs);
 * ``eventkv kv,isolated``: ``eventkv run donor-pair --arms kv,isolated`` — lazy prefill stops each
-  variant after the root (issue 14), both readouts.
+  variant after the root, both readouts.
 
 With ``--batch-pairs N`` (N > 1) a fourth way runs the kv,isolated arms N pairs at a time
 (``DonorPair.run_batch``: histories prefilled and read out in one batch).

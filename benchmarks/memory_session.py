@@ -1,4 +1,4 @@
-"""An agent-style session on EventMemory, measured in one run (issue 11, point 7).
+"""An agent-style session on EventMemory, measured in one run.
 
 A synthetic session (default ~6,000 tokens of history on smollm2-135m, inside its context):
 events are added one at a time with eager prefill, 20 of them are updated by served patches, and

@@ -1,4 +1,4 @@
-"""The memory service under load over loopback, measured in one run (issue 12, point 7).
+"""The memory service under load over loopback, measured in one run.
 
 1. A memory with a synthetic agent history (default 40 events, ~2,400 tokens, eagerly prefilled)
    is built with the library, and its store is copied: the server serves one copy, the library

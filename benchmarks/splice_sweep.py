@@ -1,4 +1,4 @@
-"""Splice sweep vs the naive loop (Study 2 probe, issue 5 deliverable 5).
+"""Splice sweep vs the naive loop (Study 2 probe).
 
 Naive: every (item, arm, cutoff, step) cell runs from scratch — clean prefill + clean decode up to
 the splice step, the donor prefill, the splice and its decode (``eventkv.splice.engine.splice_generate``).

@@ -1,4 +1,4 @@
-"""``eventkv audit`` (issue 13, point 2): the run folder on a tiny model (resume), the records'
+"""``eventkv audit``: the run folder on a tiny model (resume), the records'
 bookkeeping (eviction of the source counted per layer and head), the summary's statistics on
 hand-made records against scipy, and option errors before the model loads."""
 

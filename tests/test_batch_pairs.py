@@ -1,4 +1,4 @@
-"""Pairs batched across items (issue 14, point 3): :func:`eventkv.batched.prefill_batch` equals the
+"""Pairs batched across items: :func:`eventkv.batched.prefill_batch` equals the
 one-at-a-time prefill, :func:`eventkv.readout.read_out` takes one query per cache, and a pair probe's
 ``run_batch`` (``--batch-pairs N``) writes the records of ``run_item`` up to float rounding — the
 same greedy texts, answers and outcomes, candidate log-probs and d within TOL — on tiny Llama, Qwen2

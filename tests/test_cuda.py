@@ -1,4 +1,4 @@
-"""The faithfulness gates on a CUDA GPU (issue 14, point 1). Marked ``cuda``; skipped where torch sees
+"""The faithfulness gates on a CUDA GPU. Marked ``cuda``; skipped where torch sees
 no GPU. ``pytest -m cuda`` runs only these.
 
 NOT YET RUN ON A GPU: this file was written and dry-run on a CPU (``EVENTKV_CUDA_TEST_DEVICE=cpu``

@@ -1,4 +1,4 @@
-"""Device support (issue 14, point 1) on a machine without a GPU: the ``device`` option and its errors
+"""Device support on a machine without a GPU: the ``device`` option and its errors
 everywhere a model loads, ``auto`` resolving to the CPU here, the device in the run manifest, tensors
 that follow the rows' device (checked on torch's ``meta`` device, which has no data but keeps the
 device of every tensor made from it), and a static rule that every tensor the data path creates names

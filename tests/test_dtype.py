@@ -24,7 +24,7 @@ def _cpu(monkeypatch, caps: dict, kernels: str) -> None:
 @pytest.mark.parametrize(
     "caps, kernels, want",
     [
-        (AVX2_ONLY, "AVX2", "float32"),  # the AVX2-only EPYC of issue 9: bf16 would be ~6x slower
+        (AVX2_ONLY, "AVX2", "float32"),  # an AVX2-only EPYC: bf16 would be ~6x slower
         (AVX512_BF16, "AVX512", "bfloat16"),
         (AMX, "AVX512", "bfloat16"),
         (AVX512_BF16, "AVX2", "bfloat16"),  # ATEN_CPU_CAPABILITY=avx2 on a bf16 CPU: oneDNN's bf16 matmuls stay native

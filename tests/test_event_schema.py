@@ -1,4 +1,4 @@
-"""The event schema (issue 9, point 3): every field of every event is checked for type and range at
+"""The event schema: every field of every event is checked for type and range at
 the boundary; the message names the record, the field, the bad value and what is allowed."""
 
 from __future__ import annotations

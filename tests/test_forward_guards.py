@@ -1,4 +1,4 @@
-"""Guards every model forward of the data path takes (issue 9, points 4 and 10): stored rows must
+"""Guards every model forward of the data path takes: stored rows must
 have the model's dtype and device (or be cast on purpose), and an explicit attention mask is
 always passed, because position ids with gaps must never be read as packed sequences."""
 

@@ -1,4 +1,4 @@
-"""``eventkv harvest`` (issue 13, point 3): the carrier rules on a hand-built conversation, the hard
+"""``eventkv harvest``: the carrier rules on a hand-built conversation, the hard
 negative, the summary's statistics on hand-made records (cluster bootstrap, TOST on conversation
 means against scipy), and a run on a synthetic LoCoMo file (tiny model; resume) and on the
 synthetic REALTALK folder."""

@@ -1,4 +1,4 @@
-"""Lazy prefill in the pair engine (issue 14, point 2): a history is prefilled up to the last event a
+"""Lazy prefill in the pair engine: a history is prefilled up to the last event a
 subset-serving arm reads and continued only when an arm reads everything, so an arm's answers are
 byte-identical whether or not another arm asked for the whole history (float32, tiny models), and
 the subset-only run computes fewer prefill tokens."""

@@ -1,4 +1,4 @@
-"""EventMemory (issue 11, points 1, 2, 4): the gate against a fresh prefill, the store, the verbs,
+"""EventMemory: the gate against a fresh prefill, the store, the verbs,
 forget, rebase, selection and the errors. Tiny random models in float32; smollm2-135m once
 (``-m integration``).
 

@@ -1,4 +1,4 @@
-"""EventMemory.carrier (issue 11, point 3): kind='auto' from the model's contract.json writes the
+"""EventMemory.carrier: kind='auto' from the model's contract.json writes the
 kind the contract measured as carrying state on this checkpoint, or pins the sources' text."""
 
 import json

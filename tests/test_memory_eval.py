@@ -1,4 +1,4 @@
-"""`eventkv memory eval` (issue 11, point 6): the run folder on the shipped demo file with a tiny
+"""`eventkv memory eval`: the run folder on the shipped demo file with a tiny
 model, resume, option errors, and the summary's statistics on hand-made records."""
 
 import json

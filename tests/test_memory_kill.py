@@ -1,4 +1,4 @@
-"""An acknowledged write survives a SIGKILL (issue 11, point 1).
+"""An acknowledged write survives a SIGKILL.
 
 A child process adds events one at a time with ``prefill=True`` and prints each id once ``add``
 returned (the acknowledgement). The parent kills it with SIGKILL mid-stream, at a varying moment, then

@@ -1,4 +1,4 @@
-"""One readout implementation, accumulated in float64 (issue 9, points 6 and 9)."""
+"""One readout implementation, accumulated in float64."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """EventKV.save / load: layers that share memory or are non-contiguous round-trip bit-exact, and a
-save that fails at any step leaves the store directory exactly as it was (issue 9, point 8)."""
+save that fails at any step leaves the store directory exactly as it was."""
 
 import os
 from pathlib import Path

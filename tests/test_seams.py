@@ -1,5 +1,5 @@
 """Seams: wherever a scaffold part (chat head, instruction, chat tail) meets tokenized content, the
-pieces tokenized on their own concatenate to the ids of the whole text (issue 9, point 5).
+pieces tokenized on their own concatenate to the ids of the whole text.
 
 Fast tests use the tiny byte-level ChatML tokenizer and tiny SentencePiece-style tokenizers (with and
 without a prefix space, with and without a chat template); tests marked ``integration`` use the packaged

@@ -65,7 +65,7 @@ def test_median():
     assert math.isnan(median([]))
 
 
-# ---- nan / inf: every statistic on measured values refuses them with the same EventKVError (issue 9, point 7)
+# ---- nan / inf: every statistic on measured values refuses them with the same EventKVError
 
 BAD = {"nan": math.nan, "+inf": math.inf, "-inf": -math.inf}
 CLEAN = [0.5, 1.2, -0.1, 0.0, 2.0, 0.3, -0.7, 0.9]

@@ -1,4 +1,4 @@
-"""Inputs found by trying eventkv as a new user on a fresh clone (issue 9, same kinds as its list):
+"""Inputs a new user gives on a fresh clone, and others of the same kinds:
 each gives one line and exit 2 with nothing written, or the right value."""
 
 from __future__ import annotations

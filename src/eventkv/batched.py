@@ -2,7 +2,7 @@
 
 The data path's :func:`eventkv.prefill.prefill` computes one log at a time; on a GPU a batch of
 one leaves most of the device idle. :func:`prefill_batch` computes the rows of several logs at once
-(issue 14, "pairs batched across items"). Row ``i`` of the batch is laid out as
+Row ``i`` of the batch is laid out as
 
     [left pad (P - p_i rows) | prefix_i rows (p_i) | new tokens_i (n_i) | right pad (N - n_i)]
 

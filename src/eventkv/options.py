@@ -137,7 +137,7 @@ def check_items(items) -> int:
 
 
 def check_batch_pairs(batch_pairs) -> int:
-    """``--batch-pairs``: a whole number >= 1, the items a pair probe computes in one batch (issue 14).
+    """``--batch-pairs``: a whole number >= 1, the items a pair probe computes in one batch.
 
     Raises:
         OptionError: ``batch_pairs`` is not a whole number >= 1.

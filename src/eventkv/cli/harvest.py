@@ -1,4 +1,4 @@
-"""``eventkv harvest``: passive harvesting on real dialogue (:mod:`eventkv.memory.harvest`; issue 13).
+"""``eventkv harvest``: passive harvesting on real dialogue (:mod:`eventkv.memory.harvest`).
 User errors print one line (no traceback) and exit 2."""
 
 from __future__ import annotations

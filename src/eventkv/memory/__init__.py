@@ -1,4 +1,4 @@
-"""eventkv.memory: the sparse event-KV agent memory (issue 11; Study 1, "compute globally,
+"""eventkv.memory: the sparse event-KV agent memory (Study 1, "compute globally,
 materialize locally, serve sparsely"). See ``docs/memory.md``.
 
     >>> from eventkv.memory import EventMemory, MemoryEvent  # doctest: +SKIP

@@ -1,4 +1,4 @@
-"""Real multi-session dialogue for the memory's evaluation (issue 11, point 5): LoCoMo and REALTALK
+"""Real multi-session dialogue for the memory's evaluation: LoCoMo and REALTALK
 conversations read from a user-supplied path into one data model, each turn an event whose text carries
 its session, date and speaker.
 

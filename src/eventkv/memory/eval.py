@@ -1,5 +1,5 @@
 """``eventkv memory eval``: EventMemory on real multi-session dialogue (LoCoMo), against the
-baselines an agent-memory user would reach for (Study 1, "Real dialogue"; issue 11, point 6).
+baselines an agent-memory user would reach for (Study 1, "Real dialogue").
 
 Each conversation, truncated to its first ``max_tokens`` tokens of turns (each turn rendered with
 its session, date and speaker; only the questions whose evidence lies inside are kept), becomes

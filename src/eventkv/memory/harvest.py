@@ -1,4 +1,4 @@
-"""``eventkv harvest``: passive harvesting on real dialogue (issue 13, point 3; Study 1, "Real
+"""``eventkv harvest``: passive harvesting on real dialogue (Study 1, "Real
 dialogs"). Do natural later turns, served as rows from one global prefill of the conversation,
 carry an earlier answer better than the same turns encoded alone?
 

@@ -1,5 +1,5 @@
 """EventMemory: the sparse event-KV agent memory (Study 1's engineering conclusion, "compute
-globally, materialize locally, serve sparsely"; issue 11, points 1, 2 and 4).
+globally, materialize locally, serve sparsely").
 
 An agent's history is prefilled once, globally and causally, and its K/V rows are kept; each
 query is answered from the rows of a few events served at their original positions (never
@@ -826,7 +826,7 @@ class EventMemory:
 
     # ================================================================== selection and answers
     def select(self, question: str, k: int = 8, budget_rows: int | None = None) -> list[str]:
-        """The served set for a question (issue 11, point 4): the view's events ranked by BM25 over
+        """The served set for a question: the view's events ranked by BM25 over
         their current text (:func:`eventkv.memory.select.rank`; a patched event is ranked and served
         as its latest patch), the top ``k`` kept, then every pinned event added; in history order.
         With ``budget_rows``, the lowest-ranked unpinned events are dropped until the served events'

@@ -1,4 +1,4 @@
-"""LoCoMo's answer metric (issue 11, point 6): token F1 after LoCoMo's normalization, with its
+"""LoCoMo's answer metric: token F1 after LoCoMo's normalization, with its
 per-category rules, and exact match after the same normalization.
 
 Source: Maharana et al. 2024, "Evaluating Very Long-Term Conversational Memory of LLM Agents" (ACL 2024,

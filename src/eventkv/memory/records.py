@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from eventkv.readout import CandidateScore, Generation
 
 #: what an event row of the store is: an event added by ``add``, a patch appended by ``update``,
-#: or a programmed carrier (an answer-free event written on purpose; issue 11, point 3)
+#: or a programmed carrier (an answer-free event written on purpose)
 KINDS = ("event", "patch", "carrier")
 #: the kinds a caller may ``add`` (patches are only appended by ``update``)
 ADD_KINDS = ("event", "carrier")
@@ -101,7 +101,7 @@ class MemoryEvent:
         tags: free labels kept with the event (JSON in the store; not part of the prompt).
         budget: optional position budget in tokens (>= the event's token count): the event reserves
             that many positions whatever its length (Study 1, "Donor pair").
-        kind: ``"event"`` (default) or ``"carrier"`` (an answer-free carrier event, issue 11 point 3).
+        kind: ``"event"`` (default) or ``"carrier"`` (an answer-free carrier event).
     """
 
     text: str

@@ -1,4 +1,4 @@
-"""BM25 selection of events for a question (issue 11, point 4: ``select`` ranks events with BM25 over
+"""BM25 selection of events for a question (``select`` ranks events with BM25 over
 their texts before the served set is completed with patches, pins and the header).
 
 Scoring is the ``bm25s`` library's (Lù 2024, "BM25S: Orders of magnitude faster lexical search via

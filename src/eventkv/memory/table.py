@@ -1,7 +1,7 @@
 """The event table of a memory as plain data: the rules that turn stored rows into the view,
-histories, listings and counts (issue 11, point 2), shared by :class:`eventkv.memory.EventMemory`
-and by the model-free :class:`eventkv.memory.reader.MemoryReader` the HTTP service reads with
-(issue 12, point 4). No model, no storage: records in, records out."""
+histories, listings and counts, shared by :class:`eventkv.memory.EventMemory`
+and by the model-free :class:`eventkv.memory.reader.MemoryReader` the HTTP service reads with.
+No model, no storage: records in, records out."""
 
 from __future__ import annotations
 

@@ -22,8 +22,8 @@ def native_bf16(device: str | torch.device = "cpu") -> tuple[bool, str]:
     ``torch.cuda.is_bf16_supported(including_emulation=False)``).
     CPU: only where the CPU has AVX512-BF16 or AMX-BF16 (read from cpuinfo through
     ``torch.cpu.get_capabilities()``). Without them bf16 is converted in software: on an AVX2-only
-    AMD EPYC a 700-token prefill of qwen2.5-coder-1.5b took 116 s in bf16 vs 19 s in float32
-    (issue 9). torch's own kernel level (``ATEN_CPU_CAPABILITY``) is reported but not used: the
+    AMD EPYC a 700-token prefill of qwen2.5-coder-1.5b took 116 s in bf16 vs 19 s in float32.
+    torch's own kernel level (``ATEN_CPU_CAPABILITY``) is reported but not used: the
     matmuls go through oneDNN, which uses AVX512-BF16 whatever that variable says (measured on an
     AMD EPYC with avx512_bf16 under ``ATEN_CPU_CAPABILITY=avx2``: bf16 prefill 0.28x the float32
     time; ``benchmarks/dtype_prefill.py``).

@@ -250,7 +250,7 @@ class Probe:
 
     def run_batch(self, rt: Runtime, items: Sequence[dict]) -> list[dict]:
         """The records of several items, in order. This base runs :meth:`run_item` on each; a probe
-        that can batch items overrides it (the pair probes: ``--batch-pairs``, issue 14), with
+        that can batch items overrides it (the pair probes: ``--batch-pairs``), with
         records equal to :meth:`run_item`'s up to float rounding."""
         return [self.run_item(rt, it) for it in items]
 

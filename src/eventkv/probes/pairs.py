@@ -193,10 +193,10 @@ class PairProbe(Probe):
     ``instruction`` and ``answer_prefix``; the two ClassVars below choose the engine's options.
     """
 
-    #: 2: lazy prefill (issue 14) splits each history's forward at the last event a subset arm reads,
+    #: 2: lazy prefill splits each history's forward at the last event a subset arm reads,
     #: which moves the rows of text arms by float rounding against version-1 records; 3: a pair's two
     #: variants are prefilled in one batched forward where they continue the same rows, and isolated
-    #: events are encoded together (issue 14), which moves rows by float rounding against version 2
+    #: events are encoded together, which moves rows by float rounding against version 2
     record_version: ClassVar[int] = 3
     #: prefill the variants' common leading events once, as their own prefix (see :func:`run_pair`)
     shared_prefix: ClassVar[bool] = False
@@ -266,7 +266,7 @@ class PairProbe(Probe):
         )
 
     def run_batch(self, rt: Runtime, items: Sequence[dict]) -> list[dict]:
-        """The records of several items with their pairs batched (``--batch-pairs``, issue 14):
+        """The records of several items with their pairs batched (``--batch-pairs``):
         each item's :meth:`run_item` runs twice — first to collect the engine input it passes to
         :meth:`answer`, then, after one :func:`run_pairs` over all of them, to write its record from
         its run. One item is :meth:`run_item` itself. Records equal :meth:`run_item`'s up to float
@@ -554,7 +554,7 @@ def run_pair(
 ) -> PairRun:
     """Run every arm on both variants of one item and score each arm as a donor pair (Study 1,
     "Donor pair"): the one donor-pair engine of the pair probes. One batched readout answers all
-    arms of a question. **Lazy prefill** (issue 14): each history is prefilled up to the last event
+    arms of a question. **Lazy prefill**: each history is prefilled up to the last event
     a subset-serving arm reads, and continued to its end only when an arm reads every event (text,
     or ``served="all"``); rows are causal and the query's position comes from the log, so an arm's
     rows and answers are byte-identical whether or not another arm asked for the whole history.
@@ -614,7 +614,7 @@ def run_pairs(
     record_stopped: bool = False,
     whole: bool = False,
 ) -> list[PairRun]:
-    """:func:`run_pair` on several items at once (issue 14, "pairs batched across items"): the
+    """:func:`run_pair` on several items at once: the
     items' prefills run in rounds, each round of every item in one :func:`eventkv.batched.prefill_batch`
     forward (the shared events; both variants' leads, which continue them — with ``shared_prefix``,
     else variant A's lead and then B's, which continues A's rows; then the rest of each history when

@@ -55,7 +55,7 @@ class RunOptions:
             is recorded with every invocation in the manifest, and a run may be resumed on another device
             when its dtype is the same (``docs/devices.md``).
         batch_pairs: items computed in one batch by a probe that batches them (the pair probes:
-            :meth:`~eventkv.probes.base.Probe.run_batch`; issue 14). Records equal those of 1 up to float
+            :meth:`~eventkv.probes.base.Probe.run_batch`). Records equal those of 1 up to float
             rounding; it is provenance (recorded per invocation), not identity.
     """
 
