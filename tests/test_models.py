@@ -158,9 +158,9 @@ def test_load_local_directory(tmp_path):
     assert lm.model.dtype == torch.bfloat16
     p = lm.profile
     assert (p.name, p.family, p.dtype, p.num_layers) == (str(tmp_path), "qwen2", "bfloat16", 2)
-    weights = tmp_path / "model.safetensors"
+    files = ("config.json", "model.safetensors")  # what the model is built from, by full content
     expected = hashlib.sha256(
-        f"model.safetensors\0{weights.stat().st_size}\0".encode() + weights.read_bytes()[: 1 << 20]
+        b"".join(f"{n}\0{hashlib.sha256((tmp_path / n).read_bytes()).hexdigest()}\n".encode() for n in files)
     )
     assert p.weights_digest == expected.hexdigest()
 
@@ -419,6 +419,8 @@ def test_gemma3_plain_text_scaffold_and_layer_types():
 
 
 def test_verified_stamp_skips_rehash_until_a_file_changes(tmp_path, monkeypatch):
+    import time
+
     (tmp_path / "w.bin").write_bytes(b"x" * 1000)
     cache_dir.write_manifest(tmp_path, {"alias": "x"})
     # fresh files are not trusted: no stamp yet
@@ -428,13 +430,20 @@ def test_verified_stamp_skips_rehash_until_a_file_changes(tmp_path, monkeypatch)
     for name in ("w.bin", cache_dir.MODEL_MANIFEST):
         os.utime(tmp_path / name, (old, old))
     assert cache_dir.check_dir(tmp_path).ok
+    assert not (tmp_path / cache_dir.STAMP_NAME).exists()  # os.utime just moved their ctime: still fresh
+    monkeypatch.setattr(cache_dir, "_now_ns", lambda: time.time_ns() + 60 * 10**9)  # a minute later
+    assert cache_dir.check_dir(tmp_path).ok
     assert (tmp_path / cache_dir.STAMP_NAME).exists()
     hashed = []
     monkeypatch.setattr(cache_dir, "hash_files", lambda d, names, workers=None: hashed.append(names) or {})
     assert cache_dir.check_dir(tmp_path).reason.startswith("ok (unchanged")
     assert hashed == []
     monkeypatch.undo()
-    (tmp_path / "w.bin").write_bytes(b"y" * 1000)  # same size, new content, new mtime
+    ctime = (tmp_path / "w.bin").stat().st_ctime_ns
+    while (tmp_path / "w.bin").stat().st_ctime_ns == ctime:  # until the ctime moves (one timestamp tick)
+        with open(tmp_path / "w.bin", "r+b") as f:  # same size, same inode, new content ...
+            f.write(b"y" * 1000)
+        os.utime(tmp_path / "w.bin", (old, old))  # ... and the old mtime
     check = cache_dir.check_dir(tmp_path)
     assert not check.ok and "sha256" in check.reason
     monkeypatch.setenv(cache_dir.FULL_VERIFY_ENV, "1")

@@ -118,11 +118,17 @@ STAMP_NAME = MODEL_MANIFEST + ".verified"
 FULL_VERIFY_ENV = "EVENTKV_FULL_VERIFY"
 
 
+def _now_ns() -> int:
+    import time
+
+    return time.time_ns()
+
+
 def _file_stamps(directory: Path, names: list[str]) -> dict[str, list[int]]:
     stamps = {}
     for n in [*names, MODEL_MANIFEST]:
         st = (directory / n).stat()
-        stamps[n] = [st.st_size, st.st_mtime_ns, st.st_ino]
+        stamps[n] = [st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns]
     return stamps
 
 
@@ -135,13 +141,11 @@ def _stamp_matches(directory: Path, names: list[str]) -> bool:
 
 
 def _write_stamp(directory: Path, names: list[str]) -> None:
-    """Record the stamps of a directory that just passed a full check. Files modified within the
-    last 2 s are not trusted (timestamps are coarse: a write in the same tick could keep the
-    stamp), so then no stamp is written and the next check hashes again."""
-    import time
-
+    """Record the stamps of a directory that just passed a full check. Files modified (mtime or ctime)
+    within the last 2 s are not trusted (timestamps are coarse: a write in the same tick could keep
+    the stamp), so then no stamp is written and the next check hashes again."""
     stamps = _file_stamps(directory, names)
-    if any(st[1] > time.time_ns() - 2_000_000_000 for st in stamps.values()):
+    if any(max(st[1], st[3]) > _now_ns() - 2_000_000_000 for st in stamps.values()):
         return
     try:
         write_json_atomic(directory / STAMP_NAME, stamps, indent=None, newline=False)
@@ -156,11 +160,12 @@ def check_dir(directory: Path, full: bool = True) -> CacheCheck:
     re-hashes every file (sha256, in parallel threads), which reads the whole directory; with
     ``full=False`` it is a quick check (no file contents read) for listings.
 
-    A full check that passes records each file's (size, mtime, inode) in
+    A full check that passes records each file's (size, mtime, inode, ctime) in
     ``eventkv-cache.json.verified``; a later full check whose files all still carry exactly those
     stamps skips the re-hash (seconds instead of ~10 s per 7 GB). Any write to a file — a partial
-    copy, a flipped byte, a replaced file — changes its stamp and brings the full sha256 check
-    back. Set ``EVENTKV_FULL_VERIFY=1`` to re-hash on every load regardless.
+    copy, a flipped byte, a replaced file — changes its stamp (its ctime, even when ``os.utime`` puts
+    the mtime back) and brings the full sha256 check back. Set ``EVENTKV_FULL_VERIFY=1`` to re-hash on
+    every load regardless.
     """
     if not directory.is_dir():
         return CacheCheck(False, f"{directory} does not exist")

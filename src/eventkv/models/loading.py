@@ -14,7 +14,6 @@ packaged alias or a hub id.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -22,9 +21,9 @@ from pathlib import Path
 import torch
 
 from eventkv.errors import EventKVError
-from eventkv.files import sha256_file
 from eventkv.models.aliases import ALIASES
 from eventkv.models.devices import resolve_device
+from eventkv.models.digest import directory_digest, file_digest
 from eventkv.models.dtypes import resolve_dtype, torch_dtype
 from eventkv.models.fetch import ensure_cached
 from eventkv.models.introspect import profile_for
@@ -34,7 +33,6 @@ from eventkv.models.readers import load_gguf, load_hf
 __all__ = ["load"]
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-_MiB = 1024 * 1024
 
 
 def load(
@@ -48,12 +46,22 @@ def load(
     ``name_or_path`` is resolved in this order (see the module docstring): an existing ``.gguf``
     file, an existing model directory, an alias in `ALIASES`, a hub id ``owner/name``.
 
-    ``weights_digest`` of the profile is:
+    ``weights_digest`` of the profile is a digest of the content the model is built from, so that a
+    store, run folder or sweep made with other weights (even of the same shapes and file sizes) is
+    refused:
         - ``.gguf`` file: sha256 of the whole file;
-        - alias: sha256 of the packaged GGUF (the same digest as loading that file directly);
-        - local directory: sha256 over the sorted ``*.safetensors`` / ``*.bin`` files' names,
-          sizes (bytes) and first 1 MiB each — cheap, not a full hash;
-        - hub id: ``"hub:<id>@<commit>"`` (``"hub:<id>"`` when the commit is unknown).
+        - alias: sha256 of the packaged GGUF (the same digest as loading that file directly); the
+          converted directory is checked against its manifest's sha256 of every file;
+        - local directory: `eventkv.models.digest.directory_digest` — sha256 over the sorted
+          ``config.json``, ``*.safetensors``, ``*.bin`` and shard index files, each by name and the
+          full sha256 of its content;
+        - hub id: the same directory digest of the snapshot ``from_pretrained`` read from the Hugging
+          Face cache (so a hub id and its downloaded folder give one digest); ``"hub:<id>@<commit>"``
+          only if that snapshot cannot be found on disk.
+
+    Full-file hashes are cached by each file's stat (size, mtime, ctime, inode; see
+    `eventkv.models.digest`): the first load of a file reads it in full (sha256 runs at a few hundred
+    MB/s on one core: seconds per GB), later loads of the unchanged file read nothing.
 
     An alias is fetched and converted on first use (tens of seconds, progress shown on stderr);
     afterwards the cached directory is checked against its manifest on every load (sizes and
@@ -86,18 +94,17 @@ def load(
     if kind == "gguf":
         path = Path(ref)
         model, tokenizer = load_gguf(path, name_or_path, torch_type, attn_implementation)
-        digest = sha256_file(path)
+        digest = file_digest(path)
     elif kind == "alias":
         directory, manifest = ensure_cached(ALIASES[ref], progress=True)
         model, tokenizer = load_hf(str(directory), name_or_path, torch_type, attn_implementation)
         digest = str(manifest["weights_digest"])
     elif kind == "dir":
         model, tokenizer = load_hf(ref, name_or_path, torch_type, attn_implementation)
-        digest = _local_weights_digest(Path(ref))
+        digest = directory_digest(Path(ref))
     else:  # hub
         model, tokenizer = load_hf(ref, name_or_path, torch_type, attn_implementation)
-        revision = getattr(model.config, "_commit_hash", None)
-        digest = f"hub:{ref}@{revision}" if revision else f"hub:{ref}"
+        digest = _hub_digest(ref, getattr(model.config, "_commit_hash", None))
     model.eval()
     try:
         model.to(dev)
@@ -135,14 +142,13 @@ def _resolve(name: str) -> tuple[str, str]:
     )
 
 
-def _local_weights_digest(directory: Path) -> str:
-    """sha256 over the sorted weight files' (name, size in bytes, first 1 MiB); ``"unhashed"`` if none."""
-    files = sorted(p for pattern in ("*.safetensors", "*.bin") for p in directory.glob(pattern) if p.is_file())
-    if not files:
-        return "unhashed"
-    h = hashlib.sha256()
-    for p in files:
-        h.update(f"{p.name}\0{p.stat().st_size}\0".encode())
-        with open(p, "rb") as f:
-            h.update(f.read(_MiB))
-    return h.hexdigest()
+def _hub_digest(repo_id: str, revision: str | None) -> str:
+    """The content digest of the hub snapshot ``from_pretrained`` loaded (`directory_digest` of the
+    folder holding its ``config.json`` in the Hugging Face cache); ``"hub:<id>@<commit>"`` if that
+    file is not in the cache (a custom cache folder)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    config = try_to_load_from_cache(repo_id, "config.json", revision=revision)
+    if isinstance(config, str):
+        return directory_digest(Path(config).parent)
+    return f"hub:{repo_id}@{revision}" if revision else f"hub:{repo_id}"

@@ -49,8 +49,9 @@ class ModelProfile:
         max_context: ``config.max_position_embeddings``, in tokens.
         stop_token_ids: EOS ids (generation config, config, tokenizer) then the ids of the
             end-of-turn tokens in `END_OF_TURN_TOKENS` that exist in the vocab; no duplicates.
-        weights_digest: sha256 hex identifying the weights (see `load`), ``"hub:<id>@<revision>"``
-            for hub models, ``"unhashed"`` when not computed.
+        weights_digest: sha256 hex of the content the model was built from (see `load`: the GGUF,
+            or a directory's config and weight files), ``"hub:<id>@<revision>"`` for a hub model
+            whose snapshot is not in the Hugging Face cache, ``"unhashed"`` when not computed.
         dtype_reason: why ``dtype`` was chosen (``"requested"``, or what `resolve_dtype` detected
             for ``dtype="auto"``); empty for profiles not made by `load`.
         device_reason: why ``device`` was chosen (``"requested"``, ``"requested: CUDA device <name>"``,

@@ -14,6 +14,7 @@ Workers get their tasks as they become free (a shared queue for ``process``, Ray
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Iterable, Iterator, Sequence
 
@@ -231,13 +232,37 @@ class RayBackend:
 
     def _shutdown(self) -> None:
         for a in getattr(self, "_actors", []):
-            self._ray.kill(a)
+            # why suppress: after a worker or the head died, killing an actor may fail too; the error that
+            # ended the sweep is the one to report
+            with contextlib.suppress(Exception):
+                self._ray.kill(a)
         self._actors = []
         if self._started:
             self._ray.shutdown()
 
     def map_unordered(self, tasks: Iterable[tuple]) -> Iterator[list[tuple]]:
-        yield from self._pool.map_unordered(lambda actor, task: actor.execute.remote(task), list(tasks))
+        """Each task's results as its actor returns them.
+
+        Raises:
+            EventKVError: an actor, its worker process or its node died, or Ray lost a result (any
+                ``ray.exceptions.RayError`` but a task's own exception); one line, as the process backend's.
+            Exception: what a worker's code raised other than an EventKVError (a bug), with its traceback,
+                as the process backend re-raises it.
+        """
+        errors = self._ray.exceptions
+        try:
+            yield from self._pool.map_unordered(lambda actor, task: actor.execute.remote(task), list(tasks))
+        except errors.RayTaskError as exc:
+            if isinstance(exc.cause, EventKVError):
+                raise EventKVError(str(exc.cause)) from None
+            raise
+        except errors.RayError as exc:  # ActorDiedError, WorkerCrashedError, NodeDiedError, OutOfMemoryError, ...
+            said = " ".join(str(exc).split())[:200]
+            raise EventKVError(
+                f"a sweep's Ray worker died ({type(exc).__name__}: {said}): killed, out of memory, or its node "
+                "left the cluster; finished records are kept: run the same command again to resume (with fewer "
+                "--workers if they ran out of memory)."
+            ) from None
 
 
 def open_backend(
