@@ -658,3 +658,30 @@ def test_rebase_purges_the_text_it_drops(lm, tmp_path):
         mem.rebase()  # drops tombstoned events, and purges their text
         assert "priya" not in {r.id for r in mem.list(include_deleted=True)}
         assert _findable(d) == []
+
+
+def test_forget_over_http_behind_a_reader_is_503_purge_pending_until_forgotten_again(lm, tmp_path, monkeypatch):
+    forget = EventMemory.forget
+    monkeypatch.setattr(EventMemory, "forget", lambda self, eid: forget(self, eid, purge_wait_s=0.05))
+    with _client(lm, tmp_path / "store") as http:
+        assert http.post("/v1/memories", json={"id": "m"}).status_code == 201
+        events = [{"text": "Dana lives in Lisbon."}, {"text": SECRET, "id": "priya"}, {"text": "Mei likes tea."}]
+        assert http.post("/v1/memories/m/events", json={"events": events}).status_code == 201
+        d = tmp_path / "store" / "default" / "m"
+        reader = sqlite3.connect(d / DATABASE, isolation_level=None)
+        reader.execute("BEGIN")
+        assert reader.execute("SELECT COUNT(*) FROM events").fetchone()[0] == 3
+        r = http.post("/v1/memories/m/events/priya/forget", json={})
+        assert r.status_code == 503 and r.json()["code"] == "purge_pending", r.text
+        assert r.headers["retry-after"] == "1" and "forget on the same id again" in r.json()["message"]
+        assert str(tmp_path) not in r.text  # no server path in the answer
+        assert _findable(d)  # the answer is true: the bytes are still on disk
+        assert http.get("/v1/memories/m/events/priya").json()["forgotten"]  # but forgotten already
+        assert http.post("/v1/memories/m/events/priya/forget", json={}).status_code == 503  # still blocked
+        reader.execute("COMMIT")
+        reader.close()
+        r = http.post("/v1/memories/m/events/priya/forget", json={})
+        assert r.status_code == 200 and r.json()["rows"] == 0, r.text  # the purge completed
+        assert _findable(d) == []
+        r = http.post("/v1/memories/m/events/priya/forget", json={})
+        assert r.status_code == 410 and r.json()["code"] == "gone"

@@ -342,10 +342,22 @@ def test_sigterm_finishes_queued_work_and_leaves_the_store_consistent(model_dir,
             except httpx.TransportError:
                 return "refused", None
 
+        def jobs_started() -> int:
+            for line in raw(srv, "GET", "/metrics").text.splitlines():
+                if line.startswith('eventkv_jobs_total{outcome="started"}'):
+                    return int(float(line.split()[-1]))
+            return 0
+
+        before = jobs_started()
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(work, i) for i in range(8)]
-            time.sleep(0.5)
-            assert srv.stop() == 0
+            # SIGTERM once the worker has begun one of them (a bounded poll, not a fixed sleep: on a
+            # loaded machine the requests may take seconds to reach the server)
+            deadline = time.monotonic() + 120
+            while jobs_started() == before and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert jobs_started() > before, "no request reached the worker within 120 s"
+            assert srv.stop(timeout=300) == 0
             results = [f.result() for f in futures]
         assert "Application shutdown complete" in srv.log()
     finally:

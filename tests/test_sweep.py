@@ -1,4 +1,4 @@
-"""Sweeps (issue 14, point 4): the plan (expansion, folder names, every error before anything loads), and
+"""Sweeps: the plan (expansion, folder names, every error before anything loads), and
 the three backends on tiny random models — serial, process (2 spawned workers) and a local Ray cluster
 started here with 2 CPUs write the same records per run folder; a sweep resumes per folder and refuses a
 folder made with other settings; a sweep folder is an ordinary run folder."""
