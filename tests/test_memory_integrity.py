@@ -89,10 +89,10 @@ DAMAGES = {
         lambda d: sql(d, "UPDATE events SET text = replace(text, 'Lisbon', 'Madrid') WHERE id = 'e1'"),
         r"event 'e1' \(seq 1\): its text does not match the checksum",
     ),
-    "token-ids": (shift_token, r"event 'e1' \(seq 1\): its token ids does not match"),
+    "token-ids": (shift_token, r"event 'e1' \(seq 1\): its token ids do not match"),
     "tags-json": (
         lambda d: sql(d, "UPDATE events SET tags = '[\"drinks\"' WHERE id = 'ravi'"),
-        r"event 'ravi' \(seq 2\): its fields \(.*tags.*\) does not match",
+        r"event 'ravi' \(seq 2\): its fields \(.*tags.*\) do not match",
     ),
     "role": (
         lambda d: sql(d, "UPDATE events SET role = 'admin' WHERE id = 'ravi'"),
@@ -290,7 +290,7 @@ NS = "dmg"
 #: damage -> what the 409's message names
 HTTP_DAMAGES = {
     "text": "event 'e1' (seq 1): its text does not match",
-    "token-ids": "event 'e1' (seq 1): its token ids does not match",
+    "token-ids": "event 'e1' (seq 1): its token ids do not match",
     "tags-json": "event 'ravi' (seq 2): its fields",
     "random-4k": "its database does not read (database disk image is malformed)",
     "segment-truncated": "segment 'segments/000001.safetensors' has",
@@ -401,3 +401,19 @@ def test_event_ids_over_http_and_in_the_client(served):
     assert r.status_code == 409 and "event id 'josé' is taken" in r.json()["message"], r.text
     ids = [e["id"] for e in call(srv, "GET", "/v1/memories/ids/events", namespace="ids").json()]
     assert ids == [nfc]
+
+
+def test_a_damaged_memory_is_deleted_as_its_message_says_and_its_id_works_again(served):
+    srv, root = served
+    d = root / NS / "to-delete"
+    shutil.copytree(root / NS / "healthy", d, ignore=shutil.ignore_patterns(".lock"))
+    DAMAGES["text"][0](d)
+    assert call(srv, "GET", "/v1/memories/to-delete").status_code == 409
+    r = call(srv, "POST", "/v1/memories/to-delete/query", json={"question": "Where?", "max_new_tokens": 1})
+    assert r.status_code == 409 and "delete the memory" in r.json()["message"]
+    r = call(srv, "DELETE", "/v1/memories/to-delete")
+    assert r.status_code == 200 and r.json()["version"] == 0, r.text  # no version to trust
+    assert not d.exists() and call(srv, "GET", "/v1/memories/to-delete").status_code == 404
+    assert call(srv, "POST", "/v1/memories", json={"id": "to-delete"}).status_code == 201
+    assert call(srv, "DELETE", "/v1/memories/to-delete").json()["version"] == 0  # a new, empty memory
+    assert not d.exists()

@@ -208,7 +208,7 @@ def check_event_row(directory: str | Path, row, sealed: bool = True) -> tuple[tu
         now = _parts(row)
         bad = [PARTS[p] for p in PARTS if stored.get(p) != now[p]]
         if bad:
-            verb = "does" if len(bad) == 1 else "do"
+            verb = "does" if bad == [PARTS["text"]] else "do"  # "token ids" and "fields" are plural
             raise damaged(directory, f"{who}: its {' and '.join(bad)} {verb} not match the checksum written with it")
     try:
         tags = json.loads(row["tags"])

@@ -23,6 +23,7 @@ The OpenAPI document declares every one of them per route, and ``/metrics`` as t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import os
@@ -57,7 +58,7 @@ from eventkv.memory.client import (
 )
 from eventkv.memory.reader import read_memory
 from eventkv.memory.records import MemoryEvent
-from eventkv.memory.store import remove_leftovers
+from eventkv.memory.store import Store, remove_leftovers
 from eventkv.service import schemas as s
 from eventkv.service.names import MAX_NAME, NAME, NAME_PATTERN, check_name
 from eventkv.service.worker import ModelWorker
@@ -660,14 +661,26 @@ def create_app(settings: Settings) -> FastAPI:
         d = existing(ns, mid)
 
         def job():
-            mem = open_checked(d, expected_version)
+            try:
+                mem = open_checked(d, expected_version)
+            except StoreDamaged:
+                # deleting is the documented way out of a damaged memory, so it is removed without
+                # reading its state: it has no version to trust (answered as 0), and expected_version
+                # cannot be checked against one; its writer lock is held while it goes
+                worker.release(d)
+                with contextlib.closing(Store.lock(d)):
+                    remove(d)
+                return 0
             version = mem.version
             worker.release(d)
+            remove(d)
+            return version
+
+        def remove(d: Path) -> None:
             trash = root / ns / f".trash-{mid}-{uuid.uuid4().hex[:8]}"
             d.rename(trash)  # one step: the memory is gone for every reader at once
             shutil.rmtree(trash, ignore_errors=True)
             (root / ns / CONTRACTS / f"{mid}.json").unlink(missing_ok=True)
-            return version
 
         return s.WriteOut(version=await on_worker(request, job))
 
