@@ -738,20 +738,12 @@ def check_segment_files(directory: Path, rows: Sequence[sqlite3.Row]) -> None:
 
 def _lock_is_free(directory: Path) -> bool:
     """Whether no live process holds ``directory``'s writer lock (a missing lock file counts as free)."""
-    import fcntl
-
-    try:
-        f = open(directory / LOCK, "rb")  # noqa: SIM115 - closed below
-    except FileNotFoundError:
+    if not (directory / LOCK).exists():
         return True
-    except OSError:
-        return False
     try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        Store.lock(directory).close()
+    except (EventKVError, OSError):  # held by a live process, or not even openable: not free
         return False
-    finally:
-        f.close()
     return True
 
 
