@@ -34,7 +34,8 @@ import torch
 from eventkv.errors import EventKVError
 from eventkv.models import load
 from eventkv.options import check_batch_pairs
-from eventkv.probes import DonorPair, Runtime
+from eventkv.probes import Runtime
+from eventkv.studies.materialization.donor_pair import DonorPair
 
 ALL_ARMS = ("kv", "isolated", "text-all", "kv-all")
 LAZY_ARMS = ("kv", "isolated")

@@ -52,9 +52,10 @@ from eventkv.log import tokenize
 from eventkv.models import ALIASES, LoadedModel, profile_for, pull
 from eventkv.models.cache_dir import check_dir, model_dir
 from eventkv.prefill import EventKV, prefill
-from eventkv.probes import DonorPair, Runtime
+from eventkv.probes import Runtime
 from eventkv.readout import generate
 from eventkv.serve import serve
+from eventkv.studies.materialization.donor_pair import DonorPair
 
 HERE = Path(__file__).resolve().parent
 CONFIG = HERE / "configs" / "qwen3-8b.json"

@@ -4,7 +4,7 @@
    is built with the library, and its store is copied: the server serves one copy, the library
    opens the other, so both answer from identical stores.
 2. HTTP overhead: the same queries (BM25 top-k, greedy, ``--new-tokens``) alternately through HTTP
-   (:class:`eventkv.memory.client.Client`) and through the library in this process, with the same
+   (:class:`eventkv.client.Client`) and through the library in this process, with the same
    torch threads; the server idles while the library runs and the other way round.
 3. Load: ``--clients`` asyncio httpx clients for ``--seconds`` seconds (and at most ``--max-requests``
    requests), each looping over a mix of queries, adds and updates on the served memory; per route
@@ -33,8 +33,8 @@ import httpx
 import numpy as np
 import torch
 
+from eventkv.client import Client
 from eventkv.memory import EventMemory
-from eventkv.memory.client import Client
 from eventkv.models import load
 from eventkv.service.server import ServerProcess
 

@@ -1,7 +1,7 @@
 """Splice sweep vs the naive loop (Study 2 probe).
 
 Naive: every (item, arm, cutoff, step) cell runs from scratch — clean prefill + clean decode up to
-the splice step, the donor prefill, the splice and its decode (``eventkv.splice.engine.splice_generate``).
+the splice step, the donor prefill, the splice and its decode (``eventkv.studies.splice.engine.splice_generate``).
 Sweep: per item one clean run and one donor prefill, then every cell as a batched splice over the
 shared rows (``clean_run`` + ``donor_rows`` + ``splice_sweep``), with and without the early exit the
 probe uses (for ``--match word``, the default, or ``exact``). Prints wall times, the speed-ups, and
@@ -17,8 +17,16 @@ import time
 
 import torch
 
-from eventkv.splice.engine import Splice, SplicePrompt, clean_run, donor_rows, filler_ids, splice_generate, splice_sweep
-from eventkv.splice.tasks import builtin_items, outcome_decided, score
+from eventkv.studies.splice.engine import (
+    Splice,
+    SplicePrompt,
+    clean_run,
+    donor_rows,
+    filler_ids,
+    splice_generate,
+    splice_sweep,
+)
+from eventkv.studies.splice.tasks import builtin_items, outcome_decided, score
 
 
 def main() -> None:

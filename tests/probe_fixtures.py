@@ -19,7 +19,7 @@ from eventkv.testing import tiny_tokenizer as testing_tokenizer
 
 
 def _probe_words() -> list[str]:
-    from eventkv.probes.donor_pair import INSTRUCTION, NAMES, QUESTION, DonorPair
+    from eventkv.studies.materialization.donor_pair import INSTRUCTION, NAMES, QUESTION, DonorPair
 
     probe = DonorPair(states=("ONLINE", "OFFLINE", "STANDBY"))
     text = " ".join(

@@ -1,5 +1,6 @@
 """The package map of the README's "Architecture" section, enforced: imports flow one way
-(cli -> studies -> probes framework -> data path, models, stats), no import cycle, and no module
+(cli -> studies and sweeps -> probe framework, service, client -> wire -> memory, eviction -> data
+path, models, stats), no import cycle, and no module
 imports another's private name. Imports inside functions and under ``TYPE_CHECKING`` count too.
 Also runs the runnable examples in the data path's docstrings."""
 
@@ -29,20 +30,21 @@ LAYERS = (
         "eventkv.testing",
     ),
     ("eventkv.memory", "eventkv.eviction"),
-    ("eventkv.probes",),
-    (
-        "eventkv.splice",
-        "eventkv.contract",
-        "eventkv.memory.eval",
-        "eventkv.memory.harvest",
-        "eventkv.eviction.audit",
-        "eventkv.service",
-        "eventkv.sweep",
-    ),
+    ("eventkv.wire",),
+    ("eventkv.client", "eventkv.service", "eventkv.probes"),
+    ("eventkv.studies", "eventkv.sweep"),
     ("eventkv.cli",),
 )
-#: sibling packages of one layer that must not import each other
-INDEPENDENT = (("eventkv.splice", "eventkv.contract"),)
+#: sibling packages of one layer that must not import each other: the studies, and the product's
+#: surfaces (service, client) vs the probe framework
+INDEPENDENT = (
+    ("eventkv.studies.materialization", "eventkv.studies.splice"),
+    ("eventkv.service", "eventkv.probes"),
+    ("eventkv.client", "eventkv.probes"),
+    ("eventkv.client", "eventkv.service"),
+)
+#: the product: no module of these imports a study
+PRODUCT = ("eventkv.memory", "eventkv.eviction", "eventkv.service", "eventkv.client", "eventkv.wire")
 
 
 def _modules() -> dict[str, Path]:
@@ -116,6 +118,17 @@ def test_studies_do_not_import_each_other():
         if (m.startswith(a) and d.startswith(b)) or (m.startswith(b) and d.startswith(a))
     ]
     assert crossing == []
+
+
+def test_product_imports_no_study():
+    studying = [
+        f"{m} imports {d}"
+        for m, deps in GRAPH.items()
+        if m.startswith(PRODUCT) or _layer(m) <= _layer("eventkv.memory")
+        for d in deps
+        if d.startswith(("eventkv.studies", "eventkv.probes"))
+    ]
+    assert studying == []
 
 
 def test_no_import_cycle():

@@ -10,7 +10,7 @@ import pytest
 import scipy.stats
 from cli_fixtures import run_cli
 
-from eventkv.eviction.audit import EvictionAudit, summarize_audit
+from eventkv.studies.materialization.audit import EvictionAudit, summarize_audit
 
 
 def test_audit_runs_and_resumes(tiny_dir, tmp_path, monkeypatch, capsys):
@@ -93,6 +93,6 @@ def test_audit_option_errors(extra, message, tmp_path, monkeypatch, capsys):
 
 
 def test_audit_items_are_the_donor_pair_items():
-    from eventkv.probes.donor_pair import DonorPair
+    from eventkv.studies.materialization.donor_pair import DonorPair
 
     assert EvictionAudit().items(3, [0, 5]) == DonorPair().items(3, [0, 5])

@@ -14,10 +14,10 @@ from probe_fixtures import tiny_runtime
 from eventkv.batched import prefill_batch
 from eventkv.errors import EventKVError
 from eventkv.log import tokenize_query
-from eventkv.probes.donor_pair import DonorPair
-from eventkv.probes.pairs import PrefillCache, tokenize_pair
 from eventkv.readout import read_out
 from eventkv.serve import serve
+from eventkv.studies.materialization.donor_pair import DonorPair
+from eventkv.studies.materialization.pairs import PrefillCache, tokenize_pair
 
 FAMILIES = ["llama", "qwen2", "gemma3"]
 #: float32 on CPU: batched matmuls at other shapes round differently; measured differences here are ~1e-6

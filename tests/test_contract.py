@@ -7,12 +7,12 @@ import json
 import pytest
 from probe_fixtures import tiny_runtime
 
-from eventkv.contract.battery import CONTRACT_PROBES, plan, provenance, run_contract
-from eventkv.contract.report import contract_sections, probe_section, write_contract
 from eventkv.errors import EventKVError
 from eventkv.probes.base import Summary, get_probe
-from eventkv.probes.contract_rows import ContractRow, ContractSection
 from eventkv.probes.runner import load_records, render
+from eventkv.studies.materialization.contract.battery import CONTRACT_PROBES, plan, provenance, run_contract
+from eventkv.studies.materialization.contract.report import contract_sections, probe_section, write_contract
+from eventkv.studies.materialization.contract_rows import ContractRow, ContractSection
 
 
 def test_plan_sizes():
@@ -26,8 +26,8 @@ def test_plan_sizes():
 
 
 def test_contract_battery_on_a_tiny_model(tmp_path, monkeypatch):
-    import eventkv.contract.battery as c
-    from eventkv.contract.battery import Step
+    import eventkv.studies.materialization.contract.battery as c
+    from eventkv.studies.materialization.contract.battery import Step
 
     def tiny_plan(items, quick=False):  # the quick preset, shrunk to a few items and short histories
         small = {"readout": "logits"}
@@ -96,7 +96,7 @@ def test_contract_battery_on_a_tiny_model(tmp_path, monkeypatch):
 
 
 def test_every_contract_probe_writes_its_own_section():
-    for p in CONTRACT_PROBES:  # donor-pair: its section is an interim function in probes.contract_rows
+    for p in CONTRACT_PROBES:  # donor-pair: its section is a function in studies.materialization.contract_rows
         assert callable(getattr(get_probe(p), "contract_section", None)), p
     with pytest.raises(EventKVError, match="'splice' has no contract_section"):
         probe_section("splice", Summary("splice", []))

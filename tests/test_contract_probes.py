@@ -10,16 +10,21 @@ from probe_fixtures import tiny_runtime
 from scipy import stats as st
 
 from eventkv.errors import EventKVError
-from eventkv.probes.access import Access, last_number, summarize_access
 from eventkv.probes.base import Summary
-from eventkv.probes.carriers import ANSWER_FREE, KINDS, Carriers, is_answer_free
-from eventkv.probes.contract_rows import ContractRow, d_tests, d_value, proportion
-from eventkv.probes.landing import Landing, factorial_effects
-from eventkv.probes.pairs import PrefillCache, event_id, serve_mixed, tokenize_pair
-from eventkv.probes.patch import Patch, leak_rate
-from eventkv.probes.trigger_bank import CONSTRUCTIONS, TriggerBank, carrier_text, summarize_trigger_bank
 from eventkv.serve import serve
 from eventkv.stats import format_p, mean_effect, tost, wilson
+from eventkv.studies.materialization.access import Access, last_number, summarize_access
+from eventkv.studies.materialization.carriers import ANSWER_FREE, KINDS, Carriers, is_answer_free
+from eventkv.studies.materialization.contract_rows import ContractRow, d_tests, d_value, proportion
+from eventkv.studies.materialization.landing import Landing, factorial_effects
+from eventkv.studies.materialization.pairs import PrefillCache, event_id, serve_mixed, tokenize_pair
+from eventkv.studies.materialization.patch import Patch, leak_rate
+from eventkv.studies.materialization.trigger_bank import (
+    CONSTRUCTIONS,
+    TriggerBank,
+    carrier_text,
+    summarize_trigger_bank,
+)
 
 
 # ---------------------------------------------------------------- carriers: answer-free, donor-identical
@@ -122,7 +127,7 @@ def test_trigger_bank_summary_exact_counts_and_scipy_p_values():
 
 
 def test_graded_donor_shift_d_counts_and_scipy_p_values():
-    from eventkv.probes.pairs import PairArm, d_stats, d_table
+    from eventkv.studies.materialization.pairs import PairArm, d_stats, d_table
 
     d = [0.5, 0.25, 0.125, -0.0625, 0.0, 0.75, 0.3, -0.2, 0.0, 0.4]
     recs = [{"d": {"kv": x}} for x in d] + [{"d": {}}]  # a record without the arm is skipped

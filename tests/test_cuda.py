@@ -271,7 +271,7 @@ def _sharp(lm):
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_cuda_splice_engine_matches_the_cpu(family):
-    from eventkv.splice.engine import (
+    from eventkv.studies.splice.engine import (
         Splice,
         SplicePrompt,
         clean_run,

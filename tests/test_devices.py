@@ -143,7 +143,7 @@ def test_every_command_that_loads_a_model_takes_device():
 
 
 def _argv(command: str, tmp_path: Path, jsonl: Path) -> list[str]:
-    from eventkv.memory.eval import DEMO_DATA
+    from eventkv.studies.materialization.memory_eval import DEMO_DATA
 
     extra = {
         "query": ["--log", str(jsonl), "--serve", "a", "-q", "which?"],
@@ -218,7 +218,7 @@ def test_the_run_manifest_records_the_device_and_a_run_resumes_on_another(tiny_d
 
 
 def test_the_contract_provenance_lists_every_device(tmp_path):
-    from eventkv.contract.battery import provenance
+    from eventkv.studies.materialization.contract.battery import provenance
 
     for probe, devices in (("donor_pair", ["cpu"]), ("landing", ["cuda:0", "cpu"])):
         (tmp_path / probe).mkdir()
@@ -287,7 +287,7 @@ def test_a_memory_opens_its_rows_on_the_models_device(tmp_path):
 
 
 def test_splice_plans_are_made_on_the_rows_device():
-    from eventkv.splice.engine import Splice, SplicePrompt, _spliced_rows, clean_run
+    from eventkv.studies.splice.engine import Splice, SplicePrompt, _spliced_rows, clean_run
 
     lm = tiny_lm("llama")
     prompt = SplicePrompt(tuple(range(10, 14)), tuple(range(20, 28)), tuple(range(40, 48)))

@@ -314,10 +314,10 @@ def test_splice_items_beyond_the_task_file(monkeypatch, capsys, tmp_path):
 
 def test_library_option_errors_name_the_field():
     from eventkv.errors import OptionError
-    from eventkv.probes.donor_pair import DonorPair
-    from eventkv.probes.landing import Landing
-    from eventkv.probes.patch import Patch
-    from eventkv.splice.probe import SpliceProbe
+    from eventkv.studies.materialization.donor_pair import DonorPair
+    from eventkv.studies.materialization.landing import Landing
+    from eventkv.studies.materialization.patch import Patch
+    from eventkv.studies.splice.probe import SpliceProbe
 
     for make, field in (
         (lambda: DonorPair(max_new_tokens=0), "max_new_tokens 0:"),

@@ -154,7 +154,7 @@ TASK_LINES = [
 
 @pytest.mark.parametrize("line, message", TASK_LINES, ids=[m[:30] for _, m in TASK_LINES])
 def test_splice_task_files_use_the_same_strict_schema(tmp_path, line, message):
-    from eventkv.splice.tasks import load_jsonl
+    from eventkv.studies.splice.tasks import load_jsonl
 
     p = tmp_path / "task.jsonl"
     p.write_bytes(line + b"\n")
@@ -164,7 +164,7 @@ def test_splice_task_files_use_the_same_strict_schema(tmp_path, line, message):
 
 
 def test_a_good_task_line_keeps_its_values(tmp_path):
-    from eventkv.splice.tasks import load_jsonl
+    from eventkv.studies.splice.tasks import load_jsonl
 
     p = tmp_path / "task.jsonl"
     p.write_text('{"prompt": "Which is red?", "answer": "Cherry", "options": ["cherry", "lime"]}\n')

@@ -262,7 +262,7 @@ def test_every_registered_policy_is_made_with_its_defaults_and_its_edges():
 
 
 def test_the_audit_refuses_a_policy_parameter_as_the_library_does():
-    from eventkv.eviction.audit import EvictionAudit
+    from eventkv.studies.materialization.audit import EvictionAudit
 
     with pytest.raises(OptionError) as err:
         EvictionAudit(policies=("streaming",), sinks=-1)

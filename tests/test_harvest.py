@@ -14,7 +14,7 @@ import scipy.stats
 from cli_fixtures import run_cli
 
 from eventkv.memory.dialogue import QA, Conversation, Turn
-from eventkv.memory.harvest import carriers, hard_negative, summarize_harvest
+from eventkv.studies.materialization.harvest import carriers, hard_negative, summarize_harvest
 
 TURNS = [
     Turn("D1:1", 1, "", "Ada", "I planted twelve tomato seedlings along the fence."),

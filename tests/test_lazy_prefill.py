@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from probe_fixtures import tiny_runtime
 
-from eventkv.probes.donor_pair import DonorPair
-from eventkv.probes.pairs import PairArm, events_read, tokenize_pair
+from eventkv.studies.materialization.donor_pair import DonorPair
+from eventkv.studies.materialization.pairs import PairArm, events_read, tokenize_pair
 
 
 def _count_tokens(model):

@@ -8,8 +8,8 @@ import pytest
 import scipy.stats
 from cli_fixtures import run_cli
 
-from eventkv.memory.eval import DEMO_DATA, MemoryEval, first_line, summarize_memory_eval
 from eventkv.stats import cluster_bootstrap, wilson
+from eventkv.studies.materialization.memory_eval import DEMO_DATA, MemoryEval, first_line, summarize_memory_eval
 
 
 def test_eval_runs_resumes_and_reports(tiny_dir, tmp_path, monkeypatch, capsys):
@@ -111,7 +111,7 @@ def test_adversarial_question_gets_the_forced_choice(batch_arms):
     structure; unbatched, each arm has its own readout time."""
     from probe_fixtures import tiny_runtime
 
-    from eventkv.memory.eval import NOT_MENTIONED, question_prompt
+    from eventkv.studies.materialization.memory_eval import NOT_MENTIONED, question_prompt
 
     probe = MemoryEval(
         data=DEMO_DATA,

@@ -284,7 +284,7 @@ pytest.importorskip("fastapi")
 
 from service_fixtures import Server, save_sharp_model  # noqa: E402
 
-from eventkv.memory.client import Client, ServiceError  # noqa: E402
+from eventkv.client import Client, ServiceError  # noqa: E402
 
 NS = "dmg"
 #: damage -> what the 409's message names

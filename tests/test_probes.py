@@ -10,11 +10,19 @@ from probe_fixtures import tiny_runtime
 
 from eventkv.errors import EventKVError, OptionError
 from eventkv.log import TokenizedLog, tokenize_query
-from eventkv.probes import DonorPair, get_probe, load_probes
-from eventkv.probes.donor_pair import last_state, summarize_donor_pairs
-from eventkv.probes.pairs import PairLayout, PairProbe, PrefillCache, donor_d, log_odds, outcome, tokenize_pair
+from eventkv.probes import get_probe, load_probes
 from eventkv.readout import candidate_logprobs, generate, read_out
 from eventkv.serve import serve
+from eventkv.studies.materialization.donor_pair import DonorPair, last_state, summarize_donor_pairs
+from eventkv.studies.materialization.pairs import (
+    PairLayout,
+    PairProbe,
+    PrefillCache,
+    donor_d,
+    log_odds,
+    outcome,
+    tokenize_pair,
+)
 from eventkv.testing import assert_same_greedy
 
 

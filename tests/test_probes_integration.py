@@ -5,8 +5,9 @@ import json
 
 import pytest
 
-from eventkv.probes import DonorPair, Runtime
+from eventkv.probes import Runtime
 from eventkv.probes.runner import load_records, run_probe
+from eventkv.studies.materialization.donor_pair import DonorPair
 
 pytestmark = pytest.mark.integration
 

@@ -6,8 +6,8 @@ import pytest
 from probe_fixtures import tiny_runtime
 
 from eventkv.errors import EventKVError
-from eventkv.probes import DonorPair
 from eventkv.probes.runner import FIGURE, RECORDS, RUN_MANIFEST, SUMMARY, load_records, render, run_probe
+from eventkv.studies.materialization.donor_pair import DonorPair
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +206,7 @@ def test_run_options_name_the_field_and_check_in_order(tmp_path):
     items, threads, dtype and out, in that order."""
     from eventkv.errors import OptionError
     from eventkv.probes.run_options import RunOptions
-    from eventkv.splice.probe import SpliceProbe
+    from eventkv.studies.splice.probe import SpliceProbe
 
     a_file = tmp_path / "a-file"
     a_file.write_text("x")

@@ -15,9 +15,9 @@ import pytest
 from eventkv import models
 from eventkv.log import Event, EventLog, encode, header_text, tokenize, tokenize_query
 from eventkv.models import SEAM_CONTENTS, profile_for, scaffold_seams
-from eventkv.splice.engine import SplicePrompt
-from eventkv.splice.probe import option_ids
-from eventkv.splice.tasks import TASKS, builtin_items
+from eventkv.studies.splice.engine import SplicePrompt
+from eventkv.studies.splice.probe import option_ids
+from eventkv.studies.splice.tasks import TASKS, builtin_items
 from eventkv.testing import CHATML, tiny_model, tiny_sentencepiece_tokenizer, tiny_tokenizer
 
 QUESTION = "Where is the red key?"

@@ -1,5 +1,5 @@
 """``eventkv serve``: a real uvicorn server on 127.0.0.1 and a free port (tests/service_fixtures),
-tiny random model (sharpened, float32). Every endpoint through :class:`eventkv.memory.client.Client`
+tiny random model (sharpened, float32). Every endpoint through :class:`eventkv.client.Client`
 and raw httpx; answers through HTTP equal the library's on the same store; namespaces; auth; the
 409 / 413 / 422 / 503 paths; SIGTERM leaves the store consistent; SIGKILL mid-stream loses no
 acknowledged event (and the gate passes on the reopened store); smollm2-135m once (integration)."""
@@ -16,8 +16,8 @@ pytest.importorskip("fastapi")
 
 from service_fixtures import Server, save_sharp_model  # noqa: E402
 
+from eventkv.client import Client, ServiceError  # noqa: E402
 from eventkv.memory import EventMemory, MemoryEvent  # noqa: E402
-from eventkv.memory.client import Client, ServiceError  # noqa: E402
 from eventkv.models import load  # noqa: E402
 from eventkv.testing import assert_same_greedy  # noqa: E402
 

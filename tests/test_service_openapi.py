@@ -18,7 +18,7 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from eventkv.errors import EventKVError, OutOfSpace, StoreDamaged  # noqa: E402
-from eventkv.memory import client as wire  # noqa: E402
+from eventkv import wire  # noqa: E402
 from eventkv.service.app import Settings, create_app  # noqa: E402
 from eventkv.testing import tiny_lm  # noqa: E402
 
@@ -129,7 +129,7 @@ def test_the_client_raises_the_exception_of_each_code():
 def test_the_client_maps_live_answers(lm, tmp_path):
     from service_fixtures import LiveApp
 
-    from eventkv.memory.client import Client
+    from eventkv.client import Client
 
     with LiveApp(create_app(Settings(lm, tmp_path / "store"))) as live:
         with Client.create(live.url, "c") as mem:

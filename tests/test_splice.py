@@ -7,7 +7,7 @@ from transformers import DynamicCache
 
 from eventkv.errors import EventKVError
 from eventkv.prefill import model_forward
-from eventkv.splice.engine import (
+from eventkv.studies.splice.engine import (
     ARMS,
     Splice,
     SplicePrompt,

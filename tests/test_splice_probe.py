@@ -12,20 +12,20 @@ from typer.testing import CliRunner
 
 from eventkv.cli.splice import build_probe, splice
 from eventkv.errors import EventKVError
-from eventkv.splice.probe import (
+from eventkv.stats import mcnemar_exact
+from eventkv.studies.splice.probe import (
     SpliceProbe,
     cell_table,
     parse_cutoffs,
     summarize_splice,
 )
-from eventkv.splice.tasks import (
+from eventkv.studies.splice.tasks import (
     TASKS,
     builtin_items,
     load_jsonl,
     outcome_decided,
     score,
 )
-from eventkv.stats import mcnemar_exact
 
 
 # ---------------------------------------------------------------- tasks

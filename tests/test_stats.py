@@ -132,7 +132,7 @@ def test_require_finite_names_items_and_caps_the_list():
 
 def test_probe_summaries_name_the_arm_and_item_of_a_nan_d():
     from eventkv.errors import EventKVError
-    from eventkv.probes.pairs import d_stats
+    from eventkv.studies.materialization.pairs import d_stats
 
     recs = [{"index": i, "d": {"kv": x}} for i, x in enumerate([0.5, 0.25, math.nan, -0.1])]
     with pytest.raises(

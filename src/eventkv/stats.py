@@ -292,8 +292,8 @@ def tost(x: Sequence[float], margin: float) -> Tost:
 
 
 # ---------------------------------------------------------------- cluster bootstrap
-# Issue 11, point 6 (memory eval on LoCoMo): questions about one conversation are not independent (one
-# history, one selection, one model state), so intervals resample whole conversations.
+# Questions about one conversation (the memory eval on LoCoMo) are not independent (one history, one
+# selection, one model state), so intervals resample whole conversations.
 @dataclass(frozen=True)
 class ClusterBootstrap:
     """A statistic of pooled per-item values with a percentile cluster-bootstrap interval.

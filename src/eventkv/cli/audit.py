@@ -1,4 +1,4 @@
-"""``eventkv audit``: the eviction audit on donor-pair histories (:mod:`eventkv.eviction.audit`).
+"""``eventkv audit``: the eviction audit on donor-pair histories (:mod:`eventkv.studies.materialization.audit`).
 User errors print one line (no traceback) and exit 2."""
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def audit(
     the kept events in isolation? Resumable."""
     with user_errors():
         from eventkv.errors import OptionError
-        from eventkv.eviction.audit import EvictionAudit
         from eventkv.probes.run_options import RunOptions
+        from eventkv.studies.materialization.audit import EvictionAudit
 
         ratios = []
         for r in comma_list(ratio, "--ratio"):

@@ -57,7 +57,7 @@ def trigger_bank(
     """Trigger bank (Study 1): write-through vs comprehension over 16 carrier constructions."""
     with user_errors():
         from eventkv.probes.run_options import RunOptions
-        from eventkv.probes.trigger_bank import TriggerBank
+        from eventkv.studies.materialization.trigger_bank import TriggerBank
 
         probe = TriggerBank(readout=readout, arm_names=comma_list(arms, "--arms"), max_new_tokens=max_new_tokens)
         opts = RunOptions(model, items, seed, out, dtype, threads, progress, device=device, batch_pairs=batch_pairs)
@@ -82,8 +82,8 @@ def landing(
 ) -> None:
     """Landing (Study 1): root vs reference edge, co-served mention, root x mention factorial (TOST), depth-3 chains."""
     with user_errors():
-        from eventkv.probes.landing import Landing
         from eventkv.probes.run_options import RunOptions
+        from eventkv.studies.materialization.landing import Landing
 
         probe = Landing(readout=readout, tost_margin=tost_margin, max_new_tokens=max_new_tokens)
         opts = RunOptions(model, items, seed, out, dtype, threads, progress, device=device, batch_pairs=batch_pairs)
@@ -106,8 +106,8 @@ def access(
 ) -> None:
     """Access (Study 1): recovery vs chance for binary, 4-way, 8-way and 3-digit payloads."""
     with user_errors():
-        from eventkv.probes.access import Access
         from eventkv.probes.run_options import RunOptions
+        from eventkv.studies.materialization.access import Access
 
         probe = Access(
             readout=readout, cardinalities=comma_list(cardinalities, "--cardinalities"), max_new_tokens=max_new_tokens
@@ -137,8 +137,8 @@ def carriers(
 ) -> None:
     """Programmed carriers (Study 1): answer-free carriers served alone and beside the shared row."""
     with user_errors():
-        from eventkv.probes.carriers import Carriers
         from eventkv.probes.run_options import RunOptions
+        from eventkv.studies.materialization.carriers import Carriers
 
         probe = Carriers(
             readout=readout,
@@ -168,8 +168,8 @@ def patch(
 ) -> None:
     """Served patches (Study 1, Updates): patch event vs re-prefill time against L, stale-value leak."""
     with user_errors():
-        from eventkv.probes.patch import Patch
         from eventkv.probes.run_options import RunOptions
+        from eventkv.studies.materialization.patch import Patch
 
         probe = Patch(
             readout=readout,
@@ -204,8 +204,8 @@ def contract(
     """The memory contract (Study 1): run the whole battery (donor pair, trigger bank, landing, access,
     programmed carriers, patches), resumably, and write contract.md, contract.json and figures."""
     with user_errors():
-        from eventkv.contract.battery import plan, run_contract
         from eventkv.probes.run_options import RunOptions
+        from eventkv.studies.materialization.contract.battery import plan, run_contract
 
         if items is None:
             items = 8 if quick else 24

@@ -1,4 +1,4 @@
-"""``eventkv harvest``: passive harvesting on real dialogue (:mod:`eventkv.memory.harvest`).
+"""``eventkv harvest``: passive harvesting on real dialogue (:mod:`eventkv.studies.materialization.harvest`).
 User errors print one line (no traceback) and exit 2."""
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ def harvest(
     prefill (harvested) vs the same turns encoded alone (isolated) or as text; forced choice against a
     hard negative and token F1; cluster bootstrap and TOST. Resumable; one item per conversation."""
     with user_errors():
-        from eventkv.memory.harvest import Harvest
         from eventkv.options import check_int
         from eventkv.probes.run_options import RunOptions
+        from eventkv.studies.materialization.harvest import Harvest
 
         probe = Harvest(
             data=data,

@@ -1,5 +1,5 @@
 """``eventkv memory eval``: EventMemory on real multi-session dialogue (LoCoMo format), resumably
-(:mod:`eventkv.memory.eval`). User errors print one line (no traceback) and exit 2."""
+(:mod:`eventkv.studies.materialization.memory_eval`). User errors print one line (no traceback) and exit 2."""
 
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ def memory_eval(
     prefill vs the same turns as text, each encoded alone, the whole history, and the gold evidence;
     token F1 / EM by category with cluster-bootstrap intervals and latency p50/p95."""
     with user_errors():
-        from eventkv.memory.eval import DEMO_DATA, MemoryEval
         from eventkv.probes.run_options import RunOptions
+        from eventkv.studies.materialization.memory_eval import DEMO_DATA, MemoryEval
 
         probe = MemoryEval(
             data=DEMO_DATA if data == "demo" else data,

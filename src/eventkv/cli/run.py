@@ -75,8 +75,8 @@ def donor_pair(
 ) -> None:
     """Donor pairs (Study 1): does the answer follow an omitted source through the served rows?"""
     with user_errors():
-        from eventkv.probes.donor_pair import DonorPair
         from eventkv.probes.run_options import RunOptions
+        from eventkv.studies.materialization.donor_pair import DonorPair
 
         probe = DonorPair(
             n_events=n_events,

@@ -38,9 +38,9 @@ def build_probe(
     readout: str = "generate",
 ):
     """The SpliceProbe for the CLI options (``task`` is a built-in name or a JSONL path)."""
-    from eventkv.splice.engine import DEFAULT_FILLER
-    from eventkv.splice.probe import SpliceProbe
-    from eventkv.splice.tasks import TASKS, file_digest
+    from eventkv.studies.splice.engine import DEFAULT_FILLER
+    from eventkv.studies.splice.probe import SpliceProbe
+    from eventkv.studies.splice.tasks import TASKS, file_digest
 
     task_file = digest = None
     name = task

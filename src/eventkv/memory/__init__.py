@@ -10,18 +10,9 @@ from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEve
 __all__ = [
     "Added",
     "CarrierResult",
-    "Client",
     "EventMemory",
     "MemoryAnswer",
     "MemoryEvent",
     "MemoryRecord",
     "MemoryStats",
 ]
-
-
-def __getattr__(name: str):
-    if name == "Client":  # the HTTP client needs httpx (the server extra): imported on first use
-        from eventkv.memory.client import Client
-
-        return Client
-    raise AttributeError(f"module 'eventkv.memory' has no attribute {name!r}")

@@ -3,7 +3,7 @@
 A **carrier** is an answer-free event written on purpose after its source events, so that its
 rows, computed by the global prefill with the sources in view, can carry their state after the
 sources are no longer served. The memory writes the same four answer-free kinds the contract
-battery measures (:mod:`eventkv.probes.carriers`), phrased about a *subject* and the *source
+battery measures (:mod:`eventkv.studies.materialization.carriers`), phrased about a *subject* and the *source
 events* instead of a register and a step:
 
 * ``passive`` — ``note: {subject} was recorded earlier in this log``;

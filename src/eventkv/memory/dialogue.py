@@ -392,7 +392,7 @@ def truncate(conv: Conversation, tokenizer, max_tokens: int) -> Conversation:
     whose evidence lies entirely inside those turns. A question with empty evidence is dropped (nothing
     shows its answer is inside), and so is one whose evidence names an id of no turn.
 
-    Issue 11, point 6: each conversation truncated to its first T tokens of turns.
+    Each conversation is truncated to its first ``max_tokens`` tokens of turns.
 
     Raises:
         OptionError: ``max_tokens`` is not a whole number >= 1.

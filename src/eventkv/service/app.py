@@ -12,7 +12,7 @@ read-only connection (:func:`eventkv.memory.reader.read_memory`) and never wait 
 A queued job whose client disconnects before it starts is cancelled (it never runs); a job already
 running finishes and its answer is dropped.
 
-Errors are JSON ``{"code", "message"}``, one code per kind (:data:`eventkv.memory.client.ERRORS`,
+Errors are JSON ``{"code", "message"}``, one code per kind (:data:`eventkv.wire.ERRORS`,
 the table ``docs/service.md`` lists): 401 no or wrong token, 403 namespace not granted, 404 unknown
 memory or event, 408 a body too slow, 409 ``expected_version`` behind the memory, an id taken, or a
 damaged store, 410 an event deleted or forgotten, 413 body too large, 422 a request outside its
@@ -47,7 +47,13 @@ from starlette.routing import Match
 
 from eventkv.errors import EventKVError, OptionError, StoreDamaged
 from eventkv.files import out_of_space, write_json_atomic
-from eventkv.memory.client import (
+from eventkv.memory.reader import read_memory
+from eventkv.memory.records import MemoryEvent
+from eventkv.memory.store import Store, remove_leftovers
+from eventkv.service import schemas as s
+from eventkv.service.names import MAX_NAME, NAME, NAME_PATTERN, check_name
+from eventkv.service.worker import ModelWorker
+from eventkv.wire import (
     DEFAULT_NAMESPACE,
     ERRORS,
     NAMESPACE_HEADER,
@@ -56,12 +62,6 @@ from eventkv.memory.client import (
     Gone,
     NotFound,
 )
-from eventkv.memory.reader import read_memory
-from eventkv.memory.records import MemoryEvent
-from eventkv.memory.store import Store, remove_leftovers
-from eventkv.service import schemas as s
-from eventkv.service.names import MAX_NAME, NAME, NAME_PATTERN, check_name
-from eventkv.service.worker import ModelWorker
 
 CONTRACTS = ".contracts"
 

@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TypeVar
 
-from eventkv.memory.client import QueueFull, ShuttingDown
+from eventkv.wire import QueueFull, ShuttingDown
 
 if TYPE_CHECKING:
     from eventkv.memory import EventMemory

@@ -74,8 +74,8 @@ def _init_process(runs: Sequence[PlannedRun], threads: int) -> None:
 
 def exit_with_parent() -> None:
     """End this spawned process when its parent ends. Why: a sweep process killed with SIGKILL cannot
-    stop its pool, and each orphaned worker would keep a whole model in memory (found by a trial: two
-    workers of 1.1 GB each left running). A daemon thread waits on the parent's sentinel (the standard
+    stop its pool, and each orphaned worker would keep a whole model in memory (two workers of a
+    1.5B model hold over 2 GB). A daemon thread waits on the parent's sentinel (the standard
     library's handle that becomes ready when the parent exits) and then exits at once. Nothing in a
     process that is not a multiprocessing child."""
     import multiprocessing

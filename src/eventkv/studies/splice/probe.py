@@ -3,13 +3,13 @@ user-content span's K/V are spliced at layers >= a cutoff, from a decoding step,
 
 Readouts (option ``readout``): ``generate`` — greedy generation scored on its first non-empty
 line by the matcher ``match`` (``word``, the default: the answer as a whole word and no competing
-option/number; ``exact``: the line equals the answer; see :mod:`eventkv.splice.tasks`);
+option/number; ``exact``: the line equals the answer; see :mod:`eventkv.studies.splice.tasks`);
 ``choice`` — for items with options, forced choice over the spliced cache
-(:func:`eventkv.splice.splice_choice`): correct iff the gold option's full continuation has the
+(:func:`eventkv.studies.splice.splice_choice`): correct iff the gold option's full continuation has the
 highest log-probability. The choice readout splices from decoding step 0 only.
 
 One item = one prompt. Per item the clean prefill + clean greedy decode and the scaffold donor's
-rows are computed once (:mod:`eventkv.splice.engine`); every (arm, cutoff, step) cell is then a batched
+rows are computed once (:mod:`eventkv.studies.splice.engine`); every (arm, cutoff, step) cell is then a batched
 splice + decode over those rows. The record holds the clean answer and one entry per cell.
 
 Statistics (:meth:`SpliceProbe.summarize`): per cell, accuracy with a Wilson 95% interval, and
@@ -31,7 +31,8 @@ from eventkv.errors import EventKVError, OptionError
 from eventkv.log import encode
 from eventkv.options import check_choices, check_int, check_ints, check_max_new_tokens
 from eventkv.probes.base import Probe, Summary, Table, register
-from eventkv.splice.engine import (
+from eventkv.stats import format_p, mcnemar_exact, wilson
+from eventkv.studies.splice.engine import (
     ARMS,
     DEFAULT_FILLER,
     TAILS,
@@ -43,8 +44,7 @@ from eventkv.splice.engine import (
     splice_choice,
     splice_sweep,
 )
-from eventkv.splice.tasks import MATCHERS, TASKS, builtin_items, load_jsonl, outcome_decided, score
-from eventkv.stats import format_p, mcnemar_exact, wilson
+from eventkv.studies.splice.tasks import MATCHERS, TASKS, builtin_items, load_jsonl, outcome_decided, score
 
 LAYER_SETS = ("from", "only")
 SpliceReadout = Literal["generate", "choice"]
@@ -106,18 +106,18 @@ def _n_layers(model) -> int:
 class SpliceProbe(Probe):
     """Options (all part of a run's identity):
 
-    task: a built-in task (:data:`eventkv.splice.tasks.TASKS`) or ``"jsonl"`` with ``task_file``.
+    task: a built-in task (:data:`eventkv.studies.splice.tasks.TASKS`) or ``"jsonl"`` with ``task_file``.
     cutoffs: ``"all"`` or a comma list (see :func:`parse_cutoffs`).
     steps: decoding steps the splice takes effect from (0 = before the first token).
     arm_names: splice arms (clean is always run as the reference).
     filler: the scaffold's filler text (repeated, truncated to the span's token length).
     heads: KV heads to splice (None = all).
     layer_set: ``from`` = layers >= cutoff (the study's splice); ``only`` = the cutoff layer alone.
-    tail: ``clean`` | ``spliced`` (see :mod:`eventkv.splice.engine`).
+    tail: ``clean`` | ``spliced`` (see :mod:`eventkv.studies.splice.engine`).
     max_new_tokens: greedy generation budget. batch_size: splices per batched decode.
     early_exit: end a generation once its outcome under ``match`` is fixed
-    (:func:`eventkv.splice.tasks.outcome_decided`); scores are unchanged, recorded texts are cut there.
-    match: ``word`` | ``exact`` — how a generation is scored (:func:`eventkv.splice.tasks.score`).
+    (:func:`eventkv.studies.splice.tasks.outcome_decided`); scores are unchanged, recorded texts are cut there.
+    match: ``word`` | ``exact`` — how a generation is scored (:func:`eventkv.studies.splice.tasks.score`).
     readout: ``generate`` | ``choice`` (forced choice among the item's options, step 0 only).
     """
 
@@ -347,7 +347,7 @@ class SpliceProbe(Probe):
         return summarize_splice(records, self)
 
     def figure(self, records: Sequence[dict], path) -> None:
-        from eventkv.splice.figures import accuracy_figure, heatmap_figure
+        from eventkv.studies.splice.figures import accuracy_figure, heatmap_figure
 
         table = cell_table(records)
         accuracy_figure(table, path)

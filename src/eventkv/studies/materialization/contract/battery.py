@@ -4,7 +4,7 @@ run every contract probe on one model, resumably, and write the contract.
 ``run_contract`` runs donor-pair, trigger-bank, landing, access, carriers and patch, each into
 its own run directory ``OUT/<probe>/`` through the probe runner's records and manifests (so each
 is resumable, refuses other settings, and ``eventkv report OUT/<probe>`` re-renders it), under
-one progress display. It then writes, through :func:`eventkv.contract.report.write_contract`
+one progress display. It then writes, through :func:`eventkv.studies.materialization.contract.report.write_contract`
 (which assembles each probe's own contract section),
 
 * ``OUT/contract.md`` — one row per contract clause: the measured figure, its interval or
@@ -24,11 +24,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from eventkv.contract.report import CONTRACT_PROBES, write_contract
 from eventkv.files import write_json_atomic
 from eventkv.options import check_int
 from eventkv.probes.base import Runtime, get_probe
 from eventkv.probes.runner import RUN_MANIFEST, environment, open_run, progress_bar, render, run_items
+from eventkv.studies.materialization.contract.report import CONTRACT_PROBES, write_contract
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ class EvictionAudit(Probe):
     def validate(self) -> None:
         from eventkv.eviction.policies import POLICIES
         from eventkv.options import check_choices, check_int
-        from eventkv.probes.donor_pair import DonorPair
+        from eventkv.studies.materialization.donor_pair import DonorPair
 
         check_choices("policies", self.policies, POLICIES, flag="--policy", what="policies")
         if not self.ratios or any(not 0 <= r < 1 for r in self.ratios) or len(set(self.ratios)) != len(self.ratios):
@@ -114,9 +114,9 @@ class EvictionAudit(Probe):
         from eventkv.eviction.masked import read_out_masked
         from eventkv.eviction.policies import keep_mask
         from eventkv.log import tokenize_query
-        from eventkv.probes.donor_pair import INSTRUCTION
-        from eventkv.probes.pairs import donor_d, event_id, outcome, tokenize_pair
         from eventkv.serve import serve
+        from eventkv.studies.materialization.donor_pair import INSTRUCTION
+        from eventkv.studies.materialization.pairs import donor_d, event_id, outcome, tokenize_pair
 
         logs = tokenize_pair(rt, INSTRUCTION, item["events"])
         a, b = item["values"]

@@ -20,7 +20,7 @@ ARM_COLORS = {
 def accuracy_figure(table: dict, path: str | Path) -> Path:
     """One panel per decoding step: accuracy vs cutoff for each arm (line + Wilson band), clean as a
     horizontal line with its band. ``table`` is the probe's cell table
-    (:func:`eventkv.splice.probe.cell_table` of the records)."""
+    (:func:`eventkv.studies.splice.probe.cell_table` of the records)."""
     from eventkv.stats import wilson
 
     plt = pyplot()

@@ -3,7 +3,7 @@
 sections.
 
 Each contract probe turns its summary into a
-:class:`~eventkv.probes.contract_rows.ContractSection` (its rows of the contract table, its
+:class:`~eventkv.studies.materialization.contract_rows.ContractSection` (its rows of the contract table, its
 section of contract.json, its figure); this module only puts them together in
 :data:`CONTRACT_PROBES` order, adds the header (preset, model, dtype, seed, pairs, compute time)
 and appends every probe's summary. It reads no probe's statistics itself.
@@ -17,8 +17,8 @@ from pathlib import Path
 from eventkv.errors import EventKVError
 from eventkv.files import write_json_atomic
 from eventkv.probes.base import Summary, Table, get_probe
-from eventkv.probes.contract_rows import ContractSection
 from eventkv.probes.runner import load_records
+from eventkv.studies.materialization.contract_rows import ContractSection
 
 #: the probes of the contract, in the order of the battery and of the contract's rows
 CONTRACT_PROBES = ("donor-pair", "trigger-bank", "landing", "access", "carriers", "patch")
@@ -54,7 +54,7 @@ def write_contract(out: Path, model: str, summaries: dict[str, Summary], provena
     """Write ``out/contract.md``, ``out/contract.json`` and ``out/figures/*.png`` from the probes'
     summaries (probe name -> Summary, each probe's run in ``out/<probe>/``).
 
-    ``provenance`` is :func:`eventkv.contract.battery.provenance` of ``out`` (dtype, seed, compute
+    ``provenance`` is :func:`~.battery.provenance` of ``out`` (dtype, seed, compute
     seconds per probe, torch threads, devices). contract.json holds the model, the preset, the pairs per
     probe, the provenance and one section per contract probe (NaN written as null).
 

@@ -1,14 +1,13 @@
 """Study 2, "Probing the Prompt KV Cache": splice a prompt span's K/V in upper layers with a
 neutral scaffold's, zeroed, masked or averaged rows, across layer cutoffs and decoding steps.
 
-Modules: :mod:`~eventkv.splice.engine` (the splice on the serving data path),
-:mod:`~eventkv.splice.tasks` (built-in prompt tasks and scoring), :mod:`~eventkv.splice.probe`
-(the ``splice`` probe: records, statistics) and :mod:`~eventkv.splice.figures`. The engine's
-public names are re-exported here (``from eventkv.splice import splice_sweep`` keeps working from
-when the engine was the module ``eventkv.splice``).
+Modules: :mod:`~eventkv.studies.splice.engine` (the splice on the serving data path),
+:mod:`~eventkv.studies.splice.tasks` (built-in prompt tasks and scoring), :mod:`~eventkv.studies.splice.probe`
+(the ``splice`` probe: records, statistics) and :mod:`~eventkv.studies.splice.figures`. The engine's
+public names are re-exported here.
 """
 
-from eventkv.splice.engine import (
+from eventkv.studies.splice.engine import (
     ARMS,
     DEFAULT_FILLER,
     TAILS,

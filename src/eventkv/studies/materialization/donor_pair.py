@@ -44,9 +44,9 @@ state word). From candidate scores: ``d = ½([lo(a|A) - lo(a|B)] + [lo(b|B) - lo
 ``lo(v|X)`` is the log-odds of state v among the candidates in variant X; for two states both
 brackets are equal. d > 0 means the answer leans toward the omitted source's value.
 
-The probe is a recipe over the pair engine of :mod:`eventkv.probes.pairs` (the one the contract
-probes run on): :func:`~eventkv.probes.pairs.run_pair` tokenizes, prefills, serves, reads out and
-scores (:func:`~eventkv.probes.pairs.outcome`, :func:`~eventkv.probes.pairs.donor_d`); the probe
+The probe is a recipe over the pair engine of :mod:`eventkv.studies.materialization.pairs` (the one the contract
+probes run on): :func:`~eventkv.studies.materialization.pairs.run_pair` tokenizes, prefills, serves, reads out and
+scores (:func:`~.pairs.outcome`, :func:`~.pairs.donor_d`); the probe
 adds the ``kv-all`` check and writes its record.
 """
 
@@ -62,10 +62,17 @@ import torch
 from eventkv.errors import EventKVError, OptionError
 from eventkv.options import check_choices
 from eventkv.probes.base import Arm, Runtime, Summary, Table, register
-from eventkv.probes.contract_rows import GRADED, ContractRow, ContractSection, d_tests, d_value, proportion
-from eventkv.probes.pairs import OUTCOME_COLUMNS, OUTCOMES, PairArm, PairLayout, PairProbe, event_id
 from eventkv.serve import serve
 from eventkv.stats import format_p, median, require_finite, sign_test, sign_test_d, wilcoxon_d, wilson
+from eventkv.studies.materialization.contract_rows import (
+    GRADED,
+    ContractRow,
+    ContractSection,
+    d_tests,
+    d_value,
+    proportion,
+)
+from eventkv.studies.materialization.pairs import OUTCOME_COLUMNS, OUTCOMES, PairArm, PairLayout, PairProbe, event_id
 
 NAMES = ("ALPHA", "BETA", "GAMMA", "DELTA", "OMEGA", "SIGMA", "KAPPA", "THETA", "LAMBDA", "EPSILON")
 INSTRUCTION = (
@@ -106,7 +113,7 @@ def last_state(text: str, states: Sequence[str]) -> str | None:
 class DonorPair(PairLayout, PairProbe):
     """Donor pairs over register histories (Study 1, "Donor pair"). Fields are the options; the
     layout fields (``n_events``, ``decoy_slot``, ``source_slots``) come from :class:`PairLayout`,
-    and the pair engine :func:`~eventkv.probes.pairs.run_pair` answers the arms."""
+    and the pair engine :func:`~eventkv.studies.materialization.pairs.run_pair` answers the arms."""
 
     name: ClassVar[str] = "donor-pair"
     smoke_options: ClassVar[dict] = {"max_new_tokens": 4}
@@ -260,7 +267,7 @@ class DonorPair(PairLayout, PairProbe):
         return summarize_donor_pairs(records, self)
 
     def figure(self, records: Sequence[dict], path) -> None:
-        from eventkv.probes.figures import donor_pair_figure
+        from eventkv.studies.materialization.figures import donor_pair_figure
 
         donor_pair_figure(records, path)
 

@@ -41,9 +41,17 @@ from typing import ClassVar, Sequence
 
 from eventkv.options import check_float
 from eventkv.probes.base import Runtime, Summary, Table, register
-from eventkv.probes.contract_rows import GRADED, ContractRow, ContractSection, d_tests, d_value, proportion
-from eventkv.probes.donor_pair import INSTRUCTION, NAMES, QUESTION, event_text, last_state, menu
-from eventkv.probes.pairs import (
+from eventkv.stats import format_p, mean_effect, tost
+from eventkv.studies.materialization.contract_rows import (
+    GRADED,
+    ContractRow,
+    ContractSection,
+    d_tests,
+    d_value,
+    proportion,
+)
+from eventkv.studies.materialization.donor_pair import INSTRUCTION, NAMES, QUESTION, event_text, last_state, menu
+from eventkv.studies.materialization.pairs import (
     D_CAPTION,
     PairArm,
     PairLayout,
@@ -54,7 +62,6 @@ from eventkv.probes.pairs import (
     pair_stats,
     primary_readout,
 )
-from eventkv.stats import format_p, mean_effect, tost
 
 STATES = ("ONLINE", "OFFLINE")
 
@@ -202,7 +209,7 @@ class Landing(PairLayout, PairProbe):
         return summarize_landing(records, self)
 
     def figure(self, records: Sequence[dict], path) -> None:
-        from eventkv.probes.figures import arm_bars
+        from eventkv.studies.materialization.figures import arm_bars
 
         arm_bars(records, [a.name for a in self.pair_arms()], primary_readout(self.readouts), "landing", path)
 

@@ -45,11 +45,26 @@ from typing import ClassVar, Sequence
 from eventkv.errors import OptionError
 from eventkv.options import check_choices
 from eventkv.probes.base import Runtime, Summary, Table, register
-from eventkv.probes.contract_rows import GRADED, ContractRow, ContractSection, d_tests, d_value, proportion
-from eventkv.probes.donor_pair import INSTRUCTION, NAMES, QUESTION, event_text, last_state, menu
-from eventkv.probes.figures import trigger_scatter
-from eventkv.probes.pairs import PairArm, PairLayout, PairProbe, d_stats, describe_d, pair_stats, primary_readout
 from eventkv.stats import format_p, median, require_finite, sign_test, sign_test_d
+from eventkv.studies.materialization.contract_rows import (
+    GRADED,
+    ContractRow,
+    ContractSection,
+    d_tests,
+    d_value,
+    proportion,
+)
+from eventkv.studies.materialization.donor_pair import INSTRUCTION, NAMES, QUESTION, event_text, last_state, menu
+from eventkv.studies.materialization.figures import trigger_scatter
+from eventkv.studies.materialization.pairs import (
+    PairArm,
+    PairLayout,
+    PairProbe,
+    d_stats,
+    describe_d,
+    pair_stats,
+    primary_readout,
+)
 
 MIRROR_VERBS = (
     "mirrors",

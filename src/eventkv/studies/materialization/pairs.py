@@ -1,6 +1,6 @@
 """The donor-pair engine: donor pairs with one or several histories and many arms.
 
-The donor-pair probe (:mod:`eventkv.probes.donor_pair`, Study 1, "Donor pair") answers one
+The donor-pair probe (:mod:`eventkv.studies.materialization.donor_pair`, Study 1, "Donor pair") answers one
 history layout with fixed arms. The contract probes (Study 1, "The memory contract", "Programmed
 carriers", "Updates") need the same unit of evidence — two variants identical except for what an
 unserved event wrote — over *several* histories per item (e.g. with and without a carrier), with arms that serve any

@@ -31,11 +31,20 @@ from typing import ClassVar, Sequence
 
 from eventkv.options import check_choices
 from eventkv.probes.base import Runtime, Summary, Table, register
-from eventkv.probes.contract_rows import ContractRow, ContractSection, proportion
-from eventkv.probes.donor_pair import INSTRUCTION, event_text, last_state, menu
-from eventkv.probes.figures import access_figure
-from eventkv.probes.pairs import D_CAPTION, PairArm, PairLayout, PairProbe, arm_table, correct, d_table, primary_readout
 from eventkv.stats import format_p, wilson
+from eventkv.studies.materialization.contract_rows import ContractRow, ContractSection, proportion
+from eventkv.studies.materialization.donor_pair import INSTRUCTION, event_text, last_state, menu
+from eventkv.studies.materialization.figures import access_figure
+from eventkv.studies.materialization.pairs import (
+    D_CAPTION,
+    PairArm,
+    PairLayout,
+    PairProbe,
+    arm_table,
+    correct,
+    d_table,
+    primary_readout,
+)
 
 PAYLOADS = {
     "binary": ("ONLINE", "OFFLINE"),

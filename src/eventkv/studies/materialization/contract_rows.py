@@ -10,7 +10,7 @@ its own :class:`~eventkv.probes.base.Summary` (the statistics of its records, no
 * optionally the figure it contributes to ``OUT/figures/``.
 
 The keys of ``summary.data`` a probe reads stay inside that probe's module; the report
-(:mod:`eventkv.contract.report`) only assembles the sections. This module also holds the shared
+(:mod:`eventkv.studies.materialization.contract.report`) only assembles the sections. This module also holds the shared
 formatters of the contract's cells (:func:`proportion`, :func:`d_value`, :func:`d_tests`,
 :data:`GRADED`).
 
@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Callable, ClassVar, NamedTuple, Protocol
 
 from eventkv.probes.base import Summary
-from eventkv.probes.pairs import describe_d
 from eventkv.stats import format_p
+from eventkv.studies.materialization.pairs import describe_d
 
 #: the study column of a graded row (donor shift d): Study 1 reports follow:anti only
 GRADED = "(study: follow:anti only)"
@@ -90,7 +90,7 @@ def proportion(d: dict | None) -> str:
 
 
 def d_tests(d: dict | None) -> str:
-    """A :func:`~eventkv.probes.pairs.d_stats` dict as ``sign p = ..., Wilcoxon p = ... (n pairs)``;
+    """A :func:`~eventkv.studies.materialization.pairs.d_stats` dict as ``sign p = ..., Wilcoxon p = ... (n pairs)``;
     ``n/a`` when missing."""
     if not d:
         return "n/a"
@@ -98,6 +98,6 @@ def d_tests(d: dict | None) -> str:
 
 
 def d_value(d: dict | None) -> str:
-    """A :func:`~eventkv.probes.pairs.d_stats` dict as its counts and median d (nats); says so when
+    """A :func:`~eventkv.studies.materialization.pairs.d_stats` dict as its counts and median d (nats); says so when
     the arm had no candidate readout."""
     return describe_d(d) if d else "n/a (no candidate readout)"

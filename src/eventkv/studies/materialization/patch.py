@@ -34,10 +34,11 @@ from typing import ClassVar, Sequence
 from eventkv.log import TokenizedLog
 from eventkv.options import check_int, check_ints
 from eventkv.probes.base import Runtime, Summary, Table, register
-from eventkv.probes.contract_rows import ContractRow, ContractSection, proportion
-from eventkv.probes.donor_pair import INSTRUCTION, NAMES, QUESTION, event_text, last_state, menu
-from eventkv.probes.figures import patch_figure
-from eventkv.probes.pairs import (
+from eventkv.stats import wilson
+from eventkv.studies.materialization.contract_rows import ContractRow, ContractSection, proportion
+from eventkv.studies.materialization.donor_pair import INSTRUCTION, NAMES, QUESTION, event_text, last_state, menu
+from eventkv.studies.materialization.figures import patch_figure
+from eventkv.studies.materialization.pairs import (
     D_CAPTION,
     PairArm,
     PairProbe,
@@ -46,7 +47,6 @@ from eventkv.probes.pairs import (
     primary_readout,
     tokenize_pair,
 )
-from eventkv.stats import wilson
 
 STATES = ("ONLINE", "OFFLINE")
 PATCH = "register {register} updated: now set to state {value}"

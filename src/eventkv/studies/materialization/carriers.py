@@ -37,9 +37,24 @@ from typing import ClassVar, Sequence
 from eventkv.errors import EventKVError
 from eventkv.options import check_choices
 from eventkv.probes.base import Runtime, Summary, register
-from eventkv.probes.contract_rows import GRADED, ContractRow, ContractSection, d_tests, d_value, proportion
-from eventkv.probes.donor_pair import INSTRUCTION, NAMES, event_text, last_state, menu
-from eventkv.probes.pairs import D_CAPTION, PairArm, PairLayout, PairProbe, arm_table, d_table, primary_readout
+from eventkv.studies.materialization.contract_rows import (
+    GRADED,
+    ContractRow,
+    ContractSection,
+    d_tests,
+    d_value,
+    proportion,
+)
+from eventkv.studies.materialization.donor_pair import INSTRUCTION, NAMES, event_text, last_state, menu
+from eventkv.studies.materialization.pairs import (
+    D_CAPTION,
+    PairArm,
+    PairLayout,
+    PairProbe,
+    arm_table,
+    d_table,
+    primary_readout,
+)
 
 STATES = ("ONLINE", "OFFLINE")
 KINDS = ("passive", "binding", "directive", "compute", "explicit")
@@ -192,7 +207,7 @@ class Carriers(PairLayout, PairProbe):
         return Summary(f"carriers: {len(records)} pairs", [t] + ([dt] if dt else []), [], notes, data)
 
     def figure(self, records: Sequence[dict], path) -> None:
-        from eventkv.probes.figures import arm_bars
+        from eventkv.studies.materialization.figures import arm_bars
 
         arm_bars(
             records, [a.name for a in self.pair_arms()], primary_readout(self.readouts), "programmed carriers", path
