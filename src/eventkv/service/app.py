@@ -18,6 +18,11 @@ memory or event, 408 a body too slow, 409 ``expected_version`` behind the memory
 damaged store, 410 an event deleted or forgotten, 413 body too large, 422 a request outside its
 schema or one the memory refuses, 503 queue full or shutting down, 507 the store's disk is full.
 The OpenAPI document declares every one of them per route, and ``/metrics`` as text.
+
+The parts: the routers, one per resource (:mod:`eventkv.service.routes`), handed the app's state,
+worker and metrics by dependency injection (:mod:`eventkv.service.state`); the middleware
+(:mod:`eventkv.service.middleware`: bearer token, body size and timeout, memory id); the metrics
+(:mod:`eventkv.service.metrics`); the error table and handlers (:mod:`eventkv.service.errors`).
 """
 
 from __future__ import annotations

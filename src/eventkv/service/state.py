@@ -1,8 +1,9 @@
 """What the routes are handed by FastAPI's dependency injection (``Depends``): the app's state
 (:class:`ServiceState`: settings, store root, served model), the model worker, the metrics, the
-request's namespace, and :class:`Jobs` (a request's way onto the worker). :func:`eventkv.service.app.create_app`
-keeps the state and the worker on ``app.state``; a test overrides any of :func:`get_state`,
-:func:`get_worker`, :func:`get_jobs` with ``app.dependency_overrides``.
+request's namespace, and :class:`Jobs` (a request's way onto the worker).
+:func:`eventkv.service.app.create_app` keeps the state, the worker and the metrics on ``app.state``;
+a test overrides any of :func:`get_state`, :func:`get_worker`, :func:`get_metrics`, :func:`get_jobs`
+with ``app.dependency_overrides``.
 
 Layout: ``STORE/<namespace>/<memory id>/`` is one EventMemory store; a posted contract is kept as
 ``STORE/<namespace>/.contracts/<memory id>.json``.
