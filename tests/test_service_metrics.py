@@ -15,7 +15,7 @@ pytest.importorskip("httpx")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from eventkv.errors import StoreDamaged  # noqa: E402
-from eventkv.service import app as service_app  # noqa: E402
+from eventkv.service import metrics as service_metrics  # noqa: E402
 from eventkv.service.app import Settings, create_app  # noqa: E402
 from eventkv.testing import tiny_lm  # noqa: E402
 
@@ -90,14 +90,14 @@ def test_memory_labels_name_only_existing_memories(client, tmp_path):
 
 
 def test_a_damaged_memory_is_left_out_not_the_whole_answer(client, monkeypatch):
-    real = service_app.read_memory
+    real = service_metrics.read_memory
 
     def read(d):
         if d.name == "payroll-2027":
             raise StoreDamaged(f"memory {d.name!r}: its database does not open: restore it from a backup.")
         return real(d)
 
-    monkeypatch.setattr(service_app, "read_memory", read)
+    monkeypatch.setattr(service_metrics, "read_memory", read)
     text = metrics(client)
     assert 'eventkv_memory_rows{memory="notes",namespace="nsa"}' in text and "payroll-2027" not in text
     assert 'eventkv_memories_damaged{namespace="nsb"} 1.0' in text

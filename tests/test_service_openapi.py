@@ -17,8 +17,8 @@ pytest.importorskip("fastapi")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from eventkv.errors import EventKVError, OutOfSpace, StoreDamaged  # noqa: E402
 from eventkv import wire  # noqa: E402
+from eventkv.errors import EventKVError, OutOfSpace, StoreDamaged  # noqa: E402
 from eventkv.service.app import Settings, create_app  # noqa: E402
 from eventkv.testing import tiny_lm  # noqa: E402
 

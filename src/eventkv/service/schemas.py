@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
-from eventkv.memory.records import Added, MemoryRecord, MemoryStats
+from eventkv.memory.records import Added, MemoryAnswer, MemoryRecord, MemoryStats
 from eventkv.service.names import MAX_NAME, NAME_PATTERN
 
 MAX_TEXT = 32_000  # characters of one event's text or one question
@@ -147,6 +147,31 @@ class AnswerOut(BaseModel):
     n_rows_served: int
     timings_ms: dict[str, float]
     version: int
+
+    @classmethod
+    def from_answer(cls, answer: MemoryAnswer, version: int) -> AnswerOut:
+        """The answer body of ``answer`` (what ``EventMemory.query`` returned), with the memory's
+        ``version`` when it was answered."""
+        return cls(
+            text=answer.text,
+            tokens=list(answer.generation.tokens),
+            stopped=answer.generation.stopped,
+            candidates=[
+                CandidateOut(
+                    text=c.text,
+                    tokens=list(c.tokens),
+                    logprob=c.logprob,
+                    token_logprobs=list(c.token_logprobs),
+                    prob=c.prob,
+                )
+                for c in answer.candidates
+            ],
+            served_ids=answer.served_ids,
+            positions=[tuple(p) for p in answer.positions],
+            n_rows_served=answer.n_rows_served,
+            timings_ms=answer.timings_ms,
+            version=version,
+        )
 
 
 class CarrierOut(BaseModel):

@@ -1,0 +1,170 @@
+"""The service's error answers: JSON ``{"code", "message"}`` with the status of its code.
+
+:data:`TABLE` maps an exception type to its ``(status, code)``, built on :data:`eventkv.wire.ERRORS`
+(the table the client reads answers back with); :func:`responses` declares a route's error statuses
+in the OpenAPI document; :class:`Handlers` are the app's exception handlers (a request outside its
+schema, an :class:`~eventkv.errors.EventKVError`, a client gone before its answer, Starlette's HTTP
+errors, and any other exception as 500 ``internal``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute, Match
+
+from eventkv.errors import EventKVError, OptionError
+from eventkv.service import schemas as s
+from eventkv.wire import ERRORS
+
+
+#: exception type -> (HTTP status, code), in the order of :data:`eventkv.wire.ERRORS`: an exception
+#: answers with the first type it is an instance of (a type listed under two codes keeps the first)
+def _table() -> dict[type[EventKVError], tuple[int, str]]:
+    table: dict[type[EventKVError], tuple[int, str]] = {}
+    for code, (status, kind) in ERRORS.items():
+        table.setdefault(kind, (status, code))
+    return table
+
+
+TABLE = _table()
+
+#: what each error status means, as the OpenAPI document declares it
+STATUS_TEXT = {
+    401: "no bearer token, or a wrong one (`unauthorized`)",
+    403: "the token is not granted the namespace, or the body names another namespace (`forbidden`)",
+    404: "an unknown memory, event or route (`not_found`)",
+    408: "the request body did not arrive within the server's body timeout (`timeout`)",
+    409: "`conflict`: expected_version behind the memory, or the id taken; `damaged`: the memory's store "
+    "fails its checks",
+    410: "the event is deleted or forgotten (`gone`)",
+    413: "the request body is over the server's limit (`body_too_large`)",
+    422: "`invalid_request`: outside the schema, or not JSON; `invalid_option`: a bad memory id, namespace "
+    "or model; `refused`: the memory cannot carry out the request",
+    503: "the model queue is full (`busy`), the server is stopping (`shutting_down`), or a forget is done but its "
+    "bytes are still on disk behind a reader (`purge_pending`: forget the same id again); retry after Retry-After",
+    507: "the store's filesystem is full (`insufficient_storage`); nothing was written",
+}
+
+SCOPED = (403, 422)  # every route with a namespace: not granted, a bad header
+MEMORY = (*SCOPED, 404, 409)  # and a memory id: unknown, damaged
+QUEUED = (*MEMORY, 503, 507)  # and model work: queue full, a full disk (a query's lazy prefill writes)
+
+
+class ClientGone(Exception):
+    """The client disconnected while its job waited: nobody reads the answer."""
+
+
+def error_response(status: int, code: str, message: str, headers: dict | None = None) -> JSONResponse:
+    """The error answer: ``{"code", "message"}`` with ``status`` (and ``headers``)."""
+    return JSONResponse({"code": code, "message": message}, status_code=status, headers=headers)
+
+
+def status_and_code(exc: EventKVError) -> tuple[int, str]:
+    """``(HTTP status, code)`` of ``exc`` (:data:`TABLE`); an exception of no listed type is 422:
+    ``invalid_option`` for an :class:`~eventkv.errors.OptionError`, else ``refused``."""
+    found = next((answer for kind, answer in TABLE.items() if isinstance(exc, kind)), None)
+    if found is not None:
+        return found
+    code = "invalid_option" if isinstance(exc, OptionError) else "refused"
+    return ERRORS[code][0], code
+
+
+def declared(status: int) -> dict:
+    """The OpenAPI ``responses`` entry of an error ``status``: the error body, what it means, and
+    the headers it carries (503: Retry-After; 401: WWW-Authenticate)."""
+    out: dict = {"model": s.ErrorOut, "description": STATUS_TEXT[status]}
+    if status == 503:
+        out["headers"] = {"Retry-After": {"schema": {"type": "string"}, "description": "seconds"}}
+    if status == 401:
+        out["headers"] = {"WWW-Authenticate": {"schema": {"type": "string"}}}
+    return out
+
+
+def responses(*statuses: int) -> dict:
+    """The OpenAPI ``responses`` of a route: each status with the error body, plus those of every
+    route: 408 and 413 (the body middleware). 401 is not among them: the app adds it to the routes
+    behind the bearer token when it has tokens (:data:`UNAUTHORIZED`)."""
+    return {status: declared(status) for status in sorted({408, 413, *statuses})}
+
+
+#: the responses the bearer-token middleware adds to a route it guards
+UNAUTHORIZED = {401: declared(401)}
+
+
+def scrub(message: str, root: Path) -> str:
+    """``message`` without the server's paths under the store ``root`` (a client knows its memories by id)."""
+    for prefix in sorted({str(root.resolve()), str(root)}, key=len, reverse=True):
+        message = message.replace(prefix + os.sep, "").replace(prefix, "<store>")
+    return message
+
+
+class Handlers:
+    """The app's exception handlers (:meth:`install`): messages are scrubbed of the paths under
+    ``root``; a 405's ``Allow`` names the methods of every route of the app and of ``routers`` whose
+    path matches."""
+
+    def __init__(self, root: Path, routers: Iterable = ()) -> None:
+        self.root, self.routers = root, list(routers)
+
+    def install(self, app: FastAPI) -> None:
+        app.add_exception_handler(RequestValidationError, self.invalid)
+        app.add_exception_handler(EventKVError, self.refused)
+        app.add_exception_handler(ClientGone, self.client_gone)
+        app.add_exception_handler(StarletteHTTPException, self.http_error)
+        app.add_exception_handler(Exception, self.internal)
+
+    async def invalid(self, request: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = []
+        for e in exc.errors()[:5]:
+            loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+            parts.append(f"{loc or 'body'}: {e.get('msg')}")
+        return error_response(422, "invalid_request", "; ".join(parts) + " (see /docs for the request schemas).")
+
+    async def refused(self, request: Request, exc: EventKVError) -> JSONResponse:
+        status, code = status_and_code(exc)
+        headers = {"Retry-After": "1"} if status == 503 else None
+        return error_response(status, code, scrub(str(exc), self.root), headers)
+
+    async def client_gone(self, request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it; the metrics count it as 499
+
+    def routes(self, app) -> list[BaseRoute]:
+        """The app's own routes, then those of the included routers."""
+        return [*app.router.routes, *(route for router in self.routers for route in router.routes)]
+
+    async def http_error(self, request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            return error_response(
+                404, "not_found", f"no route {request.method} {request.url.path}: see /docs for the routes."
+            )
+        if exc.status_code == 405:
+            # Starlette's Allow names the methods of the first route whose path matched; a path can have
+            # several routes (GET and POST /v1/memories): name every method of every route that matches
+            allowed = set()
+            for route in self.routes(request.app):
+                methods = getattr(route, "methods", None)
+                if methods and route.matches(request.scope)[0] is not Match.NONE:
+                    allowed |= methods
+            allow = ", ".join(sorted(allowed))
+            return error_response(
+                405,
+                "method_not_allowed",
+                f"{request.method} is not a method of this route: use {allow}.",
+                {"Allow": allow},
+            )
+        if exc.status_code == 400:  # the body could not be parsed (not UTF-8, not JSON)
+            return error_response(
+                422, "invalid_request", "the request body is not valid JSON: send a JSON body (see /docs)."
+            )
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        return error_response(exc.status_code, "invalid_request", message, getattr(exc, "headers", None))
+
+    async def internal(self, request: Request, exc: Exception) -> JSONResponse:  # a bug, never the caller's input
+        return error_response(500, "internal", f"internal error ({type(exc).__name__}): please report it.")

@@ -1,0 +1,48 @@
+"""Reading a memory through the model, on the worker: ``POST .../select`` (the event ids a question
+would be served) and ``POST .../query`` (an answer from the served set's KV rows)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from eventkv.service import schemas as s
+from eventkv.service.errors import QUEUED, responses
+from eventkv.service.state import MemoryId, Namespace, State, Work, not_forgotten
+from eventkv.wire import Conflict
+
+router = APIRouter()
+
+
+def served_ids(mem, ids) -> None:
+    """(worker thread) every id of an explicit served set is an event of the memory, not forgotten."""
+    if isinstance(ids, list):
+        for eid in ids:
+            not_forgotten(mem, eid, "served (it has no rows)")
+
+
+@router.post("/v1/memories/{mid}/select", response_model=list[str], responses=responses(*QUEUED))
+async def select(mid: MemoryId, body: s.SelectIn, ns: Namespace, state: State, jobs: Work):
+    return await jobs.on_memory(
+        state.existing(ns, mid), lambda mem: mem.select(body.question, body.k, body.budget_rows), None
+    )
+
+
+@router.post("/v1/memories/{mid}/query", response_model=s.AnswerOut, responses=responses(*QUEUED, 410))
+async def query(mid: MemoryId, body: s.QueryIn, ns: Namespace, state: State, jobs: Work):
+    def verb(mem):
+        served_ids(mem, body.select)
+        if body.select in (None, "view", "all") and not mem.view_ids():
+            if body.select != "all" or not mem.list(include_superseded=True, include_deleted=True):
+                raise Conflict(f"memory {mid!r} has no live events to serve: add some first.")
+        a = mem.query(
+            body.question,
+            select=body.select,
+            k=body.k,
+            mode=body.mode,
+            candidates=body.candidates,
+            max_new_tokens=body.max_new_tokens,
+            budget_rows=body.budget_rows,
+        )
+        return s.AnswerOut.from_answer(a, version=mem.version)
+
+    return await jobs.on_memory(state.existing(ns, mid), verb, None)
