@@ -139,6 +139,7 @@ def run_probe_command(probe, opts: RunOptions) -> None:
     summary = opts.run(probe, rt, console)
     print_summary(console, summary)
     out = opts.out
+    assert out is not None  # start_run filled the default --out
     figure = f"  figure: {out / 'figure.png'}" if (out / "figure.png").is_file() else ""
     console.print(f"records: {out / 'records.jsonl'}  summary: {out / 'summary.md'}{figure}")
 
