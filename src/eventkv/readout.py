@@ -192,7 +192,7 @@ def stack(served: Sequence[ServedCache], extra: int = 0) -> Batch:
         gl._views()
         layers.append(gl)
     cache = DynamicCache()
-    cache.layers = layers
+    cache.layers.extend(layers)  # config-less: no layers until given
     mask = torch.zeros(len(served), n, dtype=torch.bool, device=dev)
     for i, s in enumerate(served):
         mask[i, n - s.n_rows :] = True if s.visible is None else s.visible.to(dev)
