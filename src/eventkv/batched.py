@@ -23,7 +23,7 @@ import torch
 
 from eventkv.errors import EventKVError
 from eventkv.log import HEADER_ID, TokenizedLog
-from eventkv.prefill import EventKV, cache_from_rows, check_context, model_device, model_forward, prefill
+from eventkv.prefill import EventKV, cache_from_rows, cache_kv, check_context, model_device, model_forward, prefill
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -88,38 +88,37 @@ def prefill_batch(
             if rest
             else []
         )
-        out: list[EventKV | None] = [None] * len(jobs)
-        for k, ekv in zip(rest, made):
-            out[k] = ekv
+        by_job = dict(zip(rest, made))
         for k in whole:
             log, prefix = jobs[k]
-            out[k] = prefill(model, log, prefix=prefix, max_context=max_context, weights_digest=weights_digest)
-        return out
+            by_job[k] = prefill(model, log, prefix=prefix, max_context=max_context, weights_digest=weights_digest)
+        return [by_job[k] for k in range(len(jobs))]
     n_new = [log.n_rows - p for (log, _), p in zip(jobs, starts)]
     big_p, big_n, b = max(starts), max(n_new), len(jobs)
 
-    ids, pos, mask = [], [], []
+    id_rows, pos_rows, mask_rows = [], [], []
     for (log, _), p, n in zip(jobs, starts, n_new):
         own = log.position_ids[p:]
-        ids.append(log.input_ids[p:] + [0] * (big_n - n))  # right pad: token 0, never attended to
-        pos.append(own + [own[-1] + 1 + j for j in range(big_n - n)])  # pad positions: after the last real one
-        mask.append([False] * (big_p - p) + [True] * (p + big_n))
-    ids = torch.tensor(ids, dtype=torch.long, device=device)
-    pos = torch.tensor(pos, dtype=torch.long, device=device)
-    mask = torch.tensor(mask, dtype=torch.bool, device=device)
+        id_rows.append(log.input_ids[p:] + [0] * (big_n - n))  # right pad: token 0, never attended to
+        pos_rows.append(own + [own[-1] + 1 + j for j in range(big_n - n)])  # pad positions: after the last real one
+        mask_rows.append([False] * (big_p - p) + [True] * (p + big_n))
+    ids = torch.tensor(id_rows, dtype=torch.long, device=device)
+    pos = torch.tensor(pos_rows, dtype=torch.long, device=device)
+    mask = torch.tensor(mask_rows, dtype=torch.bool, device=device)
     if big_p:
         ref = next(prefix for _, prefix in jobs if prefix is not None)  # its rows set the pad's dtype and shape
-        keys, values = [], []
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
         for layer in range(ref.n_layers):
             k0, v0 = ref.keys[layer], ref.values[layer]
-            k = k0.new_zeros(b, k0.shape[1], big_p, k0.shape[3])
-            v = v0.new_zeros(b, v0.shape[1], big_p, v0.shape[3])
+            pad_k = k0.new_zeros(b, k0.shape[1], big_p, k0.shape[3])
+            pad_v = v0.new_zeros(b, v0.shape[1], big_p, v0.shape[3])
             for i, ((_, prefix), p) in enumerate(zip(jobs, starts)):
                 if prefix is not None:
-                    k[i, :, big_p - p :] = prefix.keys[layer][0]
-                    v[i, :, big_p - p :] = prefix.values[layer][0]
-            keys.append(k)
-            values.append(v)
+                    pad_k[i, :, big_p - p :] = prefix.keys[layer][0]
+                    pad_v[i, :, big_p - p :] = prefix.values[layer][0]
+            keys.append(pad_k)
+            values.append(pad_v)
         cache = cache_from_rows(keys, values)
     else:
         from transformers import DynamicCache
@@ -127,11 +126,13 @@ def prefill_batch(
         cache = DynamicCache()
     model_forward(model, ids, pos, cache, mask, logits_to_keep=1)
     out = []
+    cache_keys, cache_values = cache_kv(cache)
     for i, ((log, prefix), n) in enumerate(zip(jobs, n_new)):
-        ks, vs = [], []
-        for layer in cache.layers:
-            new_k = layer.keys[i : i + 1, :, big_p : big_p + n]
-            new_v = layer.values[i : i + 1, :, big_p : big_p + n]
+        ks: list[torch.Tensor] = []
+        vs: list[torch.Tensor] = []
+        for layer_k, layer_v in zip(cache_keys, cache_values):
+            new_k = layer_k[i : i + 1, :, big_p : big_p + n]
+            new_v = layer_v[i : i + 1, :, big_p : big_p + n]
             if prefix is not None:
                 ks.append(torch.cat([prefix.keys[len(ks)], new_k], dim=2))
                 vs.append(torch.cat([prefix.values[len(vs)], new_v], dim=2))
@@ -181,12 +182,13 @@ def encode_alone(
     pos = torch.tensor([list(range(p, p + n)) for _, p in events], dtype=torch.long, device=device)
     model_forward(model, ids, pos, cache, logits_to_keep=1)
     out = []
+    cache_keys, cache_values = cache_kv(cache)
     for i, (tokens, p) in enumerate(events):
         m = len(tokens)
         out.append(
             (
-                [layer.keys[i : i + 1, :, h : h + m].contiguous() for layer in cache.layers],
-                [layer.values[i : i + 1, :, h : h + m].contiguous() for layer in cache.layers],
+                [k[i : i + 1, :, h : h + m].contiguous() for k in cache_keys],
+                [v[i : i + 1, :, h : h + m].contiguous() for v in cache_values],
                 torch.arange(p, p + m, dtype=torch.long, device="cpu"),  # an EventKV's positions live on the CPU
             )
         )

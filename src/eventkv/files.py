@@ -86,7 +86,9 @@ def is_out_of_space(exc: BaseException) -> bool:
     or disk is full"), or safetensors' ``SafetensorError`` wrapping such an OS error (it keeps only the
     message). The exception's cause and context are followed too."""
     seen = set()
-    while exc is not None and id(exc) not in seen:
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        exc = current
         seen.add(id(exc))
         if isinstance(exc, OSError) and exc.errno in NO_SPACE:
             return True
@@ -98,7 +100,7 @@ def is_out_of_space(exc: BaseException) -> bool:
             m = _OS_ERROR.search(str(exc))
             if m and int(m.group(1)) in NO_SPACE:
                 return True
-        exc = exc.__cause__ or exc.__context__
+        current = exc.__cause__ or exc.__context__
     return False
 
 

@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from eventkv.errors import EventKVError
 from eventkv.files import fsync_path, sha256_file
@@ -133,6 +134,27 @@ def check_rows_match(model: PreTrainedModel, cache: DynamicCache) -> int:
             f"EventKV.to(dtype=torch.{pd}, device={str(p.device)!r})."
         )
     return int(keys.shape[-2])
+
+
+def cache_kv(cache: Cache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every layer's keys and values ``[batch, kv_heads, rows, head_dim]`` in ``cache`` after a forward.
+
+    Raises:
+        EventKVError: a layer that holds no keys or values (not a full or sliding-window attention layer, which
+            :func:`eventkv.models.introspect.profile_model` refuses before any forward).
+    """
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    for layer in cache.layers:
+        k, v = (layer.keys, layer.values) if isinstance(layer, CacheLayerMixin) else (None, None)
+        if k is None or v is None:
+            raise EventKVError(
+                f"cache layer {len(keys)} ({type(layer).__name__}) holds no keys and values; eventkv supports only "
+                "full and sliding-window attention layers."
+            )
+        keys.append(k)
+        values.append(v)
+    return keys, values
 
 
 def cache_from_rows(keys: Sequence[LayerRows], values: Sequence[LayerRows]) -> DynamicCache:
@@ -455,7 +477,6 @@ def prefill(
     for a in range(start, log.n_rows, step):
         b = min(a + step, log.n_rows)
         model_forward(model, ids[:, a:b], pos[:, a:b], cache, logits_to_keep=1)
-    keys = [layer.keys for layer in cache.layers]
-    values = [layer.values for layer in cache.layers]
+    keys, values = cache_kv(cache)
     positions = torch.tensor(log.position_ids, dtype=torch.long, device="cpu")  # bookkeeping stays on the CPU
     return EventKV(log, keys, values, positions, weights_digest)

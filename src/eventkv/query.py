@@ -82,7 +82,7 @@ def prefill_or_load(
             f"{ctx} positions: give at most {ctx - used} new tokens.",
         )
     given = store is not None
-    store = Path(store) if given else store_dir_for(lm, tlog)
+    store = Path(store) if store is not None else store_dir_for(lm, tlog)
     check_out_dir(store, "store")
     if (store / "eventkv.json").is_file():
         try:

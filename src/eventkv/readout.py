@@ -27,7 +27,7 @@ reaches real rows before it would reach the pad).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Sequence, cast
 
 import torch
 from transformers import DynamicCache
@@ -35,7 +35,7 @@ from transformers.cache_utils import DynamicLayer
 
 from eventkv.errors import EventKVError
 from eventkv.log import encode
-from eventkv.prefill import check_context, model_forward
+from eventkv.prefill import cache_kv, check_context, model_forward
 from eventkv.serve import ServedCache
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ class GrowingLayer(DynamicLayer):
                 self._k.new_empty(*self._k.shape[:2], cap, self._k.shape[3]),
                 self._v.new_empty(*self._v.shape[:2], cap, self._v.shape[3]),
             )
-            k[:, :, : self.n], v[:, :, : self.n] = self.keys, self.values
+            k[:, :, : self.n], v[:, :, : self.n] = self._k[:, :, : self.n], self._v[:, :, : self.n]
             self._k, self._v = k, v
         self._k[:, :, self.n : self.n + q] = key_states
         self._v[:, :, self.n : self.n + q] = value_states
@@ -130,8 +130,8 @@ class GrowingLayer(DynamicLayer):
 
 def growing_cache(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], capacity: int) -> DynamicCache:
     """A ``DynamicCache`` whose layers are :class:`GrowingLayer` s holding these rows (copied)."""
-    cache = DynamicCache()
-    cache.layers = [GrowingLayer(k, v, capacity) for k, v in zip(keys, values)]
+    cache = DynamicCache()  # config-less: no layers until given
+    cache.layers.extend(GrowingLayer(k, v, capacity) for k, v in zip(keys, values))
     return cache
 
 
@@ -156,12 +156,8 @@ class Batch:
     def select(self, idx: Sequence[int], capacity: int) -> "Batch":
         """A copy of the sub-batch at ``idx`` (indices may repeat) with room for ``capacity`` rows."""
         i = torch.tensor(list(idx), dtype=torch.long, device=self.mask.device)
-        layers = self.cache.layers
-        cache = growing_cache(
-            [layer.keys.index_select(0, i) for layer in layers],
-            [layer.values.index_select(0, i) for layer in layers],
-            capacity,
-        )
+        keys, values = cache_kv(self.cache)
+        cache = growing_cache([k.index_select(0, i) for k in keys], [v.index_select(0, i) for v in values], capacity)
         return Batch(cache, self.mask.index_select(0, i), self.next_position.index_select(0, i))
 
     def forward(self, model: PreTrainedModel, ids: torch.Tensor, offset: int, logits_to_keep: int = 0) -> torch.Tensor:
@@ -196,7 +192,7 @@ def stack(served: Sequence[ServedCache], extra: int = 0) -> Batch:
         gl._views()
         layers.append(gl)
     cache = DynamicCache()
-    cache.layers = layers
+    cache.layers.extend(layers)  # config-less: no layers until given
     mask = torch.zeros(len(served), n, dtype=torch.bool, device=dev)
     for i, s in enumerate(served):
         mask[i, n - s.n_rows :] = True if s.visible is None else s.visible.to(dev)
@@ -289,9 +285,9 @@ def _queries(query_ids: Sequence[int] | Sequence[Sequence[int]], n: int) -> list
     checked (one per cache, none empty, all of one length)."""
     if not query_ids:
         raise EventKVError("the query is empty: give a question.")
-    if isinstance(query_ids[0], int):
-        return [list(query_ids)] * n
-    queries = [list(q) for q in query_ids]
+    if isinstance(query_ids[0], int):  # one query of token ids (the first id tells the two forms apart)
+        return [list(cast("Sequence[int]", query_ids))] * n
+    queries = [list(cast("Sequence[int]", q)) for q in query_ids]
     if len(queries) != n:
         raise EventKVError(
             f"read_out got {n} served caches but {len(queries)} queries: give one query or one per cache."
@@ -335,7 +331,7 @@ def _score(
         first[scored].unsqueeze(1).expand(-1, n_c, -1),
         torch.tensor([[s[0] for s in seqs]] * len(scored), dtype=torch.long, device=dev),
     ).tolist()  # [scored][n_c]
-    lp = None
+    lp: list[list[float]] = []  # read only for tokens k > 0, which exist only when width > 0
     if width > 0:
         sub = batch.select([i for i in scored for _ in range(n_c)], batch.mask.shape[1] + width)
         padded = [seqs[r % n_c] + [0] * (width + 1 - len(seqs[r % n_c])) for r in range(sub.size)]
@@ -379,7 +375,7 @@ def _generate(
     q: int,
     max_new: int,
     stops: set[int],
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: PreTrainedTokenizerBase | None,
     out: list[Readout],
     keep_logits: bool = False,
 ) -> None:
@@ -413,7 +409,7 @@ def _generate(
         if i is None:
             continue
         if tokenizer is not None:
-            g.text = tokenizer.decode(g.tokens, skip_special_tokens=True)
+            g.text = cast(str, tokenizer.decode(g.tokens, skip_special_tokens=True))  # one sequence: one text
         out[i].generation = g
 
 
@@ -460,7 +456,7 @@ def generate(
     Raises:
         EventKVError: empty query, or history + query + new tokens beyond the model's context.
     """
-    return read_out(
+    out = read_out(
         model,
         [served],
         query_ids,
@@ -471,7 +467,8 @@ def generate(
         tokenizer=tokenizer,
         max_context=max_context,
         keep_logits=keep_logits,
-    )[0].generation
+    )[0]
+    return _generation(out)
 
 
 def candidate_logprobs(
@@ -551,4 +548,10 @@ def answer_served(
         max_context=max_context,
         keep_logits=keep_logits,
     )
-    return [(o.generation, o.candidates) for o in outs]
+    return [(_generation(o), o.candidates) for o in outs]
+
+
+def _generation(out: Readout) -> Generation:
+    """The generation of a readout asked to generate (``generate=True``)."""
+    assert out.generation is not None  # read_out generates for every cache with generate=True
+    return out.generation

@@ -32,7 +32,7 @@ from transformers import DynamicCache
 
 from eventkv.errors import EventKVError
 from eventkv.log import HEADER_ID
-from eventkv.prefill import EventKV, LayerRows, cache_from_rows, model_device, model_forward
+from eventkv.prefill import EventKV, LayerRows, cache_from_rows, cache_kv, model_device, model_forward
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -186,21 +186,26 @@ def serve(
             span = log.span(eid)
             tokens = log.event_tokens[log.event_ids.index(eid)]
             key = (eid, span.pos_start, tuple(tokens))
-            rows = isolated_memo.get(key) if isolated_memo is not None else None
-            if rows is None:
+            event_rows = isolated_memo.get(key) if isolated_memo is not None else None
+            if event_rows is None:
                 cache = cache_from_rows(header_keys, header_values)
                 pos = torch.arange(span.pos_start, span.pos_start + span.n_tokens, device=device).unsqueeze(0)
                 model_forward(model, torch.tensor([tokens], device=device), pos, cache, logits_to_keep=1)
-                rows = (
-                    [layer.keys[:, :, h:] for layer in cache.layers],
-                    [layer.values[:, :, h:] for layer in cache.layers],
+                cache_keys, cache_values = cache_kv(cache)
+                event_rows = (
+                    [k[:, :, h:] for k in cache_keys],
+                    [v[:, :, h:] for v in cache_values],
                     torch.arange(span.pos_start, span.pos_start + span.n_tokens, device="cpu"),  # no copy back
                 )
                 if isolated_memo is not None:  # copies, so the header rows of this forward are not kept
-                    isolated_memo[key] = rows = ([t.clone() for t in rows[0]], [t.clone() for t in rows[1]], rows[2])
-            keys = [torch.cat([k, r], dim=2) for k, r in zip(keys, rows[0])]
-            values = [torch.cat([v, r], dim=2) for v, r in zip(values, rows[1])]
-            positions.append(rows[2])
+                    isolated_memo[key] = event_rows = (
+                        [t.clone() for t in event_rows[0]],
+                        [t.clone() for t in event_rows[1]],
+                        event_rows[2],
+                    )
+            keys = [torch.cat([k, r], dim=2) for k, r in zip(keys, event_rows[0])]
+            values = [torch.cat([v, r], dim=2) for v, r in zip(values, event_rows[1])]
+            positions.append(event_rows[2])
         return ServedCache(keys, values, torch.cat(positions), None, log.history_end, mode, ids)
     # text: header + served events re-prefilled at contiguous positions
     toks = list(log.header_ids)
@@ -210,8 +215,7 @@ def serve(
     pos = torch.arange(len(toks), device=device).unsqueeze(0)
     model_forward(model, torch.tensor([toks], device=device), pos, cache, logits_to_keep=1)
     return ServedCache(
-        [layer.keys for layer in cache.layers],
-        [layer.values for layer in cache.layers],
+        *cache_kv(cache),
         torch.arange(len(toks), device="cpu"),
         None,
         len(toks),

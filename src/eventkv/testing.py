@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import string
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -20,7 +21,7 @@ def tiny_config(family: str, vocab_size: int = TINY_VOCAB, sliding_window: int =
     """A 2-to-6-layer config of ``family`` with hidden size 64 (float32, sdpa attention)."""
     from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,

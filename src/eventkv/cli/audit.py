@@ -8,8 +8,17 @@ from typing import Optional
 
 import typer
 
-from eventkv.cli.common import DEVICE_OPTION, comma_list, run_probe_command, user_errors
-from eventkv.options import DTYPE_HELP
+from eventkv.cli.common import (
+    DEVICE_OPTION,
+    DTYPE_OPTION,
+    MODEL_OPTION,
+    PROGRESS_OPTION,
+    THREADS_OPTION,
+    comma_list,
+    out_option,
+    run_probe_command,
+    user_errors,
+)
 
 
 def audit(
@@ -17,24 +26,25 @@ def audit(
         "streaming,snapkv,knorm", "--policy", help="streaming, knorm, snapkv, tova, expected, random, event-topk"
     ),
     ratio: str = typer.Option("0.5,0.75", "--ratio", help="compression ratios: the fraction of rows evicted"),
-    model: str = typer.Option(
-        "qwen2.5-coder-1.5b", "--model", help="packaged alias, local HF directory, hub id or GGUF file"
-    ),
+    model: str = MODEL_OPTION,
     items: int = typer.Option(24, "--items", help="donor pairs"),
     window: int = typer.Option(
         32, "--window", help="observation window of snapkv and expected attention (tokens at the end of the history)"
     ),
     sinks: int = typer.Option(4, "--sinks", help="attention sinks kept by streaming"),
     seed: int = typer.Option(0, "--seed", help="item seed (the donor-pair probe's pairs for the same seed)"),
-    out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: runs/audit/MODEL-DTYPE-seedSEED)"),
-    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    out: Optional[Path] = out_option("runs/audit/MODEL-DTYPE-seedSEED"),
+    dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
+    threads: Optional[int] = THREADS_OPTION,
+    progress: bool = PROGRESS_OPTION,
 ) -> None:
-    """Audit eviction policies on donor pairs: does a kept-rows accuracy that holds after evicting the
-    source hide state the kept rows carry (ablation false negatives), and does it survive re-encoding
-    the kept events in isolation? Resumable."""
+    """Audit eviction policies on donor pairs, resumably: what do the kept rows carry once the source is evicted?
+
+    Does a kept-rows accuracy that holds after evicting the source hide state the kept rows carry?
+
+    Such state makes ablation false negatives. Does the accuracy survive re-encoding the kept events in isolation?
+    """
     with user_errors():
         from eventkv.errors import OptionError
         from eventkv.probes.run_options import RunOptions

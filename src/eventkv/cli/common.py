@@ -5,23 +5,66 @@ fill the default ``--out``, load the model) for ``run``, ``contract`` and ``spli
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from types import EllipsisType
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
 from eventkv.errors import EventKVError, cli_message
-from eventkv.options import DEVICE_HELP
+from eventkv.options import DEVICE_HELP, DTYPE_HELP
 
 if TYPE_CHECKING:  # eventkv.probes imports torch: the commands import it when they run, not for --help
     from eventkv.probes.run_options import RunOptions
 
 _err = Console(stderr=True)
 
+MODEL_HELP = "packaged alias, local HF directory, hub id or GGUF file"
+"""The help of every ``--model`` (what :func:`eventkv.models.load` accepts)."""
+
+MODEL_OPTION = typer.Option(
+    "qwen2.5-coder-1.5b",
+    "--model",
+    help=f"{MODEL_HELP} (default: the smallest packaged model whose donor-pair results are not at chance; see README)",
+)
+"""``--model`` of the Study 1 commands (the donor pair, the contract, the audit, the harvest, memory eval)."""
+
+
+def model_option(default: str | EllipsisType, *short: str) -> Any:
+    """A ``--model`` option with another ``default`` (``...``: required) and short names ``short``."""
+    return typer.Option(default, "--model", *short, help=MODEL_HELP)
+
+
+def out_option(default: str, what: str = "run directory") -> Any:
+    """An ``--out`` option (default None: filled by :meth:`RunOptions.with_default_out`); its help names the
+    default folder ``default``, e.g. ``runs/landing/MODEL-DTYPE-seedSEED``."""
+    return typer.Option(None, "--out", help=f"{what} (default: {default})")
+
+
+DTYPE_OPTION = typer.Option("auto", "--dtype", help=DTYPE_HELP)
+"""``--dtype``, shared by every command that loads a model (checked by :func:`eventkv.models.resolve_dtype`)."""
+
 DEVICE_OPTION = typer.Option("auto", "--device", help=DEVICE_HELP)
 """``--device``, shared by every command that loads a model (checked by
 :func:`eventkv.models.resolve_device` before the model loads)."""
+
+THREADS_OPTION = typer.Option(
+    None, "--threads", help="torch CPU threads (default: torch decides; 1 is faster on a busy machine)"
+)
+"""``--threads`` of the commands that run in this process (checked by :func:`eventkv.options.check_threads`)."""
+
+PROGRESS_OPTION = typer.Option(True, "--progress/--no-progress", help="show a progress bar")
+"""``--progress/--no-progress``, shared by every command that shows a progress bar."""
+
+SEED_OPTION = typer.Option(0, "--seed", help="item seed (item i depends only on seed and i)")
+"""``--seed`` of the pair probes' commands."""
+
+READOUT_OPTION = typer.Option("both", "--readout", help="generate | logits | both")
+"""``--readout`` of the pair probes' commands."""
+
+MAX_NEW_TOKENS_OPTION = typer.Option(64, "--max-new-tokens", help="greedy generation length limit")
+"""``--max-new-tokens`` of the pair probes' commands."""
 
 BATCH_PAIRS_OPTION = typer.Option(
     1,
@@ -96,6 +139,7 @@ def run_probe_command(probe, opts: RunOptions) -> None:
     summary = opts.run(probe, rt, console)
     print_summary(console, summary)
     out = opts.out
+    assert out is not None  # start_run filled the default --out
     figure = f"  figure: {out / 'figure.png'}" if (out / "figure.png").is_file() else ""
     console.print(f"records: {out / 'records.jsonl'}  summary: {out / 'summary.md'}{figure}")
 

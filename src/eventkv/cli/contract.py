@@ -15,43 +15,36 @@ import typer
 from eventkv.cli.common import (
     BATCH_PAIRS_OPTION,
     DEVICE_OPTION,
+    DTYPE_OPTION,
+    MAX_NEW_TOKENS_OPTION,
+    MODEL_OPTION,
+    PROGRESS_OPTION,
+    READOUT_OPTION,
+    SEED_OPTION,
+    THREADS_OPTION,
     comma_list,
     int_list,
+    out_option,
     run_probe_command,
     start_run,
     user_errors,
 )
-from eventkv.options import DTYPE_HELP
 
-_MODEL = typer.Option(
-    "qwen2.5-coder-1.5b",
-    "--model",
-    help="packaged alias, local HF directory, hub id or GGUF file "
-    "(default: the smallest packaged model not at chance on the donor pair)",
-)
-_SEED = typer.Option(0, "--seed")
-_READOUT = typer.Option("both", "--readout", help="generate | logits | both")
-_MAX_NEW = typer.Option(64, "--max-new-tokens")
-_DTYPE = typer.Option("auto", "--dtype", help=DTYPE_HELP)
-_THREADS = typer.Option(None, "--threads", help="torch CPU threads")
-_PROGRESS = typer.Option(True, "--progress/--no-progress")
 _ITEMS = "number of items (donor pairs)"
 
 
 def trigger_bank(
-    model: str = _MODEL,
+    model: str = MODEL_OPTION,
     items: int = typer.Option(32, "--items", help="donor pairs; item i uses construction i mod 16"),
-    seed: int = _SEED,
-    out: Optional[Path] = typer.Option(
-        None, "--out", help="run directory (default: runs/trigger-bank/MODEL-DTYPE-seedSEED)"
-    ),
-    readout: str = _READOUT,
+    seed: int = SEED_OPTION,
+    out: Optional[Path] = out_option("runs/trigger-bank/MODEL-DTYPE-seedSEED"),
+    readout: str = READOUT_OPTION,
     arms: str = typer.Option("kv,text", "--arms", help="kv,text[,isolated]"),
-    max_new_tokens: int = _MAX_NEW,
-    dtype: str = _DTYPE,
+    max_new_tokens: int = MAX_NEW_TOKENS_OPTION,
+    dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
-    threads: Optional[int] = _THREADS,
-    progress: bool = _PROGRESS,
+    threads: Optional[int] = THREADS_OPTION,
+    progress: bool = PROGRESS_OPTION,
     batch_pairs: int = BATCH_PAIRS_OPTION,
 ) -> None:
     """Trigger bank (Study 1): write-through vs comprehension over 16 carrier constructions."""
@@ -65,19 +58,17 @@ def trigger_bank(
 
 
 def landing(
-    model: str = _MODEL,
+    model: str = MODEL_OPTION,
     items: int = typer.Option(16, "--items", help=_ITEMS),
-    seed: int = _SEED,
-    out: Optional[Path] = typer.Option(
-        None, "--out", help="run directory (default: runs/landing/MODEL-DTYPE-seedSEED)"
-    ),
-    readout: str = _READOUT,
+    seed: int = SEED_OPTION,
+    out: Optional[Path] = out_option("runs/landing/MODEL-DTYPE-seedSEED"),
+    readout: str = READOUT_OPTION,
     tost_margin: float = typer.Option(0.075, "--tost-margin", help="equivalence margin of the mention-donor TOST"),
-    max_new_tokens: int = _MAX_NEW,
-    dtype: str = _DTYPE,
+    max_new_tokens: int = MAX_NEW_TOKENS_OPTION,
+    dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
-    threads: Optional[int] = _THREADS,
-    progress: bool = _PROGRESS,
+    threads: Optional[int] = THREADS_OPTION,
+    progress: bool = PROGRESS_OPTION,
     batch_pairs: int = BATCH_PAIRS_OPTION,
 ) -> None:
     """Landing (Study 1): root vs reference edge, co-served mention, root x mention factorial (TOST), depth-3 chains."""
@@ -91,17 +82,17 @@ def landing(
 
 
 def access(
-    model: str = _MODEL,
+    model: str = MODEL_OPTION,
     items: int = typer.Option(32, "--items", help="donor pairs; item i uses cardinality i mod 4"),
-    seed: int = _SEED,
-    out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: runs/access/MODEL-DTYPE-seedSEED)"),
-    readout: str = _READOUT,
+    seed: int = SEED_OPTION,
+    out: Optional[Path] = out_option("runs/access/MODEL-DTYPE-seedSEED"),
+    readout: str = READOUT_OPTION,
     cardinalities: str = typer.Option("binary,compass,phonetic,number", "--cardinalities"),
-    max_new_tokens: int = _MAX_NEW,
-    dtype: str = _DTYPE,
+    max_new_tokens: int = MAX_NEW_TOKENS_OPTION,
+    dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
-    threads: Optional[int] = _THREADS,
-    progress: bool = _PROGRESS,
+    threads: Optional[int] = THREADS_OPTION,
+    progress: bool = PROGRESS_OPTION,
     batch_pairs: int = BATCH_PAIRS_OPTION,
 ) -> None:
     """Access (Study 1): recovery vs chance for binary, 4-way, 8-way and 3-digit payloads."""
@@ -117,22 +108,20 @@ def access(
 
 
 def carriers(
-    model: str = _MODEL,
+    model: str = MODEL_OPTION,
     items: int = typer.Option(16, "--items", help=_ITEMS),
-    seed: int = _SEED,
-    out: Optional[Path] = typer.Option(
-        None, "--out", help="run directory (default: runs/carriers/MODEL-DTYPE-seedSEED)"
-    ),
-    readout: str = _READOUT,
+    seed: int = SEED_OPTION,
+    out: Optional[Path] = out_option("runs/carriers/MODEL-DTYPE-seedSEED"),
+    readout: str = READOUT_OPTION,
     kinds: str = typer.Option("passive,binding,directive,compute,explicit", "--kinds"),
     fix_query_position: bool = typer.Option(
         True, "--fixed-position/--own-position", help="ask every arm at the item's common query position"
     ),
-    max_new_tokens: int = _MAX_NEW,
-    dtype: str = _DTYPE,
+    max_new_tokens: int = MAX_NEW_TOKENS_OPTION,
+    dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
-    threads: Optional[int] = _THREADS,
-    progress: bool = _PROGRESS,
+    threads: Optional[int] = THREADS_OPTION,
+    progress: bool = PROGRESS_OPTION,
     batch_pairs: int = BATCH_PAIRS_OPTION,
 ) -> None:
     """Programmed carriers (Study 1): answer-free carriers served alone and beside the shared row."""
@@ -151,19 +140,19 @@ def carriers(
 
 
 def patch(
-    model: str = _MODEL,
+    model: str = MODEL_OPTION,
     items: int = typer.Option(16, "--items", help="items; item i uses length i mod len(--lengths)"),
-    seed: int = _SEED,
-    out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: runs/patch/MODEL-DTYPE-seedSEED)"),
-    readout: str = _READOUT,
+    seed: int = SEED_OPTION,
+    out: Optional[Path] = out_option("runs/patch/MODEL-DTYPE-seedSEED"),
+    readout: str = READOUT_OPTION,
     lengths: str = typer.Option("24,48,96,192", "--lengths", help="history lengths in events"),
     timing: bool = typer.Option(True, "--timing/--no-timing", help="time patch vs re-prefill (wall clock)"),
     timing_repeats: int = typer.Option(2, "--timing-repeats"),
-    max_new_tokens: int = _MAX_NEW,
-    dtype: str = _DTYPE,
+    max_new_tokens: int = MAX_NEW_TOKENS_OPTION,
+    dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
-    threads: Optional[int] = _THREADS,
-    progress: bool = _PROGRESS,
+    threads: Optional[int] = THREADS_OPTION,
+    progress: bool = PROGRESS_OPTION,
     batch_pairs: int = BATCH_PAIRS_OPTION,
 ) -> None:
     """Served patches (Study 1, Updates): patch event vs re-prefill time against L, stale-value leak."""
@@ -183,7 +172,7 @@ def patch(
 
 
 def contract(
-    model: str = _MODEL,
+    model: str = MODEL_OPTION,
     items: Optional[int] = typer.Option(
         None,
         "--items",
@@ -191,18 +180,20 @@ def contract(
         "bank N//4 per construction, access N//2 per cardinality (docs/contract.md)",
     ),
     quick: bool = typer.Option(False, "--quick", help="small preset, candidate logits only (default --items 8)"),
-    seed: int = _SEED,
-    out: Optional[Path] = typer.Option(
-        None, "--out", help="output directory (default: runs/contract/MODEL-DTYPE[-quick])"
-    ),
-    dtype: str = _DTYPE,
+    seed: int = SEED_OPTION,
+    out: Optional[Path] = out_option("runs/contract/MODEL-DTYPE[-quick]", "output directory"),
+    dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
-    threads: Optional[int] = _THREADS,
-    progress: bool = _PROGRESS,
+    threads: Optional[int] = THREADS_OPTION,
+    progress: bool = PROGRESS_OPTION,
     batch_pairs: int = BATCH_PAIRS_OPTION,
 ) -> None:
-    """The memory contract (Study 1): run the whole battery (donor pair, trigger bank, landing, access,
-    programmed carriers, patches), resumably, and write contract.md, contract.json and figures."""
+    """The memory contract (Study 1): run the whole battery, resumably, and write its report.
+
+    The battery: donor pair, trigger bank, landing, access, programmed carriers and patches.
+
+    The report: contract.md, contract.json and figures in --out.
+    """
     with user_errors():
         from eventkv.probes.run_options import RunOptions
         from eventkv.studies.materialization.contract.battery import plan, run_contract

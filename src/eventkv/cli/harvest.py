@@ -8,16 +8,22 @@ from typing import Optional
 
 import typer
 
-from eventkv.cli.common import DEVICE_OPTION, run_probe_command, user_errors
-from eventkv.options import DTYPE_HELP
+from eventkv.cli.common import (
+    DEVICE_OPTION,
+    DTYPE_OPTION,
+    MODEL_OPTION,
+    PROGRESS_OPTION,
+    THREADS_OPTION,
+    out_option,
+    run_probe_command,
+    user_errors,
+)
 
 
 def harvest(
     data: str = typer.Option(..., "--data", help="LoCoMo JSON file, or a REALTALK Chat_*.json file or folder"),
     data_format: str = typer.Option("locomo", "--format", help="locomo or realtalk"),
-    model: str = typer.Option(
-        "qwen2.5-coder-1.5b", "--model", help="packaged alias, local HF directory, hub id or GGUF file"
-    ),
+    model: str = MODEL_OPTION,
     conversations: Optional[int] = typer.Option(
         None, "--conversations", help="the first N conversations (default all)"
     ),
@@ -25,15 +31,20 @@ def harvest(
     max_questions: int = typer.Option(0, "--max-questions", help="questions per conversation at most (0: all)"),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", help="greedy answer length limit"),
     tost_margin: float = typer.Option(0.05, "--tost-margin", help="equivalence margin of the primary contrast"),
-    out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: runs/harvest/MODEL-DTYPE-seed0)"),
-    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    out: Optional[Path] = out_option("runs/harvest/MODEL-DTYPE-seed0"),
+    dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
+    threads: Optional[int] = THREADS_OPTION,
+    progress: bool = PROGRESS_OPTION,
 ) -> None:
-    """Passive harvesting (Study 1, real dialogs): later natural turns served as rows of one global
-    prefill (harvested) vs the same turns encoded alone (isolated) or as text; forced choice against a
-    hard negative and token F1; cluster bootstrap and TOST. Resumable; one item per conversation."""
+    """Passive harvesting (Study 1, real dialogs): later turns served as rows of one global prefill, resumably.
+
+    Arms: harvested (the rows of the global prefill), isolated (the same turns encoded alone) and text.
+
+    Scored by forced choice against a hard negative and token F1; cluster bootstrap and TOST.
+
+    One item per conversation.
+    """
     with user_errors():
         from eventkv.options import check_int
         from eventkv.probes.run_options import RunOptions

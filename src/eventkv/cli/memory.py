@@ -8,8 +8,17 @@ from typing import Optional
 
 import typer
 
-from eventkv.cli.common import DEVICE_OPTION, comma_list, run_probe_command, user_errors
-from eventkv.options import DTYPE_HELP
+from eventkv.cli.common import (
+    DEVICE_OPTION,
+    DTYPE_OPTION,
+    MODEL_OPTION,
+    PROGRESS_OPTION,
+    THREADS_OPTION,
+    comma_list,
+    out_option,
+    run_probe_command,
+    user_errors,
+)
 
 memory_app = typer.Typer(no_args_is_help=True, help="The event-KV agent memory: evaluate it on real dialogue.")
 
@@ -21,9 +30,7 @@ def memory_eval(
         "--data",
         help="LoCoMo-format JSON (e.g. locomo10.json), or 'demo': a tiny invented file shipped with eventkv",
     ),
-    model: str = typer.Option(
-        "qwen2.5-coder-1.5b", "--model", help="packaged alias, local HF directory, hub id or GGUF file"
-    ),
+    model: str = MODEL_OPTION,
     conversations: int = typer.Option(2, "--conversations", help="conversations to evaluate (the file's first N)"),
     questions: int = typer.Option(30, "--questions-per-conversation", help="questions per conversation (seeded)"),
     max_tokens: int = typer.Option(4000, "--max-tokens", help="history kept per conversation (tokens of turns)"),
@@ -36,17 +43,18 @@ def memory_eval(
         help="read the arms out in one batch (fast); --no-batch-arms: one readout per arm (per-arm latency)",
     ),
     seed: int = typer.Option(0, "--seed", help="question sampling seed"),
-    out: Optional[Path] = typer.Option(
-        None, "--out", help="run directory (default: runs/memory-eval/MODEL-DTYPE-seedSEED)"
-    ),
-    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    out: Optional[Path] = out_option("runs/memory-eval/MODEL-DTYPE-seedSEED"),
+    dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
+    threads: Optional[int] = THREADS_OPTION,
+    progress: bool = PROGRESS_OPTION,
 ) -> None:
-    """Evaluate EventMemory on LoCoMo: per question, BM25-selected turns served as rows from one global
-    prefill vs the same turns as text, each encoded alone, the whole history, and the gold evidence;
-    token F1 / EM by category with cluster-bootstrap intervals and latency p50/p95."""
+    """Evaluate EventMemory on LoCoMo: per question, BM25-selected turns served as rows of one global prefill.
+
+    Compared with the same turns as text, each encoded alone, the whole history, and the gold evidence.
+
+    Token F1 / EM by category with cluster-bootstrap intervals, and latency p50/p95.
+    """
     with user_errors():
         from eventkv.probes.run_options import RunOptions
         from eventkv.studies.materialization.memory_eval import DEMO_DATA, MemoryEval

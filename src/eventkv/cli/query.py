@@ -9,16 +9,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from eventkv.cli.common import DEVICE_OPTION
-from eventkv.options import DTYPE_HELP
+from eventkv.cli.common import DEVICE_OPTION, DTYPE_OPTION, model_option
 
 console = Console()
 
 
 def query(
-    model: str = typer.Option(
-        "smollm2-135m", "--model", "-m", help="Packaged alias, HF model directory or hub id, or .gguf file."
-    ),
+    model: str = model_option("smollm2-135m", "-m"),
     log: Path = typer.Option(
         ...,
         "--log",
@@ -35,7 +32,7 @@ def query(
         "", "--instruction", help="Task instruction placed in the header before the events."
     ),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Greedy decoding budget (tokens)."),
-    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
     store: Optional[Path] = typer.Option(
         None, "--store", help="Where the EventKV is stored/reused (default: content-addressed under the cache)."

@@ -15,13 +15,20 @@ from rich.console import Console
 from eventkv.cli.common import (
     BATCH_PAIRS_OPTION,
     DEVICE_OPTION,
+    DTYPE_OPTION,
+    MAX_NEW_TOKENS_OPTION,
+    MODEL_OPTION,
+    PROGRESS_OPTION,
+    READOUT_OPTION,
+    SEED_OPTION,
+    THREADS_OPTION,
     comma_list,
+    out_option,
     print_summary,
     run_probe_command,
     user_errors,
 )
 from eventkv.errors import EventKVError
-from eventkv.options import DTYPE_HELP
 
 run_app = typer.Typer(
     help="Run a probe on a model: writes manifest.json, records.jsonl and summary.md "
@@ -45,19 +52,12 @@ def _slots(text: str) -> tuple[int, int]:
 
 @run_app.command("donor-pair")
 def donor_pair(
-    model: str = typer.Option(
-        "qwen2.5-coder-1.5b",
-        "--model",
-        help="packaged alias, local HF directory, hub id or GGUF file (default: the smallest packaged model "
-        "whose donor-pair results are not at chance; see README)",
-    ),
+    model: str = MODEL_OPTION,
     items: int = typer.Option(16, "--items", help="number of donor pairs"),
-    seed: int = typer.Option(0, "--seed", help="item seed (item i depends only on seed and i)"),
-    out: Optional[Path] = typer.Option(
-        None, "--out", help="run directory (default: runs/donor-pair/MODEL-DTYPE-seedSEED)"
-    ),
-    readout: str = typer.Option("both", "--readout", help="generate | logits | both"),
-    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    seed: int = SEED_OPTION,
+    out: Optional[Path] = out_option("runs/donor-pair/MODEL-DTYPE-seedSEED"),
+    readout: str = READOUT_OPTION,
+    dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
     n_events: int = typer.Option(24, "--n-events", help="events per history"),
     decoy_slot: int = typer.Option(0, "--decoy-slot", help="slot of the decoy (0-based; slot i is <step i+1>)"),
@@ -65,12 +65,10 @@ def donor_pair(
     root_slot: int = typer.Option(13, "--root-slot", help="slot of the root 'register M mirrors register S'"),
     decoy: str = typer.Option("independent", "--decoy", help="independent | opposite | none"),
     states: str = typer.Option("ONLINE,OFFLINE", "--states", help="state words, comma-separated"),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="greedy generation length limit"),
+    max_new_tokens: int = MAX_NEW_TOKENS_OPTION,
     arms: str = typer.Option("kv,isolated,text-all,kv-all", "--arms", help="arms to run (kv is required)"),
-    threads: Optional[int] = typer.Option(
-        None, "--threads", help="torch CPU threads (default: torch decides; 1 is faster on a busy machine)"
-    ),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
+    threads: Optional[int] = THREADS_OPTION,
+    progress: bool = PROGRESS_OPTION,
     batch_pairs: int = BATCH_PAIRS_OPTION,
 ) -> None:
     """Donor pairs (Study 1): does the answer follow an omitted source through the served rows?"""
@@ -100,8 +98,10 @@ def report(
         "or a probe folder DIR/<probe> of 'eventkv contract'",
     ),
 ) -> None:
-    """Re-render summary.md and the figures (figure.png; heatmap.png for splice) of a run directory
-    from its records alone, and print the summary."""
+    """Re-render a run directory's summary.md and figures from its records alone, and print the summary.
+
+    The figures are figure.png, and heatmap.png for a splice run.
+    """
     with user_errors():
         from eventkv.probes.runner import render
 

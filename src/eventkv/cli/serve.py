@@ -8,12 +8,12 @@ from typing import Optional
 
 import typer
 
-from eventkv.cli.common import DEVICE_OPTION, user_errors
-from eventkv.options import DTYPE_HELP, check_int
+from eventkv.cli.common import DEVICE_OPTION, DTYPE_OPTION, THREADS_OPTION, model_option, user_errors
+from eventkv.options import check_int
 
 
 def serve(
-    model: str = typer.Option(..., "--model", help="packaged alias, local HF directory, hub id or GGUF file"),
+    model: str = model_option(...),
     store: Path = typer.Option(..., "--store", help="root directory of the memories (one folder per namespace)"),
     host: str = typer.Option("127.0.0.1", "--host", help="bind address (non-loopback needs --token-file)"),
     port: int = typer.Option(8000, "--port", help="TCP port (0: any free port)"),
@@ -33,13 +33,15 @@ def serve(
     limit_concurrency: int = typer.Option(
         256, "--limit-concurrency", help="open connections and running requests at most (503 beyond)"
     ),
-    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
+    threads: Optional[int] = THREADS_OPTION,
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level"),
 ) -> None:
-    """Serve EventMemory over HTTP (FastAPI + uvicorn; needs the server extra: pip install
-    'eventkv\\[server]'). API docs at /docs; Prometheus metrics at /metrics."""
+    """Serve EventMemory over HTTP (FastAPI + uvicorn; needs the server extra: pip install 'eventkv\\[server]').
+
+    API docs at /docs; Prometheus metrics at /metrics.
+    """
     with user_errors():
         from eventkv.errors import EventKVError, OptionError
         from eventkv.models import load, resolve_device, resolve_dtype

@@ -15,9 +15,18 @@ from typing import Optional
 import typer
 from rich.markdown import Markdown
 
-from eventkv.cli.common import DEVICE_OPTION, int_list, start_run, user_errors
+from eventkv.cli.common import (
+    DEVICE_OPTION,
+    DTYPE_OPTION,
+    PROGRESS_OPTION,
+    THREADS_OPTION,
+    int_list,
+    model_option,
+    out_option,
+    start_run,
+    user_errors,
+)
 from eventkv.errors import EventKVError
-from eventkv.options import DTYPE_HELP
 
 SPLICE_DIR = "{model}-{task}-{dtype}-seed{seed}"
 """The default ``--out`` name under ``runs/splice/`` (``{task}``: the task name, or a JSONL file's stem)."""
@@ -76,9 +85,7 @@ def build_probe(
 
 
 def splice(
-    model: str = typer.Option(
-        "smollm2-135m", "--model", help="packaged alias, local HF directory, hub id or GGUF file"
-    ),
+    model: str = model_option("smollm2-135m"),
     task: str = typer.Option(
         "lookup",
         "--task",
@@ -96,13 +103,11 @@ def splice(
     ),
     items: int = typer.Option(32, "--items", help="number of items (prompts)"),
     seed: int = typer.Option(0, "--seed", help="task seed (item i depends only on seed and i)"),
-    out: Optional[Path] = typer.Option(
-        None, "--out", help="run directory [default: runs/splice/MODEL-TASK-DTYPE-seedS]"
-    ),
-    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    out: Optional[Path] = out_option("runs/splice/MODEL-TASK-DTYPE-seedS"),
+    dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
-    filler: Optional[str] = typer.Option(None, "--filler", help="scaffold filler text [default: a neutral sentence]"),
-    heads: Optional[str] = typer.Option(None, "--heads", help="KV heads to splice, e.g. 0,1 [default: all]"),
+    filler: Optional[str] = typer.Option(None, "--filler", help="scaffold filler text (default: a neutral sentence)"),
+    heads: Optional[str] = typer.Option(None, "--heads", help="KV heads to splice, e.g. 0,1 (default: all)"),
     layer_set: str = typer.Option("from", "--layer-set", help="from = layers >= cutoff; only = the cutoff layer alone"),
     tail: str = typer.Option(
         "clean", "--tail", help="clean = tail rows keep clean K/V; spliced = recomputed over the splice"
@@ -121,11 +126,15 @@ def splice(
         "--readout",
         help="generate = greedy answer scored by --match; choice = forced choice among the item's options (step 0)",
     ),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads [default: torch's]"),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
+    threads: Optional[int] = THREADS_OPTION,
+    progress: bool = PROGRESS_OPTION,
 ) -> None:
-    """Prompt-KV splice (Study 2): accuracy when the prompt span's K/V in layers >= a cutoff are replaced
-    by a scaffold, zeroed, masked or averaged, from a decoding step; McNemar exact vs clean per cell."""
+    """Prompt-KV splice (Study 2): accuracy when the prompt span's K/V in layers >= a cutoff are replaced.
+
+    The K/V are replaced by a scaffold, zeroed, masked or averaged (--arms), from a decoding step on (--steps).
+
+    Each cell is compared with the clean run by McNemar's exact test.
+    """
     with user_errors():
         from eventkv.probes.run_options import RunOptions
 

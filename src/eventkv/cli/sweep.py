@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from eventkv.cli.common import user_errors
+from eventkv.cli.common import PROGRESS_OPTION, user_errors
 
 
 def sweep(
@@ -47,10 +47,12 @@ def sweep(
         0.0, "--gpus-per-worker", help="GPUs each Ray worker reserves (ray only; e.g. 1 with device: cuda)"
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="check the plan and list its runs; load nothing"),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
+    progress: bool = PROGRESS_OPTION,
 ) -> None:
-    """Run a sweep plan: every (model, probe, options, seed) into its own run folder, resumably, on one of
-    three backends that write the same records."""
+    """Run a sweep plan: every (model, probe, options, seed) into its own run folder, resumably.
+
+    The three backends (--backend) write the same records.
+    """
     with user_errors():
         from eventkv.sweep import SweepOptions, load_plan, run_sweep
 

@@ -7,8 +7,9 @@ duration of the prefill — nothing else in the process is patched."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AttentionInterface
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from eventkv.log import TokenizedLog
 
 CAPTURE = "eventkv_capture"
-_ACTIVE: dict | None = None  # the capture in progress: layer -> {"q", "scaling"}
+_ACTIVE: dict[Any, Any] | None = None  # the capture in progress: layer -> {"q", "scaling"}
 
 
 def _capture_attention(module, query, key, value, attention_mask, **kwargs):
@@ -48,7 +49,7 @@ def _attention_modules(model) -> list:
 
 
 @contextmanager
-def _capturing(model, window: int):
+def _capturing(model: PreTrainedModel, window: int) -> Iterator[dict[Any, Any]]:
     global _ACTIVE
     previous = model.config._attn_implementation
     _ACTIVE = {"__window__": window}
@@ -112,7 +113,7 @@ def capture_prefill(
     captures = []
     for layer, (k, v) in enumerate(zip(ekv.keys, ekv.values)):
         slot = seen.get(layer, {})
-        rope = _rope_of(*slot["rope"], log.position_ids) if "rope" in slot else None
+        rope = _rope_of(slot["rope"][0], slot["rope"][1], log.position_ids) if "rope" in slot else None
         q = slot.get("q")
         captures.append(
             LayerCapture(

@@ -72,10 +72,17 @@ class LayerCapture:
     def scale(self) -> float:
         return self.scaling if self.scaling is not None else 1.0 / math.sqrt(self.keys.shape[-1])
 
-    def need_queries(self, who: str) -> torch.Tensor:
+    def need_queries(self, who: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(queries, query_positions)``; raises OptionError naming policy ``who`` if they were not captured."""
         if self.queries is None or self.query_positions is None:
             raise OptionError("policy", who, "this policy reads the observation window's queries: capture them.")
-        return self.queries
+        return self.queries, self.query_positions
+
+    def need_events(self, who: str) -> torch.Tensor:
+        """``event_of_row``; raises OptionError naming policy ``who`` if it was not captured."""
+        if self.event_of_row is None:
+            raise OptionError("policy", who, "event-level scoring needs each row's event: capture the log.")
+        return self.event_of_row
 
 
 class Policy:
@@ -109,8 +116,8 @@ class Policy:
 def _window_attention(c: LayerCapture, who: str, window: int | None = None) -> torch.Tensor:
     """Softmax attention of the last ``window`` captured queries (all when None) over every row,
     ``[q_heads, window, rows]`` float64, causal by position (a query sees rows at positions <= its own)."""
-    q = c.need_queries(who).double()
-    qpos = c.query_positions
+    q, qpos = c.need_queries(who)
+    q = q.double()
     if window is not None:
         q, qpos = q[:, -window:], qpos[-window:]
     k = c.keys.double()
@@ -223,9 +230,10 @@ class SnapKV(Policy):
             raise OptionError("pooling", self.pooling, "use max or avg.")
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
-        if c.need_queries(self.name).shape[1] < self.window:
+        queries, qpos = c.need_queries(self.name)
+        if queries.shape[1] < self.window:
             raise OptionError(
-                "window", self.window, f"the capture holds {c.queries.shape[1]} queries: capture at least the window."
+                "window", self.window, f"the capture holds {queries.shape[1]} queries: capture at least the window."
             )
         if c.rows <= self.window:
             raise OptionError(
@@ -235,7 +243,7 @@ class SnapKV(Policy):
                 f"(give a window below {c.rows}).",
             )
         att = _window_attention(c, self.name, self.window)  # [q_heads, window, rows]
-        in_window = c.positions >= c.query_positions[-self.window :].min()
+        in_window = c.positions >= qpos[-self.window :].min()
         votes = att[:, :, ~in_window].sum(dim=1)  # [q_heads, prefix rows]
         votes = _per_kv_head(votes, c.kv_heads)
         if self.kernel > 1 and votes.shape[-1] > 0:
@@ -262,8 +270,9 @@ class Tova(Policy):
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
         att = _window_attention(c, self.name, 1)[:, -1, :]  # the last query: [q_heads, rows]
+        _, qpos = c.need_queries(self.name)
         s = att.mean(dim=0)
-        s = torch.where(c.positions == c.query_positions[-1], float("inf"), s)
+        s = torch.where(c.positions == qpos[-1], float("inf"), s)
         return s.expand(c.kv_heads, -1).clone()
 
 
@@ -309,7 +318,8 @@ class ExpectedAttention(Policy):
             raise OptionError("epsilon", self.epsilon, "give a finite number >= 0 added to the scores (default 0).")
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
-        q = c.need_queries(self.name).double()
+        q, all_qpos = c.need_queries(self.name)
+        q = q.double()
         if c.rope is None:
             raise OptionError("policy", self.name, "expected attention rotates queries with RoPE: capture it.")
         sink = _sink_rows(c, self.sinks)
@@ -318,12 +328,12 @@ class ExpectedAttention(Policy):
                 "sinks", self.sinks, f"the layer has {c.rows} rows, all sinks: give fewer sinks than rows."
             )
         first_free = c.positions[~sink].min()  # queries at sink positions are left out of the statistics
-        counted = c.query_positions >= first_free
+        counted = all_qpos >= first_free
         if not bool(counted.any()):
             raise OptionError(
                 "sinks", self.sinks, "every captured query sits at a sink position: capture later queries."
             )
-        q, qpos = q[:, counted], c.query_positions[counted]
+        q, qpos = q[:, counted], all_qpos[counted]
         inv_freq, att_scale = c.rope
         inv_freq = inv_freq.double()
         # back to pre-RoPE queries: each (i, i + d/2) pair rotated by -angle, scale removed
@@ -395,10 +405,8 @@ class EventTopK(Policy):
             raise OptionError("inner", self.inner, "give a policy (e.g. Knorm()) whose scores are pooled per event.")
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
-        if c.event_of_row is None:
-            raise OptionError("policy", self.name, "event-level scoring needs each row's event: capture the log.")
+        ev = c.need_events(self.name)
         inner = self.inner.scores(c).mean(dim=0)
-        ev = c.event_of_row
         s = torch.empty(c.rows, dtype=torch.float64, device=inner.device)
         for e in ev.unique().tolist():
             rows = ev == e
@@ -410,7 +418,7 @@ class EventTopK(Policy):
         still fit in ``n_keep``; the same mask for every head (so at most ``n_keep`` rows, fewer when
         the next event does not fit)."""
         s = self.scores(c)[0]
-        ev = c.event_of_row
+        ev = c.need_events(self.name)
         keep = ev < 0  # the header first
         events = sorted((e for e in ev.unique().tolist() if e >= 0), key=lambda e: (-s[ev == e][0].item(), -e))
         for e in events:
@@ -432,6 +440,7 @@ class UserPolicy(Policy):
             raise OptionError("fn", self.fn, "give UserPolicy(fn=...), a function of a LayerCapture.")
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
+        assert self.fn is not None  # __post_init__ refuses a missing fn
         s = torch.as_tensor(self.fn(c), dtype=torch.float64, device=c.keys.device)
         if s.shape != (c.kv_heads, c.rows):
             raise OptionError(

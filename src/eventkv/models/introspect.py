@@ -7,7 +7,7 @@ This is the one place model-specific facts are read; nothing elsewhere hard-code
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from eventkv.errors import EventKVError
 from eventkv.log import encode
@@ -99,7 +99,7 @@ def profile_for(
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         layer_types=layer_types,
-        sliding_window=int(window) if sliding else None,
+        sliding_window=int(window) if sliding and window is not None else None,  # None: refused above
         dtype=str(model.dtype).removeprefix("torch."),
         device=str(model.device),
         chat_head=head,
@@ -134,8 +134,11 @@ def _chat_scaffold(tokenizer: PreTrainedTokenizerBase | None, name: str) -> tupl
     bos_text = tokenizer.bos_token if _adds_bos(tokenizer) else ""
     if not getattr(tokenizer, "chat_template", None):
         return bos_text + PLAIN_TEXT_HEAD, PLAIN_TEXT_TAIL, "plain_text"
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": _SENTINEL}], tokenize=False, add_generation_prompt=True
+    rendered = cast(  # tokenize=False: the rendered text (the stub's return type covers every mode)
+        str,
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": _SENTINEL}], tokenize=False, add_generation_prompt=True
+        ),
     )
     if rendered.count(_SENTINEL) != 1:
         raise EventKVError(

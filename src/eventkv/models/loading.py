@@ -107,7 +107,7 @@ def load(
         digest = _hub_digest(ref, getattr(model.config, "_commit_hash", None))
     model.eval()
     try:
-        model.to(dev)
+        model.to(dev)  # type: ignore[arg-type]  # transformers' wrapper of Module.to types self as the argument
     except (RuntimeError, AssertionError) as e:  # e.g. torch.OutOfMemoryError: the model does not fit
         raise EventKVError(
             f"the model could not be moved to device {device!r} ({e}); use device='cpu', a smaller model, or "

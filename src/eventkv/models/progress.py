@@ -10,7 +10,10 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stderr
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.progress import TaskID
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +35,7 @@ class Progress:
 
         self.enabled = enabled
         self.title = title
-        self._started: dict[int, float] = {}
+        self._started: dict[TaskID, float] = {}
         self._progress = RichProgress(
             SpinnerColumn(),
             TextColumn(f"[bold]{title}[/bold] {{task.description}}"),
@@ -50,17 +53,17 @@ class Progress:
     def __exit__(self, *exc: object) -> None:
         self._progress.stop()
 
-    def add(self, description: str, total: float | None = None) -> int:
+    def add(self, description: str, total: float | None = None) -> TaskID:
         """Start a task; ``total`` in the task's unit, None for a spinner. Returns the task id."""
         task = self._progress.add_task(description, total=total)
         self._started[task] = time.monotonic()
         return task
 
-    def advance(self, task: int, amount: float) -> None:
+    def advance(self, task: TaskID, amount: float) -> None:
         """Move ``task`` forward by ``amount`` (its unit)."""
         self._progress.advance(task, amount)
 
-    def done(self, task: int) -> None:
+    def done(self, task: TaskID) -> None:
         """Mark ``task`` complete (a spinner task becomes a full bar)."""
         t = next(t for t in self._progress.tasks if t.id == task)
         total = t.total or 1
@@ -96,7 +99,8 @@ def dequantize_progress(ui: Progress) -> Iterator[None]:
     try:
         from transformers import modeling_gguf_pytorch_utils as gguf_utils
     except ImportError:
-        gguf_utils = None
+        yield
+        return
     original = getattr(gguf_utils, "tqdm", None)
     if original is None:
         yield
