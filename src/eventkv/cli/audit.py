@@ -9,13 +9,11 @@ from typing import Optional
 import typer
 
 from eventkv.cli.common import DEVICE_OPTION, comma_list, run_probe_command, user_errors
-from eventkv.options import DTYPE_HELP
+from eventkv.options import DTYPE_HELP, POLICIES
 
 
 def audit(
-    policy: str = typer.Option(
-        "streaming,snapkv,knorm", "--policy", help="streaming, knorm, snapkv, tova, expected, random, event-topk"
-    ),
+    policy: str = typer.Option("streaming,snapkv,knorm", "--policy", help=", ".join(POLICIES)),
     ratio: str = typer.Option("0.5,0.75", "--ratio", help="compression ratios: the fraction of rows evicted"),
     model: str = typer.Option(
         "qwen2.5-coder-1.5b", "--model", help="packaged alias, local HF directory, hub id or GGUF file"

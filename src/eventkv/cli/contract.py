@@ -21,7 +21,7 @@ from eventkv.cli.common import (
     start_run,
     user_errors,
 )
-from eventkv.options import DTYPE_HELP
+from eventkv.options import CARRIER_KINDS, DTYPE_HELP
 
 _MODEL = typer.Option(
     "qwen2.5-coder-1.5b",
@@ -124,7 +124,7 @@ def carriers(
         None, "--out", help="run directory (default: runs/carriers/MODEL-DTYPE-seedSEED)"
     ),
     readout: str = _READOUT,
-    kinds: str = typer.Option("passive,binding,directive,compute,explicit", "--kinds"),
+    kinds: str = typer.Option(",".join([*CARRIER_KINDS, "explicit"]), "--kinds"),
     fix_query_position: bool = typer.Option(
         True, "--fixed-position/--own-position", help="ask every arm at the item's common query position"
     ),

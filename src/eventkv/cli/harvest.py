@@ -9,12 +9,12 @@ from typing import Optional
 import typer
 
 from eventkv.cli.common import DEVICE_OPTION, run_probe_command, user_errors
-from eventkv.options import DTYPE_HELP
+from eventkv.options import DIALOGUE_FORMATS, DTYPE_HELP
 
 
 def harvest(
     data: str = typer.Option(..., "--data", help="LoCoMo JSON file, or a REALTALK Chat_*.json file or folder"),
-    data_format: str = typer.Option("locomo", "--format", help="locomo or realtalk"),
+    data_format: str = typer.Option("locomo", "--format", help=" or ".join(DIALOGUE_FORMATS)),
     model: str = typer.Option(
         "qwen2.5-coder-1.5b", "--model", help="packaged alias, local HF directory, hub id or GGUF file"
     ),
