@@ -1,7 +1,7 @@
 """Where a sweep's workers run: ``serial`` (one worker in this process), ``process`` (worker processes on
 this machine, the cores split among them) and ``ray`` (Ray actors on a cluster), listed by name in
 :data:`eventkv.options.BACKENDS`; each takes ``(runs, workers, threads, ray_address, gpus_per_worker)``
-(the last two reach Ray only).
+(the last two reach Ray only: the other backends take them as ``**ray`` and leave them unused).
 
 Each backend holds :class:`~eventkv.sweep.worker.Worker` objects — each loads a model once and keeps it —
 and hands them tasks from one pool, yielding each task's results as it finishes (in any order):
@@ -42,12 +42,7 @@ class SerialBackend:
     name = "serial"
 
     def __init__(
-        self,
-        runs: Sequence[PlannedRun],
-        workers: int | None = None,
-        threads: int | None = None,
-        ray_address: str | None = None,
-        gpus_per_worker: float = 0.0,
+        self, runs: Sequence[PlannedRun], workers: int | None = None, threads: int | None = None, **ray
     ) -> None:
         self.runs, self.workers, self.threads = runs, 1, threads or cores()
 
@@ -112,12 +107,7 @@ class ProcessBackend:
     name = "process"
 
     def __init__(
-        self,
-        runs: Sequence[PlannedRun],
-        workers: int | None = None,
-        threads: int | None = None,
-        ray_address: str | None = None,
-        gpus_per_worker: float = 0.0,
+        self, runs: Sequence[PlannedRun], workers: int | None = None, threads: int | None = None, **ray
     ) -> None:
         self.runs = runs
         self.workers = workers or DEFAULT_PROCESS_WORKERS
