@@ -427,12 +427,12 @@ def test_a_sweep_resumes_per_folder(reference, models, tmp_path):
 
 
 def test_an_interrupted_sweep_keeps_its_records_and_resumes(reference, models, tmp_path, monkeypatch):
-    from eventkv.sweep.worker import Worker
+    from eventkv.sweep.worker import Item, Worker
 
     real, calls = Worker.execute, []
 
     def stop_after_five(self, task):
-        if task[0] == "item":
+        if isinstance(task, Item):
             calls.append(task)
             if len(calls) > 5:
                 raise KeyboardInterrupt

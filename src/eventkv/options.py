@@ -18,6 +18,7 @@ import re
 from typing import Iterable, Sequence
 
 from eventkv.errors import OptionError
+from eventkv.registry import Registry
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 """What ``--dtype`` / ``models.load(dtype=...)`` accept; ``"auto"`` is resolved by ``models.resolve_dtype``."""
@@ -212,3 +213,64 @@ def check_slots(**slots) -> None:
             check_int(field, value, "give a whole number of events per history.")
         else:
             check_int(field, value, "give a 0-based slot (slot i is event i+1 of the history).", minimum=0)
+
+
+# --------------------------------------------------------------- the product's extension points, by name
+# (lazy "module:attr" specs: listing the names imports nothing, so the CLI's --help lists them from here)
+
+POLICIES: Registry = Registry(
+    "eviction policy",
+    {
+        "streaming": "eventkv.eviction.policies:StreamingLLM",
+        "knorm": "eventkv.eviction.policies:Knorm",
+        "snapkv": "eventkv.eviction.policies:SnapKV",
+        "tova": "eventkv.eviction.policies:Tova",
+        "expected": "eventkv.eviction.policies:ExpectedAttention",
+        "random": "eventkv.eviction.policies:Random",
+        "event-topk": "eventkv.eviction.policies:EventTopK",
+    },
+    field="policy",
+    flag="--policy",
+)
+"""What ``--policy`` / :func:`eventkv.eviction.make_policy` accept: the policy classes, by name."""
+
+BACKENDS: Registry = Registry(
+    "sweep backend",
+    {
+        "serial": "eventkv.sweep.backends:SerialBackend",
+        "process": "eventkv.sweep.backends:ProcessBackend",
+        "ray": "eventkv.sweep.backends:RayBackend",
+    },
+    help={
+        "serial": "one worker in this process",
+        "process": "worker processes on this machine, the cores divided among them",
+        "ray": "Ray actors on a cluster; pip install 'eventkv[ray]'",
+    },
+    field="backend",
+)
+"""What ``--backend`` of ``eventkv sweep`` accepts: the backend classes, by name."""
+
+DIALOGUE_FORMATS: Registry = Registry(
+    "dialogue format",
+    {"locomo": "eventkv.memory.dialogue:load_locomo", "realtalk": "eventkv.memory.dialogue:load_realtalk"},
+    field="data_format",
+    flag="--format",
+    allowed=lambda names: f"use {' or '.join(names)}.",
+)
+"""What ``--format`` accepts: the loaders of :mod:`eventkv.memory.dialogue`, by dataset (a path ->
+list of conversations)."""
+
+CARRIER_KINDS: Registry = Registry(
+    "carrier kind",
+    {
+        "passive": "eventkv.memory.carriers:passive",
+        "binding": "eventkv.memory.carriers:binding",
+        "directive": "eventkv.memory.carriers:directive",
+        "compute": "eventkv.memory.carriers:compute",
+    },
+    field="kind",
+    allowed=lambda names: f"use one of {', '.join(names)} or auto.",
+)
+"""The answer-free carrier kinds (Study 1, "Programmed carriers"): the memory's carrier texts of
+:mod:`eventkv.memory.carriers`, by kind (``(subject, refs) -> text``); the contract battery measures
+them and ``explicit``."""

@@ -19,12 +19,11 @@ from eventkv.cli.common import (
     run_probe_command,
     user_errors,
 )
+from eventkv.options import POLICIES
 
 
 def audit(
-    policy: str = typer.Option(
-        "streaming,snapkv,knorm", "--policy", help="streaming, knorm, snapkv, tova, expected, random, event-topk"
-    ),
+    policy: str = typer.Option("streaming,snapkv,knorm", "--policy", help=", ".join(POLICIES)),
     ratio: str = typer.Option("0.5,0.75", "--ratio", help="compression ratios: the fraction of rows evicted"),
     model: str = MODEL_OPTION,
     items: int = typer.Option(24, "--items", help="donor pairs"),

@@ -29,6 +29,7 @@ from eventkv.cli.common import (
     start_run,
     user_errors,
 )
+from eventkv.options import CARRIER_KINDS
 
 _ITEMS = "number of items (donor pairs)"
 
@@ -113,7 +114,7 @@ def carriers(
     seed: int = SEED_OPTION,
     out: Optional[Path] = out_option("runs/carriers/MODEL-DTYPE-seedSEED"),
     readout: str = READOUT_OPTION,
-    kinds: str = typer.Option("passive,binding,directive,compute,explicit", "--kinds"),
+    kinds: str = typer.Option(",".join([*CARRIER_KINDS, "explicit"]), "--kinds"),
     fix_query_position: bool = typer.Option(
         True, "--fixed-position/--own-position", help="ask every arm at the item's common query position"
     ),

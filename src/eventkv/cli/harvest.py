@@ -18,11 +18,12 @@ from eventkv.cli.common import (
     run_probe_command,
     user_errors,
 )
+from eventkv.options import DIALOGUE_FORMATS
 
 
 def harvest(
     data: str = typer.Option(..., "--data", help="LoCoMo JSON file, or a REALTALK Chat_*.json file or folder"),
-    data_format: str = typer.Option("locomo", "--format", help="locomo or realtalk"),
+    data_format: str = typer.Option("locomo", "--format", help=" or ".join(DIALOGUE_FORMATS)),
     model: str = MODEL_OPTION,
     conversations: Optional[int] = typer.Option(
         None, "--conversations", help="the first N conversations (default all)"

@@ -11,8 +11,10 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from eventkv.cli.common import PROGRESS_OPTION, user_errors
+from eventkv.options import BACKENDS
 
 
 def sweep(
@@ -22,8 +24,7 @@ def sweep(
     backend: str = typer.Option(
         "serial",
         "--backend",
-        help="serial (one worker in this process) | process (worker processes on this machine, the cores "
-        "divided among them) | ray (Ray actors on a cluster; pip install 'eventkv\\[ray]')",
+        help=" | ".join(f"{name} ({escape(BACKENDS.help(name))})" for name in BACKENDS),
     ),
     workers: Optional[int] = typer.Option(
         None,

@@ -31,7 +31,7 @@ from typing import Callable, ClassVar
 import torch
 
 from eventkv.errors import OptionError
-from eventkv.options import check_int
+from eventkv.options import POLICIES, check_int
 
 
 @dataclass
@@ -449,20 +449,13 @@ class UserPolicy(Policy):
         return s
 
 
-POLICIES: dict[str, type[Policy]] = {
-    p.name: p for p in (StreamingLLM, Knorm, SnapKV, Tova, ExpectedAttention, Random, EventTopK)
-}
-
-
 def make_policy(name: str, **options) -> Policy:
-    """The registered policy ``name`` with ``options``.
+    """The registered policy ``name`` (:data:`POLICIES`) with ``options``.
 
     Raises:
         OptionError: an unknown name (the message lists the registered ones).
     """
-    if name not in POLICIES:
-        raise OptionError("policy", name, f"use one of {', '.join(POLICIES)}.", flag="--policy")
-    return POLICIES[name](**options)
+    return POLICIES.get(name)(**options)
 
 
 def kept_count(rows: int, ratio: float) -> int:

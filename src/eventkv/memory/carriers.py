@@ -29,9 +29,8 @@ from pathlib import Path
 from typing import Sequence
 
 from eventkv.errors import EventKVError, OptionError
+from eventkv.options import CARRIER_KINDS
 
-#: the answer-free carrier kinds (the contract battery's kinds without ``explicit``)
-CARRIER_KINDS = ("passive", "binding", "directive", "compute")
 #: significance level of the one-sided reading of the contract's tests (Wilcoxon p on d, median > 0)
 ALPHA = 0.05
 
@@ -43,21 +42,34 @@ def carrier_text(kind: str, subject: str, source_ids: Sequence[str]) -> str:
     Raises:
         OptionError: an unknown kind, an empty subject or no source ids.
     """
-    if kind not in CARRIER_KINDS:
-        raise OptionError("kind", kind, f"use one of {', '.join(CARRIER_KINDS)} or auto.")
+    write = CARRIER_KINDS.get(kind)  # the answer-free kinds, listed in eventkv.options
     if not isinstance(subject, str) or not subject.strip():
         raise OptionError("subject", subject, "name what the carrier is about (e.g. 'the user's home city').")
     ids = [str(i) for i in source_ids]
     if not ids:
         raise OptionError("sources", list(source_ids), "give the ids of the events the carrier is about.")
     refs = ("event " if len(ids) == 1 else "events ") + ", ".join(ids)
-    subject = subject.strip()
-    if kind == "passive":
-        return f"note: {subject} was recorded earlier in this log"
-    if kind == "binding":
-        return f"{subject} keeps what was written about it in {refs}"
-    if kind == "directive":
-        return f"[remember] {subject}"
+    return write(subject.strip(), refs)
+
+
+def passive(subject: str, refs: str) -> str:
+    """A passive note: ``note: {subject} was recorded earlier in this log`` (``refs`` unused)."""
+    return f"note: {subject} was recorded earlier in this log"
+
+
+def binding(subject: str, refs: str) -> str:
+    """A binding sentence: ``{subject} keeps what was written about it in {refs}``."""
+    return f"{subject} keeps what was written about it in {refs}"
+
+
+def directive(subject: str, refs: str) -> str:
+    """A directive tag: ``[remember] {subject}`` (``refs`` unused)."""
+    return f"[remember] {subject}"
+
+
+def compute(subject: str, refs: str) -> str:
+    """A compute note: ``note: to answer about {subject} later, look back at {refs} and take what is
+    written there``."""
     return f"note: to answer about {subject} later, look back at {refs} and take what is written there"
 
 
@@ -173,7 +185,7 @@ def choose_kind(
             f"no answer-free carrier kind has a donor shift d significantly above 0 in the contract of {model} "
             f"(Wilcoxon p < {ALPHA}, median > 0): the sources' text is pinned instead (the study's fallback).",
         )
-    median, kind, p = max(candidates, key=lambda c: (c[0], -CARRIER_KINDS.index(c[1])))
+    median, kind, p = max(candidates, key=lambda c: (c[0], -CARRIER_KINDS.names().index(c[1])))
     return KindChoice(
         kind,
         f"{kind}: the largest significant donor shift in the contract of {model} "

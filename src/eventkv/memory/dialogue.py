@@ -30,6 +30,9 @@ reads every id of the form ``D<a>:<b>`` in an evidence string (a stray ``:`` aft
 expands a range within one ``D`` number, and drops strings without an id. Ids that name no turn of the
 conversation are kept as given: such a question never has all its evidence inside a conversation, so
 :func:`truncate` drops it.
+
+The loaders are listed by format name (``locomo``, ``realtalk``: ``--format``) in
+:data:`eventkv.options.DIALOGUE_FORMATS`.
 """
 
 from __future__ import annotations

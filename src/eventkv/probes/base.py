@@ -27,6 +27,7 @@ import torch
 from eventkv.errors import EventKVError
 from eventkv.log import TokenizedLog, encode, header_text
 from eventkv.prefill import EventKV, model_device, prefill
+from eventkv.registry import Registry, one_of
 
 #: Encodings an arm can name (Study 1, "Setting"):
 #: ``compact`` — the served events' rows from the global prefill, at their original positions;
@@ -261,39 +262,40 @@ class Probe:
         """Write a figure of the records to ``path`` (PNG)."""
 
 
-PROBES: dict[str, type[Probe]] = {}
-
 #: the entry-point group through which packages (eventkv's own and third-party) declare probes:
 #: ``name = "module:Class"`` under ``[project.entry-points."eventkv.probes"]`` in pyproject.toml
 ENTRY_POINT_GROUP = "eventkv.probes"
 
 
-def _declared() -> dict:
-    """The probe entry points installed in this environment, by name."""
-    from importlib.metadata import entry_points
-
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
-
-
-def _load_entry_point(ep) -> type[Probe]:
-    cls = ep.load()
-    if not (isinstance(cls, type) and issubclass(cls, Probe)) or cls.name != ep.name:
+def _check_probe(name: str, cls) -> None:
+    """A probe entry point must name a :class:`Probe` whose ``name`` is the entry point's name."""
+    if not (isinstance(cls, type) and issubclass(cls, Probe)) or cls.name != name:
+        ep = PROBES._declared().get(name)
+        value = ep.value if ep is not None else f"{getattr(cls, '__module__', '?')}:{getattr(cls, '__name__', cls)}"
         raise EventKVError(
-            f"entry point {ep.name!r} = {ep.value!r} in group {ENTRY_POINT_GROUP!r} is not a Probe named "
-            f"{ep.name!r}: declare the probe class whose `name` is the entry point's name."
+            f"entry point {name!r} = {value!r} in group {ENTRY_POINT_GROUP!r} is not a Probe named "
+            f"{name!r}: declare the probe class whose `name` is the entry point's name."
         )
-    return register(cls)
 
 
-def load_probes() -> dict[str, type[Probe]]:
+PROBES: Registry[type[Probe]] = Registry(
+    "probe",
+    entry_points=ENTRY_POINT_GROUP,
+    allowed=lambda names: one_of(tuple(sorted(names))),
+    check=_check_probe,
+)
+"""Every probe, by name: those declared in the ``eventkv.probes`` entry-point group (imported on first
+use) and those registered in-process with :func:`register`."""
+
+
+def load_probes() -> Registry[type[Probe]]:
     """Import every probe declared in the ``eventkv.probes`` entry-point group and return
     :data:`PROBES` (plus any registered in-process with :func:`register`).
 
     Raises:
         EventKVError: an entry point that does not name a :class:`Probe` of the same name.
     """
-    for ep in _declared().values():
-        _load_entry_point(ep)
+    PROBES.load_all()
     return PROBES
 
 
@@ -301,10 +303,7 @@ def register(cls: type[Probe]) -> type[Probe]:
     """Class decorator: list a probe in :data:`PROBES` under ``cls.name``."""
     if not cls.name:
         raise ValueError(f"{cls.__name__} has no name")
-    if cls.name in PROBES and PROBES[cls.name] is not cls:
-        raise ValueError(f"probe name {cls.name!r} is already registered")
-    PROBES[cls.name] = cls
-    return cls
+    return PROBES.put(cls.name, cls)
 
 
 def get_probe(name: str) -> type[Probe]:
@@ -313,16 +312,7 @@ def get_probe(name: str) -> type[Probe]:
     Raises:
         EventKVError: unknown probe (the message lists the registered ones).
     """
-    if name not in PROBES:
-        declared = _declared()
-        if name in declared:
-            _load_entry_point(declared[name])
-        else:
-            load_probes()
-    try:
-        return PROBES[name]
-    except KeyError:
-        raise EventKVError(f"unknown probe {name!r}: use one of {', '.join(sorted(PROBES))}.") from None
+    return PROBES.get(name)
 
 
 def json_ready(x):

@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
 from eventkv.memory.records import Added, MemoryAnswer, MemoryRecord, MemoryStats
+from eventkv.options import CARRIER_KINDS
 from eventkv.service.names import MAX_NAME, NAME_PATTERN
 
 MAX_TEXT = 32_000  # characters of one event's text or one question
@@ -81,7 +82,7 @@ class PinEvent(Write):
 class CarrierIn(Write):
     sources: list[EventId] = Field(min_length=1, max_length=64)
     subject: Text
-    kind: Literal["auto", "passive", "binding", "directive", "compute"] = "auto"
+    kind: Literal[("auto", *CARRIER_KINDS.names())] = "auto"  # type: ignore[valid-type]
     prefill: bool = False
 
 

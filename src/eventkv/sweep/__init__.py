@@ -9,7 +9,7 @@ backends (``serial``, ``process``, ``ray``) that write the same records.
 See docs/sweep.md.
 """
 
-from eventkv.sweep.backends import BACKENDS
+from eventkv.options import BACKENDS
 from eventkv.sweep.plan import Plan, PlannedRun, load_plan, parse_plan
 from eventkv.sweep.run import RunResult, SweepOptions, run_sweep
 

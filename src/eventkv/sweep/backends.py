@@ -1,11 +1,13 @@
 """Where a sweep's workers run: ``serial`` (one worker in this process), ``process`` (worker processes on
-this machine, the cores split among them) and ``ray`` (Ray actors on a cluster).
+this machine, the cores split among them) and ``ray`` (Ray actors on a cluster), listed by name in
+:data:`eventkv.options.BACKENDS`; each takes ``(runs, workers, threads, ray_address, gpus_per_worker)``
+(the last two reach Ray only: the other backends take them as ``**ray`` and leave them unused).
 
 Each backend holds :class:`~eventkv.sweep.worker.Worker` objects — each loads a model once and keeps it —
 and hands them tasks from one pool, yielding each task's results as it finishes (in any order):
 
     >>> with open_backend("serial", runs, threads=1) as pool:  # doctest: +SKIP
-    ...     for results in pool.map_unordered([("describe", key)]):
+    ...     for results in pool.map_unordered([Describe(key)]):
     ...         ...
 
 Workers get their tasks as they become free (a shared queue for ``process``, Ray's
@@ -18,12 +20,10 @@ import contextlib
 import os
 from typing import Iterable, Iterator, Sequence
 
-from eventkv.errors import EventKVError
+from eventkv.errors import EventKVError, OptionError
+from eventkv.options import BACKENDS
 from eventkv.sweep.plan import PlannedRun
-from eventkv.sweep.worker import Worker
-
-BACKENDS = ("serial", "process", "ray")
-"""What ``--backend`` accepts."""
+from eventkv.sweep.worker import Result, Task, Worker
 
 DEFAULT_PROCESS_WORKERS = 2
 """Worker processes of the ``process`` backend when ``--workers`` is not given: each holds its own copy of
@@ -41,7 +41,9 @@ class SerialBackend:
 
     name = "serial"
 
-    def __init__(self, runs: Sequence[PlannedRun], workers: int | None = None, threads: int | None = None) -> None:
+    def __init__(
+        self, runs: Sequence[PlannedRun], workers: int | None = None, threads: int | None = None, **ray
+    ) -> None:
         self.runs, self.workers, self.threads = runs, 1, threads or cores()
 
     def __enter__(self) -> SerialBackend:
@@ -57,7 +59,7 @@ class SerialBackend:
         self._worker = None
         torch.set_num_threads(self._saved)
 
-    def map_unordered(self, tasks: Iterable[tuple]) -> Iterator[list[tuple]]:
+    def map_unordered(self, tasks: Iterable[Task]) -> Iterator[list[Result]]:
         for task in tasks:
             yield self._worker.execute(task)
 
@@ -93,7 +95,7 @@ def exit_with_parent() -> None:
     threading.Thread(target=watch, name="eventkv-exit-with-parent", daemon=True).start()
 
 
-def _execute(task: tuple) -> list[tuple]:
+def _execute(task: Task) -> list[Result]:
     return _WORKER.execute(task)
 
 
@@ -104,7 +106,9 @@ class ProcessBackend:
 
     name = "process"
 
-    def __init__(self, runs: Sequence[PlannedRun], workers: int | None = None, threads: int | None = None) -> None:
+    def __init__(
+        self, runs: Sequence[PlannedRun], workers: int | None = None, threads: int | None = None, **ray
+    ) -> None:
         self.runs = runs
         self.workers = workers or DEFAULT_PROCESS_WORKERS
         self.threads = threads or max(1, cores() // self.workers)
@@ -125,7 +129,7 @@ class ProcessBackend:
     def __exit__(self, *exc) -> None:
         self._pool.shutdown(wait=exc[0] is None, cancel_futures=True)
 
-    def map_unordered(self, tasks: Iterable[tuple]) -> Iterator[list[tuple]]:
+    def map_unordered(self, tasks: Iterable[Task]) -> Iterator[list[Result]]:
         from concurrent.futures import as_completed
         from concurrent.futures.process import BrokenProcessPool
 
@@ -176,9 +180,10 @@ class RayBackend:
         runs: Sequence[PlannedRun],
         workers: int | None = None,
         threads: int | None = None,
-        address: str | None = None,
-        gpus: float = 0.0,
+        ray_address: str | None = None,
+        gpus_per_worker: float = 0.0,
     ) -> None:
+        address, gpus = ray_address, gpus_per_worker
         self.runs, self.workers, self.threads, self.address, self.gpus = runs, workers, threads or 1, address, gpus
 
     def __enter__(self) -> RayBackend:
@@ -240,7 +245,7 @@ class RayBackend:
         if self._started:
             self._ray.shutdown()
 
-    def map_unordered(self, tasks: Iterable[tuple]) -> Iterator[list[tuple]]:
+    def map_unordered(self, tasks: Iterable[Task]) -> Iterator[list[Result]]:
         """Each task's results as its actor returns them.
 
         Raises:
@@ -274,15 +279,14 @@ def open_backend(
     ray_address: str | None = None,
     gpus_per_worker: float = 0.0,
 ):
-    """The backend called ``name`` (one of :data:`BACKENDS`), to use as a context manager.
+    """The backend called ``name`` (one of :data:`eventkv.options.BACKENDS`), to use as a context manager.
+    ``ray_address`` and ``gpus_per_worker`` reach the ``ray`` backend only (the others take no cluster).
 
     Raises:
         EventKVError: an unknown backend.
     """
-    if name == "serial":
-        return SerialBackend(runs, workers, threads)
-    if name == "process":
-        return ProcessBackend(runs, workers, threads)
-    if name == "ray":
-        return RayBackend(runs, workers, threads, ray_address, gpus_per_worker)
-    raise EventKVError(f"--backend {name!r}: use one of {', '.join(BACKENDS)}.")
+    try:
+        backend = BACKENDS.get(name)
+    except OptionError as exc:
+        raise EventKVError(exc.for_cli()) from None
+    return backend(runs, workers, threads, ray_address=ray_address, gpus_per_worker=gpus_per_worker)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.options import check_float, check_optional_int, check_threads
+from eventkv.options import BACKENDS, check_float, check_optional_int, check_threads
 from eventkv.probes.runner import (
     SUMMARY,
     add_invocation,
@@ -36,8 +36,9 @@ from eventkv.probes.runner import (
     progress_bar,
     render,
 )
-from eventkv.sweep.backends import BACKENDS, open_backend
+from eventkv.sweep.backends import open_backend
 from eventkv.sweep.plan import Plan
+from eventkv.sweep.worker import Describe, Described, Failed, Item
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class SweepOptions:
             OptionError: naming the field (the CLI prints the flag) and what is allowed.
         """
         if self.backend not in BACKENDS:
-            raise OptionError("backend", self.backend, f"use one of {', '.join(BACKENDS)}.")
+            raise BACKENDS.unknown(self.backend)
         check_optional_int("workers", self.workers, "give a whole number of workers (>= 1).")
         if self.backend == "serial" and self.workers not in (None, 1):
             raise OptionError(
@@ -161,10 +162,10 @@ def run_sweep(plan: Plan, options: SweepOptions = SweepOptions(), console=None, 
         keys = list(dict.fromkeys(r.model_key for r in runs))
         described: dict[int, tuple[dict, dict]] = {}
         errors = []
-        for results in pool.map_unordered([("describe", k) for k in keys]):
+        for results in pool.map_unordered([Describe(k) for k in keys]):
             for res in results:
-                if res[0] == "described":
-                    described[res[1]] = (res[2], res[3])
+                if isinstance(res, Described):
+                    described[res.run] = (res.identity, res.profile)
                 else:
                     errors.append(_error_line(runs, res))
         if errors:
@@ -186,7 +187,7 @@ def run_sweep(plan: Plan, options: SweepOptions = SweepOptions(), console=None, 
         # 3. items: any worker, any order; records written here as they arrive
         # grouped by model, so a worker seldom loads another model: the order records arrive in is free
         order = sorted(range(len(runs)), key=lambda n: keys.index(runs[n].model_key))
-        todo = [("item", n, i) for n in order for i in opened[n][1]]
+        todo = [Item(n, i) for n in order for i in opened[n][1]]
         left = {n: len(opened[n][1]) for n in opened}
         computed = dict.fromkeys(opened, 0)
         devices: dict[int, set[str]] = {n: set() for n in opened}
@@ -223,13 +224,13 @@ def run_sweep(plan: Plan, options: SweepOptions = SweepOptions(), console=None, 
                     finish(n)
                 for results in pool.map_unordered(todo):
                     for res in results:
-                        if res[0] == "error":
+                        if isinstance(res, Failed):
                             raise EventKVError(_error_line(runs, res) + " (records finished before it are kept)")
-                        _, n, index, record, ident, device = res
-                        _check_record(runs[n].out, opened[n][0], index, record, ident)
-                        append_record(runs[n].out, record)
+                        n = res.run
+                        _check_record(runs[n].out, opened[n][0], res.index, res.record, res.identity)
+                        append_record(runs[n].out, res.record)
                         computed[n] += 1
-                        devices[n].add(device)
+                        devices[n].add(res.device)
                         left[n] -= 1
                         if bar:
                             bar.advance(task)
@@ -261,12 +262,13 @@ def _check_record(out: Path, manifest: dict, index: int, record: dict, ident: di
         )
 
 
-def _error_line(runs, res: tuple) -> str:
-    """One line for a worker's ``("error", task, message)``, naming the run folder (and item)."""
-    _, task, message = res
-    if task[0] == "describe" and isinstance(task[1], int):
-        return f"{runs[task[1]].out}: {message}"
-    if task[0] == "describe":
-        model = dict(task[1]).get("model")
+def _error_line(runs, res: Failed) -> str:
+    """One line for a worker's :class:`~eventkv.sweep.worker.Failed`, naming the run folder (and item), or
+    the model when loading it failed."""
+    task, message = res.task, res.message
+    if res.run is not None:
+        return f"{runs[res.run].out}: {message}"
+    if isinstance(task, Describe):
+        model = dict(task.key).get("model")
         return f"model {model!r}: {message}"
-    return f"{runs[task[1]].out} item {task[2]}: {message}"
+    return f"{runs[task.run].out} item {task.index}: {message}"

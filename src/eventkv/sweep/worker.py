@@ -5,28 +5,83 @@ worker process (``process``) or as a Ray actor (``ray``) — so a record is comp
 whatever the backend: :func:`eventkv.probes.runner.compute_record`, item ``i`` made from the run's seed
 and ``i`` alone. The worker never writes a file; the sweep writes the records it returns.
 
-A task is a tuple:
+A task is a :data:`Task`:
 
-* ``("describe", key)`` — load the model of ``key`` (see :attr:`PlannedRun.model_key`) and return, for
-  each run on it, ``("described", run, identity, profile)`` (the run folder's identity and the model
-  profile for its manifest) or, when the probe's own check of the model fails,
-  ``("error", ("describe", run), message)``;
-* ``("item", run, index)`` — return ``("record", run, index, record, identity, device)``; the
-  identity lets the sweep refuse a record computed on another model or dtype than the folder's (e.g. a
-  Ray node whose CPU resolves ``dtype: auto`` differently); the device (provenance) goes into the
-  manifest's invocation.
+* :class:`Describe` — load the model of ``key`` (see :attr:`PlannedRun.model_key`) and return, for each
+  run on it, a :class:`Described` (the run folder's identity and the model profile for its manifest) or,
+  when the probe's own check of the model fails, a :class:`Failed` naming the run;
+* :class:`Item` — return a :class:`Record`: the record, and the identity that lets the sweep refuse a
+  record computed on another model or dtype than the folder's (e.g. a Ray node whose CPU resolves
+  ``dtype: auto`` differently), and the device (provenance, for the manifest's invocation).
 
-A user error (:class:`~eventkv.errors.EventKVError`) is returned as ``("error", task, message)``
-rather than raised, so it crosses process and Ray boundaries as one line.
+A user error (:class:`~eventkv.errors.EventKVError`) is returned as a :class:`Failed` rather than raised,
+so it crosses process and Ray boundaries as one line. Every message is a frozen dataclass of plain
+values, so it pickles for the ``process`` and ``ray`` backends.
 """
 
 from __future__ import annotations
 
 import gc
+from dataclasses import dataclass
 from typing import Sequence
 
 from eventkv.errors import EventKVError
 from eventkv.sweep.plan import PlannedRun
+
+
+@dataclass(frozen=True)
+class Describe:
+    """Task: load the model of ``key`` (a :attr:`PlannedRun.model_key`) and describe every run on it."""
+
+    key: tuple
+
+
+@dataclass(frozen=True)
+class Item:
+    """Task: compute item ``index`` of run ``run`` (its position in the sweep's runs)."""
+
+    run: int
+    index: int
+
+
+Task = Describe | Item
+"""What a worker is handed."""
+
+
+@dataclass(frozen=True)
+class Described:
+    """Result of a :class:`Describe`, one per run on the model: the run folder's identity (probe, record
+    version, options, seed, model, weights digest, dtype) and the model profile for its manifest."""
+
+    run: int
+    identity: dict
+    profile: dict
+
+
+@dataclass(frozen=True)
+class Record:
+    """Result of an :class:`Item`: its JSON record, the identity it was computed under and the device
+    (``"cpu"``, ``"cuda:0"``) it was computed on."""
+
+    run: int
+    index: int
+    record: dict
+    identity: dict
+    device: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Result of a task that met a user error: the task, the run it concerns (a :class:`Describe` whose
+    probe refused the model names its run; None: the task's own run or model) and the one-line message."""
+
+    task: Task
+    message: str
+    run: int | None = None
+
+
+Result = Described | Record | Failed
+"""What a worker returns (a list of them per task)."""
 
 
 class Worker:
@@ -69,26 +124,25 @@ class Worker:
         run = self.runs[n]
         return identity(self.probe(n), run.run.model, self.runtime(run.model_key), run.run.seed)
 
-    def execute(self, task: tuple) -> list[tuple]:
+    def execute(self, task: Task) -> list[Result]:
         """Compute one task (see the module docstring); returns a list of results."""
         from eventkv.probes.runner import compute_record, profile_dict
 
         try:
-            if task[0] == "describe":
-                rt = self.runtime(task[1])
-                out = []
+            if isinstance(task, Describe):
+                rt = self.runtime(task.key)
+                out: list[Result] = []
                 for n, run in enumerate(self.runs):
-                    if run.model_key == task[1]:
+                    if run.model_key == task.key:
                         try:
                             self.probe(n).check_model(rt)
-                            out.append(("described", n, self.identity(n), profile_dict(rt)))
+                            out.append(Described(n, self.identity(n), profile_dict(rt)))
                         except EventKVError as exc:
-                            out.append(("error", ("describe", n), str(exc)))
+                            out.append(Failed(task, str(exc), run=n))
                 return out
-            _, n, index = task
-            run = self.runs[n]
+            run = self.runs[task.run]
             rt = self.runtime(run.model_key)
-            record = compute_record(self.probe(n), rt, run.run.seed, index)
-            return [("record", n, index, record, self.identity(n), rt.device)]
+            record = compute_record(self.probe(task.run), rt, run.run.seed, task.index)
+            return [Record(task.run, task.index, record, self.identity(task.run), rt.device)]
         except EventKVError as exc:
-            return [("error", task, str(exc))]  # an option by its plan name
+            return [Failed(task, str(exc))]  # an option by its plan name

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
 from eventkv.errors import EventKVError
-from eventkv.options import check_choices
+from eventkv.options import CARRIER_KINDS, check_choices
 from eventkv.probes.base import Runtime, Summary, register
 from eventkv.studies.materialization.contract_rows import (
     GRADED,
@@ -57,8 +57,8 @@ from eventkv.studies.materialization.pairs import (
 )
 
 STATES = ("ONLINE", "OFFLINE")
-KINDS = ("passive", "binding", "directive", "compute", "explicit")
-ANSWER_FREE = ("passive", "binding", "directive", "compute")
+ANSWER_FREE = CARRIER_KINDS.names()
+KINDS = (*ANSWER_FREE, "explicit")
 QUESTION = (
     "\nQuestion: What state is register {register} in? Answer {menu}. Use what the trajectory says about "
     "that register, then end your answer with the final state word."

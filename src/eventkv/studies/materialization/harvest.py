@@ -38,6 +38,7 @@ from typing import ClassVar, Sequence
 import numpy as np
 
 from eventkv.errors import OptionError
+from eventkv.options import DIALOGUE_FORMATS
 from eventkv.probes.base import Arm, Probe, Runtime, Summary, Table
 
 ARMS = ("none", "text", "isolated", "harvested", "gold")
@@ -140,8 +141,8 @@ class Harvest(Probe):
         from eventkv.files import data_digest
         from eventkv.options import check_int
 
-        if self.data_format not in ("locomo", "realtalk"):
-            raise OptionError("data_format", self.data_format, "use locomo or realtalk.", flag="--format")
+        if self.data_format not in DIALOGUE_FORMATS:
+            raise DIALOGUE_FORMATS.unknown(self.data_format)
         if not self.data or not Path(self.data).exists():
             raise OptionError("data", self.data, "give the path of the dialogue data.", flag="--data")
         self.data_digest = data_digest(self.data, self.data_digest)
@@ -153,9 +154,7 @@ class Harvest(Probe):
 
     def conversations(self):
         if self._loaded is None:
-            from eventkv.memory.dialogue import load_locomo, load_realtalk
-
-            read = load_locomo if self.data_format == "locomo" else load_realtalk  # realtalk: a file or a folder
+            read = DIALOGUE_FORMATS.get(self.data_format)  # realtalk: a file or a folder
             self._loaded = read(self.data)
         return self._loaded
 

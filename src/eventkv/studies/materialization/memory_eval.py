@@ -54,7 +54,7 @@ import numpy as np
 
 from eventkv.errors import OptionError
 from eventkv.files import data_digest
-from eventkv.options import check_choices, check_int, check_max_new_tokens
+from eventkv.options import DIALOGUE_FORMATS, check_choices, check_int, check_max_new_tokens
 from eventkv.probes.base import Arm, Probe, Runtime, Summary, Table
 
 ARMS = ("rows", "text", "isolated", "full", "gold")
@@ -144,9 +144,7 @@ class MemoryEval(Probe):
     def _conversations(self):
         """The file's conversations, parsed once per probe (validate and every memory read them)."""
         if self._loaded is None:
-            from eventkv.memory.dialogue import load_locomo
-
-            self._loaded = load_locomo(self.data)
+            self._loaded = DIALOGUE_FORMATS.get("locomo")(self.data)
         return self._loaded
 
     def max_items(self) -> int:
