@@ -40,6 +40,8 @@ from eventkv.studies.materialization.pairs import (
     PairArm,
     PairLayout,
     PairProbe,
+    PairRequest,
+    PairRun,
     arm_table,
     correct,
     d_table,
@@ -140,10 +142,11 @@ class Access(PairLayout, PairProbe):
             "questions": {"main": QUESTION.format(what=what, register=root, answer=answer, word=word)},
         }
 
-    def run_item(self, rt: Runtime, item: dict) -> dict:
+    def request(self, item: dict) -> PairRequest:
         card = item["cardinality"]
-        parse = last_number if card == "number" else (lambda t: last_state(t, PAYLOADS[card]))
-        res = self.run_arms(rt, item, parse=parse)
+        return PairRequest(item, last_number if card == "number" else (lambda t: last_state(t, PAYLOADS[card])))
+
+    def finish(self, rt: Runtime, item: dict, run: PairRun) -> dict:
         keep = (
             "index",
             "cardinality",
@@ -158,7 +161,7 @@ class Access(PairLayout, PairProbe):
         return {
             **{k: item[k] for k in keep},
             "events": {"A": item["histories"]["main"][0], "B": item["histories"]["main"][1]},
-            **res,
+            **run.record(),
         }
 
     def summarize(self, records: Sequence[dict]) -> Summary:

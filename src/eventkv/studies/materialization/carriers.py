@@ -51,6 +51,8 @@ from eventkv.studies.materialization.pairs import (
     PairArm,
     PairLayout,
     PairProbe,
+    PairRequest,
+    PairRun,
     arm_table,
     d_table,
     primary_readout,
@@ -177,15 +179,17 @@ class Carriers(PairLayout, PairProbe):
             "questions": {"main": QUESTION.format(register=src, menu=menu(STATES))},
         }
 
-    def run_item(self, rt: Runtime, item: dict) -> dict:
-        res = self.run_arms(rt, item, parse=lambda x: last_state(x, STATES))
+    def request(self, item: dict) -> PairRequest:
+        return PairRequest(item, lambda x: last_state(x, STATES))
+
+    def finish(self, rt: Runtime, item: dict, run: PairRun) -> dict:
         keep = ("index", "names", "source_slot", "values", "decoy_value", "candidates", "questions")
         carriers = {k: [item["histories"][k][v][self.carrier_slot] for v in (0, 1)] for k in self.kinds}
         return {
             **{k: item[k] for k in keep},
             "carriers": carriers,
             "events": {"A": item["histories"]["none"][0], "B": item["histories"]["none"][1]},
-            **res,
+            **run.record(),
         }
 
     def summarize(self, records: Sequence[dict]) -> Summary:

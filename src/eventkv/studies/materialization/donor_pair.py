@@ -72,7 +72,16 @@ from eventkv.studies.materialization.contract_rows import (
     d_value,
     proportion,
 )
-from eventkv.studies.materialization.pairs import OUTCOME_COLUMNS, OUTCOMES, PairArm, PairLayout, PairProbe, event_id
+from eventkv.studies.materialization.pairs import (
+    OUTCOME_COLUMNS,
+    OUTCOMES,
+    PairArm,
+    PairLayout,
+    PairProbe,
+    PairRequest,
+    PairRun,
+    event_id,
+)
 
 NAMES = ("ALPHA", "BETA", "GAMMA", "DELTA", "OMEGA", "SIGMA", "KAPPA", "THETA", "LAMBDA", "EPSILON")
 INSTRUCTION = (
@@ -219,10 +228,9 @@ class DonorPair(PairLayout, PairProbe):
     event_id = staticmethod(event_id)
 
     # ------------------------------------------------------------------ running
-    def run_item(self, rt: Runtime, item: dict) -> dict:
-        """Run the pair on the pair engine (header reused, shared events prefilled once, each
-        variant's remainder once; every arm's served cache answered in one batched readout), check
-        ``kv-all`` against ``text-all``, and return the pair's record."""
+    def request(self, item: dict) -> PairRequest:
+        """The pair the engine answers: the item's one history (decoy and root served) and its
+        question, the states as candidates."""
         pair = {
             "values": item["values"],
             "histories": {"main": item["events"]},
@@ -230,7 +238,12 @@ class DonorPair(PairLayout, PairProbe):
             "questions": {"main": item["question"]},
             "candidates": list(self.states),
         }
-        run = self.answer(rt, pair, parse=lambda text: last_state(text, self.states))
+        return PairRequest(pair, lambda text: last_state(text, self.states))
+
+    def finish(self, rt: Runtime, item: dict, run: PairRun) -> dict:
+        """The pair's record from the engine's run (header reused, shared events prefilled once,
+        each variant's remainder once; every arm's served cache answered in one batched readout),
+        with ``kv-all`` checked against ``text-all``."""
         logs, ekvs = run.logs["main"], run.prefills["main"]
         served_ids = [event_id(self.decoy_slot), event_id(self.root_slot)]
         served = {

@@ -56,6 +56,8 @@ from eventkv.studies.materialization.pairs import (
     PairArm,
     PairLayout,
     PairProbe,
+    PairRequest,
+    PairRun,
     arm_table,
     candidate_share,
     d_table,
@@ -200,10 +202,12 @@ class Landing(PairLayout, PairProbe):
             "questions": {k: QUESTION.format(register=r, menu=mn) for k, r in (("M", m), ("T", t), ("U", u))},
         }
 
-    def run_item(self, rt: Runtime, item: dict) -> dict:
-        res = self.run_arms(rt, item, parse=lambda x: last_state(x, STATES))
+    def request(self, item: dict) -> PairRequest:
+        return PairRequest(item, lambda x: last_state(x, STATES))
+
+    def finish(self, rt: Runtime, item: dict, run: PairRun) -> dict:
         keep = ("index", "names", "source_slot", "values", "decoy_value", "candidates", "questions")
-        return {**{k: item[k] for k in keep}, "events": item["histories"], **res}
+        return {**{k: item[k] for k in keep}, "events": item["histories"], **run.record()}
 
     def summarize(self, records: Sequence[dict]) -> Summary:
         return summarize_landing(records, self)

@@ -42,6 +42,8 @@ from eventkv.studies.materialization.pairs import (
     D_CAPTION,
     PairArm,
     PairProbe,
+    PairRequest,
+    PairRun,
     arm_table,
     d_table,
     primary_readout,
@@ -116,8 +118,10 @@ class Patch(PairProbe):
             "questions": {"main": QUESTION.format(register=src, menu=menu(STATES))},
         }
 
-    def run_item(self, rt: Runtime, item: dict) -> dict:
-        res = self.run_arms(rt, item, parse=lambda x: last_state(x, STATES))
+    def request(self, item: dict) -> PairRequest:
+        return PairRequest(item, lambda x: last_state(x, STATES))
+
+    def finish(self, rt: Runtime, item: dict, run: PairRun) -> dict:
         keep = (
             "index",
             "n_events",
@@ -132,7 +136,7 @@ class Patch(PairProbe):
         rec = {
             **{k: item[k] for k in keep},
             "events": {h: {"A": v[0], "B": v[1]} for h, v in item["histories"].items()},
-            **res,
+            **run.record(),
         }
         if self.timing:
             rec["timing"] = self.time_updates(rt, item)

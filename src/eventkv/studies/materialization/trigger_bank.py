@@ -60,6 +60,8 @@ from eventkv.studies.materialization.pairs import (
     PairArm,
     PairLayout,
     PairProbe,
+    PairRequest,
+    PairRun,
     d_stats,
     describe_d,
     pair_stats,
@@ -206,8 +208,10 @@ class TriggerBank(PairLayout, PairProbe):
             "questions": {"main": q},
         }
 
-    def run_item(self, rt: Runtime, item: dict) -> dict:
-        res = self.run_arms(rt, item, parse=lambda t: last_state(t, item["candidates"]))
+    def request(self, item: dict) -> PairRequest:
+        return PairRequest(item, lambda t: last_state(t, item["candidates"]))
+
+    def finish(self, rt: Runtime, item: dict, run: PairRun) -> dict:
         keep = (
             "index",
             "construction",
@@ -222,7 +226,7 @@ class TriggerBank(PairLayout, PairProbe):
         return {
             **{k: item[k] for k in keep},
             "events": {"A": item["histories"]["main"][0], "B": item["histories"]["main"][1]},
-            **res,
+            **run.record(),
         }
 
     def summarize(self, records: Sequence[dict]) -> Summary:
