@@ -31,8 +31,6 @@ Example (a tiny random model; a real one comes from :func:`eventkv.models.load`)
 from __future__ import annotations
 
 import contextlib
-import json
-import sqlite3
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Literal, Sequence
@@ -44,6 +42,7 @@ from eventkv.log import HEADER_ID, Event, TokenizedLog, encode, header_text, tok
 from eventkv.memory.integrity import damaged
 from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
 from eventkv.memory.select import rank
+from eventkv.memory.sql import EventRow, Writes
 from eventkv.memory.store import SCHEMA_VERSION, Store, check_identity, model_identity, now
 from eventkv.memory.table import EventTable
 from eventkv.options import check_max_new_tokens, check_optional_int, is_int
@@ -314,44 +313,39 @@ class EventMemory:
                 )
             taken.add(eid)
             rows.append(
-                (
-                    seq,
-                    eid,
-                    it["kind"],
-                    ev.text,
-                    ev.role,
-                    json.dumps(list(it["tags"])),
-                    ev.budget,
-                    json.dumps(toks),
-                    pos,
-                    width,
-                    row,
-                    len(toks),
-                    it.get("supersedes"),
-                    now(),
+                EventRow(
+                    seq=seq,
+                    id=eid,
+                    kind=it["kind"],
+                    text=ev.text,
+                    role=ev.role,
+                    tags=tuple(it["tags"]),
+                    budget=ev.budget,
+                    token_ids=toks,
+                    position=pos,
+                    width=width,
+                    row_start=row,
+                    created=now(),
+                    supersedes=it.get("supersedes"),
                 )
             )
             added.append(Added(eid, pos, width))
             seq, pos, row = seq + 1, pos + width, row + len(toks)
         check_context(pos, self.lm.profile.max_context, what=f"history after adding {len(rows)} event(s)")
 
-        def insert(c) -> None:
-            c.executemany(
-                "INSERT INTO events (seq, id, kind, text, role, tags, budget, token_ids, position, width, row_start, "
-                "n_rows, supersedes, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                rows,
-            )
+        def insert(tx: Writes) -> None:
+            tx.insert_events(rows)
 
         new_rows = None
         if prefill:
             stored = self._stored()
             log = TokenizedLog(
                 list(self.header_ids),
-                [r.id for r in stored] + [r[1] for r in rows],
-                [self._tokens[r.id] for r in stored] + [json.loads(r[7]) for r in rows],
-                [r.budget for r in stored] + [r[6] for r in rows],
+                [r.id for r in stored] + [r.id for r in rows],
+                [self._tokens[r.id] for r in stored] + [list(r.token_ids) for r in rows],
+                [r.budget for r in stored] + [r.budget for r in rows],
             )
-            pending = [r.seq for r in stored if not r.prefilled] + [r[0] for r in rows]
+            pending = [r.seq for r in stored if not r.prefilled] + [r.seq for r in rows]
             new_rows = (self._compute(log, self._ekv), self._n_prefilled(), pending)
         self._commit(insert, new_rows)
         return added
@@ -369,7 +363,7 @@ class EventMemory:
 
     def _commit(
         self,
-        write: Callable[[sqlite3.Connection], None] | None,
+        write: Callable[[Writes], None] | None,
         rows: tuple[EventKV | None, int, Sequence[int]] | None = None,
         *,
         bump: bool = True,
@@ -379,8 +373,8 @@ class EventMemory:
 
         1. with ``rows = (ekv, start, seqs)``: rows ``start:`` of ``ekv`` are written as one new
            segment file, fsynced (:meth:`Store.write_segment`), before anything is committed;
-        2. one transaction: ``write(c)``, the segment's row, the events ``seqs`` pointed at the
-           segment, the version bumped (unless ``bump`` is False);
+        2. one transaction: ``write(tx)`` (:class:`eventkv.memory.sql.Writes`), the segment's row,
+           the events ``seqs`` pointed at the segment, the version bumped (unless ``bump`` is False);
         3. only after the commit: the in-memory rows become ``ekv``, the event table is reloaded from
            the database, and ``drop_files`` (segments the transaction unlinked from every row) are
            removed.
@@ -400,12 +394,11 @@ class EventMemory:
                 ekv.positions[start:],
             )
         try:
-            with self.store.transaction(bump=bump) as c:
+            with self.store.transaction(bump=bump) as tx:
                 if write is not None:
-                    write(c)
+                    write(tx)
                 if seg is not None:
-                    self.store.insert_segment(c, seg, start)
-                    c.executemany("UPDATE events SET segment = ? WHERE seq = ?", [(seg["id"], q) for q in seqs])
+                    tx.add_segment(seg, start, seqs)
         except BaseException:
             if seg is not None:
                 self.store.remove_files([seg["file"]])
@@ -527,7 +520,7 @@ class EventMemory:
         rec = self._lookup(event_id)
         if not rec.live:
             raise EventKVError(f"event {event_id!r} is already {'forgotten' if rec.forgotten else 'deleted'}.")
-        self._commit(lambda c: c.execute("UPDATE events SET deleted = 1 WHERE seq = ?", (rec.seq,)))
+        self._commit(lambda tx: tx.mark_deleted(rec.seq))
 
     def pin(self, event_id: str, pinned: bool = True) -> None:
         """Keep an event in every served set :meth:`select` builds (or release it with ``pinned=False``).
@@ -547,11 +540,7 @@ class EventMemory:
                 raise EventKVError(
                     f"event {root.id!r} is {'forgotten' if root.forgotten else 'deleted'}: it cannot be pinned."
                 )
-        self._commit(
-            lambda c: c.executemany(
-                "UPDATE events SET pinned = ? WHERE seq = ?", [(int(bool(pinned)), r.seq) for r in roots]
-            )
-        )
+        self._commit(lambda tx: tx.set_pinned([r.seq for r in roots], pinned))
 
     def carrier(
         self, sources: Sequence[str], subject: str, kind: str = "auto", *, prefill: bool = False
@@ -679,23 +668,15 @@ class EventMemory:
             # the new segment holds rows start: — the kept rows that shared a dropped segment, then the later ones
             rows = (new, start, [r.seq for r in before if r.row_start >= start] + [r.seq for r in later])
 
-        def write(c) -> None:
+        def write(tx: Writes) -> None:
             for f in drop_files:
-                c.execute(
-                    "UPDATE events SET segment = NULL WHERE segment = (SELECT id FROM segments WHERE file = ?)", (f,)
-                )
-                c.execute("DELETE FROM segments WHERE file = ?", (f,))
-            c.executemany(
-                "UPDATE events SET text = NULL, role = NULL, tags = '[]', budget = NULL, token_ids = NULL, "
-                "position = NULL, width = 0, row_start = NULL, n_rows = 0, segment = NULL, forgotten = 1, "
-                "pinned = 0, deleted = 0 WHERE seq = ?",
-                [(q,) for q in gone],
-            )
+                tx.drop_segment(f)
+            tx.forget_events(gone)
             pos = row = len(self.header_ids)  # the later events move down to contiguous positions
             for r in remaining:
-                c.execute("UPDATE events SET position = ?, row_start = ? WHERE seq = ?", (pos, row, r.seq))
+                tx.move_event(r.seq, pos, row)
                 pos, row = pos + r.width, row + r.n_rows
-            self.store.mark_purge(c)
+            tx.mark_purge()
 
         self._commit(write, rows, drop_files=drop_files)
         self._isolated.clear()
@@ -736,7 +717,23 @@ class EventMemory:
             toks = encode(self.lm.tokenizer, ev.render())
             budget = root.budget if root.budget is not None and root.budget >= len(toks) else None
             width = budget or len(toks)
-            rows.append((root, cur, toks, budget, pos, width, row))
+            rows.append(
+                EventRow(
+                    seq=root.seq,
+                    id=root.id,
+                    kind=root.kind,
+                    text=cur.text,
+                    role=root.role,
+                    tags=root.tags,
+                    budget=budget,
+                    token_ids=toks,
+                    position=pos,
+                    width=width,
+                    row_start=row,
+                    created=root.created,
+                    pinned=root.pinned,
+                )
+            )
             events.append((root.id, toks, budget))
             pos, row = pos + width, row + len(toks)
         old_files = [s["file"] for s in self.store.segment_rows()]
@@ -746,35 +743,11 @@ class EventMemory:
             check_context(log.history_end, self.lm.profile.max_context)
             ekv = self._compute(log, None)
 
-        def write(c) -> None:
-            c.execute("DELETE FROM events WHERE forgotten = 0")
-            c.execute("DELETE FROM segments")
-            c.executemany(
-                "INSERT INTO events (seq, id, kind, text, role, tags, budget, token_ids, position, width, "
-                "row_start, n_rows, pinned, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [
-                    (
-                        root.seq,
-                        root.id,
-                        root.kind,
-                        cur.text,
-                        root.role,
-                        json.dumps(list(root.tags)),
-                        budget,
-                        json.dumps(toks),
-                        p,
-                        w,
-                        r0,
-                        len(toks),
-                        int(root.pinned),
-                        root.created,
-                    )
-                    for root, cur, toks, budget, p, w, r0 in rows
-                ],
-            )
-            self.store.mark_purge(c)  # the dropped events' text
+        def write(tx: Writes) -> None:
+            tx.replace_history(rows)
+            tx.mark_purge()  # the dropped events' text
 
-        self._commit(write, (ekv, 0, [r[0].seq for r in rows]), drop_files=old_files)
+        self._commit(write, (ekv, 0, [r.seq for r in rows]), drop_files=old_files)
         self._isolated.clear()
         with contextlib.suppress(PurgePending):  # not the privacy path: a blocked purge completes at close or open
             self.store.purge(REBASE_PURGE_S)
