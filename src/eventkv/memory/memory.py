@@ -35,12 +35,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Literal, Sequence
 
-import torch
-
 from eventkv.errors import EventKVError, OptionError, OutOfSpace, PurgePending, StoreDamaged
 from eventkv.log import HEADER_ID, Event, TokenizedLog, encode, header_text, tokenize_query
 from eventkv.memory.integrity import damaged
 from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
+from eventkv.memory.rows import RowCache, contiguous, tail
 from eventkv.memory.select import rank
 from eventkv.memory.sql import EventRow, Writes
 from eventkv.memory.store import SCHEMA_VERSION, Store, check_identity, model_identity, now
@@ -73,10 +72,7 @@ class EventMemory:
         self._closed = False
         self._recs: list[MemoryRecord] = []
         self._tokens: dict[str, list[int]] = {}
-        self._ekv: EventKV | None = None
-        # isolated encodings of events (serve(..., isolated_memo=)): keyed by id, position and tokens,
-        # so a relaid-out event is encoded again; emptied whenever the rows are reloaded or relaid out
-        self._isolated: dict[tuple, tuple] = {}
+        self._rows = RowCache()
         self._reload()
 
     # ================================================================== create / open / close
@@ -217,40 +213,28 @@ class EventMemory:
     def _n_rows(self) -> int:
         return self._table.n_rows()
 
+    @property
+    def _ekv(self) -> EventKV | None:
+        """The in-memory rows of the stored history (:class:`eventkv.memory.rows.RowCache`)."""
+        return self._rows.ekv
+
+    @property
+    def _isolated(self) -> dict[tuple, tuple]:
+        """The isolated encodings of served events (``serve(..., isolated_memo=)``)."""
+        return self._rows.isolated
+
     def _load_rows(self) -> None:
         """Read every segment (row order), check the rows line up with the prefilled events, and keep
         them as the in-memory EventKV."""
-        segs = self.store.segment_rows()
         prefilled = [r for r in self._stored() if r.prefilled]
-        if not segs:
-            if prefilled:
-                raise self._corrupt(f"{len(prefilled)} events are marked prefilled but no segment exists")
-            return
-        n_layers = self.lm.profile.num_layers
-        keys: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
-        values: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
-        positions, total = [], 0
-        for seg in segs:
-            if seg["row_start"] != total:
-                raise self._corrupt(f"segment {seg['file']!r} starts at row {seg['row_start']}, not {total}")
-            k, v, p = self.store.read_segment(seg, n_layers)
-            for i in range(n_layers):
-                keys[i].append(k[i])
-                values[i].append(v[i])
-            positions.append(p)
-            total += seg["n_rows"]
-        log = self._log(prefilled) if prefilled else None
-        pos = torch.cat(positions)
-        if log is None or log.n_rows != total or pos.tolist() != log.position_ids:
-            raise self._corrupt(f"the segments hold {total} rows that do not line up with the prefilled events")
-        dev = model_device(self.lm.model)  # segments are read on the CPU; the rows go to the model once
-        self._isolated.clear()
-        self._ekv = EventKV(
-            log,
-            [torch.cat(k, dim=1).unsqueeze(0).to(dev) for k in keys],
-            [torch.cat(v, dim=1).unsqueeze(0).to(dev) for v in values],
-            pos,
+        self._rows.load(
+            self.store.segment_rows(),
+            self.store.read_segment,
+            self.lm.profile.num_layers,
+            self._log(prefilled) if prefilled else None,
+            model_device(self.lm.model),  # segments are read on the CPU; the rows go to the model once
             self.lm.profile.weights_digest,
+            self._corrupt,
         )
 
     def _corrupt(self, what: str) -> StoreDamaged:
@@ -352,7 +336,7 @@ class EventMemory:
 
     # ================================================================== the one commit path
     def _n_prefilled(self) -> int:
-        return self._ekv.n_rows if self._ekv is not None else 0
+        return self._rows.n_rows
 
     def _compute(self, log: TokenizedLog, prefix: EventKV | None) -> EventKV:
         """The rows of ``log``, continuing from ``prefix`` (its rows are reused, not recomputed)."""
@@ -387,12 +371,7 @@ class EventMemory:
         ekv = rows[0] if rows is not None else self._ekv
         if rows is not None and ekv is not None and ekv.n_rows > rows[1]:
             _, start, seqs = rows
-            seg = self.store.write_segment(
-                self.store.next_segment_id(),
-                [k[0, :, start:] for k in ekv.keys],
-                [v[0, :, start:] for v in ekv.values],
-                ekv.positions[start:],
-            )
+            seg = self.store.write_segment(self.store.next_segment_id(), *tail(ekv, start))
         try:
             with self.store.transaction(bump=bump) as tx:
                 if write is not None:
@@ -404,7 +383,7 @@ class EventMemory:
                 self.store.remove_files([seg["file"]])
             raise
         if rows is not None:
-            self._ekv = ekv
+            self._rows.ekv = ekv
         self._reload()
         self.store.remove_files([f for f in drop_files if seg is None or f != seg["file"]])
 
@@ -642,44 +621,26 @@ class EventMemory:
         first = min(gone)
         remaining = [r for r in self._stored() if r.seq not in gone]
         before = [r for r in remaining if r.seq < first]
-        later_with_rows = [r for r in remaining if r.seq > first and r.prefilled]
         rows, drop_files, recomputed = None, [], 0
         if any(r.prefilled for r in targets):
-            # rows kept: everything before the first forgotten event (0: recompute from the header)
-            keep = before[-1].row_start + before[-1].n_rows if before else 0
-            drop = [s for s in self.store.segment_rows() if s["row_start"] + s["n_rows"] > keep]
-            drop_files = [s["file"] for s in drop]
-            start = min(s["row_start"] for s in drop)  # the new segment starts where the first dropped one did
-            ekv = self._ekv
-            kept = None
-            if keep:
-                kept = EventKV(
-                    self._log(before),
-                    [k[:, :, :keep] for k in ekv.keys],
-                    [v[:, :, :keep] for v in ekv.values],
-                    ekv.positions[:keep],
-                    ekv.weights_digest,
-                )
-            new, later = kept, []
-            if later_with_rows:  # the later events up to the last one that had rows, at their new positions
-                later = [r for r in remaining if first < r.seq <= later_with_rows[-1].seq]
-                new = self._compute(self._log(before + later), kept)
-                recomputed = new.n_rows - keep
+            cut = self._rows.cut_for_forget(self.store.segment_rows(), before, remaining, first, self._log)
+            new, drop_files = cut.kept, cut.drop_files
+            if cut.later:  # the later events up to the last one that had rows, at their new positions
+                new = self._compute(self._log(list(before) + cut.later), cut.kept)
+                recomputed = new.n_rows - cut.keep
             # the new segment holds rows start: — the kept rows that shared a dropped segment, then the later ones
-            rows = (new, start, [r.seq for r in before if r.row_start >= start] + [r.seq for r in later])
+            rows = (new, cut.start, cut.seqs)
 
         def write(tx: Writes) -> None:
             for f in drop_files:
                 tx.drop_segment(f)
             tx.forget_events(gone)
-            pos = row = len(self.header_ids)  # the later events move down to contiguous positions
-            for r in remaining:
-                tx.move_event(r.seq, pos, row)
-                pos, row = pos + r.width, row + r.n_rows
+            for seq, pos, row in contiguous(remaining, len(self.header_ids)):  # later events move down
+                tx.move_event(seq, pos, row)
             tx.mark_purge()
 
         self._commit(write, rows, drop_files=drop_files)
-        self._isolated.clear()
+        self._rows.relaid_out()
         self._purge(event_id, purge_wait_s)
         return recomputed
 
@@ -748,7 +709,7 @@ class EventMemory:
             tx.mark_purge()  # the dropped events' text
 
         self._commit(write, (ekv, 0, [r.seq for r in rows]), drop_files=old_files)
-        self._isolated.clear()
+        self._rows.relaid_out()
         with contextlib.suppress(PurgePending):  # not the privacy path: a blocked purge completes at close or open
             self.store.purge(REBASE_PURGE_S)
         return ekv.n_rows if ekv is not None else 0
@@ -791,7 +752,7 @@ class EventMemory:
         """Counts and sizes (see :class:`MemoryStats`); ``bytes_on_disk`` sums every file of the store."""
         self._check_open()
         return self._table.stats(
-            rows_prefilled=self._ekv.n_rows if self._ekv is not None else 0,
+            rows_prefilled=self._rows.n_rows,
             segments=len(self.store.segment_rows()),
             bytes_on_disk=self.store.bytes_on_disk(),
             version=self.store.version,
@@ -983,7 +944,7 @@ class EventMemory:
         caches, serve_ms = [], []
         for ids, (_, mode) in zip(served_ids, plans):
             t1 = time.perf_counter()
-            caches.append(serve(ekv, ids, mode, model=lm.model, isolated_memo=self._isolated))
+            caches.append(serve(ekv, ids, mode, model=lm.model, isolated_memo=self._rows.isolated))
             serve_ms.append(1e3 * (time.perf_counter() - t1))
         t2 = time.perf_counter()
         outs = answer_served(
