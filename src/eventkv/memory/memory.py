@@ -40,7 +40,7 @@ from eventkv.log import HEADER_ID, Event, TokenizedLog, encode, header_text, tok
 from eventkv.memory.integrity import damaged
 from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
 from eventkv.memory.rows import RowCache, contiguous, tail
-from eventkv.memory.select import rank
+from eventkv.memory.select import Selector, selector_for, within_budget
 from eventkv.memory.sql import EventRow, Writes
 from eventkv.memory.store import SCHEMA_VERSION, Store, check_identity, model_identity, now
 from eventkv.memory.table import EventTable
@@ -65,9 +65,11 @@ class EventMemory:
     Not thread-safe: one writer (one process, one thread) per store directory at a time.
     """
 
-    def __init__(self, store: Store, lm: LoadedModel) -> None:
+    def __init__(self, store: Store, lm: LoadedModel, selector: Selector | str = "bm25") -> None:
         self.store = store
         self.lm = lm
+        #: ranks the view's events for :meth:`select` (:class:`eventkv.memory.select.Selector`)
+        self.selector = selector_for(selector)
         self.header_ids: list[int] = list(store.manifest["header_ids"])
         self._closed = False
         self._recs: list[MemoryRecord] = []
@@ -85,6 +87,7 @@ class EventMemory:
         namespace: str,
         instruction: str | None = None,
         contract: str | Path | None = None,
+        selector: Selector | str = "bm25",
     ) -> "EventMemory":
         """Make a new, empty memory in ``directory`` (absent or empty) for model ``lm``.
 
@@ -92,11 +95,14 @@ class EventMemory:
             namespace: the tenant / agent this memory belongs to (kept in the manifest).
             instruction: optional fixed task instruction placed in the header after the chat head.
             contract: optional path of the model's ``contract.json`` (kept in the manifest for carriers).
+            selector: what :meth:`select` ranks events with: a :class:`eventkv.memory.select.Selector`
+                or its name (``"bm25"``, the default); not stored (give it again to :meth:`open`).
 
         Raises:
             EventKVError: ``directory`` is a file, holds a memory already, or holds other files.
-            OptionError: a blank namespace, an instruction that is not a string.
+            OptionError: a blank namespace, an instruction that is not a string, an unknown selector.
         """
+        selector = selector_for(selector)
         if not isinstance(namespace, str) or not namespace.strip():
             raise OptionError("namespace", namespace, "give the memory a non-empty namespace (e.g. the agent's name).")
         if instruction is not None and not isinstance(instruction, str):
@@ -115,10 +121,12 @@ class EventMemory:
             "header_ids": header_ids,
             "contract": str(Path(contract).resolve()) if contract is not None else None,
         }
-        return cls(Store.create(directory, manifest), lm)
+        return cls(Store.create(directory, manifest), lm, selector)
 
     @classmethod
-    def open(cls, directory: str | Path, lm: LoadedModel, *, verify: str | None = None) -> "EventMemory":
+    def open(
+        cls, directory: str | Path, lm: LoadedModel, *, verify: str | None = None, selector: Selector | str = "bm25"
+    ) -> "EventMemory":
         """Open a memory written by :meth:`create`, check it was made by ``lm`` and load its rows.
 
         Segment files no committed row points to are deleted first (a kill between a segment's write
@@ -126,6 +134,7 @@ class EventMemory:
         ``EVENTKV_MEMORY_VERIFY=size``: its size only).
 
         A store of schema 1 (before event checksums) is upgraded first (``docs/memory.md``).
+        ``selector``: as :meth:`create`.
 
         Raises:
             StoreDamaged: the manifest, the database (SQLite's ``quick_check``, an event's checksum,
@@ -134,11 +143,13 @@ class EventMemory:
             EventKVError: no memory in ``directory``; one made by other weights, tokenizer, chat
                 template or dtype (the message names both values: stale KV is refused, never used);
                 a store of a newer schema.
+            OptionError: an unknown selector.
         """
+        selector = selector_for(selector)
         store = Store.open(directory, verify=verify)
         try:
             check_identity(store.directory, store.manifest, lm)
-            mem = cls(store, lm)
+            mem = cls(store, lm, selector)
             mem._load_rows()
         except BaseException:
             store.close()
@@ -760,9 +771,10 @@ class EventMemory:
 
     # ================================================================== selection and answers
     def select(self, question: str, k: int = 8, budget_rows: int | None = None) -> list[str]:
-        """The served set for a question: the view's events ranked by BM25 over
-        their current text (:func:`eventkv.memory.select.rank`; a patched event is ranked and served
-        as its latest patch), the top ``k`` kept, then every pinned event added; in history order.
+        """The served set for a question: the view's events ranked by the memory's selector (BM25 over
+        their current text by default: :class:`eventkv.memory.select.BM25Selector`; a patched event is
+        ranked and served as its latest patch), the top ``k`` kept, then every pinned event added; in
+        history order.
         With ``budget_rows``, the lowest-ranked unpinned events are dropped until the served events'
         rows (header excluded) fit; pinned events are never dropped. The header is always served
         by :func:`eventkv.serve.serve` besides.
@@ -782,18 +794,13 @@ class EventMemory:
         units = self._units()
         if not units:
             return []
-        ranked = rank([cur.text for _, cur in units], question, k)
+        index = {cur.id: i for i, (_, cur) in enumerate(units)}
+        ranked = [index[r.id] for r in self.selector.rank(question, [cur for _, cur in units], k=k)]
         pinned = [i for i, (root, _) in enumerate(units) if root.pinned]
         chosen = [i for i in ranked if i not in pinned]
-        if budget_rows is not None:
+        if budget_rows is not None:  # best first: keep while it fits (= drop the lowest-ranked first)
             used = sum(units[i][1].n_rows for i in pinned)
-            kept = []
-            for i in chosen:  # best first: keep while it fits (= drop the lowest-ranked first)
-                if used + units[i][1].n_rows > budget_rows:
-                    break
-                kept.append(i)
-                used += units[i][1].n_rows
-            chosen = kept
+            chosen = within_budget(chosen, [units[i][1].n_rows for i in chosen], budget_rows, used)
         return [units[i][1].id for i in sorted(set(chosen) | set(pinned))]
 
     def _served_ids(self, question: str, select: SelectSpec, k: int, budget_rows: int | None) -> list[str]:
