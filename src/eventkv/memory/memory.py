@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Literal, Sequence
 
 from eventkv.errors import EventKVError, OptionError, OutOfSpace, PurgePending, StoreDamaged
-from eventkv.log import HEADER_ID, Event, TokenizedLog, encode, header_text, tokenize_query
+from eventkv.log import HEADER_ID, Event, TokenizedLog, encode, header_text
+from eventkv.memory.answer import check_query, check_question, question_ids, read_out
 from eventkv.memory.integrity import damaged
 from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
 from eventkv.memory.rows import RowCache, contiguous, tail
@@ -44,10 +45,9 @@ from eventkv.memory.select import Selector, selector_for, within_budget
 from eventkv.memory.sql import EventRow, Writes
 from eventkv.memory.store import SCHEMA_VERSION, Store, check_identity, model_identity, now
 from eventkv.memory.table import EventTable
-from eventkv.options import check_max_new_tokens, check_optional_int, is_int
+from eventkv.options import check_optional_int, is_int
 from eventkv.prefill import EventKV, check_context, model_device, prefill
-from eventkv.readout import answer_served
-from eventkv.serve import SERVE_MODES, ServeMode, serve
+from eventkv.serve import ServeMode
 
 if TYPE_CHECKING:  # pragma: no cover
     from eventkv.models.profile import LoadedModel
@@ -558,7 +558,7 @@ class EventMemory:
             EventKVError: an unknown, deleted or forgotten source; a contract that cannot be read or
                 was measured on other weights.
         """
-        from eventkv.memory.carriers import carrier_text, choose_kind
+        from eventkv.memory.carriers import plan_carrier
 
         self._check_open()
         ids = list(sources) if not isinstance(sources, str) else [sources]
@@ -570,20 +570,19 @@ class EventMemory:
                 raise EventKVError(
                     f"source {sid!r} is {'forgotten' if rec.forgotten else 'deleted'}: a carrier needs live sources."
                 )
-        if kind == "auto":
-            choice = choose_kind(
-                self.store.manifest.get("contract"), self.lm.profile.weights_digest, self.lm.profile.name
-            )
-            chosen, reason = choice.kind, choice.reason
-        else:
-            chosen, reason = kind, f"{kind}: chosen by the caller."
-        if chosen is None:
-            carrier_text("passive", subject, ids)  # the same argument checks as a written carrier
+        plan = plan_carrier(
+            kind,
+            subject,
+            ids,
+            self.store.manifest.get("contract"),
+            self.lm.profile.weights_digest,
+            self.lm.profile.name,
+        )
+        if plan.kind is None:
             self._pin(ids, True)  # every source or none
-            return CarrierResult(None, None, tuple(ids), reason)
-        text = carrier_text(chosen, subject, ids)
-        added = self.add([MemoryEvent(text, kind="carrier", tags=("carrier", chosen))], prefill=prefill)[0]
-        return CarrierResult(chosen, added, (), reason)
+            return CarrierResult(None, None, tuple(ids), plan.reason)
+        added = self.add([MemoryEvent(plan.text, kind="carrier", tags=("carrier", plan.kind))], prefill=prefill)[0]
+        return CarrierResult(plan.kind, added, (), plan.reason)
 
     def forget(self, event_id: str, *, purge_wait_s: float = 10.0) -> int:
         """The privacy path: remove an event's text and rows **and re-prefill every later event**.
@@ -789,8 +788,7 @@ class EventMemory:
         if not is_int(k) or k < 1:
             raise OptionError("k", k, "select at least 1 event (a whole number >= 1).")
         check_optional_int("budget_rows", budget_rows, "give a whole number of rows >= 1, or None (no budget).")
-        if not isinstance(question, str) or not question.strip():
-            raise OptionError("question", question, "give a non-empty question.")
+        check_question(question)
         units = self._units()
         if not units:
             return []
@@ -903,22 +901,8 @@ class EventMemory:
             OptionError / EventKVError: as :meth:`query`, for any plan; no plan given.
         """
         self._check_open()
-        if not isinstance(question, str) or not question.strip():
-            raise OptionError("question", question, "give a non-empty question.")
-        plans = list(plans)
-        if not plans:
-            raise OptionError("plans", plans, "give at least one (select, mode) plan.")
-        for plan in plans:
-            if not isinstance(plan, tuple) or len(plan) != 2 or plan[1] not in SERVE_MODES:
-                raise OptionError(
-                    "mode" if isinstance(plan, tuple) and len(plan) == 2 else "plans",
-                    plan[1] if isinstance(plan, tuple) and len(plan) == 2 else plan,
-                    f"give (select, mode) pairs with mode one of {', '.join(SERVE_MODES)}.",
-                )
-        check_max_new_tokens(max_new_tokens)
-        cands = list(candidates or [])
-        if any(not isinstance(c, str) or not c.strip() for c in cands) or len(set(cands)) != len(cands):
-            raise OptionError("candidates", cands, "give distinct, non-empty candidate answers.")
+        check_question(question)
+        plans, cands = check_query(plans, max_new_tokens, candidates)
         served_ids = []
         for select, _ in plans:
             ids = self._served_ids(question, select, k, budget_rows)
@@ -929,17 +913,7 @@ class EventMemory:
                     else f"the served set is empty (select={select!r}): give event ids, 'view' or 'all'."
                 )
             served_ids.append(ids)
-        lm = self.lm
-        q = tokenize_query(lm.tokenizer, lm.profile, question)
-        end, ctx = self._history_end(), lm.profile.max_context
-        check_context(end + len(q), ctx, what="history plus question")
-        if ctx is not None and end + len(q) + max_new_tokens > ctx:
-            raise OptionError(
-                "max_new_tokens",
-                max_new_tokens,
-                f"the history and the question take {end + len(q)} of the model's {ctx} positions: give at most "
-                f"{ctx - end - len(q)} new tokens.",
-            )
+        q = question_ids(self.lm, question, self._history_end(), max_new_tokens)
         t0 = time.perf_counter()
         ekv, start, seqs = self._pending()
         if seqs:
@@ -948,37 +922,19 @@ class EventMemory:
             except OutOfSpace:
                 pass  # answered from the rows computed here; they stay pending, the next query or prefill() retries
         prefill_ms = 1e3 * (time.perf_counter() - t0)
-        caches, serve_ms = [], []
-        for ids, (_, mode) in zip(served_ids, plans):
-            t1 = time.perf_counter()
-            caches.append(serve(ekv, ids, mode, model=lm.model, isolated_memo=self._rows.isolated))
-            serve_ms.append(1e3 * (time.perf_counter() - t1))
-        t2 = time.perf_counter()
-        outs = answer_served(
-            lm.model,
-            lm.tokenizer,
-            caches,
+        return read_out(
+            self.lm,
+            ekv,
+            served_ids,
+            [mode for _, mode in plans],
             q,
+            records={r.id: r for r in self._recs},
+            isolated=self._rows.isolated,
+            prefill_ms=prefill_ms,
             max_new_tokens=max_new_tokens,
-            stop_token_ids=lm.profile.stop_token_ids,
-            max_context=ctx,
             candidates=cands,
             keep_logits=keep_logits,
         )
-        decode_ms = 1e3 * (time.perf_counter() - t2)
-        by_id = {r.id: r for r in self._recs}
-        return [
-            MemoryAnswer(
-                text=gen.text,
-                generation=gen,
-                candidates=scores,
-                served_ids=list(sc.served),
-                positions=[(i, by_id[i].position, by_id[i].width) for i in sc.served],
-                n_rows_served=sc.n_visible,
-                timings_ms={"prefill": prefill_ms, "serve": ms, "decode": decode_ms},
-            )
-            for sc, ms, (gen, scores) in zip(caches, serve_ms, outs)
-        ]
 
     def event_log(self, select: SelectSpec = "all"):
         """The stored events as an :class:`eventkv.log.EventLog` (header instruction included), e.g. for
