@@ -33,11 +33,12 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Literal, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from eventkv.errors import EventKVError, OptionError, OutOfSpace, PurgePending, StoreDamaged
 from eventkv.log import HEADER_ID, Event, TokenizedLog, encode, header_text
 from eventkv.memory.answer import check_query, check_question, question_ids, read_out
+from eventkv.memory.api import SelectSpec
 from eventkv.memory.integrity import damaged
 from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
 from eventkv.memory.rows import RowCache, contiguous, tail
@@ -52,7 +53,6 @@ from eventkv.serve import ServeMode
 if TYPE_CHECKING:  # pragma: no cover
     from eventkv.models.profile import LoadedModel
 
-SelectSpec = None | Literal["all", "view"] | Sequence[str]
 #: seconds rebase waits for readers before leaving its purge to close / open
 REBASE_PURGE_S = 1.0
 
@@ -60,7 +60,8 @@ REBASE_PURGE_S = 1.0
 class EventMemory:
     """A sparse event-KV memory over one store directory and one model (Study 1, "Setting" and the
     closing engineering conclusion). Build it with :meth:`create` or :meth:`open`; see the module
-    docstring for an example and ``docs/memory.md`` for the guarantees.
+    docstring for an example and ``docs/memory.md`` for the guarantees. Implements
+    :class:`eventkv.memory.api.MemoryAPI` (as the HTTP client does).
 
     Not thread-safe: one writer (one process, one thread) per store directory at a time.
     """
@@ -398,7 +399,9 @@ class EventMemory:
         self._reload()
         self.store.remove_files([f for f in drop_files if seg is None or f != seg["file"]])
 
-    def add(self, events: Iterable[MemoryEvent | dict | str] | MemoryEvent | dict | str, *, prefill: bool = False):
+    def add(
+        self, events: Iterable[MemoryEvent | dict | str] | MemoryEvent | dict | str, *, prefill: bool = False
+    ) -> list[Added]:
         """Append events to the history (Study 1, "Setting": an agent history is a sequence of events).
 
         Each event is tokenized alone (``[role + ": "] + text + "\\n"``) and placed right after the
