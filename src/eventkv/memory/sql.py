@@ -55,22 +55,8 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 
 #: the columns a new event row is written with (the rest keep their defaults: not deleted, not
 #: forgotten, no segment yet, no checksum until :func:`seal_events`)
-EVENT_COLUMNS = (
-    "seq",
-    "id",
-    "kind",
-    "text",
-    "role",
-    "tags",
-    "budget",
-    "token_ids",
-    "position",
-    "width",
-    "row_start",
-    "n_rows",
-    "supersedes",
-    "pinned",
-    "created",
+EVENT_COLUMNS = tuple(
+    "seq id kind text role tags budget token_ids position width row_start n_rows supersedes pinned created".split()
 )
 INSERT_EVENT = f"INSERT INTO events ({', '.join(EVENT_COLUMNS)}) VALUES ({', '.join('?' for _ in EVENT_COLUMNS)})"
 #: the meta key set, in the transaction that drops text (forget, rebase), until the purge completes
