@@ -6,8 +6,8 @@ that does not match its checksum) to :class:`eventkv.errors.StoreDamaged`.
 Checksums (schema 2): each stored event row carries ``checksum``, a JSON object of three 64-bit
 sha256 prefixes (hex): ``text`` (the event's text), ``token_ids`` (its token ids as stored, the
 JSON list the rows were computed from) and ``fields`` (seq, id, kind, role, tags, budget, width,
-n_rows, supersedes, created). They are written by :func:`eventkv.memory.sql.seal_events` inside the transaction that
-writes the row, from the values as stored. Not covered, because they change after the add: the
+n_rows, supersedes, created). They are written by :func:`eventkv.memory.sql.seal_events` inside
+the transaction that writes the row, from the values as stored. Not covered, because they change after the add: the
 flags (deleted, pinned), the segment link (set by a prefill), and position / row_start (moved by
 ``forget``), which are checked instead as the contiguous layout every store has (each stored event
 starts at the position and row where the one before it ends, the first where the header ends). A
