@@ -456,11 +456,11 @@ KILL_CHILD = r"""
 import os, signal, sys
 from eventkv.memory import EventMemory
 from eventkv.testing import tiny_lm
-import eventkv.files, eventkv.memory.store
+import eventkv.files, eventkv.memory.sql, eventkv.memory.store
 
 root = sys.argv[1]
 lm = tiny_lm("llama")
-CODE = {eventkv.memory.store.__file__, eventkv.files.__file__}
+CODE = {eventkv.memory.store.__file__, eventkv.memory.sql.__file__, eventkv.files.__file__}
 
 def create(ns, kill_at):
     # SIGKILL at the kill_at-th line run in the store's and the file helpers' code (0: never); each

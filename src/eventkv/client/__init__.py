@@ -22,7 +22,9 @@ from typing import Any, Iterable, Sequence
 from urllib.parse import quote
 
 from eventkv.errors import EventKVError, OutOfSpace, PurgePending, StoreDamaged
+from eventkv.memory.api import SelectSpec
 from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
+from eventkv.serve import ServeMode
 from eventkv.wire import (
     DEFAULT_NAMESPACE,
     ERRORS,
@@ -86,7 +88,10 @@ def _added(d: dict) -> Added:
 
 
 class Client:
-    """One memory on an eventkv server (see the module docstring).
+    """One memory on an eventkv server (see the module docstring). Implements
+    :class:`eventkv.memory.api.MemoryAPI` (as :class:`eventkv.memory.EventMemory` does), plus
+    ``expected_version=`` on every write (see :mod:`eventkv.memory.api` for the deliberate
+    differences).
 
     Args:
         url: the server, e.g. ``http://127.0.0.1:8000``.
@@ -324,9 +329,9 @@ class Client:
     def query(
         self,
         question: str,
-        select: None | str | Sequence[str] = None,
+        select: SelectSpec = None,
         k: int = 8,
-        mode: str = "compact",
+        mode: ServeMode = "compact",
         candidates: Sequence[str] | None = None,
         max_new_tokens: int = 32,
         *,

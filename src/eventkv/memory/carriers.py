@@ -193,3 +193,40 @@ def choose_kind(
         float(median),
         float(p),
     )
+
+
+@dataclass(frozen=True)
+class CarrierPlan:
+    """What :meth:`eventkv.memory.EventMemory.carrier` writes: ``kind`` (None: no carrier, the sources
+    are pinned instead), ``text`` (the carrier's text; None with no kind) and ``reason`` (why)."""
+
+    kind: str | None
+    text: str | None
+    reason: str
+
+
+def plan_carrier(
+    kind: str,
+    subject: str,
+    source_ids: Sequence[str],
+    contract: str | Path | dict | None,
+    weights_digest: str,
+    model: str,
+) -> CarrierPlan:
+    """The carrier for ``subject`` about ``source_ids``: ``kind="auto"`` takes the kind the contract
+    qualifies (:func:`choose_kind`; none: the sources are pinned, the study's fallback), any other
+    kind is the caller's.
+
+    Raises:
+        OptionError: an unknown kind, an empty subject, no sources (checked for a pin too).
+        EventKVError: a contract that cannot be read or was measured on other weights.
+    """
+    if kind == "auto":
+        choice = choose_kind(contract, weights_digest, model)
+        chosen, reason = choice.kind, choice.reason
+    else:
+        chosen, reason = kind, f"{kind}: chosen by the caller."
+    if chosen is None:
+        carrier_text("passive", subject, source_ids)  # the same argument checks as a written carrier
+        return CarrierPlan(None, None, reason)
+    return CarrierPlan(chosen, carrier_text(chosen, subject, source_ids), reason)

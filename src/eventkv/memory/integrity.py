@@ -6,8 +6,8 @@ that does not match its checksum) to :class:`eventkv.errors.StoreDamaged`.
 Checksums (schema 2): each stored event row carries ``checksum``, a JSON object of three 64-bit
 sha256 prefixes (hex): ``text`` (the event's text), ``token_ids`` (its token ids as stored, the
 JSON list the rows were computed from) and ``fields`` (seq, id, kind, role, tags, budget, width,
-n_rows, supersedes, created). They are written by :func:`seal_events` inside the transaction that
-writes the row, from the values as stored. Not covered, because they change after the add: the
+n_rows, supersedes, created). They are written by :func:`eventkv.memory.sql.seal_events` inside
+the transaction that writes the row, from the values as stored. Not covered, because they change after the add: the
 flags (deleted, pinned), the segment link (set by a prefill), and position / row_start (moved by
 ``forget``), which are checked instead as the contiguous layout every store has (each stored event
 starts at the position and row where the one before it ends, the first where the header ends). A
@@ -99,19 +99,6 @@ def event_checksum(row) -> str:
     """The checksum of one event row (``sqlite3.Row`` or mapping of the ``events`` columns), as stored
     in its ``checksum`` column: ``{"text", "token_ids", "fields"}`` (see the module docstring)."""
     return json.dumps(_parts(row), separators=(",", ":"))
-
-
-def seal_events(conn: sqlite3.Connection) -> int:
-    """Inside a write transaction, before its commit: write the checksum of every stored event row that
-    has none and drop the checksum of every forgotten marker. Returns the rows sealed.
-
-    The rows without one are those this transaction inserted: a row another connection committed
-    without a checksum is refused by the memory's next read (``PRAGMA data_version`` moved), before
-    any write of its own. Every write transaction must call this (``Store.transaction`` does)."""
-    rows = conn.execute("SELECT * FROM events WHERE checksum IS NULL AND forgotten = 0").fetchall()
-    conn.executemany("UPDATE events SET checksum = ? WHERE seq = ?", [(event_checksum(r), r["seq"]) for r in rows])
-    conn.execute("UPDATE events SET checksum = NULL WHERE forgotten = 1 AND checksum IS NOT NULL")
-    return len(rows)
 
 
 def manifest_checksum(manifest: dict) -> str:
@@ -265,31 +252,3 @@ def check_layout(directory: str | Path, records, header_len: int) -> None:
     for r in records:
         if r.supersedes is not None and r.supersedes not in ids:
             raise damaged(directory, f"patch {r.id!r} (seq {r.seq}) supersedes {r.supersedes!r}, which is not stored")
-
-
-def has_checksums(conn: sqlite3.Connection) -> bool:
-    """Whether the ``events`` table has the ``checksum`` column (schema 2)."""
-    return any(c[1] == "checksum" for c in conn.execute("PRAGMA table_info(events)").fetchall())
-
-
-def read_version(directory: str | Path, conn: sqlite3.Connection) -> int:
-    """The store's write counter (``meta.version``).
-
-    Raises:
-        StoreDamaged: missing or not a whole number.
-    """
-    with guard(directory):
-        row = conn.execute("SELECT value FROM meta WHERE key = 'version'").fetchone()
-    try:
-        return int(row[0])
-    except (TypeError, ValueError):
-        raise damaged(
-            directory, f"its version counter is {None if row is None else row[0]!r}, not a whole number"
-        ) from None
-
-
-def read_meta(directory: str | Path, conn: sqlite3.Connection, key: str) -> str | None:
-    """One value of the ``meta`` table, or None when absent."""
-    with guard(directory):
-        row = conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-    return None if row is None else row[0]

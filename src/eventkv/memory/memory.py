@@ -31,30 +31,28 @@ Example (a tiny random model; a real one comes from :func:`eventkv.models.load`)
 from __future__ import annotations
 
 import contextlib
-import json
-import sqlite3
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Literal, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from eventkv.errors import EventKVError, OptionError, OutOfSpace, PurgePending, StoreDamaged
-from eventkv.log import HEADER_ID, Event, TokenizedLog, encode, header_text, tokenize_query
+from eventkv.log import HEADER_ID, Event, TokenizedLog, encode, header_text
+from eventkv.memory.answer import check_query, check_question, question_ids, read_out
+from eventkv.memory.api import SelectSpec
 from eventkv.memory.integrity import damaged
 from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
-from eventkv.memory.select import rank
+from eventkv.memory.rows import RowCache, contiguous, tail
+from eventkv.memory.select import Selector, selector_for, within_budget
+from eventkv.memory.sql import EventRow, Writes
 from eventkv.memory.store import SCHEMA_VERSION, Store, check_identity, model_identity, now
 from eventkv.memory.table import EventTable
-from eventkv.options import check_max_new_tokens, check_optional_int, is_int
+from eventkv.options import check_optional_int, is_int
 from eventkv.prefill import EventKV, check_context, model_device, prefill
-from eventkv.readout import answer_served
-from eventkv.serve import SERVE_MODES, ServeMode, serve
+from eventkv.serve import ServeMode
 
 if TYPE_CHECKING:  # pragma: no cover
     from eventkv.models.profile import LoadedModel
 
-SelectSpec = None | Literal["all", "view"] | Sequence[str]
 #: seconds rebase waits for readers before leaving its purge to close / open
 REBASE_PURGE_S = 1.0
 
@@ -62,22 +60,22 @@ REBASE_PURGE_S = 1.0
 class EventMemory:
     """A sparse event-KV memory over one store directory and one model (Study 1, "Setting" and the
     closing engineering conclusion). Build it with :meth:`create` or :meth:`open`; see the module
-    docstring for an example and ``docs/memory.md`` for the guarantees.
+    docstring for an example and ``docs/memory.md`` for the guarantees. Implements
+    :class:`eventkv.memory.api.MemoryAPI` (as the HTTP client does).
 
     Not thread-safe: one writer (one process, one thread) per store directory at a time.
     """
 
-    def __init__(self, store: Store, lm: LoadedModel) -> None:
+    def __init__(self, store: Store, lm: LoadedModel, selector: Selector | str = "bm25") -> None:
         self.store = store
         self.lm = lm
+        #: ranks the view's events for :meth:`select` (:class:`eventkv.memory.select.Selector`)
+        self.selector = selector_for(selector)
         self.header_ids: list[int] = list(store.manifest["header_ids"])
         self._closed = False
         self._recs: list[MemoryRecord] = []
         self._tokens: dict[str, list[int]] = {}
-        self._ekv: EventKV | None = None
-        # isolated encodings of events (serve(..., isolated_memo=)): keyed by id, position and tokens,
-        # so a relaid-out event is encoded again; emptied whenever the rows are reloaded or relaid out
-        self._isolated: dict[tuple, tuple] = {}
+        self._rows = RowCache()
         self._reload()
 
     # ================================================================== create / open / close
@@ -90,6 +88,7 @@ class EventMemory:
         namespace: str,
         instruction: str | None = None,
         contract: str | Path | None = None,
+        selector: Selector | str = "bm25",
     ) -> "EventMemory":
         """Make a new, empty memory in ``directory`` (absent or empty) for model ``lm``.
 
@@ -97,11 +96,14 @@ class EventMemory:
             namespace: the tenant / agent this memory belongs to (kept in the manifest).
             instruction: optional fixed task instruction placed in the header after the chat head.
             contract: optional path of the model's ``contract.json`` (kept in the manifest for carriers).
+            selector: what :meth:`select` ranks events with: a :class:`eventkv.memory.select.Selector`
+                or its name (``"bm25"``, the default); not stored (give it again to :meth:`open`).
 
         Raises:
             EventKVError: ``directory`` is a file, holds a memory already, or holds other files.
-            OptionError: a blank namespace, an instruction that is not a string.
+            OptionError: a blank namespace, an instruction that is not a string, an unknown selector.
         """
+        selector = selector_for(selector)
         if not isinstance(namespace, str) or not namespace.strip():
             raise OptionError("namespace", namespace, "give the memory a non-empty namespace (e.g. the agent's name).")
         if instruction is not None and not isinstance(instruction, str):
@@ -120,10 +122,12 @@ class EventMemory:
             "header_ids": header_ids,
             "contract": str(Path(contract).resolve()) if contract is not None else None,
         }
-        return cls(Store.create(directory, manifest), lm)
+        return cls(Store.create(directory, manifest), lm, selector)
 
     @classmethod
-    def open(cls, directory: str | Path, lm: LoadedModel, *, verify: str | None = None) -> "EventMemory":
+    def open(
+        cls, directory: str | Path, lm: LoadedModel, *, verify: str | None = None, selector: Selector | str = "bm25"
+    ) -> "EventMemory":
         """Open a memory written by :meth:`create`, check it was made by ``lm`` and load its rows.
 
         Segment files no committed row points to are deleted first (a kill between a segment's write
@@ -131,6 +135,7 @@ class EventMemory:
         ``EVENTKV_MEMORY_VERIFY=size``: its size only).
 
         A store of schema 1 (before event checksums) is upgraded first (``docs/memory.md``).
+        ``selector``: as :meth:`create`.
 
         Raises:
             StoreDamaged: the manifest, the database (SQLite's ``quick_check``, an event's checksum,
@@ -139,11 +144,13 @@ class EventMemory:
             EventKVError: no memory in ``directory``; one made by other weights, tokenizer, chat
                 template or dtype (the message names both values: stale KV is refused, never used);
                 a store of a newer schema.
+            OptionError: an unknown selector.
         """
+        selector = selector_for(selector)
         store = Store.open(directory, verify=verify)
         try:
             check_identity(store.directory, store.manifest, lm)
-            mem = cls(store, lm)
+            mem = cls(store, lm, selector)
             mem._load_rows()
         except BaseException:
             store.close()
@@ -218,40 +225,28 @@ class EventMemory:
     def _n_rows(self) -> int:
         return self._table.n_rows()
 
+    @property
+    def _ekv(self) -> EventKV | None:
+        """The in-memory rows of the stored history (:class:`eventkv.memory.rows.RowCache`)."""
+        return self._rows.ekv
+
+    @property
+    def _isolated(self) -> dict[tuple, tuple]:
+        """The isolated encodings of served events (``serve(..., isolated_memo=)``)."""
+        return self._rows.isolated
+
     def _load_rows(self) -> None:
         """Read every segment (row order), check the rows line up with the prefilled events, and keep
         them as the in-memory EventKV."""
-        segs = self.store.segment_rows()
         prefilled = [r for r in self._stored() if r.prefilled]
-        if not segs:
-            if prefilled:
-                raise self._corrupt(f"{len(prefilled)} events are marked prefilled but no segment exists")
-            return
-        n_layers = self.lm.profile.num_layers
-        keys: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
-        values: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
-        positions, total = [], 0
-        for seg in segs:
-            if seg["row_start"] != total:
-                raise self._corrupt(f"segment {seg['file']!r} starts at row {seg['row_start']}, not {total}")
-            k, v, p = self.store.read_segment(seg, n_layers)
-            for i in range(n_layers):
-                keys[i].append(k[i])
-                values[i].append(v[i])
-            positions.append(p)
-            total += seg["n_rows"]
-        log = self._log(prefilled) if prefilled else None
-        pos = torch.cat(positions)
-        if log is None or log.n_rows != total or pos.tolist() != log.position_ids:
-            raise self._corrupt(f"the segments hold {total} rows that do not line up with the prefilled events")
-        dev = model_device(self.lm.model)  # segments are read on the CPU; the rows go to the model once
-        self._isolated.clear()
-        self._ekv = EventKV(
-            log,
-            [torch.cat(k, dim=1).unsqueeze(0).to(dev) for k in keys],
-            [torch.cat(v, dim=1).unsqueeze(0).to(dev) for v in values],
-            pos,
+        self._rows.load(
+            self.store.segment_rows(),
+            self.store.read_segment,
+            self.lm.profile.num_layers,
+            self._log(prefilled) if prefilled else None,
+            model_device(self.lm.model),  # segments are read on the CPU; the rows go to the model once
             self.lm.profile.weights_digest,
+            self._corrupt,
         )
 
     def _corrupt(self, what: str) -> StoreDamaged:
@@ -314,51 +309,46 @@ class EventMemory:
                 )
             taken.add(eid)
             rows.append(
-                (
-                    seq,
-                    eid,
-                    it["kind"],
-                    ev.text,
-                    ev.role,
-                    json.dumps(list(it["tags"])),
-                    ev.budget,
-                    json.dumps(toks),
-                    pos,
-                    width,
-                    row,
-                    len(toks),
-                    it.get("supersedes"),
-                    now(),
+                EventRow(
+                    seq=seq,
+                    id=eid,
+                    kind=it["kind"],
+                    text=ev.text,
+                    role=ev.role,
+                    tags=tuple(it["tags"]),
+                    budget=ev.budget,
+                    token_ids=toks,
+                    position=pos,
+                    width=width,
+                    row_start=row,
+                    created=now(),
+                    supersedes=it.get("supersedes"),
                 )
             )
             added.append(Added(eid, pos, width))
             seq, pos, row = seq + 1, pos + width, row + len(toks)
         check_context(pos, self.lm.profile.max_context, what=f"history after adding {len(rows)} event(s)")
 
-        def insert(c) -> None:
-            c.executemany(
-                "INSERT INTO events (seq, id, kind, text, role, tags, budget, token_ids, position, width, row_start, "
-                "n_rows, supersedes, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                rows,
-            )
+        def insert(tx: Writes) -> None:
+            tx.insert_events(rows)
 
         new_rows = None
         if prefill:
             stored = self._stored()
             log = TokenizedLog(
                 list(self.header_ids),
-                [r.id for r in stored] + [r[1] for r in rows],
-                [self._tokens[r.id] for r in stored] + [json.loads(r[7]) for r in rows],
-                [r.budget for r in stored] + [r[6] for r in rows],
+                [r.id for r in stored] + [r.id for r in rows],
+                [self._tokens[r.id] for r in stored] + [list(r.token_ids) for r in rows],
+                [r.budget for r in stored] + [r.budget for r in rows],
             )
-            pending = [r.seq for r in stored if not r.prefilled] + [r[0] for r in rows]
+            pending = [r.seq for r in stored if not r.prefilled] + [r.seq for r in rows]
             new_rows = (self._compute(log, self._ekv), self._n_prefilled(), pending)
         self._commit(insert, new_rows)
         return added
 
     # ================================================================== the one commit path
     def _n_prefilled(self) -> int:
-        return self._ekv.n_rows if self._ekv is not None else 0
+        return self._rows.n_rows
 
     def _compute(self, log: TokenizedLog, prefix: EventKV | None) -> EventKV:
         """The rows of ``log``, continuing from ``prefix`` (its rows are reused, not recomputed)."""
@@ -369,7 +359,7 @@ class EventMemory:
 
     def _commit(
         self,
-        write: Callable[[sqlite3.Connection], None] | None,
+        write: Callable[[Writes], None] | None,
         rows: tuple[EventKV | None, int, Sequence[int]] | None = None,
         *,
         bump: bool = True,
@@ -379,8 +369,8 @@ class EventMemory:
 
         1. with ``rows = (ekv, start, seqs)``: rows ``start:`` of ``ekv`` are written as one new
            segment file, fsynced (:meth:`Store.write_segment`), before anything is committed;
-        2. one transaction: ``write(c)``, the segment's row, the events ``seqs`` pointed at the
-           segment, the version bumped (unless ``bump`` is False);
+        2. one transaction: ``write(tx)`` (:class:`eventkv.memory.sql.Writes`), the segment's row,
+           the events ``seqs`` pointed at the segment, the version bumped (unless ``bump`` is False);
         3. only after the commit: the in-memory rows become ``ekv``, the event table is reloaded from
            the database, and ``drop_files`` (segments the transaction unlinked from every row) are
            removed.
@@ -393,29 +383,25 @@ class EventMemory:
         ekv = rows[0] if rows is not None else self._ekv
         if rows is not None and ekv is not None and ekv.n_rows > rows[1]:
             _, start, seqs = rows
-            seg = self.store.write_segment(
-                self.store.next_segment_id(),
-                [k[0, :, start:] for k in ekv.keys],
-                [v[0, :, start:] for v in ekv.values],
-                ekv.positions[start:],
-            )
+            seg = self.store.write_segment(self.store.next_segment_id(), *tail(ekv, start))
         try:
-            with self.store.transaction(bump=bump) as c:
+            with self.store.transaction(bump=bump) as tx:
                 if write is not None:
-                    write(c)
+                    write(tx)
                 if seg is not None:
-                    self.store.insert_segment(c, seg, start)
-                    c.executemany("UPDATE events SET segment = ? WHERE seq = ?", [(seg["id"], q) for q in seqs])
+                    tx.add_segment(seg, start, seqs)
         except BaseException:
             if seg is not None:
                 self.store.remove_files([seg["file"]])
             raise
         if rows is not None:
-            self._ekv = ekv
+            self._rows.ekv = ekv
         self._reload()
         self.store.remove_files([f for f in drop_files if seg is None or f != seg["file"]])
 
-    def add(self, events: Iterable[MemoryEvent | dict | str] | MemoryEvent | dict | str, *, prefill: bool = False):
+    def add(
+        self, events: Iterable[MemoryEvent | dict | str] | MemoryEvent | dict | str, *, prefill: bool = False
+    ) -> list[Added]:
         """Append events to the history (Study 1, "Setting": an agent history is a sequence of events).
 
         Each event is tokenized alone (``[role + ": "] + text + "\\n"``) and placed right after the
@@ -527,7 +513,7 @@ class EventMemory:
         rec = self._lookup(event_id)
         if not rec.live:
             raise EventKVError(f"event {event_id!r} is already {'forgotten' if rec.forgotten else 'deleted'}.")
-        self._commit(lambda c: c.execute("UPDATE events SET deleted = 1 WHERE seq = ?", (rec.seq,)))
+        self._commit(lambda tx: tx.mark_deleted(rec.seq))
 
     def pin(self, event_id: str, pinned: bool = True) -> None:
         """Keep an event in every served set :meth:`select` builds (or release it with ``pinned=False``).
@@ -547,11 +533,7 @@ class EventMemory:
                 raise EventKVError(
                     f"event {root.id!r} is {'forgotten' if root.forgotten else 'deleted'}: it cannot be pinned."
                 )
-        self._commit(
-            lambda c: c.executemany(
-                "UPDATE events SET pinned = ? WHERE seq = ?", [(int(bool(pinned)), r.seq) for r in roots]
-            )
-        )
+        self._commit(lambda tx: tx.set_pinned([r.seq for r in roots], pinned))
 
     def carrier(
         self, sources: Sequence[str], subject: str, kind: str = "auto", *, prefill: bool = False
@@ -579,7 +561,7 @@ class EventMemory:
             EventKVError: an unknown, deleted or forgotten source; a contract that cannot be read or
                 was measured on other weights.
         """
-        from eventkv.memory.carriers import carrier_text, choose_kind
+        from eventkv.memory.carriers import plan_carrier
 
         self._check_open()
         ids = list(sources) if not isinstance(sources, str) else [sources]
@@ -591,20 +573,19 @@ class EventMemory:
                 raise EventKVError(
                     f"source {sid!r} is {'forgotten' if rec.forgotten else 'deleted'}: a carrier needs live sources."
                 )
-        if kind == "auto":
-            choice = choose_kind(
-                self.store.manifest.get("contract"), self.lm.profile.weights_digest, self.lm.profile.name
-            )
-            chosen, reason = choice.kind, choice.reason
-        else:
-            chosen, reason = kind, f"{kind}: chosen by the caller."
-        if chosen is None:
-            carrier_text("passive", subject, ids)  # the same argument checks as a written carrier
+        plan = plan_carrier(
+            kind,
+            subject,
+            ids,
+            self.store.manifest.get("contract"),
+            self.lm.profile.weights_digest,
+            self.lm.profile.name,
+        )
+        if plan.kind is None:
             self._pin(ids, True)  # every source or none
-            return CarrierResult(None, None, tuple(ids), reason)
-        text = carrier_text(chosen, subject, ids)
-        added = self.add([MemoryEvent(text, kind="carrier", tags=("carrier", chosen))], prefill=prefill)[0]
-        return CarrierResult(chosen, added, (), reason)
+            return CarrierResult(None, None, tuple(ids), plan.reason)
+        added = self.add([MemoryEvent(plan.text, kind="carrier", tags=("carrier", plan.kind))], prefill=prefill)[0]
+        return CarrierResult(plan.kind, added, (), plan.reason)
 
     def forget(self, event_id: str, *, purge_wait_s: float = 10.0) -> int:
         """The privacy path: remove an event's text and rows **and re-prefill every later event**.
@@ -653,52 +634,26 @@ class EventMemory:
         first = min(gone)
         remaining = [r for r in self._stored() if r.seq not in gone]
         before = [r for r in remaining if r.seq < first]
-        later_with_rows = [r for r in remaining if r.seq > first and r.prefilled]
         rows, drop_files, recomputed = None, [], 0
         if any(r.prefilled for r in targets):
-            # rows kept: everything before the first forgotten event (0: recompute from the header)
-            keep = before[-1].row_start + before[-1].n_rows if before else 0
-            drop = [s for s in self.store.segment_rows() if s["row_start"] + s["n_rows"] > keep]
-            drop_files = [s["file"] for s in drop]
-            start = min(s["row_start"] for s in drop)  # the new segment starts where the first dropped one did
-            ekv = self._ekv
-            kept = None
-            if keep:
-                kept = EventKV(
-                    self._log(before),
-                    [k[:, :, :keep] for k in ekv.keys],
-                    [v[:, :, :keep] for v in ekv.values],
-                    ekv.positions[:keep],
-                    ekv.weights_digest,
-                )
-            new, later = kept, []
-            if later_with_rows:  # the later events up to the last one that had rows, at their new positions
-                later = [r for r in remaining if first < r.seq <= later_with_rows[-1].seq]
-                new = self._compute(self._log(before + later), kept)
-                recomputed = new.n_rows - keep
+            cut = self._rows.cut_for_forget(self.store.segment_rows(), before, remaining, first, self._log)
+            new, drop_files = cut.kept, cut.drop_files
+            if cut.later:  # the later events up to the last one that had rows, at their new positions
+                new = self._compute(self._log(list(before) + cut.later), cut.kept)
+                recomputed = new.n_rows - cut.keep
             # the new segment holds rows start: — the kept rows that shared a dropped segment, then the later ones
-            rows = (new, start, [r.seq for r in before if r.row_start >= start] + [r.seq for r in later])
+            rows = (new, cut.start, cut.seqs)
 
-        def write(c) -> None:
+        def write(tx: Writes) -> None:
             for f in drop_files:
-                c.execute(
-                    "UPDATE events SET segment = NULL WHERE segment = (SELECT id FROM segments WHERE file = ?)", (f,)
-                )
-                c.execute("DELETE FROM segments WHERE file = ?", (f,))
-            c.executemany(
-                "UPDATE events SET text = NULL, role = NULL, tags = '[]', budget = NULL, token_ids = NULL, "
-                "position = NULL, width = 0, row_start = NULL, n_rows = 0, segment = NULL, forgotten = 1, "
-                "pinned = 0, deleted = 0 WHERE seq = ?",
-                [(q,) for q in gone],
-            )
-            pos = row = len(self.header_ids)  # the later events move down to contiguous positions
-            for r in remaining:
-                c.execute("UPDATE events SET position = ?, row_start = ? WHERE seq = ?", (pos, row, r.seq))
-                pos, row = pos + r.width, row + r.n_rows
-            self.store.mark_purge(c)
+                tx.drop_segment(f)
+            tx.forget_events(gone)
+            for seq, pos, row in contiguous(remaining, len(self.header_ids)):  # later events move down
+                tx.move_event(seq, pos, row)
+            tx.mark_purge()
 
         self._commit(write, rows, drop_files=drop_files)
-        self._isolated.clear()
+        self._rows.relaid_out()
         self._purge(event_id, purge_wait_s)
         return recomputed
 
@@ -736,7 +691,23 @@ class EventMemory:
             toks = encode(self.lm.tokenizer, ev.render())
             budget = root.budget if root.budget is not None and root.budget >= len(toks) else None
             width = budget or len(toks)
-            rows.append((root, cur, toks, budget, pos, width, row))
+            rows.append(
+                EventRow(
+                    seq=root.seq,
+                    id=root.id,
+                    kind=root.kind,
+                    text=cur.text,
+                    role=root.role,
+                    tags=root.tags,
+                    budget=budget,
+                    token_ids=toks,
+                    position=pos,
+                    width=width,
+                    row_start=row,
+                    created=root.created,
+                    pinned=root.pinned,
+                )
+            )
             events.append((root.id, toks, budget))
             pos, row = pos + width, row + len(toks)
         old_files = [s["file"] for s in self.store.segment_rows()]
@@ -746,36 +717,12 @@ class EventMemory:
             check_context(log.history_end, self.lm.profile.max_context)
             ekv = self._compute(log, None)
 
-        def write(c) -> None:
-            c.execute("DELETE FROM events WHERE forgotten = 0")
-            c.execute("DELETE FROM segments")
-            c.executemany(
-                "INSERT INTO events (seq, id, kind, text, role, tags, budget, token_ids, position, width, "
-                "row_start, n_rows, pinned, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [
-                    (
-                        root.seq,
-                        root.id,
-                        root.kind,
-                        cur.text,
-                        root.role,
-                        json.dumps(list(root.tags)),
-                        budget,
-                        json.dumps(toks),
-                        p,
-                        w,
-                        r0,
-                        len(toks),
-                        int(root.pinned),
-                        root.created,
-                    )
-                    for root, cur, toks, budget, p, w, r0 in rows
-                ],
-            )
-            self.store.mark_purge(c)  # the dropped events' text
+        def write(tx: Writes) -> None:
+            tx.replace_history(rows)
+            tx.mark_purge()  # the dropped events' text
 
-        self._commit(write, (ekv, 0, [r[0].seq for r in rows]), drop_files=old_files)
-        self._isolated.clear()
+        self._commit(write, (ekv, 0, [r.seq for r in rows]), drop_files=old_files)
+        self._rows.relaid_out()
         with contextlib.suppress(PurgePending):  # not the privacy path: a blocked purge completes at close or open
             self.store.purge(REBASE_PURGE_S)
         return ekv.n_rows if ekv is not None else 0
@@ -818,7 +765,7 @@ class EventMemory:
         """Counts and sizes (see :class:`MemoryStats`); ``bytes_on_disk`` sums every file of the store."""
         self._check_open()
         return self._table.stats(
-            rows_prefilled=self._ekv.n_rows if self._ekv is not None else 0,
+            rows_prefilled=self._rows.n_rows,
             segments=len(self.store.segment_rows()),
             bytes_on_disk=self.store.bytes_on_disk(),
             version=self.store.version,
@@ -826,9 +773,10 @@ class EventMemory:
 
     # ================================================================== selection and answers
     def select(self, question: str, k: int = 8, budget_rows: int | None = None) -> list[str]:
-        """The served set for a question: the view's events ranked by BM25 over
-        their current text (:func:`eventkv.memory.select.rank`; a patched event is ranked and served
-        as its latest patch), the top ``k`` kept, then every pinned event added; in history order.
+        """The served set for a question: the view's events ranked by the memory's selector (BM25 over
+        their current text by default: :class:`eventkv.memory.select.BM25Selector`; a patched event is
+        ranked and served as its latest patch), the top ``k`` kept, then every pinned event added; in
+        history order.
         With ``budget_rows``, the lowest-ranked unpinned events are dropped until the served events'
         rows (header excluded) fit; pinned events are never dropped. The header is always served
         by :func:`eventkv.serve.serve` besides.
@@ -843,23 +791,17 @@ class EventMemory:
         if not is_int(k) or k < 1:
             raise OptionError("k", k, "select at least 1 event (a whole number >= 1).")
         check_optional_int("budget_rows", budget_rows, "give a whole number of rows >= 1, or None (no budget).")
-        if not isinstance(question, str) or not question.strip():
-            raise OptionError("question", question, "give a non-empty question.")
+        check_question(question)
         units = self._units()
         if not units:
             return []
-        ranked = rank([cur.text for _, cur in units], question, k)
+        index = {cur.id: i for i, (_, cur) in enumerate(units)}
+        ranked = [index[r.id] for r in self.selector.rank(question, [cur for _, cur in units], k=k)]
         pinned = [i for i, (root, _) in enumerate(units) if root.pinned]
         chosen = [i for i in ranked if i not in pinned]
-        if budget_rows is not None:
+        if budget_rows is not None:  # best first: keep while it fits (= drop the lowest-ranked first)
             used = sum(units[i][1].n_rows for i in pinned)
-            kept = []
-            for i in chosen:  # best first: keep while it fits (= drop the lowest-ranked first)
-                if used + units[i][1].n_rows > budget_rows:
-                    break
-                kept.append(i)
-                used += units[i][1].n_rows
-            chosen = kept
+            chosen = within_budget(chosen, [units[i][1].n_rows for i in chosen], budget_rows, used)
         return [units[i][1].id for i in sorted(set(chosen) | set(pinned))]
 
     def _served_ids(self, question: str, select: SelectSpec, k: int, budget_rows: int | None) -> list[str]:
@@ -962,22 +904,8 @@ class EventMemory:
             OptionError / EventKVError: as :meth:`query`, for any plan; no plan given.
         """
         self._check_open()
-        if not isinstance(question, str) or not question.strip():
-            raise OptionError("question", question, "give a non-empty question.")
-        plans = list(plans)
-        if not plans:
-            raise OptionError("plans", plans, "give at least one (select, mode) plan.")
-        for plan in plans:
-            if not isinstance(plan, tuple) or len(plan) != 2 or plan[1] not in SERVE_MODES:
-                raise OptionError(
-                    "mode" if isinstance(plan, tuple) and len(plan) == 2 else "plans",
-                    plan[1] if isinstance(plan, tuple) and len(plan) == 2 else plan,
-                    f"give (select, mode) pairs with mode one of {', '.join(SERVE_MODES)}.",
-                )
-        check_max_new_tokens(max_new_tokens)
-        cands = list(candidates or [])
-        if any(not isinstance(c, str) or not c.strip() for c in cands) or len(set(cands)) != len(cands):
-            raise OptionError("candidates", cands, "give distinct, non-empty candidate answers.")
+        check_question(question)
+        plans, cands = check_query(plans, max_new_tokens, candidates)
         served_ids = []
         for select, _ in plans:
             ids = self._served_ids(question, select, k, budget_rows)
@@ -988,17 +916,7 @@ class EventMemory:
                     else f"the served set is empty (select={select!r}): give event ids, 'view' or 'all'."
                 )
             served_ids.append(ids)
-        lm = self.lm
-        q = tokenize_query(lm.tokenizer, lm.profile, question)
-        end, ctx = self._history_end(), lm.profile.max_context
-        check_context(end + len(q), ctx, what="history plus question")
-        if ctx is not None and end + len(q) + max_new_tokens > ctx:
-            raise OptionError(
-                "max_new_tokens",
-                max_new_tokens,
-                f"the history and the question take {end + len(q)} of the model's {ctx} positions: give at most "
-                f"{ctx - end - len(q)} new tokens.",
-            )
+        q = question_ids(self.lm, question, self._history_end(), max_new_tokens)
         t0 = time.perf_counter()
         ekv, start, seqs = self._pending()
         if seqs:
@@ -1007,37 +925,19 @@ class EventMemory:
             except OutOfSpace:
                 pass  # answered from the rows computed here; they stay pending, the next query or prefill() retries
         prefill_ms = 1e3 * (time.perf_counter() - t0)
-        caches, serve_ms = [], []
-        for ids, (_, mode) in zip(served_ids, plans):
-            t1 = time.perf_counter()
-            caches.append(serve(ekv, ids, mode, model=lm.model, isolated_memo=self._isolated))
-            serve_ms.append(1e3 * (time.perf_counter() - t1))
-        t2 = time.perf_counter()
-        outs = answer_served(
-            lm.model,
-            lm.tokenizer,
-            caches,
+        return read_out(
+            self.lm,
+            ekv,
+            served_ids,
+            [mode for _, mode in plans],
             q,
+            records={r.id: r for r in self._recs},
+            isolated=self._rows.isolated,
+            prefill_ms=prefill_ms,
             max_new_tokens=max_new_tokens,
-            stop_token_ids=lm.profile.stop_token_ids,
-            max_context=ctx,
             candidates=cands,
             keep_logits=keep_logits,
         )
-        decode_ms = 1e3 * (time.perf_counter() - t2)
-        by_id = {r.id: r for r in self._recs}
-        return [
-            MemoryAnswer(
-                text=gen.text,
-                generation=gen,
-                candidates=scores,
-                served_ids=list(sc.served),
-                positions=[(i, by_id[i].position, by_id[i].width) for i in sc.served],
-                n_rows_served=sc.n_visible,
-                timings_ms={"prefill": prefill_ms, "serve": ms, "decode": decode_ms},
-            )
-            for sc, ms, (gen, scores) in zip(caches, serve_ms, outs)
-        ]
 
     def event_log(self, select: SelectSpec = "all"):
         """The stored events as an :class:`eventkv.log.EventLog` (header instruction included), e.g. for

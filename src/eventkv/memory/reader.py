@@ -6,22 +6,12 @@ sees the last committed state, checked as the writer checks it (a damaged store 
 
 from __future__ import annotations
 
-import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
-from eventkv.errors import EventKVError
-from eventkv.memory.integrity import (
-    MANIFEST_CHECKSUM,
-    check_manifest,
-    damaged,
-    guard,
-    has_checksums,
-    read_meta,
-    read_version,
-)
+from eventkv.memory.integrity import check_manifest, damaged
 from eventkv.memory.records import MemoryStats
-from eventkv.memory.store import DATABASE, Store, check_segment_files, check_segment_row, directory_bytes
+from eventkv.memory.store import Store, check_segment_files, check_segment_row, directory_bytes, read_committed
 from eventkv.memory.table import EventTable
 
 
@@ -57,27 +47,7 @@ def read_memory(directory: str | Path) -> MemorySnapshot:
     """
     d = Path(directory)
     manifest = Store.read_manifest(d)
-    try:
-        with guard(d, "its database does not open"):
-            conn = sqlite3.connect(f"{(d / DATABASE).resolve().as_uri()}?mode=ro", uri=True, isolation_level=None)
-    except sqlite3.Error as exc:
-        raise EventKVError(f"the database of the memory in {str(d)!r} cannot be opened ({exc}).") from None
-    try:
-        conn.row_factory = sqlite3.Row
-        with guard(d):
-            conn.execute("BEGIN")
-            sealed = has_checksums(conn)
-            rows = conn.execute("SELECT * FROM events ORDER BY seq").fetchall()
-            segments = conn.execute("SELECT * FROM segments ORDER BY row_start").fetchall()
-            recorded = read_meta(d, conn, MANIFEST_CHECKSUM)
-            version = read_version(d, conn)
-            conn.execute("COMMIT")
-    except sqlite3.Error as exc:
-        raise EventKVError(
-            f"the database of the memory in {str(d)!r} is not readable now ({exc}): try again."
-        ) from None
-    finally:
-        conn.close()
+    sealed, rows, segments, recorded, version = read_committed(d)
     if manifest["schema"] >= 2 and not sealed:
         raise damaged(d, "its events table has no checksum column, yet its manifest says schema 2")
     if sealed or recorded is not None:

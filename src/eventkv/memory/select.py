@@ -1,5 +1,8 @@
-"""BM25 selection of events for a question (``select`` ranks events with BM25 over
-their texts before the served set is completed with patches, pins and the header).
+"""Selection of events for a question: the :class:`Selector` protocol a memory ranks its view with
+(``EventMemory.select`` ranks the view's events, then completes the served set with pins, a row
+budget and the header), and its BM25 implementation, :class:`BM25Selector` (``"bm25"``, the default).
+
+BM25 ranks events by their texts.
 
 Scoring is the ``bm25s`` library's (Lù 2024, "BM25S: Orders of magnitude faster lexical search via
 eager sparse scoring", arXiv 2407.03618); nothing here re-implements BM25. The choices, fixed so a
@@ -17,11 +20,16 @@ ranking is reproducible:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import bm25s
 import numpy as np
 
 from eventkv.errors import EventKVError, OptionError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from eventkv.memory.records import MemoryRecord
 
 #: bm25s's scoring variant and parameters used by :func:`rank` (see the module docstring)
 METHOD, K1, B = "lucene", 1.5, 0.75
@@ -77,9 +85,98 @@ def rank(texts: list[str], question: str, k: int) -> list[int]:
     """
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise OptionError("k", k, "select at least 1 text (a whole number >= 1).")
-    s = scores(texts, question)
+    return _best_first(scores(texts, question))[:k]
+
+
+def _best_first(s: np.ndarray) -> list[int]:
+    """Indices by score, highest first; equal scores by the lower index first."""
     order = np.lexsort((np.arange(len(s)), -s.astype(np.float64)))  # last key first: score desc, then index
-    return [int(i) for i in order[:k]]
+    return [int(i) for i in order]
+
+
+def within_budget(items: Sequence, rows: Sequence[int], budget: int, used: int = 0) -> list:
+    """The leading ``items`` (best first) kept while their ``rows`` fit ``budget`` on top of ``used``
+    rows: stops at the first that does not fit (the lowest-ranked are dropped first)."""
+    kept = []
+    for item, n in zip(items, rows):
+        if used + n > budget:
+            break
+        kept.append(item)
+        used += n
+    return kept
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """One ranked event: its id and its score under the selector (higher is better; units are the
+    selector's own, e.g. BM25's)."""
+
+    id: str
+    score: float
+
+
+@runtime_checkable
+class Selector(Protocol):
+    """What ranks a memory's events for a question (``EventMemory.create(..., selector=)``).
+
+    ``rank`` gets the candidate events (the view: each event as its latest patch, in history order;
+    each has ``id``, ``text`` and ``n_rows``) and returns them best first, ``k`` at most (None: every
+    one); with ``budget`` (rows, header excluded) the ranking stops before the first event whose rows
+    would not fit (:func:`within_budget`). It never reorders ties at random: the same question and
+    events give the same ranking.
+    """
+
+    name: str
+
+    def rank(
+        self, question: str, events: Sequence[MemoryRecord], k: int | None = None, budget: int | None = None
+    ) -> list[Ranked]: ...
+
+
+class BM25Selector:
+    """BM25 over the events' texts (:func:`scores`: bm25s, Lucene variant, k1 = 1.5, b = 0.75,
+    English stopwords); ties by history order (:func:`rank`)."""
+
+    name = "bm25"
+
+    def rank(
+        self, question: str, events: Sequence[MemoryRecord], k: int | None = None, budget: int | None = None
+    ) -> list[Ranked]:
+        """The events best first (see :class:`Selector`).
+
+        Raises:
+            EventKVError: no events, a blank question, an event without text.
+            OptionError: ``k`` not a whole number >= 1.
+        """
+        events = list(events)
+        s = scores([e.text for e in events], question)
+        order = _best_first(s)
+        if k is not None:
+            if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+                raise OptionError("k", k, "select at least 1 text (a whole number >= 1).")
+            order = order[:k]
+        if budget is not None:
+            order = within_budget(order, [events[i].n_rows for i in order], budget)
+        return [Ranked(events[i].id, float(s[i])) for i in order]
+
+
+#: the selectors a memory can be given by name
+SELECTORS: dict[str, type] = {"bm25": BM25Selector}
+
+
+def selector_for(selector: Selector | str) -> Selector:
+    """A :class:`Selector` from itself or its name (a key of :data:`SELECTORS`).
+
+    Raises:
+        OptionError: an unknown name, or an object without a ``rank`` method.
+    """
+    if isinstance(selector, str):
+        if selector not in SELECTORS:
+            raise OptionError("selector", selector, f"give one of {', '.join(sorted(SELECTORS))}, or a Selector.")
+        return SELECTORS[selector]()
+    if not isinstance(selector, Selector):
+        raise OptionError("selector", selector, "give a selector name or an object with name and rank().")
+    return selector
 
 
 def _check(texts: list[str], question: str) -> None:

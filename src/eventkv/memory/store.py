@@ -5,7 +5,7 @@ Layout of a store directory::
     manifest.json            schema version, namespace, model name, weights / tokenizer / chat-template
                              digests, dtype, instruction, header token ids (written once, atomically)
     memory.sqlite (+ -wal)   stdlib sqlite3, WAL journal, synchronous=FULL, secure_delete=ON:
-                             tables events, segments, meta (see SCHEMA); every stored event row
+                             tables events, segments, meta (:data:`eventkv.memory.sql.SCHEMA`); every stored event row
                              carries a checksum of its text, token ids and fields, and meta the
                              manifest's checksum (:mod:`eventkv.memory.integrity`)
     segments/NNNNNN.safetensors
@@ -60,17 +60,8 @@ from safetensors.torch import load_file, save_file
 
 from eventkv.errors import EventKVError, OutOfSpace, PurgePending
 from eventkv.files import fsync_path, out_of_space, sha256_file, write_json_atomic
-from eventkv.memory.integrity import (
-    MANIFEST_CHECKSUM,
-    check_manifest,
-    damaged,
-    guard,
-    has_checksums,
-    manifest_checksum,
-    read_meta,
-    read_version,
-    seal_events,
-)
+from eventkv.memory import sql
+from eventkv.memory.integrity import MANIFEST_CHECKSUM, check_manifest, damaged, guard, manifest_checksum
 
 if TYPE_CHECKING:  # pragma: no cover
     from eventkv.models.profile import LoadedModel
@@ -89,8 +80,6 @@ STAGING = ".creating-"
 STORE_FILES = frozenset({DATABASE, DATABASE + "-wal", DATABASE + "-shm", DATABASE + "-journal", SEGMENTS, LOCK})
 #: SQLite's busy timeout (ms) for every statement but a purge's checkpoint, which has its own deadline
 BUSY_MS = 5000
-#: the meta key set, in the transaction that drops text (forget, rebase), until the purge completes
-PURGE_KEY = "purge"
 #: seconds ``close`` and ``open`` wait for readers to let a pending purge complete
 CLOSE_PURGE_S = 1.0
 #: what a manifest must hold for EventMemory to open the store
@@ -117,40 +106,6 @@ MANIFEST_TYPES = {
 }
 #: how a segment's ``file`` column reads (a damaged one must not name a file outside the store)
 SEGMENT_FILE = re.compile(rf"{SEGMENTS}/[0-9]{{6,}}\.safetensors")
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS events (
-    seq INTEGER PRIMARY KEY,          -- history order, never reused
-    id TEXT NOT NULL UNIQUE,
-    kind TEXT NOT NULL CHECK (kind IN ('event', 'patch', 'carrier')),
-    text TEXT,                        -- NULL once forgotten
-    role TEXT,
-    tags TEXT NOT NULL DEFAULT '[]',  -- JSON list of strings
-    budget INTEGER,
-    token_ids TEXT,                   -- JSON list of ints; NULL once forgotten
-    position INTEGER,                 -- first RoPE position id; NULL once forgotten
-    width INTEGER NOT NULL,           -- positions reserved (budget or token count); 0 once forgotten
-    row_start INTEGER,                -- first row in the stored history; NULL once forgotten
-    n_rows INTEGER NOT NULL,          -- rows = token count; 0 once forgotten
-    segment INTEGER REFERENCES segments(id),  -- NULL until prefilled
-    supersedes TEXT,                  -- a patch: the id of the event it updates
-    deleted INTEGER NOT NULL DEFAULT 0,
-    forgotten INTEGER NOT NULL DEFAULT 0,
-    pinned INTEGER NOT NULL DEFAULT 0,
-    created TEXT NOT NULL,
-    checksum TEXT                     -- JSON {text, token_ids, fields}; NULL for a forgotten marker
-);
-CREATE TABLE IF NOT EXISTS segments (
-    id INTEGER PRIMARY KEY,
-    file TEXT NOT NULL UNIQUE,        -- relative to the store directory
-    sha256 TEXT NOT NULL,
-    bytes INTEGER NOT NULL,
-    n_rows INTEGER NOT NULL,
-    row_start INTEGER NOT NULL,
-    created TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-"""
 
 
 def now() -> str:
@@ -260,11 +215,7 @@ class Store:
         conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=BUSY_MS / 1000)
         conn.row_factory = sqlite3.Row
         try:
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=FULL")
-            # why secure_delete: forget() must leave no copy of the text in freed database pages
-            conn.execute("PRAGMA secure_delete=ON")
-            conn.execute("PRAGMA foreign_keys=ON")
+            sql.configure(conn)
         except BaseException:
             conn.close()  # not left to the garbage collector: its files stay open until then
             raise
@@ -309,13 +260,7 @@ class Store:
                 (stage / DATABASE).touch(mode=0o600)  # the database holds every event's text: owner-only
                 conn = cls.connect(stage / DATABASE)
                 try:
-                    conn.executescript(SCHEMA)
-                    conn.execute("BEGIN IMMEDIATE")
-                    conn.execute("INSERT INTO meta VALUES ('version', '0')")
-                    conn.execute("INSERT INTO meta VALUES ('created', ?)", (now(),))
-                    conn.execute("INSERT INTO meta VALUES (?, ?)", (MANIFEST_CHECKSUM, manifest_checksum(manifest)))
-                    conn.execute("COMMIT")
-                    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                    sql.initialize(conn, now(), manifest_checksum(manifest))
                 finally:
                     # closed before the rename: SQLite reopens its -wal and -shm files by path
                     conn.close()
@@ -408,7 +353,7 @@ class Store:
             store.check_database()
             if manifest["schema"] < SCHEMA_VERSION:
                 store.upgrade()
-            check_manifest(d, store.manifest, read_meta(d, conn, MANIFEST_CHECKSUM))
+            check_manifest(d, store.manifest, sql.read_meta(d, conn, MANIFEST_CHECKSUM))
             store.discard_orphans()
             store.verify(verify or os.environ.get(VERIFY_ENV, "full"))
             if store.purge_pending:  # a forget committed but killed (or blocked) before its purge completed
@@ -429,11 +374,11 @@ class Store:
             StoreDamaged: the first problem SQLite reports.
         """
         with guard(self.directory):
-            problems = [r[0] for r in self.conn.execute("PRAGMA quick_check").fetchall()]
+            problems = sql.quick_check(self.conn)
         if problems != ["ok"]:
             shown = "; ".join(" ".join(str(x).split())[:200] for x in problems[:3])
             raise damaged(self.directory, f"SQLite's check of its database fails ({shown})")
-        read_version(self.directory, self.conn)
+        sql.read_version(self.directory, self.conn)
 
     def upgrade(self) -> None:
         """Upgrade a schema-1 store to schema 2 in place (writer lock held): add the ``checksum`` column,
@@ -442,18 +387,13 @@ class Store:
         manifest's rewrite is finished by the next open."""
         d = self.directory
         with guard(d):
-            self.conn.execute("BEGIN IMMEDIATE")
+            sql.begin(self.conn)
             try:
-                if not has_checksums(self.conn):
-                    self.conn.execute("ALTER TABLE events ADD COLUMN checksum TEXT")
-                seal_events(self.conn)
-                self.conn.execute(
-                    "INSERT OR IGNORE INTO meta VALUES (?, ?)", (MANIFEST_CHECKSUM, manifest_checksum(self.manifest))
-                )
-                self.conn.execute("COMMIT")
+                sql.add_checksums(self.conn, manifest_checksum(self.manifest))
+                sql.commit(self.conn)
             except BaseException:
                 if self.conn.in_transaction:
-                    self.conn.execute("ROLLBACK")
+                    sql.rollback(self.conn)
                 raise
         self.manifest = {**self.manifest, "schema": SCHEMA_VERSION}
         write_json_atomic(d / MANIFEST, self.manifest)
@@ -472,35 +412,35 @@ class Store:
 
     # ------------------------------------------------------------------ transactions
     @contextlib.contextmanager
-    def transaction(self, bump: bool = True) -> Iterator[sqlite3.Connection]:
-        """``BEGIN IMMEDIATE`` ... ``COMMIT`` (``ROLLBACK`` on any exception); bumps the version unless
-        ``bump`` is False (a write that changes no event: computing rows). Before the commit every
-        event row the transaction inserted is sealed with its checksum
-        (:func:`eventkv.memory.integrity.seal_events`).
+    def transaction(self, bump: bool = True) -> Iterator[sql.Writes]:
+        """``BEGIN IMMEDIATE`` ... ``COMMIT`` (``ROLLBACK`` on any exception), yielding the
+        transaction's writes (:class:`eventkv.memory.sql.Writes`); bumps the version unless ``bump``
+        is False (a write that changes no event: computing rows). Before the commit every event row
+        the transaction inserted is sealed with its checksum (:func:`eventkv.memory.sql.seal_events`).
 
         Raises:
             StoreDamaged: the database's bytes are damaged (nothing is committed).
             OutOfSpace: the filesystem is full (the transaction is rolled back: nothing of it is kept).
         """
         with out_of_space(self.directory, "the transaction"), guard(self.directory):
-            self.conn.execute("BEGIN IMMEDIATE")
+            sql.begin(self.conn)
             try:
-                yield self.conn
-                seal_events(self.conn)
+                yield sql.Writes(self.conn)
+                sql.seal_events(self.conn)
                 if bump:
-                    self.conn.execute("UPDATE meta SET value = CAST(value AS INTEGER) + 1 WHERE key = 'version'")
-                self.conn.execute("COMMIT")
+                    sql.bump_version(self.conn)
+                sql.commit(self.conn)
             except BaseException:
                 # why the check: SQLite rolls a transaction back by itself on SQLITE_FULL / SQLITE_IOERR, and
                 # a ROLLBACK then fails ("no transaction is active") and would hide the real error
                 if self.conn.in_transaction:
                     with contextlib.suppress(sqlite3.Error):
-                        self.conn.execute("ROLLBACK")
+                        sql.rollback(self.conn)
                 raise
 
     @property
     def version(self) -> int:
-        return read_version(self.directory, self.conn)
+        return sql.read_version(self.directory, self.conn)
 
     def event_rows(self) -> list[sqlite3.Row]:
         """Every row of the ``events`` table in history order (unchecked: see ``EventTable.from_rows``).
@@ -509,25 +449,19 @@ class Store:
             StoreDamaged: the database does not read.
         """
         with guard(self.directory):
-            return self.conn.execute("SELECT * FROM events ORDER BY seq").fetchall()
+            return sql.event_rows(self.conn)
 
     def data_version(self) -> int:
         """SQLite's ``PRAGMA data_version``: moves when another connection (another process, an
         ``sqlite3`` shell) commits to the database, never for this connection's own commits."""
         with guard(self.directory):
-            return self.conn.execute("PRAGMA data_version").fetchone()[0]
+            return sql.data_version(self.conn)
 
     # ------------------------------------------------------------------ purge (erasing dropped text)
-    @staticmethod
-    def mark_purge(conn: sqlite3.Connection) -> None:
-        """Inside a transaction that drops text (forget, rebase): flag the store as holding bytes to
-        purge, committed with the drop, so a kill before :meth:`purge` completes is purged at open."""
-        conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, '1')", (PURGE_KEY,))
-
     @property
     def purge_pending(self) -> bool:
         """Whether a committed drop of text (forget, rebase) may still have its bytes in the files."""
-        return self.conn.execute("SELECT 1 FROM meta WHERE key = ?", (PURGE_KEY,)).fetchone() is not None
+        return sql.purge_flagged(self.conn)
 
     def purge(self, wait_s: float) -> None:
         """Erase dropped text from the files: ``PRAGMA wal_checkpoint(TRUNCATE)`` copies the WAL into
@@ -541,9 +475,9 @@ class Store:
         """
         conn = self.conn
         wal = self.directory / (DATABASE + "-wal")
-        conn.execute(f"PRAGMA busy_timeout = {max(0, int(wait_s * 1000))}")
+        sql.set_busy_timeout(conn, max(0, int(wait_s * 1000)))
         try:
-            busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            busy = sql.checkpoint(conn)
         except sqlite3.Error as exc:  # SQLITE_FULL: the checkpoint could not grow the database file
             busy, why = 1, f"the checkpoint failed ({exc}): free space on the store's filesystem"
         else:
@@ -553,22 +487,22 @@ class Store:
                 "transaction, a backup, an open sqlite3 shell)"
             )
         finally:
-            conn.execute(f"PRAGMA busy_timeout = {BUSY_MS}")
+            sql.set_busy_timeout(conn, BUSY_MS)
         if busy or (wal.exists() and wal.stat().st_size):
             raise PurgePending(
                 f"The memory in {str(self.directory)!r} still holds the dropped text's bytes in {DATABASE}-wal or "
                 f"in database pages a reader needs: {why}; then call forget on the same id again (or close the "
                 "memory, or open it again) to complete the purge."
             )
-        with contextlib.suppress(OutOfSpace), self.transaction(bump=False) as c:  # kept: the next purge is a no-op
-            c.execute("DELETE FROM meta WHERE key = ?", (PURGE_KEY,))
+        with contextlib.suppress(OutOfSpace), self.transaction(bump=False) as tx:  # kept: the next purge is a no-op
+            tx.clear_purge()
         # the flag's own frames hold no text: truncating them again is tidiness, not privacy
-        conn.execute("PRAGMA busy_timeout = 0")
+        sql.set_busy_timeout(conn, 0)
         try:
             with contextlib.suppress(sqlite3.Error):
-                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                sql.checkpoint(conn)
         finally:
-            conn.execute(f"PRAGMA busy_timeout = {BUSY_MS}")
+            sql.set_busy_timeout(conn, BUSY_MS)
 
     # ------------------------------------------------------------------ segments
     def segment_rows(self) -> list[sqlite3.Row]:
@@ -578,15 +512,15 @@ class Store:
             StoreDamaged: the database does not read, or a row's fields are damaged.
         """
         with guard(self.directory):
-            rows = self.conn.execute("SELECT * FROM segments ORDER BY row_start").fetchall()
+            rows = sql.segment_rows(self.conn)
         for row in rows:
             check_segment_row(self.directory, row)
         return rows
 
     def next_segment_id(self) -> int:
         with guard(self.directory):
-            row = self.conn.execute("SELECT MAX(id) FROM segments").fetchone()
-        return (row[0] or 0) + 1
+            last = sql.max_segment_id(self.conn)
+        return (last or 0) + 1
 
     def write_segment(
         self, seg_id: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], positions: torch.Tensor
@@ -627,12 +561,6 @@ class Store:
             "n_rows": int(positions.shape[0]),
             "created": now(),
         }
-
-    def insert_segment(self, conn: sqlite3.Connection, row: dict, row_start: int) -> None:
-        conn.execute(
-            "INSERT INTO segments (id, file, sha256, bytes, n_rows, row_start, created) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (row["id"], row["file"], row["sha256"], row["bytes"], row["n_rows"], row_start, row["created"]),
-        )
 
     def read_segment(
         self, row: sqlite3.Row, n_layers: int
@@ -705,6 +633,32 @@ class Store:
 
     def bytes_on_disk(self) -> int:
         return directory_bytes(self.directory)
+
+
+def read_committed(d: Path) -> tuple[bool, list, list, str | None, int]:
+    """The last committed state of the store in ``d`` through a read-only connection (no writer lock;
+    WAL lets it run while the writer commits): ``(sealed, event rows, segment rows, the manifest's
+    recorded checksum, version)``, read in one read transaction (:func:`eventkv.memory.sql.snapshot`).
+
+    Raises:
+        StoreDamaged: the database's bytes are damaged.
+        EventKVError: a database that cannot be opened or read now.
+    """
+    try:
+        with guard(d, "its database does not open"):
+            conn = sqlite3.connect(f"{(d / DATABASE).resolve().as_uri()}?mode=ro", uri=True, isolation_level=None)
+    except sqlite3.Error as exc:
+        raise EventKVError(f"the database of the memory in {str(d)!r} cannot be opened ({exc}).") from None
+    try:
+        conn.row_factory = sqlite3.Row
+        with guard(d):
+            return sql.snapshot(d, conn)
+    except sqlite3.Error as exc:
+        raise EventKVError(
+            f"the database of the memory in {str(d)!r} is not readable now ({exc}): try again."
+        ) from None
+    finally:
+        conn.close()
 
 
 def check_segment_row(directory: Path, row) -> None:

@@ -1,0 +1,128 @@
+"""Answering a question from served rows (Study 1, "Setting": sparse serving, then a readout): the
+checks of a query's arguments, and the batched readout of one question under several serving
+plans (:func:`read_out`). The memory resolves each plan's served ids and prefills pending events;
+this module serves (:func:`eventkv.serve.serve`) and answers (:func:`eventkv.readout.answer_served`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+from eventkv.errors import OptionError
+from eventkv.log import tokenize_query
+from eventkv.memory.records import MemoryAnswer, MemoryRecord
+from eventkv.options import check_max_new_tokens
+from eventkv.prefill import EventKV, check_context
+from eventkv.readout import answer_served
+from eventkv.serve import SERVE_MODES, serve
+
+if TYPE_CHECKING:  # pragma: no cover
+    from eventkv.models.profile import LoadedModel
+
+
+def check_question(question) -> None:
+    """Raises:
+    OptionError: ``question`` is not a non-empty string."""
+    if not isinstance(question, str) or not question.strip():
+        raise OptionError("question", question, "give a non-empty question.")
+
+
+def check_query(plans: Sequence, max_new_tokens: int, candidates: Sequence[str] | None) -> tuple[list, list[str]]:
+    """The plans (``(select, mode)`` pairs) and candidates of a query, checked: ``(plans, candidates)``.
+
+    Raises:
+        OptionError: no plan, a plan that is not a pair or names an unknown mode, ``max_new_tokens`` < 1,
+            empty or repeated candidates.
+    """
+    plans = list(plans)
+    if not plans:
+        raise OptionError("plans", plans, "give at least one (select, mode) plan.")
+    for plan in plans:
+        if not isinstance(plan, tuple) or len(plan) != 2 or plan[1] not in SERVE_MODES:
+            raise OptionError(
+                "mode" if isinstance(plan, tuple) and len(plan) == 2 else "plans",
+                plan[1] if isinstance(plan, tuple) and len(plan) == 2 else plan,
+                f"give (select, mode) pairs with mode one of {', '.join(SERVE_MODES)}.",
+            )
+    check_max_new_tokens(max_new_tokens)
+    cands = list(candidates or [])
+    if any(not isinstance(c, str) or not c.strip() for c in cands) or len(set(cands)) != len(cands):
+        raise OptionError("candidates", cands, "give distinct, non-empty candidate answers.")
+    return plans, cands
+
+
+def question_ids(lm: LoadedModel, question: str, history_end: int, max_new_tokens: int) -> list[int]:
+    """The question's token ids (chat tail included: :func:`eventkv.log.tokenize_query`), checked to
+    fit after the history (``history_end`` positions) with room for ``max_new_tokens``.
+
+    Raises:
+        EventKVError: history plus question beyond the model's context.
+        OptionError: no room left for ``max_new_tokens``.
+    """
+    q = tokenize_query(lm.tokenizer, lm.profile, question)
+    end, ctx = history_end, lm.profile.max_context
+    check_context(end + len(q), ctx, what="history plus question")
+    if ctx is not None and end + len(q) + max_new_tokens > ctx:
+        raise OptionError(
+            "max_new_tokens",
+            max_new_tokens,
+            f"the history and the question take {end + len(q)} of the model's {ctx} positions: give at most "
+            f"{ctx - end - len(q)} new tokens.",
+        )
+    return q
+
+
+def read_out(
+    lm: LoadedModel,
+    ekv: EventKV,
+    served_ids: Sequence[Sequence[str]],
+    modes: Sequence[str],
+    q: Sequence[int],
+    *,
+    records: Mapping[str, MemoryRecord],
+    isolated: dict,
+    prefill_ms: float,
+    max_new_tokens: int,
+    candidates: Sequence[str],
+    keep_logits: bool,
+) -> list[MemoryAnswer]:
+    """Serve ``ekv``'s rows of each served set under its mode and read the question ``q`` out of all of
+    them in one batched readout (:func:`eventkv.readout.answer_served`: left-padded, each row at its
+    own positions); one :class:`MemoryAnswer` per plan, in order.
+
+    Args:
+        records: the memory's records by id (the served events' positions and widths).
+        isolated: the memo of isolated encodings (``serve(..., isolated_memo=)``), kept by the memory.
+        prefill_ms: the lazy prefill's time, reported in every answer's ``timings_ms``.
+    """
+    caches, serve_ms = [], []
+    for ids, mode in zip(served_ids, modes):
+        t1 = time.perf_counter()
+        caches.append(serve(ekv, ids, mode, model=lm.model, isolated_memo=isolated))
+        serve_ms.append(1e3 * (time.perf_counter() - t1))
+    t2 = time.perf_counter()
+    outs = answer_served(
+        lm.model,
+        lm.tokenizer,
+        caches,
+        q,
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=lm.profile.stop_token_ids,
+        max_context=lm.profile.max_context,
+        candidates=candidates,
+        keep_logits=keep_logits,
+    )
+    decode_ms = 1e3 * (time.perf_counter() - t2)
+    return [
+        MemoryAnswer(
+            text=gen.text,
+            generation=gen,
+            candidates=scores,
+            served_ids=list(sc.served),
+            positions=[(i, records[i].position, records[i].width) for i in sc.served],
+            n_rows_served=sc.n_visible,
+            timings_ms={"prefill": prefill_ms, "serve": ms, "decode": decode_ms},
+        )
+        for sc, ms, (gen, scores) in zip(caches, serve_ms, outs)
+    ]

@@ -1,0 +1,83 @@
+"""The verbs every memory front end speaks: :class:`MemoryAPI`, implemented by the library's
+:class:`eventkv.memory.EventMemory` and by the HTTP client of ``eventkv serve``,
+:class:`eventkv.client.Client`, with the same parameters and the same record types
+(:mod:`eventkv.memory.records`), so code written against one runs against the other.
+
+Deliberate differences, each a keyword-only parameter with a default that one side adds:
+
+- ``expected_version=`` on every write of the client: the server answers 409 when the memory has
+  moved on (optimistic concurrency between HTTP clients; a library memory has one writer).
+- ``purge_wait_s=`` on :meth:`EventMemory.forget`: how long the purge waits for readers; the server
+  uses the default and answers 503 ``purge_pending`` when a reader blocks it.
+- ``keep_logits=`` on :meth:`EventMemory.query`: logits stay in the process (they do not travel).
+
+Beyond the protocol, the library has ``directory``, ``namespace`` (the store's tenant),
+``query_batch`` and ``event_log``; the client has ``destroy``, ``memory_id`` and ``namespace`` (the
+request scope). Creating and opening differ too (a directory and a model, or a URL).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Literal, Protocol, Sequence, runtime_checkable
+
+from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
+from eventkv.serve import ServeMode
+
+#: which events a query serves: None (the selector's top ``k`` + pins), ``"view"``, ``"all"``, or ids
+SelectSpec = None | Literal["all", "view"] | Sequence[str]
+
+
+@runtime_checkable
+class MemoryAPI(Protocol):
+    """One memory's verbs (see :class:`eventkv.memory.EventMemory` for what each does and raises)."""
+
+    @property
+    def version(self) -> int:
+        """The write counter: bumped by every committed write that changes the events."""
+        ...
+
+    def add(
+        self, events: Iterable[MemoryEvent | dict | str] | MemoryEvent | dict | str, *, prefill: bool = False
+    ) -> list[Added]: ...
+
+    def prefill(self) -> int: ...
+
+    def update(self, event_id: str, text: str, *, prefill: bool = False) -> Added: ...
+
+    def delete(self, event_id: str) -> None: ...
+
+    def pin(self, event_id: str, pinned: bool = True) -> None: ...
+
+    def forget(self, event_id: str) -> int: ...
+
+    def rebase(self) -> int: ...
+
+    def carrier(
+        self, sources: Sequence[str], subject: str, kind: str = "auto", *, prefill: bool = False
+    ) -> CarrierResult: ...
+
+    def get(self, event_id: str) -> MemoryRecord: ...
+
+    def history(self, event_id: str) -> list[MemoryRecord]: ...
+
+    def list(self, include_superseded: bool = False, include_deleted: bool = False) -> list[MemoryRecord]: ...
+
+    def view_ids(self) -> list[str]: ...
+
+    def stats(self) -> MemoryStats: ...
+
+    def select(self, question: str, k: int = 8, budget_rows: int | None = None) -> list[str]: ...
+
+    def query(
+        self,
+        question: str,
+        select: SelectSpec = None,
+        k: int = 8,
+        mode: ServeMode = "compact",
+        candidates: Sequence[str] | None = None,
+        max_new_tokens: int = 32,
+        *,
+        budget_rows: int | None = None,
+    ) -> MemoryAnswer: ...
+
+    def close(self) -> None: ...
