@@ -369,7 +369,7 @@ def test_check_dir_detects_size_change_and_stray_files(tmp_path):
 
 
 def test_old_cache_dir_path_still_imports():
-    """``eventkv.cache_dir`` moved into ``eventkv.models``; the old path re-exports it for one release."""
+    """``eventkv.cache_dir`` re-exports ``eventkv.models.cache_dir`` (a deprecated location kept for one release)."""
     import eventkv.cache_dir as old
 
     assert {"cache_root", "model_dir", "check_dir", "write_manifest", "MANIFEST_NAME", "CACHE_ENV"} <= set(old.__all__)

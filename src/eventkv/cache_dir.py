@@ -41,4 +41,4 @@ __all__ = [
     "write_manifest",
 ]
 
-MANIFEST_NAME = MODEL_MANIFEST  # the name this module had before eventkv.models.cache_dir
+MANIFEST_NAME = MODEL_MANIFEST  # this module's name for the model manifest file

@@ -141,7 +141,7 @@ def cache_kv(cache: Cache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
     Raises:
         EventKVError: a layer that holds no keys or values (not a full or sliding-window attention layer, which
-            :func:`eventkv.models.introspect.profile_model` refuses before any forward).
+            :func:`eventkv.models.introspect.profile_for` refuses before any forward).
     """
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []

@@ -3,7 +3,8 @@
 ``models`` (:mod:`.models`), ``query`` (:mod:`.query`), ``run <probe>`` and ``report``
 (:mod:`.run`; the contract clauses' run commands from :mod:`.contract`), ``contract``
 (:mod:`.contract`), ``splice`` (:mod:`.splice`), ``memory`` (:mod:`.memory`), ``serve``
-(:mod:`.serve`) and ``sweep`` (:mod:`.sweep`). User errors print one line and exit with code 2.
+(:mod:`.serve`), ``sweep`` (:mod:`.sweep`), ``audit`` (:mod:`.audit`) and ``harvest``
+(:mod:`.harvest`). User errors print one line and exit with code 2.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The event table of a memory as plain data: the rules that turn stored rows into the view,
 histories, listings and counts, shared by :class:`eventkv.memory.EventMemory`
-and by the model-free :class:`eventkv.memory.reader.MemoryReader` the HTTP service reads with.
+and by the model-free :func:`eventkv.memory.reader.read_memory` the HTTP service reads with.
 No model, no storage: records in, records out."""
 
 from __future__ import annotations
