@@ -7,7 +7,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Sequence, TypedDict, Unpack
 
 from eventkv.errors import EventKVError, OptionError
 from eventkv.log import HEADER_ID, EventLog, tokenize, tokenize_query
@@ -108,17 +108,48 @@ def prefill_or_load(
     return ekv, False, store
 
 
-def check_query(
-    log: EventLog,
-    served: str | Sequence[str],
-    question: str,
-    *,
-    mode: ServeMode = "compact",
-    candidates: Sequence[str] = (),
-    max_new_tokens: int = 64,
-    chunk_size: int | None = None,
-    store: Path | None = None,
-) -> None:
+class QueryOptions(TypedDict, total=False):
+    """The options of a query (:func:`answer`, :func:`check_query`); one left out takes its default in
+    :data:`QUERY_DEFAULTS`.
+
+    Attributes:
+        mode: compact | native | isolated | text (:data:`eventkv.serve.SERVE_MODES`).
+        candidates: answer strings to score (full continuations, log-probabilities in nats).
+        max_new_tokens: greedy generation length limit (tokens, >= 1).
+        chunk_size: prefill at most this many tokens per forward (None: the whole log at once).
+        store: the EventKV's directory (None: content-addressed under ``$EVENTKV_CACHE/kv/``).
+    """
+
+    mode: ServeMode
+    candidates: Sequence[str]
+    max_new_tokens: int
+    chunk_size: int | None
+    store: Path | None
+
+
+QUERY_DEFAULTS: QueryOptions = {
+    "mode": "compact",
+    "candidates": (),
+    "max_new_tokens": 64,
+    "chunk_size": None,
+    "store": None,
+}
+"""The default of every :class:`QueryOptions` field."""
+
+
+def _query_options(function: str, options: QueryOptions) -> QueryOptions:
+    """``options`` with the defaults of those left out.
+
+    Raises:
+        TypeError: a name that is no :class:`QueryOptions` field (as Python does for an unknown keyword).
+    """
+    unknown = sorted(options.keys() - QueryOptions.__annotations__.keys())
+    if unknown:
+        raise TypeError(f"{function}() got an unexpected keyword argument {unknown[0]!r}")
+    return {**QUERY_DEFAULTS, **options}
+
+
+def check_query(log: EventLog, served: str | Sequence[str], question: str, **options: Unpack[QueryOptions]) -> None:
     """Check a query's options against ``log`` before any model work (the CLI calls it before the model loads).
 
     Raises:
@@ -127,6 +158,8 @@ def check_query(
             ``store`` that is a file.
         EventKVError: a served event id that is not in the log.
     """
+    opts = _query_options("check_query", options)
+    mode = opts["mode"]
     if mode not in SERVE_MODES:
         raise OptionError("mode", mode, f"use one of {', '.join(SERVE_MODES)}.")
     ids = [s.strip() for s in (served.split(",") if isinstance(served, str) else served)]
@@ -150,37 +183,31 @@ def check_query(
             raise EventKVError(f"unknown event id {s!r}: the log's events are {shown}.")
     if not isinstance(question, str) or not question.strip():
         raise OptionError("question", question, "give a non-empty question.")
-    cands = list(candidates)
+    cands = list(opts["candidates"])
     if any(not isinstance(c, str) or not c.strip() for c in cands) or len(set(cands)) != len(cands):
         raise OptionError("candidates", cands, "give distinct, non-empty candidate answers.")
-    check_max_new_tokens(max_new_tokens)
-    check_chunk_size(chunk_size)
-    check_out_dir(store, "store")
+    check_max_new_tokens(opts["max_new_tokens"])
+    check_chunk_size(opts["chunk_size"])
+    check_out_dir(opts["store"], "store")
 
 
 def answer(
-    lm: LoadedModel,
-    log: EventLog,
-    served: str | Sequence[str],
-    question: str,
-    *,
-    mode: ServeMode = "compact",
-    candidates: Sequence[str] = (),
-    max_new_tokens: int = 64,
-    store: Path | None = None,
-    chunk_size: int | None = None,
+    lm: LoadedModel, log: EventLog, served: str | Sequence[str], question: str, **options: Unpack[QueryOptions]
 ) -> Answer:
     """Answer ``question`` from the rows of the served events of ``log`` (Study 1, "Setting").
 
     Args:
         lm: a ``LoadedModel`` (``eventkv.models.load``).
-        served: event ids or ``"all"``; mode: compact | native | isolated | text.
-        candidates: optional answer strings to score (full continuations, log-probabilities in nats).
+        served: event ids or ``"all"``.
+        options: :class:`QueryOptions` (mode, candidates, max_new_tokens, chunk_size, store).
 
     Raises:
         EventKVError: unknown event id, empty served set, bad mode or another bad option (see
             :func:`check_query`), history beyond the context.
     """
+    opts = _query_options("answer", options)
+    mode, candidates, max_new_tokens = opts["mode"], opts["candidates"], opts["max_new_tokens"]
+    store, chunk_size = opts["store"], opts["chunk_size"]
     check_query(
         log, served, question, mode=mode, candidates=candidates, max_new_tokens=max_new_tokens, chunk_size=chunk_size
     )

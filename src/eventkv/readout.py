@@ -27,7 +27,7 @@ reaches real rows before it would reach the pad).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence, cast
+from typing import TYPE_CHECKING, Any, Sequence, cast
 
 import torch
 from transformers import DynamicCache
@@ -456,19 +456,19 @@ def generate(
     Raises:
         EventKVError: empty query, or history + query + new tokens beyond the model's context.
     """
-    out = read_out(
-        model,
-        [served],
-        query_ids,
-        generate=[True],
-        score=[False],
-        max_new_tokens=max_new_tokens,
-        stop_token_ids=stop_token_ids,
-        tokenizer=tokenizer,
-        max_context=max_context,
-        keep_logits=keep_logits,
-    )[0]
-    return _generation(out)
+    return _generation(
+        _read_out_one(
+            model,
+            served,
+            query_ids,
+            generate=True,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=stop_token_ids,
+            tokenizer=tokenizer,
+            max_context=max_context,
+            keep_logits=keep_logits,
+        )
+    )
 
 
 def candidate_logprobs(
@@ -494,17 +494,16 @@ def candidate_logprobs(
     """
     if not candidates or any(len(c) == 0 for c in candidates):
         raise EventKVError("candidate scoring needs at least one candidate and no empty candidate.")
-    return read_out(
+    return _read_out_one(
         model,
-        [served],
+        served,
         query_ids,
-        generate=[False],
-        score=[True],
+        generate=False,
         candidates=candidates,
         candidate_texts=texts or (),
         max_new_tokens=0,
         max_context=max_context,
-    )[0].candidates
+    ).candidates
 
 
 def answer_served(
@@ -549,6 +548,14 @@ def answer_served(
         keep_logits=keep_logits,
     )
     return [(_generation(o), o.candidates) for o in outs]
+
+
+def _read_out_one(
+    model: PreTrainedModel, served: ServedCache, query_ids: Sequence[int], *, generate: bool, **options: Any
+) -> Readout:
+    """:func:`read_out` from the one cache ``served``: the greedy answer (``generate``) or else the candidate
+    scores; ``options`` are :func:`read_out`'s."""
+    return read_out(model, [served], query_ids, generate=[generate], score=[not generate], **options)[0]
 
 
 def _generation(out: Readout) -> Generation:

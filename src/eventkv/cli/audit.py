@@ -3,25 +3,18 @@ User errors print one line (no traceback) and exit 2."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING
 
 import typer
 
-from eventkv.cli.common import (
-    DEVICE_OPTION,
-    DTYPE_OPTION,
-    MODEL_OPTION,
-    PROGRESS_OPTION,
-    THREADS_OPTION,
-    comma_list,
-    out_option,
-    run_probe_command,
-    user_errors,
-)
+from eventkv.cli.common import MODEL_OPTION, comma_list, run_command, run_probe_command
 from eventkv.options import POLICIES
 
+if TYPE_CHECKING:
+    from eventkv.probes.run_options import RunOptions
 
+
+@run_command(out="runs/audit/MODEL-DTYPE-seedSEED")
 def audit(
     policy: str = typer.Option("streaming,snapkv,knorm", "--policy", help=", ".join(POLICIES)),
     ratio: str = typer.Option("0.5,0.75", "--ratio", help="compression ratios: the fraction of rows evicted"),
@@ -32,11 +25,8 @@ def audit(
     ),
     sinks: int = typer.Option(4, "--sinks", help="attention sinks kept by streaming"),
     seed: int = typer.Option(0, "--seed", help="item seed (the donor-pair probe's pairs for the same seed)"),
-    out: Optional[Path] = out_option("runs/audit/MODEL-DTYPE-seedSEED"),
-    dtype: str = DTYPE_OPTION,
-    device: str = DEVICE_OPTION,
-    threads: Optional[int] = THREADS_OPTION,
-    progress: bool = PROGRESS_OPTION,
+    *,
+    run: RunOptions,
 ) -> None:
     """Audit eviction policies on donor pairs, resumably: what do the kept rows carry once the source is evicted?
 
@@ -44,18 +34,14 @@ def audit(
 
     Such state makes ablation false negatives. Does the accuracy survive re-encoding the kept events in isolation?
     """
-    with user_errors():
-        from eventkv.errors import OptionError
-        from eventkv.probes.run_options import RunOptions
-        from eventkv.studies.materialization.audit import EvictionAudit
+    from eventkv.errors import OptionError
+    from eventkv.studies.materialization.audit import EvictionAudit
 
-        ratios = []
-        for r in comma_list(ratio, "--ratio"):
-            try:
-                ratios.append(float(r))
-            except ValueError:
-                raise OptionError(
-                    "ratios", r, "give compression ratios as numbers in [0, 1).", flag="--ratio"
-                ) from None
-        probe = EvictionAudit(policies=comma_list(policy, "--policy"), ratios=tuple(ratios), window=window, sinks=sinks)
-        run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress, device=device))
+    ratios = []
+    for r in comma_list(ratio, "--ratio"):
+        try:
+            ratios.append(float(r))
+        except ValueError:
+            raise OptionError("ratios", r, "give compression ratios as numbers in [0, 1).", flag="--ratio") from None
+    probe = EvictionAudit(policies=comma_list(policy, "--policy"), ratios=tuple(ratios), window=window, sinks=sinks)
+    run_probe_command(probe, run)

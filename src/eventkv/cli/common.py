@@ -1,12 +1,17 @@
-"""What the CLI's command modules share: mapping user errors to one line and exit 2, comma lists,
-and the start of a run from its :class:`~eventkv.probes.run_options.RunOptions` (check every option,
-fill the default ``--out``, load the model) for ``run``, ``contract`` and ``splice``."""
+"""What the CLI's command modules share: mapping user errors to one line and exit 2, comma lists, the
+run options every probe command takes (:func:`run_command`), and the start of a run from its
+:class:`~eventkv.probes.run_options.RunOptions` (check every option, fill the default ``--out``, load the
+model) for ``run``, ``contract``, ``audit``, ``harvest``, ``memory eval`` and ``splice``."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from contextlib import contextmanager
+from pathlib import Path
 from types import EllipsisType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 from rich.console import Console
@@ -73,6 +78,111 @@ BATCH_PAIRS_OPTION = typer.Option(
     "rounding); pays off on a GPU",
 )
 """``--batch-pairs``, shared by the pair probes' commands (:attr:`RunOptions.batch_pairs`)."""
+
+SHARED_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "model": (str, MODEL_OPTION),
+    "seed": (int, SEED_OPTION),
+    "readout": (str, READOUT_OPTION),
+    "max_new_tokens": (int, MAX_NEW_TOKENS_OPTION),
+    "dtype": (str, DTYPE_OPTION),
+    "device": (str, DEVICE_OPTION),
+    "threads": (Optional[int], THREADS_OPTION),
+    "progress": (bool, PROGRESS_OPTION),
+    "batch_pairs": (int, BATCH_PAIRS_OPTION),
+}
+"""The options :func:`run_command` can put into a command by name: ``name -> (type, typer.Option)``."""
+
+RUN_FIELDS = ("model", "items", "seed", "out", "dtype", "threads", "progress", "device", "batch_pairs")
+"""The options that make a command's :class:`~eventkv.probes.run_options.RunOptions` (its fields)."""
+
+RUN_TAIL = ("out", "dtype", "device", "threads", "progress")
+"""The options that end ``audit``, ``harvest`` and ``memory eval``, in help order."""
+
+PAIR_HEAD = ("model", "items", "seed", "out", "readout")
+"""The options that start a pair probe's command (``eventkv run <pair probe>``), in help order."""
+
+PAIR_TAIL = ("max_new_tokens", "dtype", "device", "threads", "progress", "batch_pairs")
+"""The options that end a contract clause's command, in help order."""
+
+
+def run_command(
+    *,
+    out: str,
+    head: tuple[str, ...] = (),
+    tail: tuple[str, ...] = RUN_TAIL,
+    items: Any = None,
+    out_what: str = "run directory",
+) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Decorator: a typer command from ``fn``, whose options are the shared options ``head``, then ``fn``'s
+    own parameters, then the shared options ``tail`` (names from :data:`SHARED_OPTIONS`; ``"items"`` is the
+    option ``items``, ``"out"`` is ``out_option(out, out_what)``). The help is ``fn``'s docstring.
+
+    The command runs ``fn`` inside :func:`user_errors` with ``fn``'s own parameters, the shared options
+    ``fn`` names as keyword-only parameters without a default, and, where ``fn`` has a keyword-only
+    parameter ``run``, the :class:`~eventkv.probes.run_options.RunOptions` made of the command's
+    :data:`RUN_FIELDS` (``seed`` 0 and ``items`` 0 where the command has none: ``fn`` sets them with
+    :func:`dataclasses.replace`).
+    """
+
+    def decorate(fn: Callable[..., None]) -> Callable[..., None]:
+        sig = inspect.signature(fn)  # the keyword-only annotations may name what imports torch: left as text
+        own = [p for p in sig.parameters.values() if p.kind is not p.KEYWORD_ONLY]
+        given = [p.name for p in sig.parameters.values() if p.kind is p.KEYWORD_ONLY]
+        shared = {**SHARED_OPTIONS, "items": (int, items), "out": (Optional[Path], out_option(out, out_what))}
+
+        def option(name: str) -> inspect.Parameter:
+            annotation, default = shared[name]
+            return inspect.Parameter(
+                name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=annotation
+            )
+
+        def ordinary(p: inspect.Parameter) -> inspect.Parameter:
+            annotation = (
+                eval(p.annotation, inspect.unwrap(fn).__globals__) if isinstance(p.annotation, str) else p.annotation
+            )
+            return p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation)
+
+        params = [*map(option, head), *map(ordinary, own), *map(option, tail)]
+
+        @functools.wraps(fn)
+        def command(**options: Any) -> None:
+            with user_errors():
+                from eventkv.probes.run_options import RunOptions
+
+                run = RunOptions(**{"items": 0, **{k: v for k, v in options.items() if k in RUN_FIELDS}})
+                extra = {name: run if name == "run" else options[name] for name in given}
+                fn(**{p.name: options[p.name] for p in own}, **extra)
+
+        command.__signature__ = inspect.Signature(params, return_annotation=None)  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return command
+
+    return decorate
+
+
+def pair_probe_command(items: int, items_help: str, name: str) -> Callable[[Callable[..., Any]], Callable[..., None]]:
+    """Decorator: the command ``eventkv run NAME`` of a contract clause from ``make_probe``, which takes the
+    clause's own options and, as ``**shared``, the pair probes' ``readout`` and ``max_new_tokens``, and returns
+    the probe; the command runs it with :func:`run_probe_command`.
+
+    Its options: :data:`PAIR_HEAD` (``--items`` default ``items``, help ``items_help``; ``--out``
+    ``runs/NAME/MODEL-DTYPE-seedSEED``), ``make_probe``'s own, :data:`PAIR_TAIL`.
+    """
+    option = typer.Option(items, "--items", help=items_help)
+    as_command = run_command(out=f"runs/{name}/MODEL-DTYPE-seedSEED", head=PAIR_HEAD, tail=PAIR_TAIL, items=option)
+
+    def decorate(make_probe: Callable[..., Any]) -> Callable[..., None]:
+        def clause(*, readout: str, max_new_tokens: int, run: RunOptions, **own: Any) -> None:
+            run_probe_command(make_probe(**own, readout=readout, max_new_tokens=max_new_tokens), run)
+
+        functools.update_wrapper(clause, make_probe)
+        sig = inspect.signature(make_probe)
+        own = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+        given = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in ("readout", "max_new_tokens", "run")]
+        clause.__signature__ = sig.replace(parameters=[*own, *given])  # type: ignore[attr-defined]
+        return as_command(clause)
+
+    return decorate
 
 
 @contextmanager

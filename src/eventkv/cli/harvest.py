@@ -3,24 +3,19 @@ User errors print one line (no traceback) and exit 2."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Optional
+from dataclasses import replace
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from eventkv.cli.common import (
-    DEVICE_OPTION,
-    DTYPE_OPTION,
-    MODEL_OPTION,
-    PROGRESS_OPTION,
-    THREADS_OPTION,
-    out_option,
-    run_probe_command,
-    user_errors,
-)
+from eventkv.cli.common import MODEL_OPTION, run_command, run_probe_command
 from eventkv.options import DIALOGUE_FORMATS
 
+if TYPE_CHECKING:
+    from eventkv.probes.run_options import RunOptions
 
+
+@run_command(out="runs/harvest/MODEL-DTYPE-seed0")
 def harvest(
     data: str = typer.Option(..., "--data", help="LoCoMo JSON file, or a REALTALK Chat_*.json file or folder"),
     data_format: str = typer.Option("locomo", "--format", help=" or ".join(DIALOGUE_FORMATS)),
@@ -32,11 +27,8 @@ def harvest(
     max_questions: int = typer.Option(0, "--max-questions", help="questions per conversation at most (0: all)"),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", help="greedy answer length limit"),
     tost_margin: float = typer.Option(0.05, "--tost-margin", help="equivalence margin of the primary contrast"),
-    out: Optional[Path] = out_option("runs/harvest/MODEL-DTYPE-seed0"),
-    dtype: str = DTYPE_OPTION,
-    device: str = DEVICE_OPTION,
-    threads: Optional[int] = THREADS_OPTION,
-    progress: bool = PROGRESS_OPTION,
+    *,
+    run: RunOptions,
 ) -> None:
     """Passive harvesting (Study 1, real dialogs): later turns served as rows of one global prefill, resumably.
 
@@ -46,23 +38,21 @@ def harvest(
 
     One item per conversation.
     """
-    with user_errors():
-        from eventkv.options import check_int
-        from eventkv.probes.run_options import RunOptions
-        from eventkv.studies.materialization.harvest import Harvest
+    from eventkv.options import check_int
+    from eventkv.studies.materialization.harvest import Harvest
 
-        probe = Harvest(
-            data=data,
-            data_format=data_format,
-            max_tokens=max_tokens,
-            max_new_tokens=max_new_tokens,
-            tost_margin=tost_margin,
-            max_questions=max_questions,
-        )
-        n = probe.max_items()
-        items = (
-            n
-            if conversations is None
-            else check_int("conversations", conversations, "give 1 or more.", flag="--conversations")
-        )
-        run_probe_command(probe, RunOptions(model, items, 0, out, dtype, threads, progress, device=device))
+    probe = Harvest(
+        data=data,
+        data_format=data_format,
+        max_tokens=max_tokens,
+        max_new_tokens=max_new_tokens,
+        tost_margin=tost_margin,
+        max_questions=max_questions,
+    )
+    n = probe.max_items()
+    items = (
+        n
+        if conversations is None
+        else check_int("conversations", conversations, "give 1 or more.", flag="--conversations")
+    )
+    run_probe_command(probe, replace(run, items=items))

@@ -3,27 +3,21 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Optional
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import typer
 
-from eventkv.cli.common import (
-    DEVICE_OPTION,
-    DTYPE_OPTION,
-    MODEL_OPTION,
-    PROGRESS_OPTION,
-    THREADS_OPTION,
-    comma_list,
-    out_option,
-    run_probe_command,
-    user_errors,
-)
+from eventkv.cli.common import MODEL_OPTION, comma_list, run_command, run_probe_command
+
+if TYPE_CHECKING:
+    from eventkv.probes.run_options import RunOptions
 
 memory_app = typer.Typer(no_args_is_help=True, help="The event-KV agent memory: evaluate it on real dialogue.")
 
 
 @memory_app.command("eval")
+@run_command(out="runs/memory-eval/MODEL-DTYPE-seedSEED")
 def memory_eval(
     data: str = typer.Option(
         ...,
@@ -43,11 +37,8 @@ def memory_eval(
         help="read the arms out in one batch (fast); --no-batch-arms: one readout per arm (per-arm latency)",
     ),
     seed: int = typer.Option(0, "--seed", help="question sampling seed"),
-    out: Optional[Path] = out_option("runs/memory-eval/MODEL-DTYPE-seedSEED"),
-    dtype: str = DTYPE_OPTION,
-    device: str = DEVICE_OPTION,
-    threads: Optional[int] = THREADS_OPTION,
-    progress: bool = PROGRESS_OPTION,
+    *,
+    run: RunOptions,
 ) -> None:
     """Evaluate EventMemory on LoCoMo: per question, BM25-selected turns served as rows of one global prefill.
 
@@ -55,19 +46,16 @@ def memory_eval(
 
     Token F1 / EM by category with cluster-bootstrap intervals, and latency p50/p95.
     """
-    with user_errors():
-        from eventkv.probes.run_options import RunOptions
-        from eventkv.studies.materialization.memory_eval import DEMO_DATA, MemoryEval
+    from eventkv.studies.materialization.memory_eval import DEMO_DATA, MemoryEval
 
-        probe = MemoryEval(
-            data=DEMO_DATA if data == "demo" else data,
-            conversations=conversations,
-            questions_per_conversation=questions,
-            max_tokens=max_tokens,
-            k=k,
-            max_new_tokens=max_new_tokens,
-            arm_names=comma_list(arms, "--arms"),
-            batch_arms=batch_arms,
-        )
-        items = conversations * questions
-        run_probe_command(probe, RunOptions(model, items, seed, out, dtype, threads, progress, device=device))
+    probe = MemoryEval(
+        data=DEMO_DATA if data == "demo" else data,
+        conversations=conversations,
+        questions_per_conversation=questions,
+        max_tokens=max_tokens,
+        k=k,
+        max_new_tokens=max_new_tokens,
+        arm_names=comma_list(arms, "--arms"),
+        batch_arms=batch_arms,
+    )
+    run_probe_command(probe, replace(run, items=conversations * questions))

@@ -7,28 +7,24 @@ Mounted into the main app as ``app.add_typer(run_app, name="run")`` and
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 
 from eventkv.cli.common import (
-    BATCH_PAIRS_OPTION,
-    DEVICE_OPTION,
-    DTYPE_OPTION,
     MAX_NEW_TOKENS_OPTION,
-    MODEL_OPTION,
-    PROGRESS_OPTION,
-    READOUT_OPTION,
-    SEED_OPTION,
-    THREADS_OPTION,
+    PAIR_HEAD,
     comma_list,
-    out_option,
     print_summary,
+    run_command,
     run_probe_command,
     user_errors,
 )
 from eventkv.errors import EventKVError
+
+if TYPE_CHECKING:
+    from eventkv.probes.run_options import RunOptions
 
 run_app = typer.Typer(
     help="Run a probe on a model: writes manifest.json, records.jsonl and summary.md "
@@ -51,14 +47,13 @@ def _slots(text: str) -> tuple[int, int]:
 
 
 @run_app.command("donor-pair")
+@run_command(
+    head=(*PAIR_HEAD, "dtype", "device"),
+    tail=("threads", "progress", "batch_pairs"),
+    items=typer.Option(16, "--items", help="number of donor pairs"),
+    out="runs/donor-pair/MODEL-DTYPE-seedSEED",
+)
 def donor_pair(
-    model: str = MODEL_OPTION,
-    items: int = typer.Option(16, "--items", help="number of donor pairs"),
-    seed: int = SEED_OPTION,
-    out: Optional[Path] = out_option("runs/donor-pair/MODEL-DTYPE-seedSEED"),
-    readout: str = READOUT_OPTION,
-    dtype: str = DTYPE_OPTION,
-    device: str = DEVICE_OPTION,
     n_events: int = typer.Option(24, "--n-events", help="events per history"),
     decoy_slot: int = typer.Option(0, "--decoy-slot", help="slot of the decoy (0-based; slot i is <step i+1>)"),
     source_slots: str = typer.Option("8-11", "--source-slots", help="range the source slot is drawn from (inclusive)"),
@@ -67,28 +62,25 @@ def donor_pair(
     states: str = typer.Option("ONLINE,OFFLINE", "--states", help="state words, comma-separated"),
     max_new_tokens: int = MAX_NEW_TOKENS_OPTION,
     arms: str = typer.Option("kv,isolated,text-all,kv-all", "--arms", help="arms to run (kv is required)"),
-    threads: Optional[int] = THREADS_OPTION,
-    progress: bool = PROGRESS_OPTION,
-    batch_pairs: int = BATCH_PAIRS_OPTION,
+    *,
+    readout: str,
+    run: RunOptions,
 ) -> None:
     """Donor pairs (Study 1): does the answer follow an omitted source through the served rows?"""
-    with user_errors():
-        from eventkv.probes.run_options import RunOptions
-        from eventkv.studies.materialization.donor_pair import DonorPair
+    from eventkv.studies.materialization.donor_pair import DonorPair
 
-        probe = DonorPair(
-            n_events=n_events,
-            decoy_slot=decoy_slot,
-            source_slots=_slots(source_slots),
-            root_slot=root_slot,
-            decoy=decoy,
-            states=comma_list(states, "--states"),
-            readout=readout,
-            max_new_tokens=max_new_tokens,
-            arm_names=comma_list(arms, "--arms"),
-        )
-        opts = RunOptions(model, items, seed, out, dtype, threads, progress, device=device, batch_pairs=batch_pairs)
-        run_probe_command(probe, opts)
+    probe = DonorPair(
+        n_events=n_events,
+        decoy_slot=decoy_slot,
+        source_slots=_slots(source_slots),
+        root_slot=root_slot,
+        decoy=decoy,
+        states=comma_list(states, "--states"),
+        readout=readout,
+        max_new_tokens=max_new_tokens,
+        arm_names=comma_list(arms, "--arms"),
+    )
+    run_probe_command(probe, run)
 
 
 def report(
