@@ -18,8 +18,8 @@ probe included, by job:
 * :mod:`.probe` — the layout options the pair probes share (:class:`PairLayout`) and the probe
   base (:class:`PairProbe`), whose items run in two phases: each item's :class:`PairRequest`,
   one engine call over every request of a batch, then each item's record from its
-  :class:`PairRun`;
-* :mod:`.tables` — the donor-pair statistics and tables of a summary.
+  :class:`PairRun` (:func:`pair_record`);
+* :mod:`.tables` — the donor-pair statistics and tables of a summary (:func:`outcome_tables`).
 
 An item (a JSON-able dict built by the probe, deterministic in ``(seed, index)``) holds:
 
