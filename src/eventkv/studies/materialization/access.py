@@ -42,10 +42,11 @@ from eventkv.studies.materialization.pairs import (
     PairProbe,
     PairRequest,
     PairRun,
-    arm_table,
     correct,
-    d_table,
+    outcome_tables,
+    pair_record,
     primary_readout,
+    variant_events,
 )
 
 PAYLOADS = {
@@ -147,22 +148,8 @@ class Access(PairLayout, PairProbe):
         return PairRequest(item, last_number if card == "number" else (lambda t: last_state(t, PAYLOADS[card])))
 
     def finish(self, rt: Runtime, item: dict, run: PairRun) -> dict:
-        keep = (
-            "index",
-            "cardinality",
-            "names",
-            "source_slot",
-            "values",
-            "gold_candidates",
-            "decoy_value",
-            "candidates",
-            "questions",
-        )
-        return {
-            **{k: item[k] for k in keep},
-            "events": {"A": item["histories"]["main"][0], "B": item["histories"]["main"][1]},
-            **run.record(),
-        }
+        events = variant_events(item["histories"]["main"])
+        return pair_record(item, run, events, after_index=("cardinality",), after_values=("gold_candidates",))
 
     def summarize(self, records: Sequence[dict]) -> Summary:
         return summarize_access(records, self)
@@ -268,9 +255,8 @@ def summarize_access(records: Sequence[dict], probe: Access) -> Summary:
         rs = [r for r in records if r["cardinality"] == card]
         if rs:
             sub: dict = {}
-            tables.append(arm_table(rs, probe.pair_arms(), probe.readouts, f"{card}: donor-pair outcomes", sub))
-            dt = d_table(rs, probe.pair_arms(), f"{card}: " + D_CAPTION, sub)
-            tables += [dt] if dt else []
+            caption = f"{card}: donor-pair outcomes"
+            tables += outcome_tables(rs, probe.pair_arms(), probe.readouts, caption, sub, f"{card}: " + D_CAPTION)
             d["arms"][card] = sub
     notes = [
         "recovery counts each variant's answer (2 per pair, not independent within a pair: the Wilson interval "

@@ -47,15 +47,15 @@ from eventkv.studies.materialization.contract_rows import (
 )
 from eventkv.studies.materialization.donor_pair import INSTRUCTION, NAMES, event_text, last_state, menu
 from eventkv.studies.materialization.pairs import (
-    D_CAPTION,
     PairArm,
     PairLayout,
     PairProbe,
     PairRequest,
     PairRun,
-    arm_table,
-    d_table,
+    outcome_tables,
+    pair_record,
     primary_readout,
+    variant_events,
 )
 
 STATES = ("ONLINE", "OFFLINE")
@@ -183,32 +183,25 @@ class Carriers(PairLayout, PairProbe):
         return PairRequest(item, lambda x: last_state(x, STATES))
 
     def finish(self, rt: Runtime, item: dict, run: PairRun) -> dict:
-        keep = ("index", "names", "source_slot", "values", "decoy_value", "candidates", "questions")
         carriers = {k: [item["histories"][k][v][self.carrier_slot] for v in (0, 1)] for k in self.kinds}
-        return {
-            **{k: item[k] for k in keep},
-            "carriers": carriers,
-            "events": {"A": item["histories"]["none"][0], "B": item["histories"]["none"][1]},
-            **run.record(),
-        }
+        return pair_record(item, run, variant_events(item["histories"]["none"]), carriers=carriers)
 
     def summarize(self, records: Sequence[dict]) -> Summary:
         data: dict = {"pairs": len(records), "primary": primary_readout(self.readouts), "arms": {}}
-        t = arm_table(
+        tables = outcome_tables(
             records,
             self.pair_arms(),
             self.readouts,
             f"Programmed carriers: donor-aligned recovery (follow rate) per arm ({len(records)} pairs)",
             data["arms"],
         )
-        dt = d_table(records, self.pair_arms(), D_CAPTION, data["arms"])
         pos = "at the item's common query position" if self.fix_query_position else "right after each history"
         notes = [
             "donor-aligned recovery = follow rate: both variants answer their own (unserved) source's value.",
             f"every arm asks S's state {pos}; 'explicit' states the value (not answer-free): the upper bound.",
             "the answer-free carriers are byte-identical in the two variants (checked when the items are built).",
         ]
-        return Summary(f"carriers: {len(records)} pairs", [t] + ([dt] if dt else []), [], notes, data)
+        return Summary(f"carriers: {len(records)} pairs", tables, [], notes, data)
 
     def figure(self, records: Sequence[dict], path) -> None:
         from eventkv.studies.materialization.figures import arm_bars

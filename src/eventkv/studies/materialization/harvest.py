@@ -40,6 +40,7 @@ import numpy as np
 from eventkv.errors import OptionError
 from eventkv.options import DIALOGUE_FORMATS
 from eventkv.probes.base import Arm, Probe, Runtime, Summary, Table
+from eventkv.studies.materialization.dialogue_data import DialogueData
 
 ARMS = ("none", "text", "isolated", "harvested", "gold")
 TOP = 4
@@ -111,7 +112,7 @@ def hard_negative(conv, k: int) -> str | None:
 
 
 @dataclass
-class Harvest(Probe):
+class Harvest(DialogueData, Probe):
     """Options (all part of a run's identity): ``data`` and its digest, ``data_format``
     (``locomo`` | ``realtalk``), ``max_tokens``, ``max_new_tokens``, ``tost_margin``, ``max_questions``
     (questions per conversation at most, in file order; 0 = all)."""
@@ -124,8 +125,6 @@ class Harvest(Probe):
         "max_new_tokens": 3,
     }
 
-    data: str = ""
-    data_digest: str = ""
     data_format: str = "locomo"
     max_tokens: int = 4000
     max_new_tokens: int = 16
@@ -138,14 +137,13 @@ class Harvest(Probe):
         self.validate()
 
     def validate(self) -> None:
-        from eventkv.files import data_digest
         from eventkv.options import check_int
 
         if self.data_format not in DIALOGUE_FORMATS:
             raise DIALOGUE_FORMATS.unknown(self.data_format)
         if not self.data or not Path(self.data).exists():
             raise OptionError("data", self.data, "give the path of the dialogue data.", flag="--data")
-        self.data_digest = data_digest(self.data, self.data_digest)
+        self.pin_data_digest()
         check_int("max_tokens", self.max_tokens, "keep at least 16 tokens of history.", minimum=16, flag="--max-tokens")
         check_int("max_new_tokens", self.max_new_tokens, "generate at least 1 token.", flag="--max-new-tokens")
         check_int("max_questions", self.max_questions, "give 0 (all) or more.", minimum=0, flag="--max-questions")

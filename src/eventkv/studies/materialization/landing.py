@@ -52,15 +52,14 @@ from eventkv.studies.materialization.contract_rows import (
 )
 from eventkv.studies.materialization.donor_pair import INSTRUCTION, NAMES, QUESTION, event_text, last_state, menu
 from eventkv.studies.materialization.pairs import (
-    D_CAPTION,
     PairArm,
     PairLayout,
     PairProbe,
     PairRequest,
     PairRun,
-    arm_table,
     candidate_share,
-    d_table,
+    outcome_tables,
+    pair_record,
     pair_stats,
     primary_readout,
 )
@@ -206,8 +205,7 @@ class Landing(PairLayout, PairProbe):
         return PairRequest(item, lambda x: last_state(x, STATES))
 
     def finish(self, rt: Runtime, item: dict, run: PairRun) -> dict:
-        keep = ("index", "names", "source_slot", "values", "decoy_value", "candidates", "questions")
-        return {**{k: item[k] for k in keep}, "events": item["histories"], **run.record()}
+        return pair_record(item, run, item["histories"])
 
     def summarize(self, records: Sequence[dict]) -> Summary:
         return summarize_landing(records, self)
@@ -350,11 +348,8 @@ def summarize_landing(records: Sequence[dict], probe: Landing) -> Summary:
     the study reads: root vs root+mention sensitivity, edge vs edge+root, chain3 vs chain3@pos."""
     arms = probe.pair_arms()
     data: dict = {"pairs": len(records), "primary": primary_readout(probe.readouts), "arms": {}}
-    tables = [
-        arm_table(records, arms, probe.readouts, f"Landing: outcomes per arm ({len(records)} pairs)", data["arms"])
-    ]
-    dt = d_table(records, arms, D_CAPTION, data["arms"])
-    tables += [dt] if dt else []
+    caption = f"Landing: outcomes per arm ({len(records)} pairs)"
+    tables = outcome_tables(records, arms, probe.readouts, caption, data["arms"])
     tests = []
     frows = []
     for ro in probe.readouts:

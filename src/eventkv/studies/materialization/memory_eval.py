@@ -53,9 +53,9 @@ from typing import ClassVar, Sequence
 import numpy as np
 
 from eventkv.errors import OptionError
-from eventkv.files import data_digest
 from eventkv.options import DIALOGUE_FORMATS, check_choices, check_int, check_max_new_tokens
 from eventkv.probes.base import Arm, Probe, Runtime, Summary, Table
+from eventkv.studies.materialization.dialogue_data import DialogueData
 
 ARMS = ("rows", "text", "isolated", "full", "gold")
 #: a tiny LoCoMo-format file of invented dialogue shipped with eventkv (smoke tests, a first try)
@@ -83,7 +83,7 @@ def first_line(text: str) -> str:
 
 
 @dataclass
-class MemoryEval(Probe):
+class MemoryEval(DialogueData, Probe):
     """Options (all part of a run's identity): ``data`` (LoCoMo JSON path) and its ``data_digest``
     (sha256, filled in when empty: a changed file is another run), ``conversations``,
     ``questions_per_conversation``, ``max_tokens`` (history tokens per conversation), ``k``
@@ -103,8 +103,6 @@ class MemoryEval(Probe):
         "timing": False,
     }
 
-    data: str = ""
-    data_digest: str = ""
     conversations: int = 2
     questions_per_conversation: int = 30
     max_tokens: int = 4000
@@ -128,7 +126,7 @@ class MemoryEval(Probe):
         path = Path(self.data)
         if not path.is_file():
             raise OptionError("data", self.data, "no such file: give the path of a LoCoMo JSON file.", flag="--data")
-        self.data_digest = data_digest(path, self.data_digest)
+        self.pin_data_digest(path)
         check_int("conversations", self.conversations, "evaluate at least 1 conversation.")
         check_int("questions_per_conversation", self.questions_per_conversation, "ask at least 1 question.")
         check_int("max_tokens", self.max_tokens, "keep at least 1 token of history.", minimum=16)

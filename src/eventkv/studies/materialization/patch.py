@@ -44,10 +44,11 @@ from eventkv.studies.materialization.pairs import (
     PairProbe,
     PairRequest,
     PairRun,
-    arm_table,
-    d_table,
+    outcome_tables,
+    pair_record,
     primary_readout,
     tokenize_pair,
+    variant_events,
 )
 
 STATES = ("ONLINE", "OFFLINE")
@@ -122,22 +123,8 @@ class Patch(PairProbe):
         return PairRequest(item, lambda x: last_state(x, STATES))
 
     def finish(self, rt: Runtime, item: dict, run: PairRun) -> dict:
-        keep = (
-            "index",
-            "n_events",
-            "names",
-            "source_slot",
-            "values",
-            "old_values",
-            "decoy_value",
-            "candidates",
-            "questions",
-        )
-        rec = {
-            **{k: item[k] for k in keep},
-            "events": {h: {"A": v[0], "B": v[1]} for h, v in item["histories"].items()},
-            **run.record(),
-        }
+        events = {h: variant_events(v) for h, v in item["histories"].items()}
+        rec = pair_record(item, run, events, after_index=("n_events",), after_values=("old_values",))
         if self.timing:
             rec["timing"] = self.time_updates(rt, item)
         return rec
@@ -248,21 +235,15 @@ def summarize_patch(records: Sequence[dict], probe: Patch) -> Summary:
             ["arm", "readout", "leak [Wilson 95%]"],
             lrows,
         ),
-        arm_table(
+        *outcome_tables(
             records,
             arms,
             probe.readouts,
             "Update outcomes (follow = both variants answer their NEW value, anti = both their OLD one)",
             data["arms"],
+            D_CAPTION.replace("own value", "own NEW value").replace("unserved source", "NEW value"),
         ),
     ]
-    dt = d_table(
-        records,
-        arms,
-        D_CAPTION.replace("own value", "own NEW value").replace("unserved source", "NEW value"),
-        data["arms"],
-    )
-    tables += [dt] if dt else []
     tests = []
     timed = [r for r in records if r.get("timing")]
     if timed:

@@ -64,8 +64,10 @@ from eventkv.studies.materialization.pairs import (
     PairRun,
     d_stats,
     describe_d,
+    pair_record,
     pair_stats,
     primary_readout,
+    variant_events,
 )
 
 MIRROR_VERBS = (
@@ -212,22 +214,7 @@ class TriggerBank(PairLayout, PairProbe):
         return PairRequest(item, lambda t: last_state(t, item["candidates"]))
 
     def finish(self, rt: Runtime, item: dict, run: PairRun) -> dict:
-        keep = (
-            "index",
-            "construction",
-            "family",
-            "names",
-            "source_slot",
-            "values",
-            "decoy_value",
-            "candidates",
-            "questions",
-        )
-        return {
-            **{k: item[k] for k in keep},
-            "events": {"A": item["histories"]["main"][0], "B": item["histories"]["main"][1]},
-            **run.record(),
-        }
+        return pair_record(item, run, variant_events(item["histories"]["main"]), after_index=("construction", "family"))
 
     def summarize(self, records: Sequence[dict]) -> Summary:
         return summarize_trigger_bank(records, self.readouts, [a.name for a in self.pair_arms()])

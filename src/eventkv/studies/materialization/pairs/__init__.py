@@ -18,8 +18,8 @@ probe included, by job:
 * :mod:`.probe` — the layout options the pair probes share (:class:`PairLayout`) and the probe
   base (:class:`PairProbe`), whose items run in two phases: each item's :class:`PairRequest`,
   one engine call over every request of a batch, then each item's record from its
-  :class:`PairRun`;
-* :mod:`.tables` — the donor-pair statistics and tables of a summary.
+  :class:`PairRun` (:func:`pair_record`);
+* :mod:`.tables` — the donor-pair statistics and tables of a summary (:func:`outcome_tables`).
 
 An item (a JSON-able dict built by the probe, deterministic in ``(seed, index)``) holds:
 
@@ -42,7 +42,13 @@ the largest ``history_end`` over the item's histories, the same for every such a
 from eventkv.studies.materialization.pairs.arms import PairArm, event_id, events_read, served_ids
 from eventkv.studies.materialization.pairs.engine import PairRequest, PairRun, run_pair, run_pairs
 from eventkv.studies.materialization.pairs.prefill import PrefillCache, leading_log, shared_log, tokenize_pair
-from eventkv.studies.materialization.pairs.probe import READOUT_OPTIONS, PairLayout, PairProbe
+from eventkv.studies.materialization.pairs.probe import (
+    READOUT_OPTIONS,
+    PairLayout,
+    PairProbe,
+    pair_record,
+    variant_events,
+)
 from eventkv.studies.materialization.pairs.scoring import (
     OUTCOME_COLUMNS,
     OUTCOMES,
@@ -60,6 +66,7 @@ from eventkv.studies.materialization.pairs.tables import (
     d_stats,
     d_table,
     describe_d,
+    outcome_tables,
     pair_stats,
     primary_readout,
 )
@@ -89,6 +96,8 @@ __all__ = [
     "leading_log",
     "log_odds",
     "outcome",
+    "outcome_tables",
+    "pair_record",
     "pair_stats",
     "primary_readout",
     "run_pair",
@@ -98,4 +107,5 @@ __all__ = [
     "served_ids",
     "shared_log",
     "tokenize_pair",
+    "variant_events",
 ]

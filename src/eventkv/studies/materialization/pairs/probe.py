@@ -117,6 +117,31 @@ class PairLayout:
 READOUT_OPTIONS = ("generate", "logits", "both")
 
 
+def pair_record(
+    item: dict, run: PairRun, events: dict, after_index: Sequence[str] = (), after_values: Sequence[str] = (), **extra
+) -> dict:
+    """A pair probe's record of ``item`` (see :meth:`PairProbe.finish`), keys in this order: the
+    item's ``index``, its ``after_index`` keys, ``names``, ``source_slot``, ``values``, its
+    ``after_values`` keys, ``decoy_value``, ``candidates`` and ``questions``; then ``extra``,
+    ``events`` and :meth:`PairRun.record` (arms, outcomes, d, ...).
+
+    Raises:
+        KeyError: ``item`` lacks one of the keys named.
+    """
+    keep = ("index", *after_index, "names", "source_slot", "values", *after_values)
+    return {
+        **{k: item[k] for k in (*keep, "decoy_value", "candidates", "questions")},
+        **extra,
+        "events": events,
+        **run.record(),
+    }
+
+
+def variant_events(history: Sequence[list[str]]) -> dict:
+    """``{"A": events_A, "B": events_B}`` for one history's ``[events_A, events_B]``."""
+    return {"A": history[0], "B": history[1]}
+
+
 class PairProbe(Probe):
     """Members shared by the donor-pair probes (donor pair, trigger bank, landing, access,
     carriers, patch): the ``readout`` option, arms derived from :meth:`pair_arms`, items built

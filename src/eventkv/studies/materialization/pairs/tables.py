@@ -1,7 +1,7 @@
 """Donor-pair statistics and tables over records (Study 1, "Donor pair"): per arm and readout the
 outcome counts, follow rate and prevalence with Wilson intervals and the sign test follow vs anti
-(:func:`pair_stats`, :func:`arm_table`), and the graded donor shift d with its sign and Wilcoxon
-tests (:func:`d_stats`, :func:`d_table`)."""
+(:func:`pair_stats`, :func:`arm_table`), the graded donor shift d with its sign and Wilcoxon
+tests (:func:`d_stats`, :func:`d_table`), and the two together (:func:`outcome_tables`)."""
 
 from __future__ import annotations
 
@@ -140,3 +140,18 @@ D_CAPTION = (
     "Graded donor shift d (candidate log-odds of each variant's own value, own minus other variant, nats; "
     "d > 0 leans toward the unserved source)"
 )
+
+
+def outcome_tables(
+    records: Sequence[dict],
+    arms: Sequence[PairArm],
+    readouts: Sequence[str],
+    caption: str,
+    data: dict | None = None,
+    d_caption: str = D_CAPTION,
+) -> list:
+    """A pair probe's outcome tables: :func:`arm_table` (``caption``), then :func:`d_table`
+    (``d_caption``, default :data:`D_CAPTION`) when an arm has d. Fills ``data`` as both do."""
+    tables = [arm_table(records, arms, readouts, caption, data)]
+    dt = d_table(records, arms, d_caption, data)
+    return tables + ([dt] if dt else [])
