@@ -17,12 +17,13 @@ both sides raise) live in :mod:`eventkv.wire`, which the service imports too."""
 
 from __future__ import annotations
 
+import builtins
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 from urllib.parse import quote
 
 from eventkv.errors import EventKVError, OutOfSpace, PurgePending, StoreDamaged
-from eventkv.memory.api import SelectSpec
+from eventkv.memory.api import MemoryAPI, SelectSpec
 from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
 from eventkv.serve import ServeMode
 from eventkv.wire import (
@@ -318,11 +319,11 @@ class Client:
         params = {"include_superseded": include_superseded, "include_deleted": include_deleted}
         return [_record(r) for r in self._call("GET", f"{self._base}/events", params=params)]
 
-    def view_ids(self) -> list[str]:
+    def view_ids(self) -> builtins.list[str]:
         """As :meth:`EventMemory.view_ids`."""
         return self._call("GET", f"{self._base}/view")
 
-    def select(self, question: str, k: int = 8, budget_rows: int | None = None) -> list[str]:
+    def select(self, question: str, k: int = 8, budget_rows: int | None = None) -> builtins.list[str]:
         """As :meth:`EventMemory.select`."""
         return self._call("POST", f"{self._base}/select", {"question": question, "k": k, "budget_rows": budget_rows})
 
@@ -359,3 +360,7 @@ class Client:
             n_rows_served=out["n_rows_served"],
             timings_ms=out["timings_ms"],
         )
+
+
+if TYPE_CHECKING:  # mypy checks Client against the protocol it implements
+    _implements: type[MemoryAPI] = Client

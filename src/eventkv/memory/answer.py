@@ -7,7 +7,7 @@ this module serves (:func:`eventkv.serve.serve`) and answers (:func:`eventkv.rea
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence, cast
 
 from eventkv.errors import OptionError
 from eventkv.log import tokenize_query
@@ -15,7 +15,7 @@ from eventkv.memory.records import MemoryAnswer, MemoryRecord
 from eventkv.options import check_max_new_tokens
 from eventkv.prefill import EventKV, check_context
 from eventkv.readout import answer_served
-from eventkv.serve import SERVE_MODES, serve
+from eventkv.serve import SERVE_MODES, ServeMode, serve
 
 if TYPE_CHECKING:  # pragma: no cover
     from eventkv.models.profile import LoadedModel
@@ -77,7 +77,7 @@ def read_out(
     lm: LoadedModel,
     ekv: EventKV,
     served_ids: Sequence[Sequence[str]],
-    modes: Sequence[str],
+    modes: Sequence[ServeMode],
     q: Sequence[int],
     *,
     records: Mapping[str, MemoryRecord],
@@ -120,7 +120,8 @@ def read_out(
             generation=gen,
             candidates=scores,
             served_ids=list(sc.served),
-            positions=[(i, records[i].position, records[i].width) for i in sc.served],
+            # served events are stored ones: only a forgotten event has no position
+            positions=[(i, cast(int, records[i].position), records[i].width) for i in sc.served],
             n_rows_served=sc.n_visible,
             timings_ms={"prefill": prefill_ms, "serve": ms, "decode": decode_ms},
         )

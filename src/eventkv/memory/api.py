@@ -18,6 +18,7 @@ request scope). Creating and opening differ too (a directory and a model, or a U
 
 from __future__ import annotations
 
+import builtins
 from typing import Iterable, Literal, Protocol, Sequence, runtime_checkable
 
 from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
@@ -62,11 +63,11 @@ class MemoryAPI(Protocol):
 
     def list(self, include_superseded: bool = False, include_deleted: bool = False) -> list[MemoryRecord]: ...
 
-    def view_ids(self) -> list[str]: ...
+    def view_ids(self) -> builtins.list[str]: ...
 
     def stats(self) -> MemoryStats: ...
 
-    def select(self, question: str, k: int = 8, budget_rows: int | None = None) -> list[str]: ...
+    def select(self, question: str, k: int = 8, budget_rows: int | None = None) -> builtins.list[str]: ...
 
     def query(
         self,

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated
@@ -119,22 +120,22 @@ class Conversation:
 
 
 # ---------------------------------------------------------------- record schemas (pydantic, strict)
-def _of_types(*types: type):
-    """A field that takes a value of one of ``types`` as it is (bool is not a number), reported under its
-    own name when it does not (a pydantic union would report one error per member)."""
+def _of_types(*types: type) -> Callable[[object], object]:
+    """The check of a field that takes a value of one of ``types`` as it is (bool is not a number), reported
+    under its own name when it does not (a pydantic union would report one error per member)."""
 
-    def check(v):
+    def check(v: object) -> object:
         if v is not None and (isinstance(v, bool) or not isinstance(v, types)):
             raise ValueError("wrong type")
         if isinstance(v, list) and not all(isinstance(x, str) for x in v):
             raise ValueError("wrong type")
         return v
 
-    return Annotated[object, AfterValidator(check)]
+    return check
 
 
-_Answer = _of_types(str, int, float)
-_Images = _of_types(list, str)
+_Answer = Annotated[object, AfterValidator(_of_types(str, int, float))]
+_Images = Annotated[object, AfterValidator(_of_types(list, str))]
 
 
 class _Schema(BaseModel):

@@ -30,15 +30,16 @@ Example (a tiny random model; a real one comes from :func:`eventkv.models.load`)
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence, cast
 
 from eventkv.errors import EventKVError, OptionError, OutOfSpace, PurgePending, StoreDamaged
 from eventkv.log import HEADER_ID, Event, TokenizedLog, encode, header_text
 from eventkv.memory.answer import check_query, check_question, question_ids, read_out
-from eventkv.memory.api import SelectSpec
+from eventkv.memory.api import MemoryAPI, SelectSpec
 from eventkv.memory.integrity import damaged
 from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
 from eventkv.memory.rows import RowCache, contiguous, tail
@@ -467,6 +468,7 @@ class EventMemory:
         ekv, start, seqs = self._pending()
         if not seqs:
             return 0
+        assert ekv is not None  # events were pending, so _pending computed their rows
         # rows only: the events are unchanged, so the version (what expected_version compares) stays
         self._commit(None, (ekv, start, seqs), bump=False)
         return ekv.n_rows - start
@@ -584,6 +586,7 @@ class EventMemory:
         if plan.kind is None:
             self._pin(ids, True)  # every source or none
             return CarrierResult(None, None, tuple(ids), plan.reason)
+        assert plan.text is not None  # a plan with a kind has its carrier's text
         added = self.add([MemoryEvent(plan.text, kind="carrier", tags=("carrier", plan.kind))], prefill=prefill)[0]
         return CarrierResult(plan.kind, added, (), plan.reason)
 
@@ -687,6 +690,7 @@ class EventMemory:
         rows, events = [], []
         pos = row = len(self.header_ids)
         for root, cur in units:
+            assert cur.text is not None  # units are live events; only a forgotten one has no text
             ev = Event(root.id, cur.text, root.role)
             toks = encode(self.lm.tokenizer, ev.render())
             budget = root.budget if root.budget is not None and root.budget >= len(toks) else None
@@ -755,7 +759,7 @@ class EventMemory:
         self._check_open()
         return self._table.list(include_superseded, include_deleted)
 
-    def view_ids(self) -> list[str]:
+    def view_ids(self) -> builtins.list[str]:
         """The default served set, in history order: live events (not deleted or forgotten), each
         superseded event replaced by its latest live patch; pinned events are live events, so included."""
         self._check_open()
@@ -772,7 +776,7 @@ class EventMemory:
         )
 
     # ================================================================== selection and answers
-    def select(self, question: str, k: int = 8, budget_rows: int | None = None) -> list[str]:
+    def select(self, question: str, k: int = 8, budget_rows: int | None = None) -> builtins.list[str]:
         """The served set for a question: the view's events ranked by the memory's selector (BM25 over
         their current text by default: :class:`eventkv.memory.select.BM25Selector`; a patched event is
         ranked and served as its latest patch), the top ``k`` kept, then every pinned event added; in
@@ -804,7 +808,7 @@ class EventMemory:
             chosen = within_budget(chosen, [units[i][1].n_rows for i in chosen], budget_rows, used)
         return [units[i][1].id for i in sorted(set(chosen) | set(pinned))]
 
-    def _served_ids(self, question: str, select: SelectSpec, k: int, budget_rows: int | None) -> list[str]:
+    def _served_ids(self, question: str, select: SelectSpec, k: int, budget_rows: int | None) -> builtins.list[str]:
         if select is None:
             return self.select(question, k, budget_rows)
         if isinstance(select, str):
@@ -887,7 +891,7 @@ class EventMemory:
         max_new_tokens: int = 32,
         budget_rows: int | None = None,
         keep_logits: bool = False,
-    ) -> list[MemoryAnswer]:
+    ) -> builtins.list[MemoryAnswer]:
         """Answer one question under several serving plans in one batched readout: e.g. the same
         selection served as rows and re-prefilled as text, side by side. Each plan is a
         ``(select, mode)`` pair as in :meth:`query`; the served caches are read out together
@@ -925,6 +929,7 @@ class EventMemory:
             except OutOfSpace:
                 pass  # answered from the rows computed here; they stay pending, the next query or prefill() retries
         prefill_ms = 1e3 * (time.perf_counter() - t0)
+        assert ekv is not None  # every served set is non-empty (checked above): the history has events, with rows
         return read_out(
             self.lm,
             ekv,
@@ -947,8 +952,13 @@ class EventMemory:
         self._check_open()
         recs = self._stored() if select == "all" else [cur for _, cur in self._units()]
         return EventLog(
-            [Event(r.id, r.text, r.role, r.budget) for r in recs], instruction=self.store.manifest["instruction"]
+            # stored and live events alike have their text (only a forgotten one has none)
+            [Event(r.id, cast(str, r.text), r.role, r.budget) for r in recs],
+            instruction=self.store.manifest["instruction"],
         )
 
+
+if TYPE_CHECKING:  # mypy checks EventMemory against the protocol it implements
+    _implements: type[MemoryAPI] = EventMemory
 
 __all__ = ["EventMemory", "SCHEMA_VERSION"]

@@ -127,7 +127,11 @@ class RowCache:
             first: the seq of the first forgotten event.
             log: the tokenized log of a list of stored events (header first).
         """
-        keep = before[-1].row_start + before[-1].n_rows if before else 0
+        keep = 0
+        if before:
+            last = before[-1]
+            assert last.row_start is not None  # a stored event (not forgotten) has its rows' place
+            keep = last.row_start + last.n_rows
         drop = [s for s in segments if s["row_start"] + s["n_rows"] > keep]
         start = min(s["row_start"] for s in drop)  # the new segment starts where the first dropped one did
         later_with_rows = [r for r in remaining if r.seq > first and r.prefilled]
@@ -144,6 +148,7 @@ class RowCache:
     def truncated(self, log: TokenizedLog, n: int) -> EventKV:
         """Rows ``:n`` as an EventKV of ``log`` (which must hold exactly ``n`` rows)."""
         ekv = self.ekv
+        assert ekv is not None  # cut_for_forget runs only when a forgotten event had rows, so rows are loaded
         return EventKV(
             log,
             [k[:, :, :n] for k in ekv.keys],

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
 import bm25s
 import numpy as np
@@ -43,7 +43,7 @@ def tokens(texts: Sequence[str]) -> list[list[str]]:
     return bm25s.tokenize(list(texts), stopwords=STOPWORDS, return_ids=False, show_progress=False)
 
 
-def scores(texts: Sequence[str], question: str) -> np.ndarray:
+def scores(texts: Sequence[str | None], question: str) -> np.ndarray:
     """BM25 score of every text for ``question``: ``[len(texts)]`` float32, in text order; 0 for a text
     sharing no token with the question (and for every text when the question has no token left after
     stopword removal, or no text has any token).
@@ -53,7 +53,8 @@ def scores(texts: Sequence[str], question: str) -> np.ndarray:
     """
     texts = list(texts)
     _check(texts, question)
-    corpus = tokens(texts)
+    checked = cast("list[str]", texts)  # _check refused every text that is not a string
+    corpus = tokens(checked)
     query = tokens([question])[0]
     if not any(corpus) or not query:
         # why: bm25s cannot index an empty vocabulary, and get_scores refuses an empty query
@@ -179,7 +180,7 @@ def selector_for(selector: Selector | str) -> Selector:
     return selector
 
 
-def _check(texts: list[str], question: str) -> None:
+def _check(texts: Sequence[str | None], question: str) -> None:
     if not texts:
         raise EventKVError("BM25 selection got no texts to rank: give at least one event text.")
     bad = [i for i, t in enumerate(texts) if not isinstance(t, str)]

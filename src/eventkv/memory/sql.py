@@ -15,7 +15,7 @@ import json
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from eventkv.memory.integrity import MANIFEST_CHECKSUM, damaged, event_checksum, guard
 
@@ -278,7 +278,7 @@ class Writes:
         )
         self._conn.execute("DELETE FROM segments WHERE file = ?", (file,))
 
-    def forget_events(self, seqs: Sequence[int]) -> None:
+    def forget_events(self, seqs: Iterable[int]) -> None:
         """Erase the events ``seqs`` down to a forgotten marker (id, kind and creation time kept)."""
         self._conn.executemany(
             "UPDATE events SET text = NULL, role = NULL, tags = '[]', budget = NULL, token_ids = NULL, "

@@ -39,6 +39,18 @@ def record_from_row(row, tags: tuple[str, ...] | None = None) -> MemoryRecord:
     )
 
 
+def _position_end(rec: MemoryRecord) -> int:
+    """First RoPE position after a stored event's reserved positions."""
+    assert rec.position is not None  # the callers pass stored events; only a forgotten one has no position
+    return rec.position + rec.width
+
+
+def _row_end(rec: MemoryRecord) -> int:
+    """First row of the stored history after a stored event's rows."""
+    assert rec.row_start is not None  # the callers pass stored events; only a forgotten one has no rows
+    return rec.row_start + rec.n_rows
+
+
 class EventTable:
     """A memory's records in history order plus its header length (in tokens = rows = positions)."""
 
@@ -94,7 +106,10 @@ class EventTable:
 
     def root(self, rec: MemoryRecord) -> MemoryRecord:
         """The event a patch supersedes; any other record itself."""
-        return self.lookup(rec.supersedes) if rec.kind == "patch" else rec
+        if rec.kind != "patch":
+            return rec
+        assert rec.supersedes is not None  # every patch names the event it updates
+        return self.lookup(rec.supersedes)
 
     def stored(self) -> list[MemoryRecord]:
         """Every event with rows in the history (deleted included, forgotten excluded), in history order."""
@@ -106,6 +121,7 @@ class EventTable:
         latest: dict[str, MemoryRecord] = {}
         for r in self.records:
             if r.kind == "patch" and r.live:
+                assert r.supersedes is not None  # every patch names the event it updates
                 latest[r.supersedes] = r
         units = [(r, latest.get(r.id, r)) for r in self.records if r.kind != "patch" and r.live]
         return sorted(units, key=lambda u: u[1].seq)
@@ -140,17 +156,17 @@ class EventTable:
     def history_end(self) -> int:
         """First position after the whole stored history (where a query starts)."""
         stored = self.stored()
-        return stored[-1].position + stored[-1].width if stored else self.header_len
+        return _position_end(stored[-1]) if stored else self.header_len
 
     def n_rows(self) -> int:
         """Rows of the whole stored history, header included."""
         stored = self.stored()
-        return stored[-1].row_start + stored[-1].n_rows if stored else self.header_len
+        return _row_end(stored[-1]) if stored else self.header_len
 
     def rows_prefilled(self) -> int:
         """Rows computed and stored: the header and every prefilled stored event (0 when none is)."""
         pre = [r for r in self.stored() if r.prefilled]
-        return pre[-1].row_start + pre[-1].n_rows if pre else 0
+        return _row_end(pre[-1]) if pre else 0
 
     def stats(self, *, rows_prefilled: int, segments: int, bytes_on_disk: int, version: int) -> MemoryStats:
         """:class:`MemoryStats` from the table and the store's file facts."""
@@ -166,7 +182,7 @@ class EventTable:
             carriers=sum(r.kind == "carrier" for r in stored),
             rows=self.n_rows(),
             rows_prefilled=rows_prefilled,
-            prefilled_up_to=(pre[-1].position + pre[-1].width) if pre else self.header_len,
+            prefilled_up_to=_position_end(pre[-1]) if pre else self.header_len,
             history_end=self.history_end(),
             segments=segments,
             bytes_on_disk=bytes_on_disk,

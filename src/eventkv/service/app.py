@@ -129,5 +129,5 @@ def create_app(settings: Settings) -> FastAPI:
             app.openapi_schema = doc
         return app.openapi_schema
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend its document
     return app

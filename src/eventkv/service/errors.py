@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -76,7 +76,7 @@ def status_and_code(exc: EventKVError) -> tuple[int, str]:
     return ERRORS[code][0], code
 
 
-def declared(status: int) -> dict:
+def declared(status: int) -> dict[str, Any]:
     """The OpenAPI ``responses`` entry of an error ``status``: the error body, what it means, and
     the headers it carries (503: Retry-After; 401: WWW-Authenticate)."""
     out: dict = {"model": s.ErrorOut, "description": STATUS_TEXT[status]}
@@ -87,7 +87,7 @@ def declared(status: int) -> dict:
     return out
 
 
-def responses(*statuses: int) -> dict:
+def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """The OpenAPI ``responses`` of a route: each status with the error body, plus those of every
     route: 408 and 413 (the body middleware). 401 is not among them: the app adds it to the routes
     behind the bearer token when it has tokens (:data:`UNAUTHORIZED`)."""
@@ -95,7 +95,7 @@ def responses(*statuses: int) -> dict:
 
 
 #: the responses the bearer-token middleware adds to a route it guards
-UNAUTHORIZED = {401: declared(401)}
+UNAUTHORIZED: dict[int | str, dict[str, Any]] = {401: declared(401)}
 
 
 def scrub(message: str, root: Path) -> str:
@@ -114,10 +114,11 @@ class Handlers:
         self.root, self.routers = root, list(routers)
 
     def install(self, app: FastAPI) -> None:
-        app.add_exception_handler(RequestValidationError, self.invalid)
-        app.add_exception_handler(EventKVError, self.refused)
-        app.add_exception_handler(ClientGone, self.client_gone)
-        app.add_exception_handler(StarletteHTTPException, self.http_error)
+        # ignored: Starlette's stub wants a handler of any Exception, though it calls one with its class only
+        app.add_exception_handler(RequestValidationError, self.invalid)  # type: ignore[arg-type]
+        app.add_exception_handler(EventKVError, self.refused)  # type: ignore[arg-type]
+        app.add_exception_handler(ClientGone, self.client_gone)  # type: ignore[arg-type]
+        app.add_exception_handler(StarletteHTTPException, self.http_error)  # type: ignore[arg-type]
         app.add_exception_handler(Exception, self.internal)
 
     async def invalid(self, request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -4,7 +4,7 @@ so a body out of bounds is a 422 before any work is queued. Responses mirror the
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
@@ -22,20 +22,29 @@ EventId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID, patt
 Tag = Annotated[str, StringConstraints(min_length=1, max_length=100)]
 
 
-def _whole(value):
+def _whole(value: object) -> object:
     """A float with no fractional part as an int: JSON Schema's ``integer`` includes ``3.0``, and a
     client that sends it means 3; strings and booleans still fail the strict int check."""
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def whole(**limits):
-    """A whole number within ``limits`` (pydantic's ``ge``, ``le``), as JSON Schema's ``integer``:
-    ``3`` or ``3.0``, never ``"3"`` or ``true``. (The limits come before the validator, so the
-    schema shows them as ``minimum``/``maximum``.)"""
-    return Annotated[int, Field(**limits), BeforeValidator(_whole)]
-
-
-Version = Annotated[whole(ge=0), Field(description="the memory's version this write expects (409 when it moved on)")]
+# Whole numbers within pydantic's ``ge``/``le`` limits, as JSON Schema's ``integer``: ``3`` or ``3.0``, never
+# ``"3"`` or ``true``. (The limits come before the validator, so the schema shows them as ``minimum``/``maximum``.)
+_WHOLE = BeforeValidator(_whole)
+Version = Annotated[
+    int,
+    Field(ge=0),
+    _WHOLE,
+    Field(description="the memory's version this write expects (409 when it moved on)"),
+]
+Budget = Annotated[int, Field(ge=1, le=1_000_000), _WHOLE]  # rows of one event's budget
+TopK = Annotated[int, Field(ge=1, le=10_000), _WHOLE]  # events selected
+BudgetRows = Annotated[int, Field(ge=1), _WHOLE]  # rows of the served set
+MaxNewTokens = Annotated[int, Field(ge=1, le=4096), _WHOLE]
+if TYPE_CHECKING:
+    CarrierKind = str  # the registry's names are known only at import
+else:
+    CarrierKind = Literal[("auto", *CARRIER_KINDS.names())]
 
 
 class _Body(BaseModel):
@@ -56,7 +65,7 @@ class EventIn(_Body):
     role: Annotated[str, StringConstraints(min_length=1, max_length=100)] | None = None
     id: EventId | None = None
     tags: list[Tag] = Field(default_factory=list, max_length=64)
-    budget: whole(ge=1, le=1_000_000) | None = None
+    budget: Budget | None = None
     kind: Literal["event", "carrier"] = "event"
 
 
@@ -82,26 +91,26 @@ class PinEvent(Write):
 class CarrierIn(Write):
     sources: list[EventId] = Field(min_length=1, max_length=64)
     subject: Text
-    kind: Literal[("auto", *CARRIER_KINDS.names())] = "auto"  # type: ignore[valid-type]
+    kind: CarrierKind = "auto"
     prefill: bool = False
 
 
 class SelectIn(_Body):
     question: Text
-    k: whole(ge=1, le=10_000) = 8
-    budget_rows: whole(ge=1) | None = None
+    k: TopK = 8
+    budget_rows: BudgetRows | None = None
 
 
 class QueryIn(_Body):
     question: Text
     select: Literal["all", "view"] | list[EventId] | None = Field(None, max_length=10_000)
-    k: whole(ge=1, le=10_000) = 8
+    k: TopK = 8
     mode: Literal["compact", "native", "isolated", "text"] = "compact"
     candidates: list[Annotated[str, StringConstraints(min_length=1, max_length=2_000)]] | None = Field(
         None, max_length=64, json_schema_extra={"uniqueItems": True}
     )
-    max_new_tokens: whole(ge=1, le=4096) = 32
-    budget_rows: whole(ge=1) | None = None
+    max_new_tokens: MaxNewTokens = 32
+    budget_rows: BudgetRows | None = None
 
 
 # ---------------------------------------------------------------------- responses
@@ -168,7 +177,7 @@ class AnswerOut(BaseModel):
                 for c in answer.candidates
             ],
             served_ids=answer.served_ids,
-            positions=[tuple(p) for p in answer.positions],
+            positions=[(eid, first, width) for eid, first, width in answer.positions],
             n_rows_served=answer.n_rows_served,
             timings_ms=answer.timings_ms,
             version=version,

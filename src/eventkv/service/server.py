@@ -217,7 +217,8 @@ def serve_forever(
             host=host,
             port=port,
             log_level=log_level,
-            timeout_graceful_shutdown=graceful_s,
+            # ignored: uvicorn annotates int but only passes it to asyncio.wait_for, which takes seconds as float
+            timeout_graceful_shutdown=graceful_s,  # type: ignore[arg-type]
             **connections.uvicorn_options(),
         )
     finally:

@@ -177,6 +177,7 @@ class Jobs:
             QueueFull, ShuttingDown: as :meth:`ModelWorker.submit`; whatever ``job`` raises.
             ClientGone: the client disconnected first.
         """
+        assert self.worker is not None  # the app's lifespan starts the worker before a request is served
         result = asyncio.wrap_future(self.worker.submit(job))
         gone = asyncio.ensure_future(disconnected(self.request))
         try:
@@ -200,6 +201,7 @@ class Jobs:
         Raises:
             Conflict: the memory is not at version ``expected``. NotFound: it has no event ``eid``.
         """
+        assert self.worker is not None  # the app's lifespan starts the worker before a request is served
         mem = self.worker.memory(d)
         if expected is not None and mem.version != expected:
             raise Conflict(
