@@ -4,7 +4,7 @@ and (for a class with a ``name``) its own; an unknown name is one clear user err
 import pytest
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.options import BACKENDS, CARRIER_KINDS, DIALOGUE_FORMATS, POLICIES
+from eventkv.options import BACKENDS, CARRIER_KINDS, DIALOGUE_FORMATS, POLICIES, SELECTORS
 from eventkv.probes.base import PROBES
 from eventkv.registry import Registry
 
@@ -14,6 +14,7 @@ REGISTRIES = {
     "sweep backend": BACKENDS,
     "dialogue format": DIALOGUE_FORMATS,
     "carrier kind": CARRIER_KINDS,
+    "selector": SELECTORS,
 }
 MEMBERS = [(kind, name) for kind, reg in REGISTRIES.items() for name in reg.names()]
 
@@ -44,6 +45,7 @@ def test_names_are_unique_and_listed(kind):
         (BACKENDS, "--backend 'nope': use one of serial, process, ray."),
         (DIALOGUE_FORMATS, "--format 'nope': use locomo or realtalk."),
         (CARRIER_KINDS, "--kind 'nope': use one of passive, binding, directive, compute or auto."),
+        (SELECTORS, "--selector 'nope': give one of bm25, or a Selector."),
     ],
     ids=list(REGISTRIES),
 )

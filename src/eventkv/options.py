@@ -274,3 +274,12 @@ CARRIER_KINDS: Registry = Registry(
 """The answer-free carrier kinds (Study 1, "Programmed carriers"): the memory's carrier texts of
 :mod:`eventkv.memory.carriers`, by kind (``(subject, refs) -> text``); the contract battery measures
 them and ``explicit``."""
+
+SELECTORS: Registry = Registry(
+    "selector",
+    {"bm25": "eventkv.memory.select:BM25Selector"},
+    field="selector",
+    allowed=lambda names: f"give one of {', '.join(sorted(names))}, or a Selector.",
+)
+"""What ``selector=`` of :class:`eventkv.memory.EventMemory` accepts by name: the selector classes of
+:mod:`eventkv.memory.select` (each ranks a memory's events for a question)."""

@@ -27,6 +27,7 @@ import bm25s
 import numpy as np
 
 from eventkv.errors import EventKVError, OptionError
+from eventkv.options import SELECTORS
 
 if TYPE_CHECKING:  # pragma: no cover
     from eventkv.memory.records import MemoryRecord
@@ -84,9 +85,13 @@ def rank(texts: list[str], question: str, k: int) -> list[int]:
         EventKVError: ``texts`` is empty or ``question`` is blank.
         OptionError: ``k`` is not a whole number >= 1.
     """
+    _check_k(k)
+    return _best_first(scores(texts, question))[:k]
+
+
+def _check_k(k) -> None:
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise OptionError("k", k, "select at least 1 text (a whole number >= 1).")
-    return _best_first(scores(texts, question))[:k]
 
 
 def _best_first(s: np.ndarray) -> list[int]:
@@ -153,28 +158,21 @@ class BM25Selector:
         s = scores([e.text for e in events], question)
         order = _best_first(s)
         if k is not None:
-            if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-                raise OptionError("k", k, "select at least 1 text (a whole number >= 1).")
+            _check_k(k)
             order = order[:k]
         if budget is not None:
             order = within_budget(order, [events[i].n_rows for i in order], budget)
         return [Ranked(events[i].id, float(s[i])) for i in order]
 
 
-#: the selectors a memory can be given by name
-SELECTORS: dict[str, type] = {"bm25": BM25Selector}
-
-
 def selector_for(selector: Selector | str) -> Selector:
-    """A :class:`Selector` from itself or its name (a key of :data:`SELECTORS`).
+    """A :class:`Selector` from itself or its name (a name in :data:`eventkv.options.SELECTORS`).
 
     Raises:
         OptionError: an unknown name, or an object without a ``rank`` method.
     """
     if isinstance(selector, str):
-        if selector not in SELECTORS:
-            raise OptionError("selector", selector, f"give one of {', '.join(sorted(SELECTORS))}, or a Selector.")
-        return SELECTORS[selector]()
+        return SELECTORS.get(selector)()
     if not isinstance(selector, Selector):
         raise OptionError("selector", selector, "give a selector name or an object with name and rank().")
     return selector
