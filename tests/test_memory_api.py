@@ -164,7 +164,7 @@ class Reverse:
 
     name = "reverse"
 
-    def rank(self, question, events, k=None, budget=None):
+    def rank(self, question, events, k=None, budget=None, *, context=None):
         ranked = [Ranked(e.id, float(i)) for i, e in reversed(list(enumerate(events)))]
         return ranked[:k] if k is not None else ranked
 

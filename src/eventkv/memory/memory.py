@@ -43,7 +43,7 @@ from eventkv.memory.api import MemoryAPI, SelectSpec
 from eventkv.memory.integrity import damaged
 from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
 from eventkv.memory.rows import RowCache, contiguous, tail
-from eventkv.memory.select import Selector, selector_for, within_budget
+from eventkv.memory.select import SelectionContext, Selector, selector_for, within_budget
 from eventkv.memory.sql import EventRow, Writes
 from eventkv.memory.store import SCHEMA_VERSION, Store, check_identity, model_identity, now
 from eventkv.memory.table import EventTable
@@ -800,13 +800,34 @@ class EventMemory:
         if not units:
             return []
         index = {cur.id: i for i, (_, cur) in enumerate(units)}
-        ranked = [index[r.id] for r in self.selector.rank(question, [cur for _, cur in units], k=k)]
+        ranked = [
+            index[r.id]
+            for r in self.selector.rank(question, [cur for _, cur in units], k=k, context=self._selection_context())
+        ]
         pinned = [i for i, (root, _) in enumerate(units) if root.pinned]
         chosen = [i for i in ranked if i not in pinned]
         if budget_rows is not None:  # best first: keep while it fits (= drop the lowest-ranked first)
             used = sum(units[i][1].n_rows for i in pinned)
             chosen = within_budget(chosen, [units[i][1].n_rows for i in chosen], budget_rows, used)
         return [units[i][1].id for i in sorted(set(chosen) | set(pinned))]
+
+    def _selection_context(self) -> SelectionContext:
+        """What a selector may read (:class:`eventkv.memory.select.SelectionContext`); the rows are
+        prefilled only when a selector asks for them."""
+        return SelectionContext(lm=self.lm, rows=self._rows_prefilled, history_end=self._history_end())
+
+    def _rows_prefilled(self) -> EventKV:
+        """The stored history's rows with every pending event prefilled (committed; on a full disk the
+        rows computed here are used and the events stay pending, as in :meth:`query_batch`)."""
+        ekv, start, seqs = self._pending()
+        if seqs:
+            try:
+                self._commit(None, (ekv, start, seqs), bump=False)
+            except OutOfSpace:
+                pass  # used from memory; the next query or prefill() retries the commit
+        if ekv is None:
+            raise EventKVError("the memory has no stored events: add some before selecting by rows.")
+        return ekv
 
     def _served_ids(self, question: str, select: SelectSpec, k: int, budget_rows: int | None) -> builtins.list[str]:
         if select is None:

@@ -19,7 +19,7 @@ ranking is reproducible:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
@@ -31,6 +31,8 @@ from eventkv.options import SELECTORS
 
 if TYPE_CHECKING:  # pragma: no cover
     from eventkv.memory.records import MemoryRecord
+    from eventkv.models.profile import LoadedModel
+    from eventkv.prefill import EventKV
 
 #: bm25s's scoring variant and parameters used by :func:`rank` (see the module docstring)
 METHOD, K1, B = "lucene", 1.5, 0.75
@@ -121,6 +123,28 @@ class Ranked:
     score: float
 
 
+@dataclass(frozen=True)
+class SelectionContext:
+    """What a selector may read beyond the events' texts, handed to :meth:`Selector.rank` by the
+    memory (``context=``); each part is computed only when a selector asks for it.
+
+    Attributes:
+        lm: the memory's model (tokenizer, profile, weights).
+        rows: returns the stored history's rows (:class:`eventkv.prefill.EventKV`, header first, every
+            candidate event prefilled: pending events are prefilled and committed on the first call).
+        embeddings: ``embeddings(events, model_name)`` returns ``[len(events), dim]`` float32 unit
+            vectors of the events' texts under a sentence-embedding model, read from the store
+            (computed and stored for an event that has none under that model).
+        history_end: the first position after the stored history (where a query's tokens start in
+            ``positions="original"``).
+    """
+
+    lm: LoadedModel | None = None
+    rows: Callable[[], EventKV] | None = None
+    embeddings: Callable[[Sequence[MemoryRecord], str], np.ndarray] | None = None
+    history_end: int = 0
+
+
 @runtime_checkable
 class Selector(Protocol):
     """What ranks a memory's events for a question (``EventMemory.create(..., selector=)``).
@@ -129,13 +153,21 @@ class Selector(Protocol):
     each has ``id``, ``text`` and ``n_rows``) and returns them best first, ``k`` at most (None: every
     one); with ``budget`` (rows, header excluded) the ranking stops before the first event whose rows
     would not fit (:func:`within_budget`). It never reorders ties at random: the same question and
-    events give the same ranking.
+    events give the same ranking. ``context`` (:class:`SelectionContext`) gives what a selector needs
+    beyond the texts (the model, the stored rows, stored embeddings); a selector that needs a part
+    the context lacks raises :class:`eventkv.errors.EventKVError` naming it.
     """
 
     name: str
 
     def rank(
-        self, question: str, events: Sequence[MemoryRecord], k: int | None = None, budget: int | None = None
+        self,
+        question: str,
+        events: Sequence[MemoryRecord],
+        k: int | None = None,
+        budget: int | None = None,
+        *,
+        context: SelectionContext | None = None,
     ) -> list[Ranked]: ...
 
 
@@ -146,9 +178,15 @@ class BM25Selector:
     name = "bm25"
 
     def rank(
-        self, question: str, events: Sequence[MemoryRecord], k: int | None = None, budget: int | None = None
+        self,
+        question: str,
+        events: Sequence[MemoryRecord],
+        k: int | None = None,
+        budget: int | None = None,
+        *,
+        context: SelectionContext | None = None,
     ) -> list[Ranked]:
-        """The events best first (see :class:`Selector`).
+        """The events best first (see :class:`Selector`; BM25 reads only the texts, not ``context``).
 
         Raises:
             EventKVError: no events, a blank question, an event without text.
