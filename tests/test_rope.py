@@ -3,14 +3,19 @@ there (RoPE, arXiv 2104.09864: a rotation whose angle is linear in the position)
 under rope scaling."""
 
 import sys
+from contextlib import contextmanager
 
 import pytest
 import torch
+from transformers import DynamicCache
 
-from eventkv.errors import EventKVError
-from eventkv.prefill import cache_kv, model_forward
+from eventkv.errors import EventKVError, OptionError
+from eventkv.log import HEADER_ID, Event, EventLog, tokenize
+from eventkv.prefill import cache_kv, model_forward, prefill
+from eventkv.readout import query_logits
 from eventkv.rope import rerotate, rotary_embedding
-from eventkv.testing import TINY_FAMILIES, tiny_model
+from eventkv.serve import ServedCache, serve
+from eventkv.testing import TINY_FAMILIES, tiny_lm, tiny_model
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024}
 LLAMA3 = {
@@ -25,10 +30,11 @@ TOL = 1e-5
 """float32 tolerance: the two paths round the angles differently (offset, then position, vs position)."""
 
 
-def _keys_with_pre_rope(model, ids, positions):
-    """The cache keys of one forward at ``positions`` and each layer's pre-RoPE keys ``[1, kv_heads, q, head_dim]``
-    (the layer input through k_proj, and k_norm where the architecture has one)."""
-    pre: dict[int, torch.Tensor] = {}
+@contextmanager
+def _pre_rope_keys(model):
+    """Capture each layer's pre-RoPE keys ``[1, kv_heads, q, head_dim]`` (the layer input through k_proj, and
+    k_norm where the architecture has one) of every forward run inside, concatenated along the tokens."""
+    pre: dict[int, list[torch.Tensor]] = {}
 
     def hook(layer_idx):
         def capture(module, args, kwargs):
@@ -36,21 +42,27 @@ def _keys_with_pre_rope(model, ids, positions):
             k = module.k_proj(h).view(*h.shape[:-1], -1, module.head_dim)
             if hasattr(module, "k_norm"):
                 k = module.k_norm(k)
-            pre[layer_idx] = k.transpose(1, 2)
+            pre.setdefault(layer_idx, []).append(k.transpose(1, 2))
 
         return capture
 
     layers = model.model.layers
     handles = [layer.self_attn.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    out: list[torch.Tensor] = []
     try:
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
-        model_forward(model, ids, positions.unsqueeze(0), cache)
+        yield out
     finally:
         for h in handles:
             h.remove()
-    return cache_kv(cache)[0], [pre[i] for i in range(len(layers))]
+    out.extend(torch.cat(pre[i], dim=2) for i in range(len(layers)))
+
+
+def _keys_with_pre_rope(model, ids, positions):
+    """The cache keys of one forward at ``positions`` and each layer's pre-RoPE keys."""
+    cache = DynamicCache()
+    with _pre_rope_keys(model) as pre:
+        model_forward(model, ids, positions.unsqueeze(0), cache)
+    return cache_kv(cache)[0], pre
 
 
 def _rotated_at(model, pre_keys, positions):
@@ -136,3 +148,80 @@ def test_bad_shapes_are_refused():
         rerotate(model, keys[:1], torch.arange(3), torch.arange(3) + 1)
     with pytest.raises(EventKVError, match=r"\[rows\]"):
         rerotate(model, keys, torch.arange(4), torch.arange(4) + 1)
+
+
+# serving at contiguous positions (eventkv.serve, positions="contiguous")
+
+EVENTS = [
+    Event("a", "register A set to ON"),
+    Event("b", "the pump in hall two failed", budget=40),  # a position budget: a gap after b's tokens
+    Event("c", "register B mirrors A"),
+    Event("d", "Dana moved the red key to the shelf"),
+]
+QUERY = list(b"What is B?")
+
+
+def _ekv(lm, events=EVENTS):
+    return prefill(lm.model, tokenize(EventLog(events), lm.tokenizer, lm.profile))
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+@pytest.mark.parametrize("mode", ["compact", "isolated", "text"])
+def test_contiguous_changes_nothing_when_no_row_moves(family, mode):
+    lm = tiny_lm(family)
+    ekv = _ekv(lm, [e for e in EVENTS if e.budget is None])  # no gap: every row is where contiguous puts it
+    original = serve(ekv, "all", mode, lm.model)
+    moved = serve(ekv, "all", mode, lm.model, positions="contiguous")
+    assert moved.position_mode == "contiguous" and torch.equal(moved.positions, original.positions)
+    assert moved.next_position == original.next_position == ekv.n_rows
+    assert torch.equal(query_logits(lm.model, moved, QUERY), query_logits(lm.model, original, QUERY))
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_contiguous_subset_equals_keys_computed_at_the_served_positions(family):
+    """The served rows re-rotated read out as rows whose keys the prefill had computed at those positions
+    (pre-RoPE keys captured in the prefill, rotated there with transformers' pieces) with the same values.
+    On Gemma 3 the served rows (70) pass the window (16): the sliding layers see the last 15 of them.
+    Measured: keys within 4.4e-6, logits within 1.6e-7 (float32); the original positions differ from these by
+    1.7e-3 to 7.4e-2 in the logits (the rows did move)."""
+    lm = tiny_lm(family)
+    with _pre_rope_keys(lm.model) as pre:
+        ekv = _ekv(lm)
+    served = ["b", "d"]
+    moved = serve(ekv, served, "compact", lm.model, positions="contiguous")
+    h, rows = ekv.log.span(HEADER_ID).n_tokens, ekv.rows_of(served)
+    n = int(rows.shape[0])
+    assert moved.positions.tolist() == list(range(n)) and moved.next_position == n
+    assert n < ekv.log.history_end - 40  # b's budget gap and the rows of a and c closed up
+    assert ekv.positions[rows][h:].tolist() != list(range(h, n))  # the rows did move
+    at_served = [k.index_select(2, rows) for k in pre]
+    want_keys = _rotated_at(lm.model, at_served, torch.arange(n))
+    for got, want in zip(moved.keys, want_keys):
+        assert (got - want).abs().max().item() <= TOL
+    want = ServedCache(want_keys, moved.values, torch.arange(n), None, n, "compact", tuple(served), "contiguous")
+    a, b = query_logits(lm.model, moved, QUERY), query_logits(lm.model, want, QUERY)
+    assert torch.isfinite(a).all() and (a - b).abs().max().item() <= 1e-6
+
+
+def test_isolated_contiguous_rerotates_the_isolated_encoding():
+    lm = tiny_lm("gemma3")
+    ekv, memo = _ekv(lm), {}
+    original = serve(ekv, ["c", "d"], "isolated", lm.model)
+    moved = serve(ekv, ["c", "d"], "isolated", lm.model, isolated_memo=memo, positions="contiguous")
+    again = serve(ekv, ["c", "d"], "isolated", lm.model, isolated_memo=memo, positions="contiguous")  # memo hits
+    assert len(memo) == 2 and moved.positions.tolist() == list(range(original.n_rows))
+    assert all(torch.equal(v, w) for v, w in zip(moved.values, original.values))
+    want = rerotate(lm.model, original.keys, original.positions, moved.positions)
+    assert all(torch.equal(k, w) for k, w in zip(moved.keys, want))
+    assert all(torch.equal(k, w) for k, w in zip(again.keys, moved.keys))
+
+
+def test_contiguous_is_refused_where_it_cannot_apply():
+    lm = tiny_lm("llama")
+    ekv = _ekv(lm)
+    with pytest.raises(OptionError, match="native"):
+        serve(ekv, ["a"], "native", lm.model, positions="contiguous")
+    with pytest.raises(OptionError, match="positions 'packed'"):
+        serve(ekv, ["a"], "compact", lm.model, positions="packed")  # type: ignore[arg-type]
+    with pytest.raises(EventKVError, match="model="):
+        serve(ekv, ["a"], "compact", positions="contiguous")
