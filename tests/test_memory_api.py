@@ -108,6 +108,10 @@ def scenario(mem) -> dict:
     out["query"] = answer(a)
     out["candidates"] = [(c.text, c.logprob) for c in a.candidates]
     out["query_view_text"] = answer(mem.query(QUESTION, select="view", mode="text", max_new_tokens=4))
+    # served rows re-rotated right after the header: positions travel, the answer and positions match
+    out["query_contiguous"] = answer(
+        mem.query(QUESTION, select=["ravi", "e3"], positions="contiguous", max_new_tokens=4)
+    )
     out["forget"] = mem.forget("dana")
     out["after_forget"] = answer(mem.query(QUESTION, select="all", max_new_tokens=4))
     out["get"] = dataclasses.replace(mem.get("dana"), created="")
@@ -152,6 +156,10 @@ def test_the_library_and_the_client_give_the_same_results(model_dir, tmp_path):
         else:
             assert over_http[key] == library[key], key
     assert library["select"] and library["query"][1] and library["forget"] > 0
+    header = library["added"][0].position  # the first event starts right after the header
+    served = library["query_contiguous"][3]
+    assert served[0][1] == header and served[1][1] == header + served[0][2]  # contiguous after the header
+    assert served[0][0] == "ravi" and served[0][2] < 60  # ravi's budget of 60 positions closed up to its rows
 
 
 # ====================================================================== the selector seam

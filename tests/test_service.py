@@ -146,6 +146,8 @@ def test_bad_requests_are_4xx_with_a_json_body(server):
             ("POST", f"{base}/events", {"events": [{"text": "x", "id": "e1"}]}, 409),  # a taken id: the state
             ("POST", f"{base}/query", {"question": "q", "mode": "sideways"}, 422),
             ("POST", f"{base}/query", {"question": "q", "max_new_tokens": 0}, 422),
+            ("POST", f"{base}/query", {"question": "q", "positions": "packed"}, 422),  # not in the Literal
+            ("POST", f"{base}/query", {"question": "q", "mode": "native", "positions": "contiguous"}, 422),
             ("POST", f"{base}/query", {"question": "q", "select": ["nope"]}, 404),  # an unknown id
             ("POST", f"{base}/events/nope/update", {"text": "x"}, 404),
             ("GET", f"{base}/events/nope", None, 404),

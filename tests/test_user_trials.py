@@ -72,6 +72,8 @@ def test_out_that_is_a_file_fails_before_the_model_loads(monkeypatch, capsys, tm
         (["--serve", "a,"], "--serve 'a,': an entry is empty"),
         (["--serve", "a", "--candidates", "x,,y"], "--candidates x,,y: give distinct, non-empty candidate answers"),
         (["--serve", "a", "--store", "FILE"], "that path is a file, not a directory"),
+        (["--serve", "a", "--positions", "packed"], "--positions 'packed': use one of original, contiguous."),
+        (["--serve", "a", "--mode", "native", "--positions", "contiguous"], "serving mode 'native' keeps every row"),
     ],
 )
 def test_more_bad_query_options(monkeypatch, capsys, tmp_path, jsonl, no_load, extra, message):
@@ -110,6 +112,22 @@ def test_max_new_tokens_past_the_context_is_named_before_anything_is_written(mon
         f"model's 4096 positions: give at most {4096 - used} new tokens.",
     )
     assert not store.exists()
+
+
+def test_query_positions_contiguous_answers_as_serve_does(monkeypatch, capsys, tmp_path, jsonl):
+    lm = tiny_lm("llama")
+    monkeypatch.setattr(eventkv.models, "load", lambda *a, **k: lm)
+    args = ["query", "--log", str(jsonl), "--serve", "c", "-q", "which?", "--max-new-tokens", "3"]
+    code, out, err = run_cli(monkeypatch, capsys, *args, "--positions", "contiguous", "--store", str(tmp_path / "s"))
+    assert code in (None, 0), err
+    assert "(compact, contiguous positions)" in out
+    ekv = prefill(lm.model, tokenize(EventLog.from_jsonl(jsonl), lm.tokenizer, lm.profile))
+    sc = serve(ekv, ["c"], "compact", lm.model, positions="contiguous")
+    q = tokenize_query(lm.tokenizer, lm.profile, "which?")
+    text = generate(
+        lm.model, sc, q, max_new_tokens=3, stop_token_ids=lm.profile.stop_token_ids, tokenizer=lm.tokenizer
+    ).text
+    assert f"answer: {text.strip()}" in " ".join(out.split())
 
 
 def test_a_given_store_holding_another_eventkv_is_refused_not_overwritten(monkeypatch, capsys, tmp_path, jsonl):

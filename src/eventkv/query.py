@@ -15,7 +15,7 @@ from eventkv.models.cache_dir import cache_root
 from eventkv.options import check_chunk_size, check_max_new_tokens, check_out_dir
 from eventkv.prefill import EventKV, check_context, model_device, prefill
 from eventkv.readout import CandidateScore, Generation, answer_served
-from eventkv.serve import ALL, SERVE_MODES, ServeMode, serve
+from eventkv.serve import ALL, SERVE_MODES, PositionMode, ServeMode, check_position_mode, serve
 
 if TYPE_CHECKING:
     from eventkv.log import TokenizedLog
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 @dataclass
 class Answer:
     """What a query returned: the generation, the candidate scores (if asked), and bookkeeping
-    (rows served, whether the EventKV was reused, its directory)."""
+    (rows served, whether the EventKV was reused, its directory, where the served rows sat)."""
 
     generation: Generation
     candidates: list[CandidateScore] = field(default_factory=list)
@@ -35,6 +35,7 @@ class Answer:
     n_rows_total: int = 0
     reused: bool = False
     store: Path | None = None
+    positions: PositionMode = "original"
 
 
 def store_dir_for(lm: LoadedModel, tlog: TokenizedLog) -> Path:
@@ -118,6 +119,8 @@ class QueryOptions(TypedDict, total=False):
         max_new_tokens: greedy generation length limit (tokens, >= 1).
         chunk_size: prefill at most this many tokens per forward (None: the whole log at once).
         store: the EventKV's directory (None: content-addressed under ``$EVENTKV_CACHE/kv/``).
+        positions: ``original`` | ``contiguous``: the served rows at their own positions, or re-rotated to
+            the positions right after the header with the query right after them (:func:`eventkv.serve.serve`).
     """
 
     mode: ServeMode
@@ -125,6 +128,7 @@ class QueryOptions(TypedDict, total=False):
     max_new_tokens: int
     chunk_size: int | None
     store: Path | None
+    positions: PositionMode
 
 
 QUERY_DEFAULTS: QueryOptions = {
@@ -133,6 +137,7 @@ QUERY_DEFAULTS: QueryOptions = {
     "max_new_tokens": 64,
     "chunk_size": None,
     "store": None,
+    "positions": "original",
 }
 """The default of every :class:`QueryOptions` field."""
 
@@ -155,13 +160,14 @@ def check_query(log: EventLog, served: str | Sequence[str], question: str, **opt
     Raises:
         OptionError: unknown mode, empty served set or an empty id in it (``e0,,e5``), empty
             question, empty or repeated candidate, ``max_new_tokens < 1``, ``chunk_size < 1``, a
-            ``store`` that is a file.
+            ``store`` that is a file, an unknown ``positions`` or ``contiguous`` with ``native``.
         EventKVError: a served event id that is not in the log.
     """
     opts = _query_options("check_query", options)
     mode = opts["mode"]
     if mode not in SERVE_MODES:
         raise OptionError("mode", mode, f"use one of {', '.join(SERVE_MODES)}.")
+    check_position_mode(opts["positions"], mode)
     ids = [s.strip() for s in (served.split(",") if isinstance(served, str) else served)]
     if isinstance(served, str) and served.strip() == ALL:
         ids = []
@@ -199,7 +205,7 @@ def answer(
     Args:
         lm: a ``LoadedModel`` (``eventkv.models.load``).
         served: event ids or ``"all"``.
-        options: :class:`QueryOptions` (mode, candidates, max_new_tokens, chunk_size, store).
+        options: :class:`QueryOptions` (mode, candidates, max_new_tokens, chunk_size, store, positions).
 
     Raises:
         EventKVError: unknown event id, empty served set, bad mode or another bad option (see
@@ -207,13 +213,24 @@ def answer(
     """
     opts = _query_options("answer", options)
     mode, candidates, max_new_tokens = opts["mode"], opts["candidates"], opts["max_new_tokens"]
-    store, chunk_size = opts["store"], opts["chunk_size"]
+    store, chunk_size, positions = opts["store"], opts["chunk_size"], opts["positions"]
     check_query(
-        log, served, question, mode=mode, candidates=candidates, max_new_tokens=max_new_tokens, chunk_size=chunk_size
+        log,
+        served,
+        question,
+        mode=mode,
+        candidates=candidates,
+        max_new_tokens=max_new_tokens,
+        chunk_size=chunk_size,
+        positions=positions,
     )
     q = tokenize_query(lm.tokenizer, lm.profile, question)
-    ekv, reused, store = prefill_or_load(lm, log, store, chunk_size, query_tokens=len(q), max_new_tokens=max_new_tokens)
-    sc = serve(ekv, served, mode, model=lm.model)
+    # contiguous: the query follows the served rows, so the readout checks the context, not the history's end
+    after_history = (len(q), max_new_tokens) if positions == "original" else (0, 0)
+    ekv, reused, store = prefill_or_load(
+        lm, log, store, chunk_size, query_tokens=after_history[0], max_new_tokens=after_history[1]
+    )
+    sc = serve(ekv, served, mode, model=lm.model, positions=positions)
     p = lm.profile
     [(gen, scores)] = answer_served(
         lm.model,
@@ -225,4 +242,4 @@ def answer(
         max_context=p.max_context,
         candidates=candidates,
     )
-    return Answer(gen, scores, sc.served, mode, sc.n_visible, ekv.n_rows, reused, store)
+    return Answer(gen, scores, sc.served, mode, sc.n_visible, ekv.n_rows, reused, store, positions)

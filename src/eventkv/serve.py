@@ -20,6 +20,25 @@ Modes:
 
 In compact, native and isolated modes the query starts at the first position after the
 *full* history (``log.history_end``).
+
+Positions (``positions=``):
+
+* ``original`` (default) — every served row keeps the position id it was computed at, gaps
+  where unserved events were included; the query starts after the full history. This is the
+  project's protocol: what the rows saw and where they sit are exactly as in the global prefill.
+* ``contiguous`` — an opt-in departure from that protocol, for histories longer than the model's
+  context: the header keeps its positions ``0 .. h-1`` and the served rows (in log order) are
+  re-rotated to ``h, h+1, ...`` (:func:`eventkv.rope.rerotate`: RoPE is a rotation whose angle is
+  linear in the position, Su et al. 2021, arXiv 2104.09864, so moving a key costs one rotation
+  and no forward; exact up to float rounding); the query starts right after the served rows. The
+  served cache then spans ``rows`` positions, not the history's length, so a history past the
+  window can still be answered from a served set that fits it. What changes: the distances
+  between the served rows and between them and the query are those of a short contiguous text,
+  not those of the history (the rows' contents still are what the global prefill computed).
+  Valid for ``compact`` and ``isolated`` (each event encoded alone at its original positions,
+  then re-rotated); ``text`` is contiguous already (accepted, nothing changes); ``native`` keeps
+  every row of the history and refuses it. On Gemma 3's sliding layers a compact cache already
+  counts the window in served rows, so contiguous positions only make the positions agree with it.
 """
 
 from __future__ import annotations
@@ -30,9 +49,10 @@ from typing import TYPE_CHECKING, Literal, MutableMapping, Sequence, get_args
 import torch
 from transformers import DynamicCache
 
-from eventkv.errors import EventKVError
+from eventkv.errors import EventKVError, OptionError
 from eventkv.log import HEADER_ID
 from eventkv.prefill import EventKV, LayerRows, cache_from_rows, cache_kv, model_device, model_forward
+from eventkv.rope import rerotate
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -40,6 +60,12 @@ if TYPE_CHECKING:
 ServeMode = Literal["compact", "native", "isolated", "text"]
 """How a served set is presented to the query (see the module docstring)."""
 SERVE_MODES: tuple[ServeMode, ...] = get_args(ServeMode)
+PositionMode = Literal["original", "contiguous"]
+"""Where the served rows sit (see the module docstring): at their original positions, or re-rotated to
+contiguous positions after the header."""
+POSITION_MODES: tuple[PositionMode, ...] = get_args(PositionMode)
+CONTIGUOUS_MODES: tuple[ServeMode, ...] = ("compact", "isolated", "text")
+"""The serving modes that accept ``positions="contiguous"`` (``text`` is contiguous already)."""
 ALL = "all"
 
 
@@ -54,6 +80,8 @@ class ServedCache:
             rows are visible.
         next_position: position id of the first query token.
         mode: the serving mode; served: the served event ids, in log order.
+        position_mode: ``original`` (rows at the positions they were computed at) or ``contiguous`` (header
+            then served rows at consecutive positions; ``positions`` and ``next_position`` say so).
     """
 
     keys: list[LayerRows]
@@ -63,6 +91,7 @@ class ServedCache:
     next_position: int
     mode: ServeMode
     served: tuple[str, ...]
+    position_mode: PositionMode = "original"
 
     @property
     def n_rows(self) -> int:
@@ -107,6 +136,45 @@ def resolve_served(ekv: EventKV, served: str | Sequence[str]) -> tuple[str, ...]
     return tuple(e for e in ekv.log.event_ids if e in wanted)
 
 
+def check_position_mode(positions, mode: str) -> PositionMode:
+    """``positions`` checked against the serving ``mode``.
+
+    Raises:
+        OptionError: ``positions`` not one of :data:`POSITION_MODES`, or ``"contiguous"`` with ``native``
+            (which keeps every row of the history where it is).
+    """
+    if positions not in POSITION_MODES:
+        raise OptionError("positions", positions, f"use one of {', '.join(POSITION_MODES)}.")
+    if positions == "contiguous" and mode not in CONTIGUOUS_MODES:
+        raise OptionError(
+            "positions",
+            positions,
+            f"serving mode {mode!r} keeps every row of the history at its position and cannot serve contiguous "
+            f"positions: use positions='original', or a mode among {', '.join(CONTIGUOUS_MODES)}.",
+        )
+    return positions
+
+
+def to_contiguous(model: PreTrainedModel, served: ServedCache, header_rows: int) -> ServedCache:
+    """``served`` (compact layout, header rows first) with its rows after the header re-rotated to the positions
+    right after the header's (:func:`eventkv.rope.rerotate`) and the query placed right after them.
+
+    Args:
+        header_rows: the header's rows at the front of ``served`` (they keep their positions).
+
+    Returns:
+        a ServedCache sharing the values (and the header's keys where no row moves), ``position_mode``
+        ``"contiguous"``, ``next_position`` = the header's first position + rows.
+    """
+    start = int(served.positions[0]) if served.n_rows else 0
+    to = served.positions.clone()
+    to[header_rows:] = torch.arange(header_rows, served.n_rows, dtype=to.dtype) + start
+    keys = rerotate(model, served.keys, served.positions, to)
+    return ServedCache(
+        keys, served.values, to, served.visible, start + served.n_rows, served.mode, served.served, "contiguous"
+    )
+
+
 def _select(tensors: list[torch.Tensor], rows: torch.Tensor) -> list[torch.Tensor]:
     """Rows ``rows`` (``[n]`` int64, any device: moved once) of each ``[1, kv_heads, rows, head_dim]`` tensor."""
     rows = rows.to(tensors[0].device)
@@ -121,6 +189,7 @@ def serve(
     model: PreTrainedModel | None = None,
     *,
     isolated_memo: MutableMapping[tuple, tuple] | None = None,
+    positions: PositionMode = "original",
 ) -> ServedCache:
     """Build the served cache for a served set (Study 1, "Setting": sparse serving and controls).
 
@@ -128,19 +197,26 @@ def serve(
         ekv: the globally prefilled log.
         served: event ids (any order; duplicates ignored) or ``"all"``.
         mode: ``compact`` | ``native`` | ``isolated`` | ``text`` (see the module docstring).
-        model: required for ``isolated`` and ``text`` (they run new forwards).
+        model: required for ``isolated`` and ``text`` (they run new forwards) and for ``positions="contiguous"``
+            (re-rotation uses its rotary embedding).
         isolated_memo: optional store of isolated encodings, keyed by ``(event id, first position,
             token ids)`` and holding the event's rows (per layer ``[1, kv_heads, n_tokens, head_dim]``
             keys and values, ``[n_tokens]`` positions): an event already encoded alone is taken from
             it instead of being encoded again (what a chunked-encoding store keeps: each chunk's KV
             once). Valid for one header, i.e. for the EventKVs of one memory; holds at most one copy of
             each event's rows.
+        positions: ``original`` (every row at the position it was computed at; the query after the full
+            history) or ``contiguous`` (header at ``0 .. h-1``, served rows re-rotated to ``h, h+1, ...``, the
+            query right after them: see the module docstring). ``contiguous`` is for ``compact`` and
+            ``isolated``; with ``text`` it changes nothing (text is contiguous already).
 
     Returns:
         ServedCache with header + served rows (compact/isolated/text) or all rows (native).
 
     Raises:
-        EventKVError: unknown mode, empty served set, unknown event id, or a missing model.
+        EventKVError: unknown mode, empty served set, unknown event id, or a missing model; a rope type
+            :func:`eventkv.rope.rerotate` cannot re-rotate exactly (``contiguous``).
+        OptionError: an unknown ``positions``, or ``contiguous`` with ``native``.
 
     Example (``ekv`` prefilled as in :func:`eventkv.prefill.prefill`'s example):
 
@@ -156,9 +232,18 @@ def serve(
         >>> native = serve(ekv, "b", mode="native")  # every row stays, a's rows are masked out
         >>> native.n_rows, native.n_visible
         (48, 27)
+        >>> moved = serve(ekv, ["b"], model=lm.model, positions="contiguous")  # b's rows right after the header
+        >>> moved.positions[:3].tolist(), moved.positions[-1].item(), moved.next_position
+        ([0, 1, 2], 26, 27)
     """
     if mode not in SERVE_MODES:
         raise EventKVError(f"unknown serving mode {mode!r}: use one of {', '.join(SERVE_MODES)}.")
+    check_position_mode(positions, mode)
+    if positions == "contiguous" and mode != "text":
+        if model is None:
+            raise EventKVError("positions='contiguous' re-rotates the served keys and needs the model: pass model=...")
+        original = serve(ekv, served, mode, model, isolated_memo=isolated_memo)
+        return to_contiguous(model, original, ekv.log.span(HEADER_ID).n_tokens)
     ids = resolve_served(ekv, served)
     log = ekv.log
     if mode == "compact":
@@ -180,7 +265,7 @@ def serve(
         header_keys = [k[:, :, hrows] for k in ekv.keys]
         header_values = [v[:, :, hrows] for v in ekv.values]
         keys, values = header_keys, header_values
-        positions = [ekv.positions[hrows]]
+        row_positions = [ekv.positions[hrows]]
         h = header.n_tokens
         for eid in ids:
             span = log.span(eid)
@@ -205,8 +290,8 @@ def serve(
                     )
             keys = [torch.cat([k, r], dim=2) for k, r in zip(keys, event_rows[0])]
             values = [torch.cat([v, r], dim=2) for v, r in zip(values, event_rows[1])]
-            positions.append(event_rows[2])
-        return ServedCache(keys, values, torch.cat(positions), None, log.history_end, mode, ids)
+            row_positions.append(event_rows[2])
+        return ServedCache(keys, values, torch.cat(row_positions), None, log.history_end, mode, ids)
     # text: header + served events re-prefilled at contiguous positions
     toks = list(log.header_ids)
     for eid in ids:
@@ -221,4 +306,5 @@ def serve(
         len(toks),
         mode,
         ids,
+        positions,
     )

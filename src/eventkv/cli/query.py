@@ -40,6 +40,12 @@ def query(
     chunk_size: Optional[int] = typer.Option(
         None, "--chunk-size", help="Prefill at most this many tokens per forward."
     ),
+    positions: str = typer.Option(
+        "original",
+        "--positions",
+        help="original | contiguous: served rows at their own positions, or re-rotated right after the header "
+        "with the question right after them (compact, isolated, text).",
+    ),
 ) -> None:
     """Answer a question from the served events' KV rows (prefills the log once, then reuses it)."""
     from eventkv.log import EventLog
@@ -48,7 +54,14 @@ def query(
 
     elog = EventLog.from_jsonl(log, instruction=instruction)
     cands = candidates.split(",") if candidates is not None else []
-    options = dict(mode=mode, candidates=cands, max_new_tokens=max_new_tokens, chunk_size=chunk_size, store=store)
+    options = dict(
+        mode=mode,
+        candidates=cands,
+        max_new_tokens=max_new_tokens,
+        chunk_size=chunk_size,
+        store=store,
+        positions=positions,
+    )
     check_query(elog, serve, question, **options)  # fail before the model loads
     resolve_dtype(dtype, resolve_device(device)[0])
     with console.status(f"loading {model}"):
@@ -57,7 +70,7 @@ def query(
         ans = answer(lm, elog, serve, question, **options)
     console.print(
         f"[dim]{lm.profile.dtype} ({lm.profile.dtype_reason}) on {lm.profile.device} ({lm.profile.device_reason}); "
-        f"served {', '.join(ans.served)} ({mode}): "
+        f"served {', '.join(ans.served)} ({mode}, {positions} positions): "
         f"{ans.n_rows_served} of {ans.n_rows_total} rows; "
         f"EventKV {'reused' if ans.reused else 'prefilled'} at {ans.store}[/dim]"
     )

@@ -25,7 +25,7 @@ from urllib.parse import quote
 from eventkv.errors import EventKVError, OutOfSpace, PurgePending, StoreDamaged
 from eventkv.memory.api import MemoryAPI, SelectSpec
 from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
-from eventkv.serve import ServeMode
+from eventkv.serve import PositionMode, ServeMode
 from eventkv.wire import (
     DEFAULT_NAMESPACE,
     ERRORS,
@@ -337,6 +337,8 @@ class Client:
         max_new_tokens: int = 32,
         *,
         budget_rows: int | None = None,
+        # serving positions
+        positions: PositionMode = "original",
     ) -> MemoryAnswer:
         """As :meth:`EventMemory.query` (``keep_logits`` is library-only: logits do not travel)."""
         from eventkv.readout import CandidateScore, Generation
@@ -349,6 +351,7 @@ class Client:
             "candidates": list(candidates) if candidates else None,
             "max_new_tokens": max_new_tokens,
             "budget_rows": budget_rows,
+            "positions": positions,
         }
         out = self._call("POST", f"{self._base}/query", body)
         return MemoryAnswer(

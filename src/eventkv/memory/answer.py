@@ -10,12 +10,12 @@ import time
 from typing import TYPE_CHECKING, Mapping, Sequence, cast
 
 from eventkv.errors import OptionError
-from eventkv.log import tokenize_query
+from eventkv.log import HEADER_ID, tokenize_query
 from eventkv.memory.records import MemoryAnswer, MemoryRecord
 from eventkv.options import check_max_new_tokens
 from eventkv.prefill import EventKV, check_context
 from eventkv.readout import answer_served
-from eventkv.serve import SERVE_MODES, ServeMode, serve
+from eventkv.serve import SERVE_MODES, PositionMode, ServedCache, ServeMode, check_position_mode, serve
 
 if TYPE_CHECKING:  # pragma: no cover
     from eventkv.models.profile import LoadedModel
@@ -28,12 +28,14 @@ def check_question(question) -> None:
         raise OptionError("question", question, "give a non-empty question.")
 
 
-def check_query(plans: Sequence, max_new_tokens: int, candidates: Sequence[str] | None) -> tuple[list, list[str]]:
+def check_query(
+    plans: Sequence, max_new_tokens: int, candidates: Sequence[str] | None, positions: PositionMode = "original"
+) -> tuple[list, list[str]]:
     """The plans (``(select, mode)`` pairs) and candidates of a query, checked: ``(plans, candidates)``.
 
     Raises:
         OptionError: no plan, a plan that is not a pair or names an unknown mode, ``max_new_tokens`` < 1,
-            empty or repeated candidates.
+            empty or repeated candidates, an unknown ``positions`` or ``"contiguous"`` with a ``native`` plan.
     """
     plans = list(plans)
     if not plans:
@@ -45,6 +47,7 @@ def check_query(plans: Sequence, max_new_tokens: int, candidates: Sequence[str] 
                 plan[1] if isinstance(plan, tuple) and len(plan) == 2 else plan,
                 f"give (select, mode) pairs with mode one of {', '.join(SERVE_MODES)}.",
             )
+        check_position_mode(positions, plan[1])
     check_max_new_tokens(max_new_tokens)
     cands = list(candidates or [])
     if any(not isinstance(c, str) or not c.strip() for c in cands) or len(set(cands)) != len(cands):
@@ -52,9 +55,16 @@ def check_query(plans: Sequence, max_new_tokens: int, candidates: Sequence[str] 
     return plans, cands
 
 
+def served_end(header_len: int, records: Mapping[str, MemoryRecord], served_ids: Sequence[Sequence[str]]) -> int:
+    """The first position after the header and the served rows of the longest served set: where the question
+    starts under ``positions="contiguous"`` (:func:`eventkv.serve.serve`)."""
+    return max(header_len + sum(records[i].n_rows for i in ids) for ids in served_ids)
+
+
 def question_ids(lm: LoadedModel, question: str, history_end: int, max_new_tokens: int) -> list[int]:
     """The question's token ids (chat tail included: :func:`eventkv.log.tokenize_query`), checked to
-    fit after the history (``history_end`` positions) with room for ``max_new_tokens``.
+    fit after the history (``history_end`` positions: the whole history's end, or :func:`served_end` under
+    ``positions="contiguous"``) with room for ``max_new_tokens``.
 
     Raises:
         EventKVError: history plus question beyond the model's context.
@@ -86,6 +96,7 @@ def read_out(
     max_new_tokens: int,
     candidates: Sequence[str],
     keep_logits: bool,
+    positions: PositionMode = "original",
 ) -> list[MemoryAnswer]:
     """Serve ``ekv``'s rows of each served set under its mode and read the question ``q`` out of all of
     them in one batched readout (:func:`eventkv.readout.answer_served`: left-padded, each row at its
@@ -95,11 +106,13 @@ def read_out(
         records: the memory's records by id (the served events' positions and widths).
         isolated: the memo of isolated encodings (``serve(..., isolated_memo=)``), kept by the memory.
         prefill_ms: the lazy prefill's time, reported in every answer's ``timings_ms``.
+        positions: ``original`` | ``contiguous`` (:func:`eventkv.serve.serve`); each answer's ``positions``
+            reports where its events were served.
     """
     caches, serve_ms = [], []
     for ids, mode in zip(served_ids, modes):
         t1 = time.perf_counter()
-        caches.append(serve(ekv, ids, mode, model=lm.model, isolated_memo=isolated))
+        caches.append(serve(ekv, ids, mode, model=lm.model, isolated_memo=isolated, positions=positions))
         serve_ms.append(1e3 * (time.perf_counter() - t1))
     t2 = time.perf_counter()
     outs = answer_served(
@@ -120,10 +133,26 @@ def read_out(
             generation=gen,
             candidates=scores,
             served_ids=list(sc.served),
-            # served events are stored ones: only a forgotten event has no position
-            positions=[(i, cast(int, records[i].position), records[i].width) for i in sc.served],
+            positions=served_positions(ekv, sc, records),
             n_rows_served=sc.n_visible,
             timings_ms={"prefill": prefill_ms, "serve": ms, "decode": decode_ms},
         )
         for sc, ms, (gen, scores) in zip(caches, serve_ms, outs)
     ]
+
+
+def served_positions(
+    ekv: EventKV, served: ServedCache, records: Mapping[str, MemoryRecord]
+) -> list[tuple[str, int, int]]:
+    """``(id, first position, width)`` of each served event where the query saw it: its stored position and
+    width (budget included) at original positions; under ``positions="contiguous"`` its first served
+    position and its rows (a budget's gap is closed up there)."""
+    if served.position_mode == "original" or served.mode == "native":
+        # served events are stored ones: only a forgotten event has no position
+        return [(i, cast(int, records[i].position), records[i].width) for i in served.served]
+    out, row = [], ekv.log.span(HEADER_ID).n_tokens
+    for i in served.served:
+        n = ekv.log.span(i).n_tokens
+        out.append((i, int(served.positions[row]), n))
+        row += n
+    return out

@@ -22,7 +22,7 @@ import builtins
 from typing import Iterable, Literal, Protocol, Sequence, runtime_checkable
 
 from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
-from eventkv.serve import ServeMode
+from eventkv.serve import PositionMode, ServeMode
 
 #: which events a query serves: None (the selector's top ``k`` + pins), ``"view"``, ``"all"``, or ids
 SelectSpec = None | Literal["all", "view"] | Sequence[str]
@@ -79,6 +79,8 @@ class MemoryAPI(Protocol):
         max_new_tokens: int = 32,
         *,
         budget_rows: int | None = None,
+        # serving positions
+        positions: PositionMode = "original",
     ) -> MemoryAnswer: ...
 
     def close(self) -> None: ...

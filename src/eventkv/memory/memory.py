@@ -2,8 +2,9 @@
 globally, materialize locally, serve sparsely").
 
 An agent's history is prefilled once, globally and causally, and its K/V rows are kept; each
-query is answered from the rows of a few events served at their original positions (never
-re-rotated), next to the header; an update is appended as a served **patch** (O(pL + p²) for a
+query is answered from the rows of a few events served at their original positions (by default;
+``positions="contiguous"`` re-rotates them to the positions right after the header, for histories
+past the model's context), next to the header; an update is appended as a served **patch** (O(pL + p²) for a
 p-token patch over an L-token history) instead of rewriting history (O(L²)); every event keeps its
 text, the fallback for what served rows cannot carry.
 
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence, cast
 
 from eventkv.errors import EventKVError, OptionError, OutOfSpace, PurgePending, StoreDamaged
 from eventkv.log import HEADER_ID, Event, TokenizedLog, encode, header_text
-from eventkv.memory.answer import check_query, check_question, question_ids, read_out
+from eventkv.memory.answer import check_query, check_question, question_ids, read_out, served_end
 from eventkv.memory.api import MemoryAPI, SelectSpec
 from eventkv.memory.integrity import damaged
 from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
@@ -49,7 +50,7 @@ from eventkv.memory.store import SCHEMA_VERSION, Store, check_identity, model_id
 from eventkv.memory.table import EventTable
 from eventkv.options import check_optional_int, is_int
 from eventkv.prefill import EventKV, check_context, model_device, prefill
-from eventkv.serve import ServeMode
+from eventkv.serve import PositionMode, ServeMode
 
 if TYPE_CHECKING:  # pragma: no cover
     from eventkv.models.profile import LoadedModel
@@ -861,16 +862,19 @@ class EventMemory:
         *,
         budget_rows: int | None = None,
         keep_logits: bool = False,
+        # serving positions
+        positions: PositionMode = "original",
     ) -> MemoryAnswer:
         """Answer a question from served rows (Study 1, "Setting": sparse serving, then a readout).
 
         Pending events are prefilled first (lazy prefill) and their segment committed; when the
         store's filesystem is full the query is answered from the rows computed in memory, which
         are not kept (the events stay pending; the next query or :meth:`prefill` tries again), so a
-        full disk never fails a read. The served events' rows stay at their
-        original positions (never re-rotated) and the question starts at the first position after
-        the whole history; the answer is the greedy continuation (:func:`eventkv.readout.read_out`),
-        and each candidate's full continuation is scored (nats) when candidates are given.
+        full disk never fails a read. By default the served events' rows stay at their
+        original positions (not re-rotated) and the question starts at the first position after
+        the whole history (``positions="contiguous"`` moves them: see below); the answer is the
+        greedy continuation (:func:`eventkv.readout.read_out`), and each candidate's full
+        continuation is scored (nats) when candidates are given.
 
         Args:
             select: None = :meth:`select` (BM25 top-``k`` + patches + pins); ``"view"`` = :meth:`view_ids`;
@@ -881,6 +885,13 @@ class EventMemory:
                 (at most one copy of each event's rows), as a chunked-encoding store would.
             budget_rows: passed to :meth:`select` when ``select`` is None.
             keep_logits: keep each generated step's logits ``[vocab]`` (float32) in ``generation.logits``.
+            positions: ``"original"`` (default: the served rows at the positions they were computed at, the
+                question after the whole history) or ``"contiguous"``: the header at its positions, the served
+                rows re-rotated to the positions right after it (RoPE re-rotation, :mod:`eventkv.rope`) and the
+                question right after them, so the question's context check counts the served rows, not the
+                history (for histories past the model's context). For ``compact``, ``isolated`` and ``text``
+                (already contiguous); ``native`` refuses it. ``MemoryAnswer.positions`` then reports each
+                event's first served position and its rows.
 
         Returns:
             :class:`MemoryAnswer` (text, generation, candidates, served ids, their positions, rows
@@ -888,9 +899,11 @@ class EventMemory:
 
         Raises:
             OptionError: a blank question, unknown mode or select, ``max_new_tokens`` < 1 or past the
-                context, empty or repeated candidates.
+                context, empty or repeated candidates, an unknown ``positions`` or ``"contiguous"`` with
+                ``native``.
             EventKVError: an unknown or forgotten id, nothing to serve (an empty memory or selection),
-                history + question beyond the model's context.
+                history (served rows, under ``"contiguous"``) + question beyond the model's context, a rope
+                type that cannot be re-rotated (``"contiguous"``: :func:`eventkv.rope.rerotate`).
         """
         return self.query_batch(
             question,
@@ -900,6 +913,7 @@ class EventMemory:
             max_new_tokens=max_new_tokens,
             budget_rows=budget_rows,
             keep_logits=keep_logits,
+            positions=positions,
         )[0]
 
     def query_batch(
@@ -912,6 +926,8 @@ class EventMemory:
         max_new_tokens: int = 32,
         budget_rows: int | None = None,
         keep_logits: bool = False,
+        # serving positions
+        positions: PositionMode = "original",
     ) -> builtins.list[MemoryAnswer]:
         """Answer one question under several serving plans in one batched readout: e.g. the same
         selection served as rows and re-prefilled as text, side by side. Each plan is a
@@ -920,6 +936,9 @@ class EventMemory:
         answers equal separate :meth:`query` calls within float tolerance (tested: greedy tokens
         equal, logits within 1e-4 in float32) while decoding costs about one batched pass instead of
         one pass per plan — decode on a CPU reads the weights once per step whatever the batch size.
+
+        ``positions`` applies to every plan (as in :meth:`query`); under ``"contiguous"`` the question's
+        context check counts the largest plan's header and served rows.
 
         Returns:
             one :class:`MemoryAnswer` per plan, in order. ``timings_ms``: ``prefill`` (lazy prefill,
@@ -930,7 +949,7 @@ class EventMemory:
         """
         self._check_open()
         check_question(question)
-        plans, cands = check_query(plans, max_new_tokens, candidates)
+        plans, cands = check_query(plans, max_new_tokens, candidates, positions)
         served_ids = []
         for select, _ in plans:
             ids = self._served_ids(question, select, k, budget_rows)
@@ -941,7 +960,9 @@ class EventMemory:
                     else f"the served set is empty (select={select!r}): give event ids, 'view' or 'all'."
                 )
             served_ids.append(ids)
-        q = question_ids(self.lm, question, self._history_end(), max_new_tokens)
+        records = {r.id: r for r in self._recs}
+        end = self._history_end() if positions == "original" else served_end(len(self.header_ids), records, served_ids)
+        q = question_ids(self.lm, question, end, max_new_tokens)
         t0 = time.perf_counter()
         ekv, start, seqs = self._pending()
         if seqs:
@@ -957,12 +978,13 @@ class EventMemory:
             served_ids,
             [mode for _, mode in plans],
             q,
-            records={r.id: r for r in self._recs},
+            records=records,
             isolated=self._rows.isolated,
             prefill_ms=prefill_ms,
             max_new_tokens=max_new_tokens,
             candidates=cands,
             keep_logits=keep_logits,
+            positions=positions,
         )
 
     def event_log(self, select: SelectSpec = "all"):

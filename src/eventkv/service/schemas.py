@@ -111,6 +111,8 @@ class QueryIn(_Body):
     )
     max_new_tokens: MaxNewTokens = 32
     budget_rows: BudgetRows | None = None
+    # serving positions (eventkv.serve): "contiguous" re-rotates the served rows right after the header
+    positions: Literal["original", "contiguous"] = "original"
 
 
 # ---------------------------------------------------------------------- responses
