@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.memory.select import Ranked, SelectionContext, check_k, check_texts, ranked
+from eventkv.memory.select import ScoringSelector, SelectionContext, check_texts
 from eventkv.models.sentence import DEFAULT_SENTENCE_MODEL, canonical_name
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -59,10 +59,11 @@ def embed(texts: Sequence[str], model: str = DEFAULT_SENTENCE_MODEL, device: str
     return v / np.where(norms > 0, norms, 1).astype(np.float32)
 
 
-class DenseSelector:
+class DenseSelector(ScoringSelector):
     """Cosine similarity of sentence embeddings (module docstring; Sentence-BERT, arXiv 1908.10084):
     each event's text and the question are embedded by ``model``, the events scored by the dot
-    product of the unit vectors (the cosine, in [-1, 1]), best first, ties by history order.
+    product of the unit vectors (the cosine, in [-1, 1]) and ranked best first, ties by history
+    order, ``k`` and ``budget`` honoured (:class:`eventkv.memory.select.ScoringSelector`).
 
     Args:
         model: a sentence-transformers model: ``"all-MiniLM-L6-v2"`` (the default, packaged: fetched
@@ -122,23 +123,3 @@ class DenseSelector:
                 "another name (its directory path)."
             )
         return (vectors @ q).astype(np.float32)
-
-    def rank(
-        self,
-        question: str,
-        events: Sequence[MemoryRecord],
-        k: int | None = None,
-        budget: int | None = None,
-        *,
-        context: SelectionContext | None = None,
-    ) -> list[Ranked]:
-        """The events best first by cosine (see :class:`eventkv.memory.select.Selector` and :meth:`scores`).
-
-        Raises:
-            EventKVError: as :meth:`scores`.
-            OptionError: ``k`` not a whole number >= 1.
-        """
-        if k is not None:
-            check_k(k)  # before any embedding is computed
-        events = list(events)
-        return ranked(events, self.scores(question, events, context), k, budget)

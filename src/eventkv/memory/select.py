@@ -191,11 +191,18 @@ class Selector(Protocol):
     ) -> list[Ranked]: ...
 
 
-class BM25Selector:
-    """BM25 over the events' texts (:func:`scores`: bm25s, Lucene variant, k1 = 1.5, b = 0.75,
-    English stopwords); ties by history order (:func:`rank`)."""
+class ScoringSelector:
+    """A selector that gives every event a score (:meth:`scores`, higher is better) and ranks by it:
+    best first, ties by history order, ``k`` and ``budget`` as :class:`Selector` says (:func:`ranked`).
+    Subclasses define ``name`` and :meth:`scores`."""
 
-    name = "bm25"
+    name: str
+
+    def scores(
+        self, question: str, events: Sequence[MemoryRecord], context: SelectionContext | None = None
+    ) -> np.ndarray:
+        """``[len(events)]`` float32 scores of the events for ``question``, in event order."""
+        raise NotImplementedError
 
     def rank(
         self,
@@ -206,14 +213,33 @@ class BM25Selector:
         *,
         context: SelectionContext | None = None,
     ) -> list[Ranked]:
-        """The events best first (see :class:`Selector`; BM25 reads only the texts, not ``context``).
+        """The events best first by :meth:`scores` (see :class:`Selector`).
+
+        Raises:
+            EventKVError: as :meth:`scores` (no events, a blank question, an event without text...).
+            OptionError: ``k`` not a whole number >= 1 (checked before any score is computed).
+        """
+        if k is not None:
+            check_k(k)
+        events = list(events)
+        return ranked(events, self.scores(question, events, context), k, budget)
+
+
+class BM25Selector(ScoringSelector):
+    """BM25 over the events' texts (:func:`scores`: bm25s, Lucene variant, k1 = 1.5, b = 0.75,
+    English stopwords); ties by history order (:func:`rank`)."""
+
+    name = "bm25"
+
+    def scores(
+        self, question: str, events: Sequence[MemoryRecord], context: SelectionContext | None = None
+    ) -> np.ndarray:
+        """BM25 score of each event's text (:func:`scores`; BM25 reads only the texts, not ``context``).
 
         Raises:
             EventKVError: no events, a blank question, an event without text.
-            OptionError: ``k`` not a whole number >= 1.
         """
-        events = list(events)
-        return ranked(events, scores([e.text for e in events], question), k, budget)
+        return scores([e.text for e in events], question)
 
 
 def selector_for(selector: Selector | str) -> Selector:
