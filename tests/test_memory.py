@@ -136,7 +136,7 @@ def test_store_layout_and_manifest(llama, tmp_path):
         mem.add(EVENTS[2:], prefill=True)
         st = mem.stats()
     man = json.loads((d / MANIFEST).read_text())
-    assert man["schema"] == 2 and man["namespace"] == "agent-1" and man["instruction"] == "Be brief."
+    assert man["schema"] == 3 and man["namespace"] == "agent-1" and man["instruction"] == "Be brief."
     assert man["weights_digest"] == "tiny-llama-0" and man["dtype"] == "float32"
     assert len(man["tokenizer_digest"]) == 64 and len(man["chat_template_digest"]) == 64
     files = sorted(p.name for p in (d / SEGMENTS).iterdir())

@@ -196,6 +196,7 @@ def test_every_write_path_seals_what_it_writes(lm, tmp_path):
 
 def schema_1(d: Path) -> None:
     """Turn a store into one as eventkv wrote it before checksums (schema 1)."""
+    sql(d, "DROP TABLE embeddings")
     sql(d, "ALTER TABLE events DROP COLUMN checksum")
     sql(d, "DELETE FROM meta WHERE key = 'manifest_checksum'")
     m = json.loads((d / MANIFEST).read_text())
@@ -209,7 +210,7 @@ def test_a_schema_1_store_is_upgraded_by_the_writer_and_checked_from_then_on(lm,
     assert read_memory(d).table.list(include_superseded=True) == want  # readable before the upgrade
     with EventMemory.open(d, lm) as mem:
         assert mem.list(include_superseded=True) == want
-    assert json.loads((d / MANIFEST).read_text())["schema"] == 2
+    assert json.loads((d / MANIFEST).read_text())["schema"] == 3
     assert read_memory(d).table.list(include_superseded=True) == want
     sql(d, "UPDATE events SET text = replace(text, 'Lisbon', 'Madrid') WHERE id = 'e1'")
     with pytest.raises(StoreDamaged, match="event 'e1'"):
@@ -223,15 +224,15 @@ def test_a_schema_1_store_is_upgraded_by_the_writer_and_checked_from_then_on(lm,
     (d2 / MANIFEST).write_text(json.dumps({**m, "schema": 1}))
     with EventMemory.open(d2, lm) as mem:
         assert [r.id for r in mem.list()] == ["e1", "e3", "ravi~1"]
-    assert json.loads((d2 / MANIFEST).read_text())["schema"] == 2
+    assert json.loads((d2 / MANIFEST).read_text())["schema"] == 3
 
 
 def test_a_newer_schema_is_refused_as_such_not_as_damage(lm, tmp_path):
     d = build(tmp_path / "m", lm)
     m = json.loads((d / MANIFEST).read_text())
-    (d / MANIFEST).write_text(json.dumps({**m, "schema": 3}))
+    (d / MANIFEST).write_text(json.dumps({**m, "schema": 4}))
     for read in (lambda: read_memory(d), lambda: EventMemory.open(d, lm)):
-        with pytest.raises(EventKVError, match="schema version 3, this eventkv reads 1, 2") as e:
+        with pytest.raises(EventKVError, match="schema version 4, this eventkv reads 1, 2, 3") as e:
             read()
         assert not isinstance(e.value, StoreDamaged)
 

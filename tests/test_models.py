@@ -273,7 +273,7 @@ def test_pip_failure_names_package_and_quotes_pip(tmp_path, monkeypatch):
 
     monkeypatch.setattr(fetch.subprocess, "run", fake_run)
     with pytest.raises(EventKVError, match=r"'nopkg==9'.*No matching distribution"):
-        fetch._pip_download("nopkg==9", tmp_path)
+        fetch.pip_download("nopkg==9", tmp_path)
 
 
 # --------------------------------------------------------------------------------------------

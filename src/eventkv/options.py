@@ -277,9 +277,10 @@ them and ``explicit``."""
 
 SELECTORS: Registry = Registry(
     "selector",
-    {"bm25": "eventkv.memory.select:BM25Selector"},
+    {"bm25": "eventkv.memory.select:BM25Selector", "dense": "eventkv.memory.dense:DenseSelector"},
     field="selector",
     allowed=lambda names: f"give one of {', '.join(sorted(names))}, or a Selector.",
 )
 """What ``selector=`` of :class:`eventkv.memory.EventMemory` accepts by name: the selector classes of
-:mod:`eventkv.memory.select` (each ranks a memory's events for a question)."""
+:mod:`eventkv.memory.select` (BM25) and :mod:`eventkv.memory.dense` (sentence embeddings), each
+constructible with no arguments (each ranks a memory's events for a question)."""

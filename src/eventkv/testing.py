@@ -164,6 +164,39 @@ def tiny_sentencepiece_tokenizer(prefix_space: bool = False, chat_template: str 
     return fast
 
 
+def tiny_sentence_model(directory, seed: int = 0, dim: int = 32):
+    """Save a tiny random sentence-transformers model in ``directory`` and return its path (for tests of
+    the dense selector): a 1-layer BERT (``dim`` hidden units, random weights from ``seed``) over the
+    byte-level :func:`tiny_tokenizer`, mean pooling, L2 normalization (the layout of all-MiniLM-L6-v2's
+    modules). Its vectors are ``[dim]``; their similarities mean nothing."""
+    from pathlib import Path
+
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    from transformers import BertConfig, BertModel
+
+    from eventkv.models.progress import quiet_transformers
+
+    out = Path(directory)
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=TINY_VOCAB,
+        hidden_size=dim,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=2 * dim,
+        max_position_embeddings=256,
+    )
+    with quiet_transformers():
+        BertModel(config).save_pretrained(out / "bert")
+        tok = tiny_tokenizer()
+        tok.pad_token = tok.eos_token
+        tok.save_pretrained(out / "bert")
+        modules = [Transformer(str(out / "bert")), Pooling(dim, "mean"), Normalize()]
+        SentenceTransformer(modules=modules, device="cpu").save(str(out / "model"))
+    return out / "model"
+
+
 def tiny_lm(family: str = "llama", seed: int = 0):
     """A ``LoadedModel`` of a tiny random ``family`` model with :func:`tiny_tokenizer` (for tests)."""
     from eventkv.models import LoadedModel, profile_for

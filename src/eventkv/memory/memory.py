@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence, cast
 
+import numpy as np
+
 from eventkv.errors import EventKVError, OptionError, OutOfSpace, PurgePending, StoreDamaged
 from eventkv.log import HEADER_ID, Event, TokenizedLog, encode, header_text
 from eventkv.memory.answer import check_query, check_question, question_ids, read_out, served_end
@@ -330,9 +332,11 @@ class EventMemory:
             added.append(Added(eid, pos, width))
             seq, pos, row = seq + 1, pos + width, row + len(toks)
         check_context(pos, self.lm.profile.max_context, what=f"history after adding {len(rows)} event(s)")
+        store_vectors = self._vectors_at_add([r.id for r in rows], [r.text for r in rows])
 
         def insert(tx: Writes) -> None:
             tx.insert_events(rows)
+            store_vectors(tx)
 
         new_rows = None
         if prefill:
@@ -722,8 +726,11 @@ class EventMemory:
             check_context(log.history_end, self.lm.profile.max_context)
             ekv = self._compute(log, None)
 
+        store_vectors = self._vectors_at_add([r.id for r in rows], [r.text for r in rows])
+
         def write(tx: Writes) -> None:
             tx.replace_history(rows)
+            store_vectors(tx)
             tx.mark_purge()  # the dropped events' text
 
         self._commit(write, (ekv, 0, [r.seq for r in rows]), drop_files=old_files)
@@ -815,7 +822,48 @@ class EventMemory:
     def _selection_context(self) -> SelectionContext:
         """What a selector may read (:class:`eventkv.memory.select.SelectionContext`); the rows are
         prefilled only when a selector asks for them."""
-        return SelectionContext(lm=self.lm, rows=self._rows_prefilled, history_end=self._history_end())
+        return SelectionContext(
+            lm=self.lm, rows=self._rows_prefilled, embeddings=self._embeddings, history_end=self._history_end()
+        )
+
+    # ------------------------------------------------------------------ sentence embeddings (eventkv.memory.dense)
+    def _embed(self, texts: Sequence[str], model: str) -> np.ndarray:
+        """``[len(texts), dim]`` float32 unit vectors under ``model``, on the memory's selector's
+        ``embedding_device`` when it is that selector's model, else on the CPU."""
+        from eventkv.memory.dense import embed
+
+        own = getattr(self.selector, "embedding_model", None) == model
+        return embed(texts, model, getattr(self.selector, "embedding_device", "cpu") if own else "cpu")
+
+    def _vectors_at_add(self, ids: Sequence[str], texts: Sequence[str]) -> Callable[[Writes], None]:
+        """The write that stores new events' vectors in their add's transaction, computed now: under
+        the memory's selector's ``embedding_model`` (None or absent: nothing to store)."""
+        model = getattr(self.selector, "embedding_model", None)
+        if not model or not ids:
+            return lambda tx: None
+        vectors = self._embed(texts, model)
+        return lambda tx: tx.insert_embeddings(model, ids, vectors)
+
+    def _embeddings(self, events: Sequence[MemoryRecord], model: str) -> np.ndarray:
+        """``SelectionContext.embeddings``: the events' stored vectors under ``model``, ``[len(events),
+        dim]`` float32 unit rows; an event without one is embedded now and its vector stored (on a full
+        disk it is used unstored, and computed again next time)."""
+        ids = [e.id for e in events]
+        vectors = self.store.embeddings(model, ids)
+        missing = [e for e in events if e.id not in vectors]
+        if missing:
+            computed = self._embed([cast(str, e.text) for e in missing], model)
+            vectors.update(zip([e.id for e in missing], computed))
+            known = [(e.id, v) for e, v in zip(missing, computed) if e.id in self._by_id]
+            if known:
+                with contextlib.suppress(OutOfSpace):
+                    self._commit(
+                        lambda tx: tx.insert_embeddings(model, [i for i, _ in known], np.stack([v for _, v in known])),
+                        bump=False,
+                    )
+        if not ids:
+            return np.zeros((0, 0), dtype=np.float32)
+        return np.stack([vectors[i] for i in ids])
 
     def _rows_prefilled(self) -> EventKV:
         """The stored history's rows with every pending event prefilled (committed; on a full disk the

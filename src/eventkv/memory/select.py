@@ -55,8 +55,8 @@ def scores(texts: Sequence[str | None], question: str) -> np.ndarray:
         EventKVError: no texts, or a blank question (see :func:`rank`).
     """
     texts = list(texts)
-    _check(texts, question)
-    checked = cast("list[str]", texts)  # _check refused every text that is not a string
+    check_texts(texts, question, "BM25")
+    checked = cast("list[str]", texts)  # check_texts refused every text that is not a string
     corpus = tokens(checked)
     query = tokens([question])[0]
     if not any(corpus) or not query:
@@ -87,17 +87,19 @@ def rank(texts: list[str], question: str, k: int) -> list[int]:
         EventKVError: ``texts`` is empty or ``question`` is blank.
         OptionError: ``k`` is not a whole number >= 1.
     """
-    _check_k(k)
-    return _best_first(scores(texts, question))[:k]
+    check_k(k)
+    return best_first(scores(texts, question))[:k]
 
 
-def _check_k(k) -> None:
+def check_k(k) -> None:
+    """Refuse a ``k`` that is not a whole number >= 1 (:class:`OptionError` naming ``k``)."""
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise OptionError("k", k, "select at least 1 text (a whole number >= 1).")
 
 
-def _best_first(s: np.ndarray) -> list[int]:
-    """Indices by score, highest first; equal scores by the lower index first."""
+def best_first(s: np.ndarray) -> list[int]:
+    """Indices of the scores ``s`` (``[n]``) by score, highest first; equal scores by the lower index
+    first (history order)."""
     order = np.lexsort((np.arange(len(s)), -s.astype(np.float64)))  # last key first: score desc, then index
     return [int(i) for i in order]
 
@@ -112,6 +114,24 @@ def within_budget(items: Sequence, rows: Sequence[int], budget: int, used: int =
         kept.append(item)
         used += n
     return kept
+
+
+def ranked(events: Sequence[MemoryRecord], s: np.ndarray, k: int | None, budget: int | None) -> list[Ranked]:
+    """The :class:`Selector` contract's result from each event's score ``s`` (``[len(events)]``,
+    higher is better): best first with ties by history order (:func:`best_first`), the top ``k``
+    (None: all), then cut at the first event whose rows do not fit ``budget`` (rows, header excluded;
+    :func:`within_budget`).
+
+    Raises:
+        OptionError: ``k`` not a whole number >= 1.
+    """
+    order = best_first(s)
+    if k is not None:
+        check_k(k)
+        order = order[:k]
+    if budget is not None:
+        order = within_budget(order, [events[i].n_rows for i in order], budget)
+    return [Ranked(events[i].id, float(s[i])) for i in order]
 
 
 @dataclass(frozen=True)
@@ -171,11 +191,18 @@ class Selector(Protocol):
     ) -> list[Ranked]: ...
 
 
-class BM25Selector:
-    """BM25 over the events' texts (:func:`scores`: bm25s, Lucene variant, k1 = 1.5, b = 0.75,
-    English stopwords); ties by history order (:func:`rank`)."""
+class ScoringSelector:
+    """A selector that gives every event a score (:meth:`scores`, higher is better) and ranks by it:
+    best first, ties by history order, ``k`` and ``budget`` as :class:`Selector` says (:func:`ranked`).
+    Subclasses define ``name`` and :meth:`scores`."""
 
-    name = "bm25"
+    name: str
+
+    def scores(
+        self, question: str, events: Sequence[MemoryRecord], context: SelectionContext | None = None
+    ) -> np.ndarray:
+        """``[len(events)]`` float32 scores of the events for ``question``, in event order."""
+        raise NotImplementedError
 
     def rank(
         self,
@@ -186,21 +213,33 @@ class BM25Selector:
         *,
         context: SelectionContext | None = None,
     ) -> list[Ranked]:
-        """The events best first (see :class:`Selector`; BM25 reads only the texts, not ``context``).
+        """The events best first by :meth:`scores` (see :class:`Selector`).
+
+        Raises:
+            EventKVError: as :meth:`scores` (no events, a blank question, an event without text...).
+            OptionError: ``k`` not a whole number >= 1 (checked before any score is computed).
+        """
+        if k is not None:
+            check_k(k)
+        events = list(events)
+        return ranked(events, self.scores(question, events, context), k, budget)
+
+
+class BM25Selector(ScoringSelector):
+    """BM25 over the events' texts (:func:`scores`: bm25s, Lucene variant, k1 = 1.5, b = 0.75,
+    English stopwords); ties by history order (:func:`rank`)."""
+
+    name = "bm25"
+
+    def scores(
+        self, question: str, events: Sequence[MemoryRecord], context: SelectionContext | None = None
+    ) -> np.ndarray:
+        """BM25 score of each event's text (:func:`scores`; BM25 reads only the texts, not ``context``).
 
         Raises:
             EventKVError: no events, a blank question, an event without text.
-            OptionError: ``k`` not a whole number >= 1.
         """
-        events = list(events)
-        s = scores([e.text for e in events], question)
-        order = _best_first(s)
-        if k is not None:
-            _check_k(k)
-            order = order[:k]
-        if budget is not None:
-            order = within_budget(order, [events[i].n_rows for i in order], budget)
-        return [Ranked(events[i].id, float(s[i])) for i in order]
+        return scores([e.text for e in events], question)
 
 
 def selector_for(selector: Selector | str) -> Selector:
@@ -216,14 +255,16 @@ def selector_for(selector: Selector | str) -> Selector:
     return selector
 
 
-def _check(texts: Sequence[str | None], question: str) -> None:
+def check_texts(texts: Sequence[str | None], question: str, what: str) -> None:
+    """Refuse what no selector ranks: no texts, a text that is not a string, a blank question
+    (:class:`EventKVError` naming the ``what`` selection, e.g. ``"BM25"``, and the bad value)."""
     if not texts:
-        raise EventKVError("BM25 selection got no texts to rank: give at least one event text.")
+        raise EventKVError(f"{what} selection got no texts to rank: give at least one event text.")
     bad = [i for i, t in enumerate(texts) if not isinstance(t, str)]
     if bad:
         raise EventKVError(
-            f"BM25 selection got a text that is not a string at index {bad[0]} "
+            f"{what} selection got a text that is not a string at index {bad[0]} "
             f"({type(texts[bad[0]]).__name__}): give every event's text as a string."
         )
     if not isinstance(question, str) or not question.strip():
-        raise EventKVError(f"BM25 selection got the question {question!r}: give a non-empty question.")
+        raise EventKVError(f"{what} selection got the question {question!r}: give a non-empty question.")

@@ -19,7 +19,20 @@ from typing import Iterable, Sequence
 
 from eventkv.memory.integrity import MANIFEST_CHECKSUM, damaged, event_checksum, guard
 
-SCHEMA = """
+#: the sentence embeddings of the events' texts (the dense selector's), one row per event and model;
+#: deleted with the event's row (rebase) and by forget; a patch has its own
+EMBEDDINGS_TABLE = """
+CREATE TABLE IF NOT EXISTS embeddings (
+    event_id TEXT NOT NULL REFERENCES events(id) ON DELETE CASCADE,
+    model TEXT NOT NULL,              -- the sentence model's name (DenseSelector.embedding_model)
+    dim INTEGER NOT NULL,
+    vector BLOB NOT NULL,             -- dim float32, little-endian, L2 norm 1
+    PRIMARY KEY (event_id, model)
+);
+"""
+
+SCHEMA = (
+    """
 CREATE TABLE IF NOT EXISTS events (
     seq INTEGER PRIMARY KEY,          -- history order, never reused
     id TEXT NOT NULL UNIQUE,
@@ -52,6 +65,8 @@ CREATE TABLE IF NOT EXISTS segments (
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
+    + EMBEDDINGS_TABLE
+)
 
 #: the columns a new event row is written with (the rest keep their defaults: not deleted, not
 #: forgotten, no segment yet, no checksum until :func:`seal_events`)
@@ -147,13 +162,15 @@ def rollback(conn: sqlite3.Connection) -> None:
     conn.execute("ROLLBACK")
 
 
-def add_checksums(conn: sqlite3.Connection, manifest_checksum: str) -> None:
-    """Inside a transaction: a schema-1 database to schema 2 (the ``checksum`` column, every stored
-    event sealed, the manifest's checksum recorded unless one is)."""
+def upgrade(conn: sqlite3.Connection, manifest_checksum: str) -> None:
+    """Inside a transaction: a schema-1 or schema-2 database to schema 3. Schema 1 to 2: the ``checksum``
+    column, every stored event sealed, the manifest's checksum recorded unless one is; 2 to 3: the
+    ``embeddings`` table, empty (vectors are computed at their first need). Idempotent."""
     if not has_checksums(conn):
         conn.execute("ALTER TABLE events ADD COLUMN checksum TEXT")
     seal_events(conn)
     conn.execute("INSERT OR IGNORE INTO meta VALUES (?, ?)", (MANIFEST_CHECKSUM, manifest_checksum))
+    conn.execute(EMBEDDINGS_TABLE)
 
 
 def seal_events(conn: sqlite3.Connection) -> int:
@@ -201,6 +218,19 @@ def read_meta(directory: str | Path, conn: sqlite3.Connection, key: str) -> str 
 def event_rows(conn: sqlite3.Connection) -> list[sqlite3.Row]:
     """Every row of the ``events`` table, in history order."""
     return conn.execute("SELECT * FROM events ORDER BY seq").fetchall()
+
+
+def embedding_rows(conn: sqlite3.Connection, model: str, ids: Sequence[str]) -> list[sqlite3.Row]:
+    """The stored vectors of the events ``ids`` under ``model`` (``event_id, dim, vector``); an event
+    without one has no row."""
+    rows: list[sqlite3.Row] = []
+    for i in range(0, len(ids), 500):  # SQLite's limit on bound parameters
+        chunk = list(ids[i : i + 500])
+        marks = ", ".join("?" * len(chunk))
+        rows += conn.execute(
+            f"SELECT event_id, dim, vector FROM embeddings WHERE model = ? AND event_id IN ({marks})", [model, *chunk]
+        ).fetchall()
+    return rows
 
 
 def segment_rows(conn: sqlite3.Connection) -> list[sqlite3.Row]:
@@ -255,6 +285,15 @@ class Writes:
     def insert_events(self, rows: Sequence[EventRow]) -> None:
         self._conn.executemany(INSERT_EVENT, [r.values() for r in rows])
 
+    def insert_embeddings(self, model: str, ids: Sequence[str], vectors) -> None:
+        """Store the vectors of the events ``ids`` under ``model`` (``vectors``: ``[len(ids), dim]``
+        float32 numpy rows), replacing any stored ones."""
+        dim = int(vectors.shape[1])
+        self._conn.executemany(
+            "INSERT OR REPLACE INTO embeddings (event_id, model, dim, vector) VALUES (?, ?, ?, ?)",
+            [(i, model, dim, v.astype("<f4").tobytes()) for i, v in zip(ids, vectors)],
+        )
+
     def mark_deleted(self, seq: int) -> None:
         self._conn.execute("UPDATE events SET deleted = 1 WHERE seq = ?", (seq,))
 
@@ -279,7 +318,12 @@ class Writes:
         self._conn.execute("DELETE FROM segments WHERE file = ?", (file,))
 
     def forget_events(self, seqs: Iterable[int]) -> None:
-        """Erase the events ``seqs`` down to a forgotten marker (id, kind and creation time kept)."""
+        """Erase the events ``seqs`` down to a forgotten marker (id, kind and creation time kept), their
+        sentence embeddings deleted."""
+        seqs = list(seqs)
+        self._conn.executemany(
+            "DELETE FROM embeddings WHERE event_id = (SELECT id FROM events WHERE seq = ?)", [(q,) for q in seqs]
+        )
         self._conn.executemany(
             "UPDATE events SET text = NULL, role = NULL, tags = '[]', budget = NULL, token_ids = NULL, "
             "position = NULL, width = 0, row_start = NULL, n_rows = 0, segment = NULL, forgotten = 1, "
@@ -291,7 +335,8 @@ class Writes:
         self._conn.execute("UPDATE events SET position = ?, row_start = ? WHERE seq = ?", (position, row_start, seq))
 
     def replace_history(self, rows: Sequence[EventRow]) -> None:
-        """Drop every stored event (forgotten markers stay) and every segment row, then insert ``rows``."""
+        """Drop every stored event (forgotten markers stay) with its embeddings and every segment row, then
+        insert ``rows``."""
         self._conn.execute("DELETE FROM events WHERE forgotten = 0")
         self._conn.execute("DELETE FROM segments")
         self.insert_events(rows)

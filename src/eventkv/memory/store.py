@@ -5,9 +5,11 @@ Layout of a store directory::
     manifest.json            schema version, namespace, model name, weights / tokenizer / chat-template
                              digests, dtype, instruction, header token ids (written once, atomically)
     memory.sqlite (+ -wal)   stdlib sqlite3, WAL journal, synchronous=FULL, secure_delete=ON:
-                             tables events, segments, meta (:data:`eventkv.memory.sql.SCHEMA`); every stored event row
-                             carries a checksum of its text, token ids and fields, and meta the
-                             manifest's checksum (:mod:`eventkv.memory.integrity`)
+                             tables events, segments, meta, embeddings (:data:`eventkv.memory.sql.SCHEMA`);
+                             every stored event row carries a checksum of its text, token ids and
+                             fields, and meta the manifest's checksum (:mod:`eventkv.memory.integrity`);
+                             embeddings holds sentence vectors of event texts (the dense selector's,
+                             :mod:`eventkv.memory.dense`), derived data without checksums
     segments/NNNNNN.safetensors
                              one file per prefill call: ``keys.{layer}`` / ``values.{layer}``
                              ``[kv_heads, rows, head_dim]`` and ``positions`` ``[rows]`` int64; never
@@ -26,10 +28,12 @@ page that does not read, a checksum that does not match, a manifest or field tha
 segment file missing, short or unreadable) raises :class:`eventkv.errors.StoreDamaged` naming the
 memory and the damaged part; :meth:`Store.open` also runs SQLite's ``PRAGMA quick_check``.
 
-Schema versions: 2 (event and manifest checksums). A store of schema 1 (written before checksums
-existed) is upgraded by the first :meth:`Store.open`: the ``checksum`` column is added and every
-stored event and the manifest are sealed as they are then (one transaction), and the manifest is
-rewritten with ``schema`` 2. Damage done before that open cannot be told from the content.
+Schema versions: 2 (event and manifest checksums), 3 (the ``embeddings`` table). A store of an older
+schema is upgraded by the first :meth:`Store.open` (one transaction, then the manifest is rewritten
+with ``schema`` 3): from schema 1 (written before checksums existed) the ``checksum`` column is added
+and every stored event and the manifest are sealed as they are then (damage done before that open
+cannot be told from the content); from schema 2 the empty ``embeddings`` table is added (the vectors
+are computed at their first need and stored).
 
 All or nothing: a write that fails (a full filesystem included, raised as
 :class:`eventkv.errors.OutOfSpace`) rolls its transaction back and removes the segment file it
@@ -55,6 +59,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -66,9 +71,9 @@ from eventkv.memory.integrity import MANIFEST_CHECKSUM, check_manifest, damaged,
 if TYPE_CHECKING:  # pragma: no cover
     from eventkv.models.profile import LoadedModel
 
-SCHEMA_VERSION = 2
-#: schema versions this eventkv opens (1: upgraded on open, see the module docstring)
-READABLE_SCHEMAS = (1, 2)
+SCHEMA_VERSION = 3
+#: schema versions this eventkv opens (1 and 2: upgraded on open, see the module docstring)
+READABLE_SCHEMAS = (1, 2, 3)
 MANIFEST = "manifest.json"
 DATABASE = "memory.sqlite"
 SEGMENTS = "segments"
@@ -381,15 +386,16 @@ class Store:
         sql.read_version(self.directory, self.conn)
 
     def upgrade(self) -> None:
-        """Upgrade a schema-1 store to schema 2 in place (writer lock held): add the ``checksum`` column,
-        seal every stored event and the manifest as they are (one transaction, the version unchanged),
-        then rewrite the manifest with ``schema`` 2. Idempotent: a kill between the commit and the
-        manifest's rewrite is finished by the next open."""
+        """Upgrade a schema-1 or schema-2 store to schema 3 in place (writer lock held): one transaction
+        (the version unchanged) of :func:`eventkv.memory.sql.upgrade` (checksums of every stored event and
+        the manifest as they are, for schema 1; the ``embeddings`` table), then rewrite the manifest with
+        ``schema`` 3. Idempotent: a kill between the commit and the manifest's rewrite is finished by the
+        next open."""
         d = self.directory
         with guard(d):
             sql.begin(self.conn)
             try:
-                sql.add_checksums(self.conn, manifest_checksum(self.manifest))
+                sql.upgrade(self.conn, manifest_checksum(self.manifest))
                 sql.commit(self.conn)
             except BaseException:
                 if self.conn.in_transaction:
@@ -450,6 +456,25 @@ class Store:
         """
         with guard(self.directory):
             return sql.event_rows(self.conn)
+
+    def embeddings(self, model: str, ids: Sequence[str]) -> dict[str, np.ndarray]:
+        """The stored sentence vectors of the events ``ids`` under ``model``: ``{id: [dim] float32}``
+        (an event without one is absent).
+
+        Raises:
+            StoreDamaged: the database does not read, or a vector's bytes are not ``dim`` float32s.
+        """
+        with guard(self.directory):
+            rows = sql.embedding_rows(self.conn, model, ids)
+        out = {}
+        for r in rows:
+            dim, blob = r["dim"], r["vector"]
+            if not isinstance(dim, int) or dim < 1 or not isinstance(blob, bytes) or len(blob) != 4 * dim:
+                raise damaged(
+                    self.directory, f"event {r['event_id']!r}: its {model!r} embedding is not {dim!r} float32 values"
+                )
+            out[r["event_id"]] = np.frombuffer(blob, dtype="<f4").astype(np.float32)
+        return out
 
     def data_version(self) -> int:
         """SQLite's ``PRAGMA data_version``: moves when another connection (another process, an

