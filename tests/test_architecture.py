@@ -25,6 +25,7 @@ LAYERS = (
         "eventkv.prefill",
         "eventkv.batched",
         "eventkv.serve",
+        "eventkv.blend",
         "eventkv.readout",
         "eventkv.query",
         "eventkv.testing",

@@ -17,8 +17,14 @@ Modes:
   streaming encoding produces). Compact layout.
 * ``text`` — control: the header and the served events re-prefilled as plain text at
   contiguous positions; the query follows right after (the comprehension arm).
+* ``blend`` — selective recompute (CacheBlend, Yao et al. 2024, arXiv 2405.16444): the compact
+  rows, with the ``recompute`` fraction (default 0.15) of served event tokens whose K/V deviate most
+  on an early layer, once the served events see only each other, re-prefilled through every layer
+  at their original positions; the rest reused (:mod:`eventkv.blend`). ``recompute=0`` is
+  ``compact``; ``recompute=1`` equals a fresh prefill of header + served events at their original
+  positions. Compact layout.
 
-In compact, native and isolated modes the query starts at the first position after the
+In compact, native, isolated and blend modes the query starts at the first position after the
 *full* history (``log.history_end``).
 """
 
@@ -30,6 +36,7 @@ from typing import TYPE_CHECKING, Literal, MutableMapping, Sequence, get_args
 import torch
 from transformers import DynamicCache
 
+from eventkv.blend import blend, check_recompute
 from eventkv.errors import EventKVError
 from eventkv.log import HEADER_ID
 from eventkv.prefill import EventKV, LayerRows, cache_from_rows, cache_kv, model_device, model_forward
@@ -37,7 +44,7 @@ from eventkv.prefill import EventKV, LayerRows, cache_from_rows, cache_kv, model
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-ServeMode = Literal["compact", "native", "isolated", "text"]
+ServeMode = Literal["compact", "native", "isolated", "text", "blend"]
 """How a served set is presented to the query (see the module docstring)."""
 SERVE_MODES: tuple[ServeMode, ...] = get_args(ServeMode)
 ALL = "all"
@@ -121,26 +128,31 @@ def serve(
     model: PreTrainedModel | None = None,
     *,
     isolated_memo: MutableMapping[tuple, tuple] | None = None,
+    # selective recompute (mode "blend")
+    recompute: float | None = None,
 ) -> ServedCache:
     """Build the served cache for a served set (Study 1, "Setting": sparse serving and controls).
 
     Args:
         ekv: the globally prefilled log.
         served: event ids (any order; duplicates ignored) or ``"all"``.
-        mode: ``compact`` | ``native`` | ``isolated`` | ``text`` (see the module docstring).
-        model: required for ``isolated`` and ``text`` (they run new forwards).
+        mode: ``compact`` | ``native`` | ``isolated`` | ``text`` | ``blend`` (see the module docstring).
+        model: required for ``isolated``, ``text`` and ``blend`` (they run new forwards).
         isolated_memo: optional store of isolated encodings, keyed by ``(event id, first position,
             token ids)`` and holding the event's rows (per layer ``[1, kv_heads, n_tokens, head_dim]``
             keys and values, ``[n_tokens]`` positions): an event already encoded alone is taken from
             it instead of being encoded again (what a chunked-encoding store keeps: each chunk's KV
             once). Valid for one header, i.e. for the EventKVs of one memory; holds at most one copy of
             each event's rows.
+        recompute: mode ``blend`` only: the fraction of served event tokens recomputed, in [0, 1]
+            (None: :data:`eventkv.blend.DEFAULT_RECOMPUTE`, 0.15).
 
     Returns:
-        ServedCache with header + served rows (compact/isolated/text) or all rows (native).
+        ServedCache with header + served rows (compact/isolated/text/blend) or all rows (native).
 
     Raises:
         EventKVError: unknown mode, empty served set, unknown event id, or a missing model.
+        OptionError: ``recompute`` outside [0, 1], or given with a mode other than ``blend``.
 
     Example (``ekv`` prefilled as in :func:`eventkv.prefill.prefill`'s example):
 
@@ -159,6 +171,7 @@ def serve(
     """
     if mode not in SERVE_MODES:
         raise EventKVError(f"unknown serving mode {mode!r}: use one of {', '.join(SERVE_MODES)}.")
+    fraction = check_recompute(recompute, mode)
     ids = resolve_served(ekv, served)
     log = ekv.log
     if mode == "compact":
@@ -173,6 +186,10 @@ def serve(
         return ServedCache(list(ekv.keys), list(ekv.values), ekv.positions, visible, log.history_end, mode, ids)
     if model is None:
         raise EventKVError(f"serving mode {mode!r} re-encodes events and needs the model: pass model=...")
+    if mode == "blend":
+        assert fraction is not None  # check_recompute gives blend a fraction
+        b = blend(model, ekv, ids, fraction)
+        return ServedCache(b.keys, b.values, ekv.positions[b.rows], None, log.history_end, mode, ids)
     device = model_device(model)
     header = log.span(HEADER_ID)
     hrows = slice(header.row_start, header.row_end)  # the header's rows are contiguous: views, no index
