@@ -157,3 +157,64 @@ def test_recompute_belongs_to_blend_only(setup):
         serve(ekv, SERVED, "compact", lm.model, recompute=0.2)
     with pytest.raises(OptionError, match="in \\[0, 1\\]"):
         serve(ekv, SERVED, "blend", lm.model, recompute=2)
+
+
+# ====================================================================== through the memory
+MEMORY_EVENTS = [
+    "Dana lives in Lisbon and works on the grant proposal.",
+    "Ravi will handle the quarterly report from Oslo.",
+    "The team offsite is on Tuesday at 10:30.",
+    "Mei moved the server migration to Friday.",
+]
+
+
+@pytest.fixture(scope="module")
+def memory(tmp_path_factory):
+    from eventkv.memory import EventMemory
+
+    mem = EventMemory.create(tmp_path_factory.mktemp("blend") / "m", tiny_lm("llama"), namespace="t")
+    mem.add(MEMORY_EVENTS)
+    yield mem
+    mem.close()
+
+
+def test_a_memory_serves_blend_with_its_fraction(memory, monkeypatch):
+    ids = ["e1", "e3"]
+    seen = []
+    real = blend_module.blend
+    monkeypatch.setattr("eventkv.serve.blend", lambda *a, **kw: seen.append(a[3]) or real(*a, **kw))
+    zero, compact = memory.query_batch(
+        "Where?", [(ids, "blend"), (ids, "compact")], max_new_tokens=4, keep_logits=True, recompute=0.0
+    )
+    assert zero.generation.tokens == compact.generation.tokens
+    assert all(torch.equal(a, b) for a, b in zip(zero.generation.logits, compact.generation.logits))
+    assert zero.n_rows_served == compact.n_rows_served and zero.served_ids == ids
+    memory.query("Where?", ids, mode="blend", max_new_tokens=2)
+    memory.query("Where?", ids, mode="blend", max_new_tokens=2, recompute=1)
+    assert seen == [0.0, DEFAULT_RECOMPUTE, 1.0]
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(mode="blend", recompute=1.5), "in \\[0, 1\\]"),
+        (dict(mode="blend", recompute=-0.5), "in \\[0, 1\\]"),
+        (dict(mode="compact", recompute=0.2), "mode 'blend' only"),
+        (dict(mode="text", recompute=0.0), "mode 'blend' only"),
+    ],
+)
+def test_a_memory_refuses_a_bad_fraction(memory, kw, match):
+    with pytest.raises(OptionError, match=match):
+        memory.query("Where?", "view", max_new_tokens=2, **kw)
+
+
+def test_the_http_body_carries_the_fraction():
+    pytest.importorskip("pydantic")
+    from pydantic import ValidationError
+
+    from eventkv.service.schemas import QueryIn
+
+    assert QueryIn(question="q", mode="blend", recompute=0.25).recompute == 0.25
+    assert QueryIn(question="q").recompute is None
+    with pytest.raises(ValidationError):
+        QueryIn(question="q", mode="blend", recompute=1.5)

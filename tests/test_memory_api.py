@@ -108,6 +108,7 @@ def scenario(mem) -> dict:
     out["query"] = answer(a)
     out["candidates"] = [(c.text, c.logprob) for c in a.candidates]
     out["query_view_text"] = answer(mem.query(QUESTION, select="view", mode="text", max_new_tokens=4))
+    out["query_view_blend"] = answer(mem.query(QUESTION, select="view", mode="blend", max_new_tokens=4, recompute=0.5))
     out["forget"] = mem.forget("dana")
     out["after_forget"] = answer(mem.query(QUESTION, select="all", max_new_tokens=4))
     out["get"] = dataclasses.replace(mem.get("dana"), created="")

@@ -337,6 +337,8 @@ class Client:
         max_new_tokens: int = 32,
         *,
         budget_rows: int | None = None,
+        # selective recompute (mode "blend")
+        recompute: float | None = None,
     ) -> MemoryAnswer:
         """As :meth:`EventMemory.query` (``keep_logits`` is library-only: logits do not travel)."""
         from eventkv.readout import CandidateScore, Generation
@@ -349,6 +351,7 @@ class Client:
             "candidates": list(candidates) if candidates else None,
             "max_new_tokens": max_new_tokens,
             "budget_rows": budget_rows,
+            "recompute": recompute,
         }
         out = self._call("POST", f"{self._base}/query", body)
         return MemoryAnswer(

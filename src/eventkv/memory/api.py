@@ -79,6 +79,8 @@ class MemoryAPI(Protocol):
         max_new_tokens: int = 32,
         *,
         budget_rows: int | None = None,
+        # selective recompute (mode "blend")
+        recompute: float | None = None,
     ) -> MemoryAnswer: ...
 
     def close(self) -> None: ...

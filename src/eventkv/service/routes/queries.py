@@ -42,6 +42,7 @@ async def query(mid: MemoryId, body: s.QueryIn, ns: Namespace, state: State, job
             candidates=body.candidates,
             max_new_tokens=body.max_new_tokens,
             budget_rows=body.budget_rows,
+            recompute=body.recompute,
         )
         return s.AnswerOut.from_answer(a, version=mem.version)
 
