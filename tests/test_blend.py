@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 from eventkv import blend as blend_module
 from eventkv.blend import DEFAULT_RECOMPUTE, blend, check_recompute, choose, kv_deviation, n_recomputed
-from eventkv.errors import OptionError
+from eventkv.errors import EventKVError, OptionError
 from eventkv.log import Event, EventLog, tokenize
 from eventkv.prefill import cache_from_rows, cache_kv, model_forward, prefill
 from eventkv.serve import serve
@@ -218,3 +218,11 @@ def test_the_http_body_carries_the_fraction():
     assert QueryIn(question="q").recompute is None
     with pytest.raises(ValidationError):
         QueryIn(question="q", mode="blend", recompute=1.5)
+
+
+def test_an_attention_without_4d_masks_is_refused(setup, monkeypatch):
+    lm, ekv = setup
+    text = lm.model.config.get_text_config(decoder=True)
+    monkeypatch.setattr(text, "_attn_implementation", "flash_attention_2")
+    with pytest.raises(EventKVError, match="attn_implementation='sdpa'"):
+        serve(ekv, SERVED, "blend", lm.model, recompute=0.5)

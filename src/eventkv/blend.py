@@ -136,12 +136,21 @@ def causal_masks(
         key_order: ``[kv]`` int64, each key's rank in the served cache (cache rows, then the new tokens).
         query_order: ``[q]`` int64, each new token's rank.
 
+    Raises:
+        EventKVError: an attention implementation that takes no 4D mask (flash attention).
+
     Returns:
         ``[1, 1, q, kv]`` float (the model's dtype; 0 = attend, the dtype's minimum = masked): a query sees
         the keys of rank <= its own; for a model with sliding-window layers a dict by layer type whose
         ``"sliding_attention"`` mask also hides keys ``window`` or more ranks back (transformers 5 takes a
         prepared 4D mask as is, and such a dict from models with mixed layer types).
     """
+    impl = model.config.get_text_config(decoder=True)._attn_implementation
+    if impl not in ("sdpa", "eager"):
+        raise EventKVError(
+            f"serving mode 'blend' passes a 4D attention mask, which attention implementation {impl!r} does not "
+            "take: load the model with attn_implementation='sdpa' (or 'eager')."
+        )
     types, window = _layer_types(model)
     dtype = next(model.parameters()).dtype
     diff = query_order.unsqueeze(1) - key_order.unsqueeze(0)  # [q, kv]

@@ -168,6 +168,9 @@ def serve(
         >>> native = serve(ekv, "b", mode="native")  # every row stays, a's rows are masked out
         >>> native.n_rows, native.n_visible
         (48, 27)
+        >>> blended = serve(ekv, ["b"], mode="blend", model=lm.model, recompute=0.5)  # half of b's tokens recomputed
+        >>> blended.n_rows, blended.next_position  # the compact layout
+        (27, 48)
     """
     if mode not in SERVE_MODES:
         raise EventKVError(f"unknown serving mode {mode!r}: use one of {', '.join(SERVE_MODES)}.")
