@@ -73,10 +73,11 @@ def main() -> None:
     prefill_s = time.perf_counter() - t0
     cpu = platform.processor() or platform.machine()
     threads = f"{torch.get_num_threads()} torch threads, {os.cpu_count()} cores"
-    print(f"model: {args.model} float32 on the CPU ({cpu}, {threads})")
+    print(f"model: {args.model} float32 on the CPU ({cpu}, {threads})", flush=True)
     print(
         f"history: {conv.id}, {len(events)} turns, {log.history_end} positions; global prefill {prefill_s:.2f} s; "
-        f"{len(conv.questions)} questions with evidence inside"
+        f"{len(conv.questions)} questions with evidence inside",
+        flush=True,
     )
     modes = {
         "compact": dict(mode="compact"),
@@ -113,6 +114,11 @@ def main() -> None:
         for arm in ARMS:
             kl_text[arm].append(kl(logits["text"], logits[arm]))
             kl_full[arm].append(kl(logits["blend 1.0"], logits[arm]))
+        print(
+            f"  question {len(n_served_tokens)}: {len(ids)} turns, {n_served_tokens[-1]} tokens served; serve ms "
+            + ", ".join(f"{arm} {serve_ms[arm][-1]:.0f}" for arm in ARMS),
+            flush=True,
+        )
     n_q = len(n_served_tokens)
     print(
         f"served: {n_q} questions, {args.served:.0%} of the turns each (evidence included), "
