@@ -26,6 +26,7 @@ LAYERS = (
         "eventkv.batched",
         "eventkv.rope",
         "eventkv.serve",
+        "eventkv.blend",
         "eventkv.readout",
         "eventkv.query",
         "eventkv.testing",

@@ -112,6 +112,7 @@ def scenario(mem) -> dict:
     out["query_contiguous"] = answer(
         mem.query(QUESTION, select=["ravi", "e3"], positions="contiguous", max_new_tokens=4)
     )
+    out["query_view_blend"] = answer(mem.query(QUESTION, select="view", mode="blend", max_new_tokens=4, recompute=0.5))
     out["forget"] = mem.forget("dana")
     out["after_forget"] = answer(mem.query(QUESTION, select="all", max_new_tokens=4))
     out["get"] = dataclasses.replace(mem.get("dana"), created="")

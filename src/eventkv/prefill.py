@@ -59,7 +59,7 @@ def model_forward(
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
     cache: DynamicCache,
-    attention_mask: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | dict[str, torch.Tensor] | None = None,
     logits_to_keep: int = 0,
 ) -> torch.Tensor:
     """One forward pass that appends rows to ``cache`` and returns logits.
@@ -70,7 +70,10 @@ def model_forward(
             ``arange(q) + rows``, is wrong once rows have been dropped).
         cache: a config-less ``DynamicCache`` (every layer keeps all its rows; sliding-window
             layers get their window from the attention mask, counted in cache rows).
-        attention_mask: ``[batch, rows + q]`` bool, indexed by cache row, or None (all visible).
+        attention_mask: ``[batch, rows + q]`` bool, indexed by cache row, or None (all visible); or a
+            prepared 4D mask ``[batch, 1, q, rows + q]`` (additive float), or a dict of them by layer type
+            (``"full_attention"``, ``"sliding_attention"``), which transformers 5 uses as given
+            (:func:`eventkv.blend.causal_masks`).
         logits_to_keep: 0 = logits for every query token, k = the last k only.
 
     Returns:

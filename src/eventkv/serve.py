@@ -17,8 +17,14 @@ Modes:
   streaming encoding produces). Compact layout.
 * ``text`` — control: the header and the served events re-prefilled as plain text at
   contiguous positions; the query follows right after (the comprehension arm).
+* ``blend`` — selective recompute (CacheBlend, Yao et al. 2024, arXiv 2405.16444): the compact
+  rows, with the ``recompute`` fraction (default 0.15) of served event tokens whose K/V deviate most
+  on an early layer, once the served events see only each other, re-prefilled through every layer
+  at their original positions; the rest reused (:mod:`eventkv.blend`). ``recompute=0`` is
+  ``compact``; ``recompute=1`` equals a fresh prefill of header + served events at their original
+  positions. Compact layout.
 
-In compact, native and isolated modes the query starts at the first position after the
+In compact, native, isolated and blend modes the query starts at the first position after the
 *full* history (``log.history_end``).
 
 Positions (``positions=``):
@@ -49,6 +55,7 @@ from typing import TYPE_CHECKING, Literal, MutableMapping, Sequence, get_args
 import torch
 from transformers import DynamicCache
 
+from eventkv.blend import blend, check_recompute
 from eventkv.errors import EventKVError, OptionError
 from eventkv.log import HEADER_ID
 from eventkv.prefill import EventKV, LayerRows, cache_from_rows, cache_kv, model_device, model_forward
@@ -57,14 +64,14 @@ from eventkv.rope import rerotate
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-ServeMode = Literal["compact", "native", "isolated", "text"]
+ServeMode = Literal["compact", "native", "isolated", "text", "blend"]
 """How a served set is presented to the query (see the module docstring)."""
 SERVE_MODES: tuple[ServeMode, ...] = get_args(ServeMode)
 PositionMode = Literal["original", "contiguous"]
 """Where the served rows sit (see the module docstring): at their original positions, or re-rotated to
 contiguous positions after the header."""
 POSITION_MODES: tuple[PositionMode, ...] = get_args(PositionMode)
-CONTIGUOUS_MODES: tuple[ServeMode, ...] = ("compact", "isolated", "text")
+CONTIGUOUS_MODES: tuple[ServeMode, ...] = ("compact", "isolated", "blend", "text")
 """The serving modes that accept ``positions="contiguous"`` (``text`` is contiguous already)."""
 ALL = "all"
 
@@ -190,15 +197,17 @@ def serve(
     *,
     isolated_memo: MutableMapping[tuple, tuple] | None = None,
     positions: PositionMode = "original",
+    # selective recompute (mode "blend")
+    recompute: float | None = None,
 ) -> ServedCache:
     """Build the served cache for a served set (Study 1, "Setting": sparse serving and controls).
 
     Args:
         ekv: the globally prefilled log.
         served: event ids (any order; duplicates ignored) or ``"all"``.
-        mode: ``compact`` | ``native`` | ``isolated`` | ``text`` (see the module docstring).
-        model: required for ``isolated`` and ``text`` (they run new forwards) and for ``positions="contiguous"``
-            (re-rotation uses its rotary embedding).
+        mode: ``compact`` | ``native`` | ``isolated`` | ``text`` | ``blend`` (see the module docstring).
+        model: required for ``isolated``, ``text`` and ``blend`` (they run new forwards) and for
+            ``positions="contiguous"`` (re-rotation uses its rotary embedding).
         isolated_memo: optional store of isolated encodings, keyed by ``(event id, first position,
             token ids)`` and holding the event's rows (per layer ``[1, kv_heads, n_tokens, head_dim]``
             keys and values, ``[n_tokens]`` positions): an event already encoded alone is taken from
@@ -207,16 +216,20 @@ def serve(
             each event's rows.
         positions: ``original`` (every row at the position it was computed at; the query after the full
             history) or ``contiguous`` (header at ``0 .. h-1``, served rows re-rotated to ``h, h+1, ...``, the
-            query right after them: see the module docstring). ``contiguous`` is for ``compact`` and
-            ``isolated``; with ``text`` it changes nothing (text is contiguous already).
+            query right after them: see the module docstring). ``contiguous`` is for ``compact``, ``isolated``
+            and ``blend`` (blended at the original positions, then re-rotated); with ``text`` it changes
+            nothing (text is contiguous already).
+        recompute: mode ``blend`` only: the fraction of served event tokens recomputed, in [0, 1]
+            (None: :data:`eventkv.blend.DEFAULT_RECOMPUTE`, 0.15).
 
     Returns:
-        ServedCache with header + served rows (compact/isolated/text) or all rows (native).
+        ServedCache with header + served rows (compact/isolated/text/blend) or all rows (native).
 
     Raises:
         EventKVError: unknown mode, empty served set, unknown event id, or a missing model; a rope type
             :func:`eventkv.rope.rerotate` cannot re-rotate exactly (``contiguous``).
-        OptionError: an unknown ``positions``, or ``contiguous`` with ``native``.
+        OptionError: an unknown ``positions``, or ``contiguous`` with ``native``; ``recompute`` outside
+            [0, 1], or given with a mode other than ``blend``.
 
     Example (``ekv`` prefilled as in :func:`eventkv.prefill.prefill`'s example):
 
@@ -235,14 +248,18 @@ def serve(
         >>> moved = serve(ekv, ["b"], model=lm.model, positions="contiguous")  # b's rows right after the header
         >>> moved.positions[:3].tolist(), moved.positions[-1].item(), moved.next_position
         ([0, 1, 2], 26, 27)
+        >>> blended = serve(ekv, ["b"], mode="blend", model=lm.model, recompute=0.5)  # half of b's tokens recomputed
+        >>> blended.n_rows, blended.next_position  # the compact layout
+        (27, 48)
     """
     if mode not in SERVE_MODES:
         raise EventKVError(f"unknown serving mode {mode!r}: use one of {', '.join(SERVE_MODES)}.")
     check_position_mode(positions, mode)
+    fraction = check_recompute(recompute, mode)
     if positions == "contiguous" and mode != "text":
         if model is None:
             raise EventKVError("positions='contiguous' re-rotates the served keys and needs the model: pass model=...")
-        original = serve(ekv, served, mode, model, isolated_memo=isolated_memo)
+        original = serve(ekv, served, mode, model, isolated_memo=isolated_memo, recompute=recompute)
         return to_contiguous(model, original, ekv.log.span(HEADER_ID).n_tokens)
     ids = resolve_served(ekv, served)
     log = ekv.log
@@ -258,6 +275,10 @@ def serve(
         return ServedCache(list(ekv.keys), list(ekv.values), ekv.positions, visible, log.history_end, mode, ids)
     if model is None:
         raise EventKVError(f"serving mode {mode!r} re-encodes events and needs the model: pass model=...")
+    if mode == "blend":
+        assert fraction is not None  # check_recompute gives blend a fraction
+        b = blend(model, ekv, ids, fraction)
+        return ServedCache(b.keys, b.values, ekv.positions[b.rows], None, log.history_end, mode, ids)
     device = model_device(model)
     header = log.span(HEADER_ID)
     hrows = slice(header.row_start, header.row_end)  # the header's rows are contiguous: views, no index

@@ -339,6 +339,8 @@ class Client:
         budget_rows: int | None = None,
         # serving positions
         positions: PositionMode = "original",
+        # selective recompute (mode "blend")
+        recompute: float | None = None,
     ) -> MemoryAnswer:
         """As :meth:`EventMemory.query` (``keep_logits`` is library-only: logits do not travel)."""
         from eventkv.readout import CandidateScore, Generation
@@ -352,6 +354,7 @@ class Client:
             "max_new_tokens": max_new_tokens,
             "budget_rows": budget_rows,
             "positions": positions,
+            "recompute": recompute,
         }
         out = self._call("POST", f"{self._base}/query", body)
         return MemoryAnswer(

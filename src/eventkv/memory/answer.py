@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Mapping, Sequence, cast
 
+from eventkv.blend import check_recompute
 from eventkv.errors import OptionError
 from eventkv.log import HEADER_ID, tokenize_query
 from eventkv.memory.records import MemoryAnswer, MemoryRecord
@@ -29,13 +30,18 @@ def check_question(question) -> None:
 
 
 def check_query(
-    plans: Sequence, max_new_tokens: int, candidates: Sequence[str] | None, positions: PositionMode = "original"
+    plans: Sequence,
+    max_new_tokens: int,
+    candidates: Sequence[str] | None,
+    positions: PositionMode = "original",
+    recompute: float | None = None,
 ) -> tuple[list, list[str]]:
     """The plans (``(select, mode)`` pairs) and candidates of a query, checked: ``(plans, candidates)``.
 
     Raises:
         OptionError: no plan, a plan that is not a pair or names an unknown mode, ``max_new_tokens`` < 1,
-            empty or repeated candidates, an unknown ``positions`` or ``"contiguous"`` with a ``native`` plan.
+            empty or repeated candidates, an unknown ``positions`` or ``"contiguous"`` with a ``native`` plan;
+            a ``recompute`` outside [0, 1], or given when no plan is ``blend``.
     """
     plans = list(plans)
     if not plans:
@@ -48,6 +54,8 @@ def check_query(
                 f"give (select, mode) pairs with mode one of {', '.join(SERVE_MODES)}.",
             )
         check_position_mode(positions, plan[1])
+    modes = [plan[1] for plan in plans]
+    check_recompute(recompute, "blend" if "blend" in modes else modes[0])
     check_max_new_tokens(max_new_tokens)
     cands = list(candidates or [])
     if any(not isinstance(c, str) or not c.strip() for c in cands) or len(set(cands)) != len(cands):
@@ -97,6 +105,7 @@ def read_out(
     candidates: Sequence[str],
     keep_logits: bool,
     positions: PositionMode = "original",
+    recompute: float | None = None,
 ) -> list[MemoryAnswer]:
     """Serve ``ekv``'s rows of each served set under its mode and read the question ``q`` out of all of
     them in one batched readout (:func:`eventkv.readout.answer_served`: left-padded, each row at its
@@ -108,11 +117,15 @@ def read_out(
         prefill_ms: the lazy prefill's time, reported in every answer's ``timings_ms``.
         positions: ``original`` | ``contiguous`` (:func:`eventkv.serve.serve`); each answer's ``positions``
             reports where its events were served.
+        recompute: the fraction of served tokens each ``blend`` plan recomputes (None: the default, 0.15).
     """
     caches, serve_ms = [], []
     for ids, mode in zip(served_ids, modes):
         t1 = time.perf_counter()
-        caches.append(serve(ekv, ids, mode, model=lm.model, isolated_memo=isolated, positions=positions))
+        fraction = recompute if mode == "blend" else None
+        caches.append(
+            serve(ekv, ids, mode, model=lm.model, isolated_memo=isolated, positions=positions, recompute=fraction)
+        )
         serve_ms.append(1e3 * (time.perf_counter() - t1))
     t2 = time.perf_counter()
     outs = answer_served(

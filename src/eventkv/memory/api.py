@@ -81,6 +81,8 @@ class MemoryAPI(Protocol):
         budget_rows: int | None = None,
         # serving positions
         positions: PositionMode = "original",
+        # selective recompute (mode "blend")
+        recompute: float | None = None,
     ) -> MemoryAnswer: ...
 
     def close(self) -> None: ...

@@ -912,6 +912,8 @@ class EventMemory:
         keep_logits: bool = False,
         # serving positions
         positions: PositionMode = "original",
+        # selective recompute (mode "blend")
+        recompute: float | None = None,
     ) -> MemoryAnswer:
         """Answer a question from served rows (Study 1, "Setting": sparse serving, then a readout).
 
@@ -928,18 +930,22 @@ class EventMemory:
             select: None = :meth:`select` (BM25 top-``k`` + patches + pins); ``"view"`` = :meth:`view_ids`;
                 ``"all"`` = every stored event, deleted ones included (their rows are part of the stored
                 history): with ``mode="compact"`` this equals a fresh prefill of header + events; or a list of ids.
-            mode: ``compact`` | ``native`` | ``isolated`` | ``text`` (:mod:`eventkv.serve`). ``isolated``
-                encodes each served event alone once and keeps that encoding while the memory is open
-                (at most one copy of each event's rows), as a chunked-encoding store would.
+            mode: ``compact`` | ``native`` | ``isolated`` | ``text`` | ``blend`` (:mod:`eventkv.serve`).
+                ``isolated`` encodes each served event alone once and keeps that encoding while the memory
+                is open (at most one copy of each event's rows), as a chunked-encoding store would.
+                ``blend`` re-prefills the ``recompute`` fraction of the served tokens whose rows deviate
+                most once the served events see only each other (:mod:`eventkv.blend`, CacheBlend).
             budget_rows: passed to :meth:`select` when ``select`` is None.
             keep_logits: keep each generated step's logits ``[vocab]`` (float32) in ``generation.logits``.
             positions: ``"original"`` (default: the served rows at the positions they were computed at, the
                 question after the whole history) or ``"contiguous"``: the header at its positions, the served
                 rows re-rotated to the positions right after it (RoPE re-rotation, :mod:`eventkv.rope`) and the
                 question right after them, so the question's context check counts the served rows, not the
-                history (for histories past the model's context). For ``compact``, ``isolated`` and ``text``
-                (already contiguous); ``native`` refuses it. ``MemoryAnswer.positions`` then reports each
-                event's first served position and its rows.
+                history (for histories past the model's context). For ``compact``, ``isolated``, ``blend`` and
+                ``text`` (already contiguous); ``native`` refuses it. ``MemoryAnswer.positions`` then reports
+                each event's first served position and its rows.
+            recompute: mode ``blend`` only: the fraction of served event tokens recomputed, in [0, 1];
+                None = 0.15 (:data:`eventkv.blend.DEFAULT_RECOMPUTE`).
 
         Returns:
             :class:`MemoryAnswer` (text, generation, candidates, served ids, their positions, rows
@@ -948,7 +954,7 @@ class EventMemory:
         Raises:
             OptionError: a blank question, unknown mode or select, ``max_new_tokens`` < 1 or past the
                 context, empty or repeated candidates, an unknown ``positions`` or ``"contiguous"`` with
-                ``native``.
+                ``native``, ``recompute`` outside [0, 1] or with a mode other than ``blend``.
             EventKVError: an unknown or forgotten id, nothing to serve (an empty memory or selection),
                 history (served rows, under ``"contiguous"``) + question beyond the model's context, a rope
                 type that cannot be re-rotated (``"contiguous"``: :func:`eventkv.rope.rerotate`).
@@ -962,6 +968,7 @@ class EventMemory:
             budget_rows=budget_rows,
             keep_logits=keep_logits,
             positions=positions,
+            recompute=recompute,
         )[0]
 
     def query_batch(
@@ -976,6 +983,8 @@ class EventMemory:
         keep_logits: bool = False,
         # serving positions
         positions: PositionMode = "original",
+        # selective recompute (mode "blend")
+        recompute: float | None = None,
     ) -> builtins.list[MemoryAnswer]:
         """Answer one question under several serving plans in one batched readout: e.g. the same
         selection served as rows and re-prefilled as text, side by side. Each plan is a
@@ -991,13 +1000,14 @@ class EventMemory:
         Returns:
             one :class:`MemoryAnswer` per plan, in order. ``timings_ms``: ``prefill`` (lazy prefill,
             shared), ``serve`` (this plan's served cache), ``decode`` (the whole batch's readout, shared).
+            ``recompute`` applies to every ``blend`` plan (and is refused when no plan is ``blend``).
 
         Raises:
             OptionError / EventKVError: as :meth:`query`, for any plan; no plan given.
         """
         self._check_open()
         check_question(question)
-        plans, cands = check_query(plans, max_new_tokens, candidates, positions)
+        plans, cands = check_query(plans, max_new_tokens, candidates, positions, recompute)
         served_ids = []
         for select, _ in plans:
             ids = self._served_ids(question, select, k, budget_rows)
@@ -1033,6 +1043,7 @@ class EventMemory:
             candidates=cands,
             keep_logits=keep_logits,
             positions=positions,
+            recompute=recompute,
         )
 
     def event_log(self, select: SelectSpec = "all"):

@@ -105,7 +105,7 @@ class QueryIn(_Body):
     question: Text
     select: Literal["all", "view"] | list[EventId] | None = Field(None, max_length=10_000)
     k: TopK = 8
-    mode: Literal["compact", "native", "isolated", "text"] = "compact"
+    mode: Literal["compact", "native", "isolated", "text", "blend"] = "compact"
     candidates: list[Annotated[str, StringConstraints(min_length=1, max_length=2_000)]] | None = Field(
         None, max_length=64, json_schema_extra={"uniqueItems": True}
     )
@@ -113,6 +113,10 @@ class QueryIn(_Body):
     budget_rows: BudgetRows | None = None
     # serving positions (eventkv.serve): "contiguous" re-rotates the served rows right after the header
     positions: Literal["original", "contiguous"] = "original"
+    # selective recompute (mode "blend")
+    recompute: float | None = Field(
+        None, ge=0.0, le=1.0, description="mode 'blend': the fraction of served tokens recomputed (None: 0.15)"
+    )
 
 
 # ---------------------------------------------------------------------- responses

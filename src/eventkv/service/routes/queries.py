@@ -43,6 +43,7 @@ async def query(mid: MemoryId, body: s.QueryIn, ns: Namespace, state: State, job
             max_new_tokens=body.max_new_tokens,
             budget_rows=body.budget_rows,
             positions=body.positions,
+            recompute=body.recompute,
         )
         return s.AnswerOut.from_answer(a, version=mem.version)
 
