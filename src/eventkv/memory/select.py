@@ -182,14 +182,14 @@ def shape(
 
     1. every pinned event is served; pinned events alone over ``budget`` raise EventKVError;
     2. candidates, in order: the units of the pinned events (history order), then the unit of each
-       ranked event (rank order); the first candidate whose rows not yet served fit what is left of
-       ``budget`` is taken, and the scan starts again from the first candidate not taken (a unit
-       skipped earlier may fit once other units served part of it). Stop when none fits or ``k``
-       ranked units are taken (pinned units do not count; a ranked event already served, e.g. a
-       pin, counts when its unit's rest fits).
+       ranked event (rank order). A candidate whose rows not yet served fit what is left of
+       ``budget`` is taken; one that does not is skipped and the next tried. Stop after ``k`` ranked
+       units are taken (pinned units do not count; a ranked event already served, e.g. a pin, counts
+       when its unit's rest fits).
 
     So the rows served never exceed ``budget``, every pin is served, and the set is maximal: when
-    fewer than ``k`` ranked units were taken, no candidate unit's rest fits the rows left.
+    fewer than ``k`` ranked units were taken, no candidate unit's rest fits the rows left. One pass
+    suffices: a unit ``U`` skipped with ``S`` served has ``rows(U | S) > budget``, and ``S`` only grows.
 
     Args:
         ranked: indices into the view, best first (a selector's order); may be any subset.
@@ -220,23 +220,16 @@ def shape(
             members |= {h for h in (headers[j] for j in members) if h is not None}
         return members
 
-    served, used = set(pinned), need
-    candidates = [(unit(i), False) for i in sorted(set(pinned))] + [(unit(i), True) for i in ranked]
-    taken = [False] * len(candidates)
-    count = 0
-    start = 0
-    while start < len(candidates):
-        for c in range(start, len(candidates)):
-            members, counts = candidates[c]
-            if taken[c] or (counts and k is not None and count >= k):
-                continue
-            cost = sum(rows[j] for j in members - served)
-            if budget is None or used + cost <= budget:
-                taken[c], served, used, count = True, served | members, used + cost, count + counts
-                start = next((i for i in range(len(candidates)) if not taken[i]), len(candidates))
-                break
-        else:
-            break  # no candidate left fits
+    served, used, count = set(pinned), need, 0
+    for i, counts in [(i, False) for i in sorted(set(pinned))] + [(i, True) for i in ranked]:
+        if counts and k is not None and count >= k:
+            break
+        rest = unit(i) - served
+        cost = sum(rows[j] for j in rest)
+        if budget is None or used + cost <= budget:
+            served |= rest
+            used += cost
+            count += counts
     return sorted(served)
 
 
