@@ -1,6 +1,7 @@
 """Selection of events for a question: the :class:`Selector` protocol a memory ranks its view with
-(``EventMemory.select`` ranks the view's events, then completes the served set with pins, a row
-budget and the header), and its BM25 implementation, :class:`BM25Selector` (``"bm25"``, the default).
+(``EventMemory.select`` ranks the view's events, then shapes the served set with :func:`shape`:
+pins, neighbours, group headers and a row budget), and its BM25 implementation,
+:class:`BM25Selector` (``"bm25"``, the default).
 
 BM25 ranks events by their texts.
 
