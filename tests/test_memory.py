@@ -308,7 +308,8 @@ def test_select_bm25_patches_pins_budget(llama, tmp_path):
         budget = rows["rule"] + rows["ravi"]
         ranked = mem.select("Ravi tea morning Dana", k=2, budget_rows=budget)
         assert ranked == ["ravi", "rule"]  # dana~1 (ranked second) dropped to fit; the pin never is
-        assert mem.select("Ravi", k=3, budget_rows=1) == ["rule"]
+        with pytest.raises(EventKVError, match=r"pinned events need \d+ rows, over the budget of 1 rows"):
+            mem.select("Ravi", k=3, budget_rows=1)  # a budget is never exceeded, and a pin never dropped
         ans = mem.query("What does Ravi drink?", k=1)  # select=None: BM25 + pins
         assert ans.served_ids == ["ravi", "rule"]
         with pytest.raises(OptionError, match="k 0"):

@@ -103,7 +103,7 @@ def scenario(mem) -> dict:
     mem.delete("e4")
     mem.pin("e3")
     out["select"] = mem.select(QUESTION, k=2)
-    out["select_budget"] = mem.select(QUESTION, k=8, budget_rows=40)
+    out["select_budget"] = mem.select(QUESTION, k=8, budget_rows=80)  # over the pin's (e3) rows
     a = mem.query(QUESTION, candidates=["Lisbon", "Oslo"], max_new_tokens=6)
     out["query"] = answer(a)
     out["candidates"] = [(c.text, c.logprob) for c in a.candidates]

@@ -155,12 +155,13 @@ SCHEMATHESIS_CONFIG = """
 [checks.positive_data_acceptance]
 expected-statuses = ["2xx", "401", "403", "404", "409", "410", "503", "507"]
 
-# These also answer 422 `refused` to schema-valid requests whose content the model cannot take,
-# which no JSON schema can say: an event longer than its position budget, a history past the
-# model's context, a served set that fits no row budget, a contract measured on other weights.
+# These also answer 422 to schema-valid requests whose content the model cannot take, which no
+# JSON schema can say: an event longer than its position budget, a history past the model's
+# context, a served set that fits no row budget or pins over it, both budgets or neither budget
+# nor k given, a contract measured on other weights.
 [[operations]]
 include-name = ["POST /v1/memories", "POST /v1/memories/{mid}/events", "POST /v1/memories/{mid}/events/{eid}/update",
-                "POST /v1/memories/{mid}/carriers", "POST /v1/memories/{mid}/query"]
+                "POST /v1/memories/{mid}/carriers", "POST /v1/memories/{mid}/select", "POST /v1/memories/{mid}/query"]
 checks.positive_data_acceptance.expected-statuses = ["2xx", "401", "403", "404", "409", "410", "422", "503", "507"]
 """
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 from urllib.parse import quote
 
-from eventkv.errors import EventKVError, OutOfSpace, PurgePending, StoreDamaged
+from eventkv.errors import EventKVError, OptionError, OutOfSpace, PurgePending, StoreDamaged
 from eventkv.memory.api import MemoryAPI, SelectSpec
 from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
 from eventkv.serve import PositionMode, ServeMode
@@ -46,6 +46,9 @@ from eventkv.wire import (
     Unauthorized,
     error_for,
 )
+
+if TYPE_CHECKING:  # pragma: no cover
+    from eventkv.memory.select import Selector
 
 __all__ = [
     "Client",
@@ -86,6 +89,19 @@ def _record(d: dict) -> MemoryRecord:
 
 def _added(d: dict) -> Added:
     return Added(d["id"], d["position"], d["width"])
+
+
+def _shaping(budget_rows, selector, budget, neighbours, with_headers) -> dict:
+    """The selection keywords of a select or query body (the selector by name)."""
+    if selector is not None and not isinstance(selector, str):
+        raise OptionError("selector", selector, "give a registered selector's name: a Selector object cannot travel.")
+    return {
+        "budget_rows": budget_rows,
+        "selector": selector,
+        "budget": budget,
+        "neighbours": neighbours,
+        "with_headers": with_headers,
+    }
 
 
 class Client:
@@ -323,26 +339,48 @@ class Client:
         """As :meth:`EventMemory.view_ids`."""
         return self._call("GET", f"{self._base}/view")
 
-    def select(self, question: str, k: int = 8, budget_rows: int | None = None) -> builtins.list[str]:
-        """As :meth:`EventMemory.select`."""
-        return self._call("POST", f"{self._base}/select", {"question": question, "k": k, "budget_rows": budget_rows})
+    def select(
+        self,
+        question: str,
+        k: int | None = 8,
+        budget_rows: int | None = None,
+        *,
+        selector: Selector | str | None = None,
+        budget: float | None = None,
+        neighbours: int = 0,
+        with_headers: bool = False,
+    ) -> builtins.list[str]:
+        """As :meth:`EventMemory.select` (``selector``: a registered name; the server answers 422 for
+        another).
+
+        Raises:
+            OptionError: ``selector`` is not a name (a Selector object cannot travel).
+        """
+        shaping = _shaping(budget_rows, selector, budget, neighbours, with_headers)
+        return self._call("POST", f"{self._base}/select", {"question": question, "k": k, **shaping})
 
     def query(
         self,
         question: str,
         select: SelectSpec = None,
-        k: int = 8,
+        k: int | None = 8,
         mode: ServeMode = "compact",
         candidates: Sequence[str] | None = None,
         max_new_tokens: int = 32,
         *,
+        # selection: passed to select() when select is None
         budget_rows: int | None = None,
+        selector: Selector | str | None = None,
+        budget: float | None = None,
+        neighbours: int = 0,
+        with_headers: bool = False,
         # serving positions
         positions: PositionMode = "original",
         # selective recompute (mode "blend")
         recompute: float | None = None,
     ) -> MemoryAnswer:
-        """As :meth:`EventMemory.query` (``keep_logits`` is library-only: logits do not travel)."""
+        """As :meth:`EventMemory.query` (``keep_logits`` is library-only: logits do not travel;
+        ``selector`` as in :meth:`select`)."""
         from eventkv.readout import CandidateScore, Generation
 
         body = {
@@ -352,7 +390,7 @@ class Client:
             "mode": mode,
             "candidates": list(candidates) if candidates else None,
             "max_new_tokens": max_new_tokens,
-            "budget_rows": budget_rows,
+            **_shaping(budget_rows, selector, budget, neighbours, with_headers),
             "positions": positions,
             "recompute": recompute,
         }

@@ -11,6 +11,9 @@ Deliberate differences, each a keyword-only parameter with a default that one si
   uses the default and answers 503 ``purge_pending`` when a reader blocks it.
 - ``keep_logits=`` on :meth:`EventMemory.query`: logits stay in the process (they do not travel).
 
+One parameter takes less over HTTP: ``selector=`` of ``select`` and ``query`` is a registered name
+only on the client (a :class:`eventkv.memory.select.Selector` object does not travel).
+
 Beyond the protocol, the library has ``directory``, ``namespace`` (the store's tenant),
 ``query_batch`` and ``event_log``; the client has ``destroy``, ``memory_id`` and ``namespace`` (the
 request scope). Creating and opening differ too (a directory and a model, or a URL).
@@ -19,10 +22,13 @@ request scope). Creating and opening differ too (a directory and a model, or a U
 from __future__ import annotations
 
 import builtins
-from typing import Iterable, Literal, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Iterable, Literal, Protocol, Sequence, runtime_checkable
 
 from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
 from eventkv.serve import PositionMode, ServeMode
+
+if TYPE_CHECKING:  # pragma: no cover
+    from eventkv.memory.select import Selector
 
 #: which events a query serves: None (the selector's top ``k`` + pins), ``"view"``, ``"all"``, or ids
 SelectSpec = None | Literal["all", "view"] | Sequence[str]
@@ -67,18 +73,33 @@ class MemoryAPI(Protocol):
 
     def stats(self) -> MemoryStats: ...
 
-    def select(self, question: str, k: int = 8, budget_rows: int | None = None) -> builtins.list[str]: ...
+    def select(
+        self,
+        question: str,
+        k: int | None = 8,
+        budget_rows: int | None = None,
+        *,
+        selector: Selector | str | None = None,
+        budget: float | None = None,
+        neighbours: int = 0,
+        with_headers: bool = False,
+    ) -> builtins.list[str]: ...
 
     def query(
         self,
         question: str,
         select: SelectSpec = None,
-        k: int = 8,
+        k: int | None = 8,
         mode: ServeMode = "compact",
         candidates: Sequence[str] | None = None,
         max_new_tokens: int = 32,
         *,
+        # selection: passed to select() when select is None
         budget_rows: int | None = None,
+        selector: Selector | str | None = None,
+        budget: float | None = None,
+        neighbours: int = 0,
+        with_headers: bool = False,
         # serving positions
         positions: PositionMode = "original",
         # selective recompute (mode "blend")

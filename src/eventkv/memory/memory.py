@@ -46,11 +46,19 @@ from eventkv.memory.api import MemoryAPI, SelectSpec
 from eventkv.memory.integrity import damaged
 from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
 from eventkv.memory.rows import RowCache, contiguous, tail
-from eventkv.memory.select import SelectionContext, Selector, selector_for, within_budget
+from eventkv.memory.select import (
+    HEADER_TAG,
+    SelectionContext,
+    Selector,
+    check_shaping,
+    fraction_of,
+    group_headers,
+    selector_for,
+    shape,
+)
 from eventkv.memory.sql import EventRow, Writes
 from eventkv.memory.store import SCHEMA_VERSION, Store, check_identity, model_identity, now
 from eventkv.memory.table import EventTable
-from eventkv.options import check_optional_int, is_int
 from eventkv.prefill import EventKV, check_context, model_device, prefill
 from eventkv.serve import PositionMode, ServeMode
 
@@ -784,40 +792,72 @@ class EventMemory:
         )
 
     # ================================================================== selection and answers
-    def select(self, question: str, k: int = 8, budget_rows: int | None = None) -> builtins.list[str]:
-        """The served set for a question: the view's events ranked by the memory's selector (BM25 over
-        their current text by default: :class:`eventkv.memory.select.BM25Selector`; a patched event is
-        ranked and served as its latest patch), the top ``k`` kept, then every pinned event added; in
-        history order.
-        With ``budget_rows``, the lowest-ranked unpinned events are dropped until the served events'
-        rows (header excluded) fit; pinned events are never dropped. The header is always served
-        by :func:`eventkv.serve.serve` besides.
+    def select(
+        self,
+        question: str,
+        k: int | None = 8,
+        budget_rows: int | None = None,
+        *,
+        selector: Selector | str | None = None,
+        budget: float | None = None,
+        neighbours: int = 0,
+        with_headers: bool = False,
+    ) -> builtins.list[str]:
+        """The served set for a question (``docs/memory.md``, "Selection and shaping"): the view's
+        events ranked by a selector (a patched event is ranked and served as its latest patch), the
+        best ``k`` served each as one unit with its neighbours and group headers, within a row budget,
+        every pinned event included; in history order. The header is always served by
+        :func:`eventkv.serve.serve` besides. The fill is :func:`eventkv.memory.select.shape`.
+
+        Args:
+            k: at most this many ranked events are chosen (a pinned one ranked among them counts);
+                None: as many as the budget holds (needs ``budget_rows`` or ``budget``).
+            budget_rows: rows (tokens, header excluded) the served events may take in all, their
+                neighbours, headers and the pinned events included; never exceeded.
+            selector: what ranks the events for this call, a :class:`eventkv.memory.select.Selector`
+                or a registered name (:data:`eventkv.options.SELECTORS`); None: the memory's own
+                (:attr:`selector`, from :meth:`create` / :meth:`open`).
+            budget: the budget as a fraction in (0, 1] of the view's rows (the rows of
+                :meth:`view_ids`' events, header excluded): ``floor(budget * rows)`` rows, at least 1
+                (the fraction as written: 0.29 of 100 rows is 29). Not with ``budget_rows``.
+            neighbours: w >= 0: the events ``+-w`` around each chosen event in the view (history
+                order) are served with it.
+            with_headers: serve the group header of every served event: an event tagged ``"header"``
+                (``MemoryEvent(tags=("header",))``) heads the events after it until the next header.
 
         Returns:
-            event ids (empty when the memory has no live events).
+            event ids (empty when the memory has no live events, or no event fits the budget).
 
         Raises:
-            OptionError: ``k`` or ``budget_rows`` not a whole number >= 1; a blank question.
+            OptionError: ``k`` not a whole number >= 1 (or None without a budget); ``budget_rows`` not
+                a whole number >= 1; ``budget`` not in (0, 1]; both budgets; ``neighbours`` not a whole
+                number >= 0; ``with_headers`` not a bool; an unknown selector; a blank question.
+            EventKVError: the pinned events alone need more rows than the budget.
         """
         self._check_open()
-        if not is_int(k) or k < 1:
-            raise OptionError("k", k, "select at least 1 event (a whole number >= 1).")
-        check_optional_int("budget_rows", budget_rows, "give a whole number of rows >= 1, or None (no budget).")
+        chosen = self.selector if selector is None else selector_for(selector)
+        check_shaping(k, budget_rows, budget, neighbours, with_headers)
         check_question(question)
         units = self._units()
         if not units:
             return []
-        index = {cur.id: i for i, (_, cur) in enumerate(units)}
-        ranked = [
-            index[r.id]
-            for r in self.selector.rank(question, [cur for _, cur in units], k=k, context=self._selection_context())
-        ]
-        pinned = [i for i, (root, _) in enumerate(units) if root.pinned]
-        chosen = [i for i in ranked if i not in pinned]
-        if budget_rows is not None:  # best first: keep while it fits (= drop the lowest-ranked first)
-            used = sum(units[i][1].n_rows for i in pinned)
-            chosen = within_budget(chosen, [units[i][1].n_rows for i in chosen], budget_rows, used)
-        return [units[i][1].id for i in sorted(set(chosen) | set(pinned))]
+        served = [cur for _, cur in units]
+        rows = [r.n_rows for r in served]
+        index = {r.id: i for i, r in enumerate(served)}
+        ask = k if budget_rows is None and budget is None else None  # a budget may skip units: rank every event
+        ranked = [index[r.id] for r in chosen.rank(question, served, k=ask, context=self._selection_context())]
+        if budget is not None:
+            budget_rows = fraction_of(budget, sum(rows))
+        kept = shape(
+            ranked,
+            rows,
+            k=k,
+            budget=budget_rows,
+            pinned=[i for i, (root, _) in enumerate(units) if root.pinned],
+            neighbours=neighbours,
+            headers=group_headers([HEADER_TAG in r.tags for r in served]) if with_headers else None,
+        )
+        return [served[i].id for i in kept]
 
     def _selection_context(self) -> SelectionContext:
         """What a selector may read (:class:`eventkv.memory.select.SelectionContext`); the rows are
@@ -878,9 +918,11 @@ class EventMemory:
             raise EventKVError("the memory has no stored events: add some before selecting by rows.")
         return ekv
 
-    def _served_ids(self, question: str, select: SelectSpec, k: int, budget_rows: int | None) -> builtins.list[str]:
+    def _served_ids(self, question: str, select: SelectSpec, k: int | None, shaping: dict) -> builtins.list[str]:
+        """The ids a plan serves; ``shaping``: :meth:`select`'s keywords (budget_rows, selector, budget,
+        neighbours, with_headers), used when ``select`` is None."""
         if select is None:
-            return self.select(question, k, budget_rows)
+            return self.select(question, k, **shaping)
         if isinstance(select, str):
             if select == "all":
                 return [r.id for r in self._stored()]
@@ -903,12 +945,18 @@ class EventMemory:
         self,
         question: str,
         select: SelectSpec = None,
-        k: int = 8,
+        k: int | None = 8,
         mode: ServeMode = "compact",
         candidates: Sequence[str] | None = None,
         max_new_tokens: int = 32,
         *,
+        # selection: passed to select() when select is None
         budget_rows: int | None = None,
+        selector: Selector | str | None = None,
+        budget: float | None = None,
+        neighbours: int = 0,
+        with_headers: bool = False,
+        # readout
         keep_logits: bool = False,
         # serving positions
         positions: PositionMode = "original",
@@ -935,7 +983,8 @@ class EventMemory:
                 is open (at most one copy of each event's rows), as a chunked-encoding store would.
                 ``blend`` re-prefills the ``recompute`` fraction of the served tokens whose rows deviate
                 most once the served events see only each other (:mod:`eventkv.blend`, CacheBlend).
-            budget_rows: passed to :meth:`select` when ``select`` is None.
+            budget_rows, selector, budget, neighbours, with_headers: the served set's shaping, passed
+                to :meth:`select` when ``select`` is None (ignored otherwise).
             keep_logits: keep each generated step's logits ``[vocab]`` (float32) in ``generation.logits``.
             positions: ``"original"`` (default: the served rows at the positions they were computed at, the
                 question after the whole history) or ``"contiguous"``: the header at its positions, the served
@@ -953,11 +1002,13 @@ class EventMemory:
 
         Raises:
             OptionError: a blank question, unknown mode or select, ``max_new_tokens`` < 1 or past the
-                context, empty or repeated candidates, an unknown ``positions`` or ``"contiguous"`` with
-                ``native``, ``recompute`` outside [0, 1] or with a mode other than ``blend``.
-            EventKVError: an unknown or forgotten id, nothing to serve (an empty memory or selection),
-                history (served rows, under ``"contiguous"``) + question beyond the model's context, a rope
-                type that cannot be re-rotated (``"contiguous"``: :func:`eventkv.rope.rerotate`).
+                context, empty or repeated candidates, a bad shaping keyword (as :meth:`select`), an
+                unknown ``positions`` or ``"contiguous"`` with ``native``, ``recompute`` outside [0, 1] or
+                with a mode other than ``blend``.
+            EventKVError: an unknown or forgotten id, nothing to serve (an empty memory or selection, no
+                event within the budget), pinned events over the budget, history (served rows, under
+                ``"contiguous"``) + question beyond the model's context, a rope type that cannot be
+                re-rotated (``"contiguous"``: :func:`eventkv.rope.rerotate`).
         """
         return self.query_batch(
             question,
@@ -966,6 +1017,10 @@ class EventMemory:
             candidates=candidates,
             max_new_tokens=max_new_tokens,
             budget_rows=budget_rows,
+            selector=selector,
+            budget=budget,
+            neighbours=neighbours,
+            with_headers=with_headers,
             keep_logits=keep_logits,
             positions=positions,
             recompute=recompute,
@@ -976,10 +1031,16 @@ class EventMemory:
         question: str,
         plans: Sequence[tuple[SelectSpec, ServeMode]],
         *,
-        k: int = 8,
+        k: int | None = 8,
         candidates: Sequence[str] | None = None,
         max_new_tokens: int = 32,
+        # selection: passed to select() for a plan whose select is None
         budget_rows: int | None = None,
+        selector: Selector | str | None = None,
+        budget: float | None = None,
+        neighbours: int = 0,
+        with_headers: bool = False,
+        # readout
         keep_logits: bool = False,
         # serving positions
         positions: PositionMode = "original",
@@ -1002,19 +1063,27 @@ class EventMemory:
             shared), ``serve`` (this plan's served cache), ``decode`` (the whole batch's readout, shared).
             ``recompute`` applies to every ``blend`` plan (and is refused when no plan is ``blend``).
 
+        The keywords are :meth:`query`'s, shared by every plan.
+
         Raises:
             OptionError / EventKVError: as :meth:`query`, for any plan; no plan given.
         """
         self._check_open()
         check_question(question)
         plans, cands = check_query(plans, max_new_tokens, candidates, positions, recompute)
+        shaping = dict(
+            budget_rows=budget_rows, selector=selector, budget=budget, neighbours=neighbours, with_headers=with_headers
+        )
         served_ids = []
         for select, _ in plans:
-            ids = self._served_ids(question, select, k, budget_rows)
+            ids = self._served_ids(question, select, k, shaping)
             if not ids:
                 raise EventKVError(
                     "nothing to serve: the memory has no live events; add some first"
                     if not self._units()
+                    else f"the served set is empty (select={select!r}): no event fits the budget "
+                    f"(budget_rows={budget_rows!r}, budget={budget!r}): give a larger one"
+                    if select is None
                     else f"the served set is empty (select={select!r}): give event ids, 'view' or 'all'."
                 )
             served_ids.append(ids)

@@ -1,6 +1,7 @@
 """Selection of events for a question: the :class:`Selector` protocol a memory ranks its view with
-(``EventMemory.select`` ranks the view's events, then completes the served set with pins, a row
-budget and the header), and its BM25 implementation, :class:`BM25Selector` (``"bm25"``, the default).
+(``EventMemory.select`` ranks the view's events, then shapes the served set with :func:`shape`:
+pins, neighbours, group headers and a row budget), and its BM25 implementation,
+:class:`BM25Selector` (``"bm25"``, the default).
 
 BM25 ranks events by their texts.
 
@@ -19,15 +20,18 @@ ranking is reproducible:
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
 import bm25s
 import numpy as np
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.options import SELECTORS
+from eventkv.options import SELECTORS, check_int, check_optional_int
 
 if TYPE_CHECKING:  # pragma: no cover
     from eventkv.memory.records import MemoryRecord
@@ -132,6 +136,122 @@ def ranked(events: Sequence[MemoryRecord], s: np.ndarray, k: int | None, budget:
     if budget is not None:
         order = within_budget(order, [events[i].n_rows for i in order], budget)
     return [Ranked(events[i].id, float(s[i])) for i in order]
+
+
+#: the tag that makes an event a group header (``MemoryEvent(tags=("header",))``): see :func:`group_headers`
+HEADER_TAG = "header"
+
+
+def group_headers(is_header: Sequence[bool]) -> list[int | None]:
+    """The group header of every event of a view (history order): the index of the nearest event at
+    or before it that is a header (a header is its own), None before the first header. A header
+    starts a group that lasts until the next header (e.g. a LoCoMo session's date line)."""
+    out: list[int | None] = []
+    current = None
+    for i, h in enumerate(is_header):
+        current = i if h else current
+        out.append(current)
+    return out
+
+
+def check_shaping(k, budget_rows, budget, neighbours, with_headers) -> None:
+    """The shaping options of ``EventMemory.select`` (see :func:`shape` and :func:`fraction_of`).
+
+    Raises:
+        OptionError: ``k`` not a whole number >= 1, or None without a budget; ``budget_rows`` not a
+            whole number >= 1; ``budget`` not a number in (0, 1]; both budgets; ``neighbours`` not a
+            whole number >= 0; ``with_headers`` not a bool.
+    """
+    if k is None and budget_rows is None and budget is None:
+        raise OptionError("k", k, "give a number of events >= 1, or a budget (budget_rows or budget) to fill.")
+    check_optional_int("k", k, "select at least 1 event (a whole number >= 1), or None to fill the budget.")
+    check_optional_int("budget_rows", budget_rows, "give a whole number of rows >= 1, or None (no budget).")
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not 0 < float(budget) <= 1:
+            raise OptionError("budget", budget, "give a fraction of the view's rows in (0, 1], or None (no budget).")
+        if budget_rows is not None:
+            raise OptionError(
+                "budget", budget, f"give budget_rows ({budget_rows}) or budget (a fraction of the rows), not both."
+            )
+    check_int("neighbours", neighbours, "give a whole number of events >= 0 (0: no neighbours).", minimum=0)
+    if not isinstance(with_headers, bool):
+        raise OptionError("with_headers", with_headers, "give True (serve each event's group header) or False.")
+
+
+def fraction_of(budget: float, rows: int) -> int:
+    """``budget`` (a fraction in (0, 1]) of ``rows`` as rows: ``floor(budget * rows)``, at least 1,
+    computed on the fraction as written (its shortest decimal form: 0.29 of 100 rows is 29, where
+    float arithmetic gives 28.999...)."""
+    return max(1, math.floor(Fraction(repr(float(budget))) * rows))
+
+
+def shape(
+    ranked: Sequence[int],
+    rows: Sequence[int],
+    *,
+    k: int | None = None,
+    budget: int | None = None,
+    pinned: Sequence[int] = (),
+    neighbours: int = 0,
+    headers: Sequence[int | None] | None = None,
+) -> list[int]:
+    """The served set of a view from a ranking: each chosen event served as one **unit**, itself with
+    the events ``+-neighbours`` around it (view order) and, given ``headers`` (:func:`group_headers`),
+    the group header of every member; the units' rows are counted once however many units share them.
+
+    The fill, written out here (no library does it):
+
+    1. every pinned event is served; pinned events alone over ``budget`` raise EventKVError;
+    2. candidates, in order: the units of the pinned events (history order), then the unit of each
+       ranked event (rank order). A candidate whose rows not yet served fit what is left of
+       ``budget`` is taken; one that does not is skipped and the next tried. Stop after ``k`` ranked
+       units are taken (pinned units do not count; a ranked event already served, e.g. a pin, counts
+       when its unit's rest fits).
+
+    So the rows served never exceed ``budget``, every pin is served, and the set is maximal: when
+    fewer than ``k`` ranked units were taken, no candidate unit's rest fits the rows left. One pass
+    suffices: a unit ``U`` skipped with ``S`` served has ``rows(U | S) > budget``, and ``S`` only grows.
+
+    Args:
+        ranked: indices into the view, best first (a selector's order); may be any subset.
+        rows: rows of every view event ``[n]`` (tokens; header excluded).
+        k: at most this many ranked units (None: no limit).
+        budget: rows the served events may take in all (None: no limit).
+        pinned: indices always served.
+        neighbours: w >= 0, the events ``i-w .. i+w`` served with event ``i``.
+        headers: group header index of every view event (None: no headers served).
+
+    Returns:
+        the served indices, ascending (history order).
+
+    Raises:
+        EventKVError: the pinned events' rows exceed ``budget``.
+    """
+    n = len(rows)
+    need = sum(rows[i] for i in set(pinned))
+    if budget is not None and need > budget:
+        raise EventKVError(
+            f"the pinned events need {need} rows, over the budget of {budget} rows: give a budget of at "
+            f"least {need} rows, or unpin events."
+        )
+
+    def unit(i: int) -> set[int]:
+        members = set(range(max(0, i - neighbours), min(n, i + neighbours + 1)))
+        if headers is not None:
+            members |= {h for h in (headers[j] for j in members) if h is not None}
+        return members
+
+    served, used, count = set(pinned), need, 0
+    for i, counts in [(i, False) for i in sorted(set(pinned))] + [(i, True) for i in ranked]:
+        if counts and k is not None and count >= k:
+            break
+        rest = unit(i) - served
+        cost = sum(rows[j] for j in rest)
+        if budget is None or used + cost <= budget:
+            served |= rest
+            used += cost
+            count += counts
+    return sorted(served)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
 from eventkv.memory.records import Added, MemoryAnswer, MemoryRecord, MemoryStats
-from eventkv.options import CARRIER_KINDS
+from eventkv.options import CARRIER_KINDS, SELECTORS
 from eventkv.service.names import MAX_NAME, NAME_PATTERN
 
 MAX_TEXT = 32_000  # characters of one event's text or one question
@@ -41,10 +41,14 @@ Budget = Annotated[int, Field(ge=1, le=1_000_000), _WHOLE]  # rows of one event'
 TopK = Annotated[int, Field(ge=1, le=10_000), _WHOLE]  # events selected
 BudgetRows = Annotated[int, Field(ge=1), _WHOLE]  # rows of the served set
 MaxNewTokens = Annotated[int, Field(ge=1, le=4096), _WHOLE]
+Neighbours = Annotated[int, Field(ge=0, le=10_000), _WHOLE]  # events served on each side of a chosen one
+BudgetFraction = Annotated[float, Field(gt=0, le=1)]  # of the view's rows, header excluded
 if TYPE_CHECKING:
     CarrierKind = str  # the registry's names are known only at import
+    SelectorName = str
 else:
     CarrierKind = Literal[("auto", *CARRIER_KINDS.names())]
+    SelectorName = Literal[SELECTORS.names()]  # a name only: a Selector object does not travel
 
 
 class _Body(BaseModel):
@@ -95,22 +99,39 @@ class CarrierIn(Write):
     prefill: bool = False
 
 
-class SelectIn(_Body):
+class Shaping(_Body):
+    """The served set's selection and shaping (``EventMemory.select``'s keywords; docs/memory.md)."""
+
+    k: TopK | None = Field(8, description="at most this many ranked events; null: fill the budget")
+    budget_rows: BudgetRows | None = Field(None, description="rows of the served events, header excluded")
+    selector: SelectorName | None = Field(None, description="a registered selector (null: the memory's)")
+    budget: BudgetFraction | None = Field(None, description="the budget as a fraction of the view's rows")
+    neighbours: Neighbours = Field(0, description="events served on each side of every chosen one")
+    with_headers: bool = Field(False, description="serve the group header (tag 'header') of every served event")
+
+    def shaping(self) -> dict:
+        """The keywords ``select`` takes besides ``k``."""
+        return {
+            "budget_rows": self.budget_rows,
+            "selector": self.selector,
+            "budget": self.budget,
+            "neighbours": self.neighbours,
+            "with_headers": self.with_headers,
+        }
+
+
+class SelectIn(Shaping):
     question: Text
-    k: TopK = 8
-    budget_rows: BudgetRows | None = None
 
 
-class QueryIn(_Body):
+class QueryIn(Shaping):
     question: Text
     select: Literal["all", "view"] | list[EventId] | None = Field(None, max_length=10_000)
-    k: TopK = 8
     mode: Literal["compact", "native", "isolated", "text", "blend"] = "compact"
     candidates: list[Annotated[str, StringConstraints(min_length=1, max_length=2_000)]] | None = Field(
         None, max_length=64, json_schema_extra={"uniqueItems": True}
     )
     max_new_tokens: MaxNewTokens = 32
-    budget_rows: BudgetRows | None = None
     # serving positions (eventkv.serve): "contiguous" re-rotates the served rows right after the header
     positions: Literal["original", "contiguous"] = "original"
     # selective recompute (mode "blend")

@@ -23,7 +23,7 @@ def served_ids(mem, ids) -> None:
 @router.post("/v1/memories/{mid}/select", response_model=list[str], responses=responses(*QUEUED))
 async def select(mid: MemoryId, body: s.SelectIn, ns: Namespace, state: State, jobs: Work):
     return await jobs.on_memory(
-        state.existing(ns, mid), lambda mem: mem.select(body.question, body.k, body.budget_rows), None
+        state.existing(ns, mid), lambda mem: mem.select(body.question, body.k, **body.shaping()), None
     )
 
 
@@ -41,7 +41,7 @@ async def query(mid: MemoryId, body: s.QueryIn, ns: Namespace, state: State, job
             mode=body.mode,
             candidates=body.candidates,
             max_new_tokens=body.max_new_tokens,
-            budget_rows=body.budget_rows,
+            **body.shaping(),
             positions=body.positions,
             recompute=body.recompute,
         )
