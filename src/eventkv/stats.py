@@ -425,4 +425,4 @@ def cluster_bootstrap_ratio(
 
     # the resampled "values" are item indices, so the statistic sees both members of each pair
     with np.errstate(divide="ignore", invalid="ignore"):
-        return cluster_bootstrap(np.arange(len(num), dtype=np.float64), clusters, ratio, n_resamples, confidence, seed)
+        return cluster_bootstrap([float(i) for i in range(len(num))], clusters, ratio, n_resamples, confidence, seed)

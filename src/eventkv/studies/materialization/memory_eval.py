@@ -57,6 +57,7 @@ import random
 import shutil
 import sys
 import tempfile
+import weakref
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
@@ -64,7 +65,7 @@ from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
-from eventkv.errors import EventKVError, OptionError
+from eventkv.errors import OptionError
 from eventkv.options import (
     DIALOGUE_FORMATS,
     SELECTORS,
@@ -269,33 +270,48 @@ def history_events(conv, with_headers: bool) -> list:
     return sessions
 
 
+#: the memories :func:`open_history` opened in this process, by directory (a store takes one writer)
+_OPEN: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
 def open_history(directory: Path, lm, instruction: str, sessions: list) -> Any:
     """The memory of one history in ``directory``: reopened when it holds a prefix of these events
-    (the same ids and texts, in order; the missing sessions are then added), else built afresh; every
-    session added with its rows prefilled and committed, so a kill loses at most the session in flight.
+    (the same ids and texts, in order; the missing sessions are then added), else built afresh (a store
+    made by another model or header, or for another history, is removed); every session is added with
+    its rows prefilled and committed, so a kill loses at most the session in flight. A handle this
+    process opened on ``directory`` before is closed first.
 
     Raises:
-        EventKVError: as :meth:`EventMemory.create` and :meth:`EventMemory.add`.
+        StoreDamaged: the store is damaged (:meth:`EventMemory.open`).
+        EventKVError: another process holds the store; as :meth:`EventMemory.create` and
+            :meth:`EventMemory.add`.
     """
-    from eventkv.memory import EventMemory
+    import json
 
+    from eventkv.memory import EventMemory
+    from eventkv.memory.store import model_identity
+
+    key = str(directory.resolve())
+    if key in _OPEN:
+        _OPEN[key].close()  # this process's earlier handle (another probe object) holds the writer lock
     want = [(e.id, e.text) for _, evs in sessions for e in evs]
     mem = None
     if directory.exists():
-        try:
+        manifest = directory / "manifest.json"
+        made = json.loads(manifest.read_text()) if manifest.is_file() else {}
+        same = all(made.get(k) == v for k, v in model_identity(lm).items()) and made.get("instruction") == instruction
+        if same:  # a store of this model and header: any other error (damage, a live writer) is raised
             mem = EventMemory.open(directory, lm)
-        except EventKVError:
-            mem = None  # not a memory of this model (or half made): built again below
-        if mem is not None:
             have = [(r.id, r.text) for r in mem.list()]
-            if have != want[: len(have)] or mem.store.manifest["instruction"] != instruction:
+            if have != want[: len(have)]:
                 mem.close()
                 mem = None
-        if mem is None:
+        if mem is None:  # made for another history or model (a run folder taken over), or never completed
             shutil.rmtree(directory)
     if mem is None:
         directory.parent.mkdir(parents=True, exist_ok=True)
         mem = EventMemory.create(directory, lm, namespace="eval", instruction=instruction)
+    _OPEN[key] = mem
     done = len(mem.list())
     seen = 0
     for _, evs in sessions:
