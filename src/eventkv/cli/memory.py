@@ -68,15 +68,12 @@ def memory_eval(
     *,
     run: RunOptions,
 ) -> None:
-    """Evaluate EventMemory on LoCoMo: per question, each selector's turns at each budget served as rows of one
-    global prefill.
+    """Evaluate EventMemory on LoCoMo: per question, each selector's turns at each budget served as rows of one global prefill.
 
-    Compared with the same turns as text, each encoded alone (and blended), the whole history, and the gold
-    evidence.
+    Compared with the same turns as text, each encoded alone (and blended), the whole history, and the gold evidence.
 
-    Token F1 / EM per arm and category with cluster-bootstrap intervals, paired differences per budget, cost
-    (rows, KV bytes, latency p50/p95), evidence recall per selector, and the headline F1(rows at 10%) / F1(full).
-    """
+    F1 / EM per arm with cluster-bootstrap intervals, paired differences per budget, cost, recall, and F1(rows at 10%) / F1(full).
+    """  # noqa: E501
     from eventkv.studies.materialization.memory_eval import DEMO_DATA, MemoryEval, parse_budget
 
     probe = MemoryEval(
