@@ -43,7 +43,7 @@ one; plans that need other serving keywords (positions, recompute) are never bat
 
 Metric: LoCoMo's token F1 and exact match after its answer normalization
 (:mod:`eventkv.memory.metrics`), by the data's integer category 1-4; category 5 apart. Statistics
-(:func:`summarize_memory_eval`): see ``docs/memory-eval.md`` for the tables.
+(:func:`summarize_memory_eval`): see ``docs/memory.md`` for the tables.
 
 Item ``i`` is question slot ``i % Q`` of conversation ``i // Q`` (``Q`` questions per
 conversation, drawn with the seed from the conversation's eligible questions); a conversation
@@ -765,7 +765,7 @@ def _arm_order(names) -> list[str]:
 
 
 def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = None) -> Summary:
-    """Tables (``docs/memory-eval.md``): the headline, F1 / EM per arm (categories 1-4, cluster-bootstrap
+    """Tables (``docs/memory.md``): the headline, F1 / EM per arm (categories 1-4, cluster-bootstrap
     95% intervals; per category; category 5 apart), paired differences per budget (rows - text, rows -
     isolated, rows - blend for the controls, rows - full for every selector; with both positions
     modes, contiguous - original), cost per arm (rows, served fraction, KV bytes, latency p50/p95,
