@@ -1,5 +1,5 @@
-"""`eventkv memory eval`: the run folder on the shipped demo file with a tiny
-model, resume, option errors, and the summary's statistics on hand-made records."""
+"""`eventkv memory eval`: the arm grid, budgets, batched readouts grouped by length, the memories kept
+under the run folder, resume, option errors, and the summary's statistics on hand-made records."""
 
 import json
 
@@ -8,31 +8,102 @@ import pytest
 import scipy.stats
 from cli_fixtures import run_cli
 
-from eventkv.stats import cluster_bootstrap, wilson
-from eventkv.studies.materialization.memory_eval import DEMO_DATA, MemoryEval, first_line, summarize_memory_eval
+from eventkv.errors import OptionError
+from eventkv.stats import cluster_bootstrap, cluster_bootstrap_ratio, wilson
+from eventkv.studies.materialization.memory_eval import (
+    DEMO_DATA,
+    MemoryEval,
+    arm_spec,
+    first_line,
+    history_events,
+    length_groups,
+    parse_arm,
+    parse_budget,
+    summarize_memory_eval,
+)
+
+BASE = ["--conversations", "2", "--questions-per-conversation", "2", "--max-tokens", "600", "--budgets", "20%,50%"]
+BASE += ["--max-new-tokens", "3", "--dtype", "float32", "--no-progress"]
+
+
+def _records(out):
+    return [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
 
 
 def test_eval_runs_resumes_and_reports(tiny_dir, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
-    args = ["memory", "eval", "--data", DEMO_DATA, "--model", str(tiny_dir), "--conversations", "2"]
-    args += ["--questions-per-conversation", "2", "--max-tokens", "600", "--k", "2", "--max-new-tokens", "3"]
-    args += ["--dtype", "float32", "--out", str(out), "--no-progress"]
+    args = ["memory", "eval", "--data", DEMO_DATA, "--model", str(tiny_dir), *BASE, "--out", str(out)]
     code, out_text, err = run_cli(monkeypatch, capsys, *args)
     assert code == 0, out_text + err
-    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    records = _records(out)
     assert [x["index"] for x in records] == [0, 1, 2, 3]
     done = [x for x in records if "arms" in x]
-    assert done and all(set(x["arms"]) == {"rows", "text", "isolated", "full", "gold"} for x in done)
+    names = ["rows:bm25@20%", "text:bm25@20%", "isolated:bm25@20%", "rows:bm25@50%", "text:bm25@50%"]
+    names += ["isolated:bm25@50%", "full", "gold"]
+    assert done and all(list(x["arms"]) == names for x in done)
     for x in done:
-        assert 1 <= len(x["selected"]) <= 2
-        assert x["arms"]["full"]["n_rows"] >= x["arms"]["rows"]["n_rows"]
-        assert set(x["timing"]) == {"serve", "readout"} and set(x["timing"]["serve"]) == set(x["arms"])
-        assert len(set(x["timing"]["readout"].values())) == 1  # one batched readout
-        assert all(1 <= a["n_tokens"] <= 3 for a in x["arms"].values())
+        n = x["history_rows"]
+        for key, sel in x["selection"].items():  # budgets never exceeded
+            budget = parse_budget(key.rpartition("@")[2])
+            assert sel["rows"] <= budget * n and 0 <= sel["recall"] <= 1
+        for name, arm in x["arms"].items():
+            a = parse_arm(name)
+            if a.budget is not None:
+                assert arm["rows"] <= a.budget * n
+                assert arm["rows"] == x["selection"][f"bm25@{name.rpartition('@')[2]}"]["rows"]
+        assert x["arms"]["full"]["rows"] == n and x["arms"]["full"]["fraction"] == 1.0
+        read = {name for name, arm in x["arms"].items() if not arm.get("empty")}  # an empty served set: no readout
+        assert set(x["timing"]) == {"serve", "readout", "batch"} and set(x["timing"]["serve"]) == read
+        assert all(1 <= x["arms"][a]["n_tokens"] <= 3 for a in read) and {"full", "gold"} <= read
+        assert all(x["arms"][a]["rows"] == 0 and x["arms"][a]["f1"] == 0.0 for a in set(x["arms"]) - read)
     assert (out / "summary.md").read_text().startswith("# memory-eval")
+    assert sorted(p.name for p in (out / "memories").iterdir()) == ["c0", "c1"]
     assert run_cli(monkeypatch, capsys, *args)[0] == 0  # resume: nothing recomputed
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["invocations"][-1]["items_computed"] == 0
+
+
+def test_restart_reuses_the_prefilled_memories(tiny_dir, tmp_path, monkeypatch, capsys):
+    """A run killed after its first item: restarted, it reopens the memory kept under the run folder (no
+    new segment written) and its records match an uninterrupted run's."""
+    out = tmp_path / "run"
+    args = ["memory", "eval", "--data", DEMO_DATA, "--model", str(tiny_dir), *BASE, "--out", str(out)]
+    args[args.index("--conversations") + 1] = "1"
+    assert run_cli(monkeypatch, capsys, *args)[0] == 0
+    whole = _records(out)
+    segments = sorted((out / "memories" / "c0").rglob("*.safetensors"))
+    stamps = [p.stat().st_mtime_ns for p in segments]
+    lines = (out / "records.jsonl").read_text().splitlines()
+    (out / "records.jsonl").write_text(lines[0] + "\n" + lines[1][: len(lines[1]) // 2])  # killed mid-write
+    assert run_cli(monkeypatch, capsys, *args)[0] == 0
+    again = _records(out)
+    assert sorted((out / "memories" / "c0").rglob("*.safetensors")) == segments
+    assert [p.stat().st_mtime_ns for p in segments] == stamps
+    for a, b in zip(whole, again):
+        assert {k: v for k, v in a.items() if k != "timing"} == {k: v for k, v in b.items() if k != "timing"}
+
+
+def test_open_history_continues_a_memory_cut_short(tmp_path):
+    """A memory holding the first session only (a kill between two sessions' commits) is completed, not
+    rebuilt: its rows equal a memory built in one go (float32, within 1e-5)."""
+    import torch
+    from probe_fixtures import tiny_runtime
+
+    from eventkv.models import LoadedModel
+    from eventkv.models.introspect import profile_for
+    from eventkv.studies.materialization.memory_eval import INSTRUCTION, open_history
+
+    probe = MemoryEval(data=DEMO_DATA, conversations=1, max_tokens=0)
+    rt = tiny_runtime("llama")
+    sessions = probe._history(rt, 0).sessions
+    assert len(sessions) >= 2
+    lm = LoadedModel(rt.model, rt.tokenizer, profile_for(rt.model, rt.tokenizer, "tiny"))
+    open_history(tmp_path / "a", lm, INSTRUCTION, sessions[:1]).close()
+    cut = open_history(tmp_path / "a", lm, INSTRUCTION, sessions)
+    whole = open_history(tmp_path / "b", lm, INSTRUCTION, sessions)
+    assert [r.id for r in cut.list()] == [e.id for _, evs in sessions for e in evs]
+    for k1, k2 in zip(cut._ekv.keys, whole._ekv.keys):
+        torch.testing.assert_close(k1, k2, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -43,6 +114,12 @@ def test_eval_runs_resumes_and_reports(tiny_dir, tmp_path, monkeypatch, capsys):
         (["--data", DEMO_DATA, "--conversations", "9"], "--conversations 9:"),
         (["--data", DEMO_DATA, "--k", "0"], "--k 0:"),
         (["--data", DEMO_DATA, "--arms", "text,gold"], "--arms"),
+        (["--data", DEMO_DATA, "--budgets", "5"], "--budgets '5': give each budget as a percentage"),
+        (["--data", DEMO_DATA, "--budgets", "5%,5%"], "--budgets"),
+        (["--data", DEMO_DATA, "--selectors", "grep"], "--selectors grep: give selectors"),
+        (["--data", DEMO_DATA, "--controls", "grep"], "--controls grep: "),
+        (["--data", DEMO_DATA, "--positions", "sideways"], "--positions 'sideways'"),
+        (["--data", DEMO_DATA, "--max-tokens", "8"], "--max-tokens 8:"),
     ],
 )
 def test_eval_option_errors(extra, message, tmp_path, monkeypatch, capsys):
@@ -51,77 +128,272 @@ def test_eval_option_errors(extra, message, tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "o").exists()
 
 
+def test_whole_history_past_the_context_is_refused_in_original_positions():
+    from probe_fixtures import TinyProfile, tiny_runtime
+
+    rt = tiny_runtime("llama")
+    rt.profile = TinyProfile(max_context=300, stop_token_ids=rt.profile.stop_token_ids)
+    probe = MemoryEval(data=DEMO_DATA, conversations=1, max_tokens=0)
+    with pytest.raises(OptionError) as e:
+        probe.check_model(rt)
+    msg = e.value.for_cli()
+    assert msg.startswith("--max-tokens 0: conversation 'conv-demo-1' keeps ") or msg.startswith("--max-tokens 0:")
+    assert "the model's context of 300 tokens in original positions" in msg and "--positions contiguous" in msg
+    # contiguous positions (when the memory serves them) take the history, but not the full arm
+    probe.positions = "contiguous"
+    with pytest.raises(OptionError, match="the full arm cannot serve it"):
+        probe.check_model(rt)
+    probe.arm_names = ("rows", "text", "gold")
+    probe.check_model(rt)
+
+
+def test_arm_grid_names_and_budgets():
+    probe = MemoryEval(data=DEMO_DATA, budgets=(0.05, 0.1), arm_names=("rows", "text", "isolated", "full", "gold"))
+    assert probe.selectors[0] == "bm25" and probe.controls == ("bm25",) and probe.k is None
+    assert [a.name for a in probe.grid()] == [
+        "rows:bm25@5%",
+        "text:bm25@5%",
+        "isolated:bm25@5%",
+        "rows:bm25@10%",
+        "text:bm25@10%",
+        "isolated:bm25@10%",
+        "full",
+        "gold",
+    ]
+    probe.selectors, probe.controls, probe.positions = ("bm25", "dense"), ("dense",), "both"
+    probe.arm_names, probe.budgets = ("rows", "text", "isolated", "blend", "full"), (0.025,)
+    assert [a.name for a in probe.grid()] == [
+        "rows:bm25@2.5%",
+        "rows:bm25@2.5%/contiguous",
+        "rows:dense@2.5%",
+        "rows:dense@2.5%/contiguous",
+        "text:dense@2.5%",
+        "isolated:dense@2.5%",
+        "isolated:dense@2.5%/contiguous",
+        "blend:dense@2.5%",
+        "blend:dense@2.5%/contiguous",
+        "full",
+    ]
+    for a in probe.grid():
+        assert parse_arm(a.name) == a
+    assert (parse_budget("2.5%"), parse_budget("0.2"), parse_budget("100%")) == (0.025, 0.2, 1.0)
+    for bad in ("0", "120%", "abc", "12"):
+        with pytest.raises(OptionError, match="budgets"):
+            parse_budget(bad)
+
+
+def test_length_groups():
+    assert length_groups([10, 12, 100, 11], 0.5) == [[0, 3, 1], [2]]
+    assert length_groups([10, 12, 100, 11], 1.0) == [[0, 3, 1, 2]]
+    assert length_groups([10, 10, 12], 0.0) == [[0, 1], [2]]
+    assert length_groups([], 0.5) == []
+
+
+def test_history_events_with_headers():
+    from eventkv.options import DIALOGUE_FORMATS
+
+    conv = DIALOGUE_FORMATS.get("locomo")(DEMO_DATA)[0]
+    plain = [e for _, evs in history_events(conv, False) for e in evs]
+    headed = history_events(conv, True)
+    assert [e.id for e in plain] == [t.id for t in conv.turns]
+    assert plain[0].text == conv.turns[0].event_text() and conv.turns[0].date_time in plain[0].text
+    first = headed[0][1]
+    assert first[0].id == "session-1" and first[0].tags == ("header",)
+    assert first[0].text == f"[session 1 begins: {conv.turns[0].date_time}]"
+    assert first[1].text == f"[session 1] {conv.turns[0].speaker}: {conv.turns[0].text}"
+    assert sum(len(evs) for _, evs in headed) == len(conv.turns) + len(headed)
+
+
+class _Latest:
+    """A stand-in selector: the latest events first (the reverse of history order)."""
+
+    name = "latest"
+
+    def rank(self, question, events, k=None, budget=None, *, context=None):
+        from eventkv.memory.select import Ranked, within_budget
+
+        order = list(reversed(range(len(events))))[:k]
+        if budget is not None:
+            order = within_budget(order, [events[i].n_rows for i in order], budget)
+        return [Ranked(events[i].id, float(i)) for i in order]
+
+
+@pytest.fixture
+def latest_selector():
+    from eventkv.options import SELECTORS
+
+    SELECTORS.put("latest", _Latest)
+    yield "latest"
+    SELECTORS._loaded.pop("latest")
+
+
+def _probe(**kw):
+    opts = dict(data=DEMO_DATA, conversations=1, questions_per_conversation=8, max_tokens=600, max_new_tokens=2)
+    return MemoryEval(**{**opts, **kw})
+
+
+def test_a_registered_selector_just_works(latest_selector):
+    """A selector added to the registry is a valid --selectors name: its served set is the latest
+    turns that fit the budget (hand rule: from the end, while the rows fit int(0.3 * history rows))."""
+    from probe_fixtures import tiny_runtime
+
+    probe = _probe(selectors=("bm25", "latest"), controls=("latest",), budgets=(0.3,), timing=False)
+    rt = tiny_runtime("llama")
+    rec = probe.run_item(rt, probe.items(0, [0])[0])
+    assert list(rec["arms"]) == ["rows:bm25@30%", "rows:latest@30%", "text:latest@30%", "isolated:latest@30%"] + [
+        "full",
+        "gold",
+    ]
+    _, mem, _ = probe._memory(rt, 0, 0)
+    events = mem.list()
+    limit, used, want = int(0.3 * rec["history_rows"]), 0, []
+    for e in reversed(events):
+        if used + e.n_rows > limit:
+            break
+        want.insert(0, e.id)
+        used += e.n_rows
+    assert rec["selection"]["latest@30%"]["ids"] == want and rec["selection"]["latest@30%"]["rows"] == used
+    assert rec["arms"]["rows:latest@30%"]["rows"] == used == rec["arms"]["text:latest@30%"]["rows"]
+    evidence = set(rec["evidence"])
+    assert rec["selection"]["latest@30%"]["recall"] == pytest.approx(len(evidence & set(want)) / len(evidence))
+    cfg = rt.model.config
+    row = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    assert rec["arms"]["full"]["kv_bytes"] == rec["arms"]["full"]["n_rows"] * row
+
+
+def test_grouped_readouts_answer_as_one_batch():
+    """Readouts split by length (max_padding 0: equal lengths only) give the same greedy answers as one
+    batch of every arm (max_padding 1); forced-choice margins within 1e-3 nats (float32)."""
+    from probe_fixtures import tiny_runtime
+
+    rt = tiny_runtime("llama")
+    one, split = _probe(max_padding=1.0, budgets=(0.2, 0.5)), _probe(max_padding=0.0, budgets=(0.2, 0.5))
+    _, _, questions = one._memory(rt, 0, 0)
+    slots = [0, next(i for i, q in enumerate(questions) if q.category == 5)]
+    for slot in slots:
+        a, b = (p.run_item(rt, p.items(0, [slot])[0]) for p in (one, split))
+        assert max(a["timing"]["batch"].values()) == len(a["arms"]) and max(b["timing"]["batch"].values()) < len(
+            b["arms"]
+        )
+        for name in a["arms"]:
+            x, y = a["arms"][name], b["arms"][name]
+            assert (x["answer"], x["n_tokens"], x["rows"]) == (y["answer"], y["n_tokens"], y["rows"])
+            if "abstain_margin" in x:
+                assert x["abstain_margin"] == pytest.approx(y["abstain_margin"], abs=1e-3)
+
+
 def test_first_line():
     assert first_line("\n  Pepper \nthe cat") == "Pepper"
     assert first_line("   \n") == ""
 
 
-def _rec(conv, cat, f1s, i, abstains=None):
-    arms = {a: {"f1": f, "em": f == 1.0, "n_rows": 10, "answer": "x", "n_tokens": i + 1} for a, f in f1s.items()}
+def _rec(conv, cat, f1s, i, abstains=None, recall=0.5):
+    arms = {}
+    for a, f in f1s.items():
+        rows = 100 if a == "full" else int(100 * (parse_arm(a).budget or 0.1))
+        arms[a] = {"f1": f, "em": f == 1.0, "answer": "x", "n_tokens": i + 1, "n_rows": rows + 5, "rows": rows}
+        arms[a].update({"fraction": rows / 100, "kv_bytes": (rows + 5) * 1024})
     for a, choice in (abstains or {}).items():
         arms[a]["abstains"] = choice
     return {
         "index": i,
         "conversation": conv,
         "category": cat,
+        "history_rows": 100,
+        "selection": {"bm25@10%": {"ids": [], "rows": 10, "recall": recall}},
         "arms": arms,
-        "timing": {"serve": {a: 10.0 * (i + 1) for a in f1s}, "readout": {a: 100.0 for a in f1s}},
+        "timing": {
+            "serve": {a: 10.0 * (i + 1) for a in f1s},
+            "readout": {a: 100.0 for a in f1s},
+            "batch": {a: len(f1s) for a in f1s},
+        },
     }
+
+
+R, T, ISO = "rows:bm25@10%", "text:bm25@10%", "isolated:bm25@10%"
 
 
 def test_summary_statistics_on_hand_made_records():
     recs = [
-        _rec("c1", 4, {"rows": 1.0, "text": 0.5, "isolated": 0.0}, 0),
-        _rec("c1", 1, {"rows": 0.5, "text": 0.5, "isolated": 0.5}, 1),
-        _rec("c2", 2, {"rows": 0.0, "text": 1.0, "isolated": 0.0}, 2),
+        _rec("c1", 4, {R: 1.0, T: 0.5, ISO: 0.0, "full": 1.0}, 0, recall=1.0),
+        _rec("c1", 1, {R: 0.5, T: 0.5, ISO: 0.5, "full": 0.5}, 1, recall=0.0),
+        _rec("c2", 2, {R: 0.0, T: 1.0, ISO: 0.0, "full": 1.0}, 2, recall=0.5),
         _rec(
-            "c2", 5, {"rows": 1.0, "text": 1.0, "isolated": 1.0}, 3, {"rows": True, "text": False, "isolated": True}
+            "c2", 5, {R: 1.0, T: 1.0, ISO: 1.0, "full": 1.0}, 3, {R: True, T: False, ISO: True, "full": True}
         ),  # adversarial: apart
         {"index": 4, "conversation": "c3", "skipped": "0 eligible questions"},
     ]
     s = summarize_memory_eval(recs).data
     assert (s["n_questions"], s["n_adversarial"], s["n_skipped"], s["n_conversations"]) == (3, 1, 1, 2)
-    assert s["f1"]["rows"]["estimate"] == pytest.approx(0.5)
-    assert s["f1"]["text"]["estimate"] == pytest.approx(2 / 3)
+    assert s["f1"][R]["estimate"] == pytest.approx(0.5)
+    assert s["f1"][T]["estimate"] == pytest.approx(2 / 3)
     ref = cluster_bootstrap([0.5, 0.0, -1.0], ["c1", "c1", "c2"])
-    assert s["paired"]["rows-text"]["estimate"] == pytest.approx(-0.5 / 3)
-    assert (s["paired"]["rows-text"]["low"], s["paired"]["rows-text"]["high"]) == (ref.low, ref.high)
-    assert s["latency_ms"]["rows"]["serve_p50"] == pytest.approx(float(np.percentile([10, 20, 30, 40], 50)))
-    assert s["latency_ms"]["rows"]["readout_p95"] == pytest.approx(100.0) and s["batched_readout"]
-    assert s["n_tokens"]["rows"] == pytest.approx(2.5)
-    assert s["em"]["rows"] == pytest.approx(1 / 3)
+    paired = s["paired"][f"{R} - {T}"]
+    assert paired["estimate"] == pytest.approx(-0.5 / 3)
+    assert (paired["low"], paired["high"]) == (ref.low, ref.high)
+    assert s["paired"][f"{R} - full"]["estimate"] == pytest.approx((0 + 0 - 1) / 3)
+    assert s["latency_ms"][R]["serve_p50"] == pytest.approx(float(np.percentile([10, 20, 30, 40], 50)))
+    assert s["latency_ms"][R]["readout_p95"] == pytest.approx(100.0) and s["batched_readout"]
+    assert s["cost"][R] == {"rows": 10.0, "fraction": 0.1, "kv_bytes": 15 * 1024.0, "n_tokens": 2.5}
+    assert s["cost"]["full"]["kv_bytes"] == 105 * 1024.0
+    assert s["em"][R] == pytest.approx(1 / 3)
     # question-level Wilcoxon on rows - text: differences +0.5, 0, -1 -> scipy on the non-zero ones
     w = scipy.stats.wilcoxon([0.5, -1.0], zero_method="wilcox")
-    assert s["paired"]["rows-text"]["wilcoxon_p"] == pytest.approx(w.pvalue)
-    assert (s["paired"]["rows-text"]["better"], s["paired"]["rows-text"]["worse"]) == (1, 1)
+    assert paired["wilcoxon_p"] == pytest.approx(w.pvalue)
+    assert (paired["better"], paired["worse"]) == (1, 1)
     # category 5 forced choice: Wilson interval of 1/1 and 0/1
-    assert s["abstention"]["rows"]["k"] == 1 and s["abstention"]["text"]["k"] == 0
-    assert s["abstention"]["rows"]["low"] == pytest.approx(wilson(1, 1).low)
+    assert s["abstention"][R]["k"] == 1 and s["abstention"][T]["k"] == 0
+    assert s["abstention"][R]["low"] == pytest.approx(wilson(1, 1).low)
+    # recall of bm25 at 10%: (1 + 0 + 0.5) / 3, clusters c1, c1, c2
+    assert s["recall"]["bm25@10%"]["estimate"] == pytest.approx(0.5)
+    assert s["recall"]["bm25@10%"]["fraction"] == pytest.approx(0.1)
+    # headline: rows at 10% over full = 0.5 / (2.5 / 3) = 0.6, the ratio bootstrap's interval
+    h = s["headline"]
+    assert (h["arm"], h["budget"]) == (R, 0.1) and h["estimate"] == pytest.approx(0.6)
+    ratio = cluster_bootstrap_ratio([1.0, 0.5, 0.0], [1.0, 0.5, 1.0], ["c1", "c1", "c2"])
+    assert (h["low"], h["high"]) == (ratio.low, ratio.high)
+    assert s["reach_text"] == {"bm25": None}  # 0.5 < 2/3 at the only budget
+    md = summarize_memory_eval(recs).to_markdown()
+    assert "| best rows at 10% | rows:bm25@10% | 0.500 | 0.833 | 0.600 [" in md
+    assert "| rows reach text (bm25) | at no budget |" in md
+
+
+def test_rows_reach_text_at_the_smallest_budget_where_they_tie():
+    r5, t5, r20, t20 = "rows:bm25@5%", "text:bm25@5%", "rows:bm25@20%", "text:bm25@20%"
+    recs = [
+        _rec("c1", 4, {r5: 0.0, t5: 1.0, r20: 1.0, t20: 1.0}, 0),
+        _rec("c2", 4, {r5: 0.5, t5: 0.5, r20: 0.5, t20: 0.5}, 1),
+    ]
+    s = summarize_memory_eval(recs).data
+    assert s["reach_text"] == {"bm25": 0.2}
+    assert s["headline"]["arm"] == r5 and s["headline"]["budget"] == 0.05  # nearest 10%: 5% (ties: the smaller)
+    assert "estimate" not in s["headline"]  # no full arm: no ratio
+
+
+def test_cluster_bootstrap_ratio_by_hand():
+    # clusters A (1 over 1) and B (0 over 1): resamples AA 1, AB 0.5, BB 0 with chances 1/4, 1/2, 1/4
+    r = cluster_bootstrap_ratio([1.0, 0.0], [1.0, 1.0], ["A", "B"])
+    assert (r.estimate, r.low, r.high, r.n_clusters) == (0.5, 0.0, 1.0, 2)
+    assert np.isnan(cluster_bootstrap_ratio([1.0], [0.0], ["A"]).estimate)
 
 
 def test_probe_options_are_checked_before_the_model():
     with pytest.raises(Exception, match="questions_per_conversation 0"):
         MemoryEval(data=DEMO_DATA, questions_per_conversation=0)
+    with pytest.raises(OptionError, match="controls"):
+        MemoryEval(data=DEMO_DATA, controls=("hybrid",))
 
 
 @pytest.mark.parametrize("batch_arms", [True, False])
 def test_adversarial_question_gets_the_forced_choice(batch_arms):
     """A category-5 question: every arm scores 'Not mentioned in the conversation' against the
     adversarial answer; abstains is the sign of the log-prob margin. Batched or not, the same
-    structure; unbatched, each arm has its own readout time."""
+    structure; unbatched, each arm has its own readout."""
     from probe_fixtures import tiny_runtime
 
     from eventkv.studies.materialization.memory_eval import NOT_MENTIONED, question_prompt
 
-    probe = MemoryEval(
-        data=DEMO_DATA,
-        conversations=1,
-        questions_per_conversation=8,
-        max_tokens=600,
-        k=2,
-        max_new_tokens=2,
-        batch_arms=batch_arms,
-    )
+    probe = _probe(budgets=(0.3,), batch_arms=batch_arms)
     rt = tiny_runtime("llama")
     _, _, questions = probe._memory(rt, 0, 0)
     slot = next(i for i, q in enumerate(questions) if q.category == 5)
@@ -129,6 +401,11 @@ def test_adversarial_question_gets_the_forced_choice(batch_arms):
     assert rec["category"] == 5 and rec["choice"] == [NOT_MENTIONED, "A blue ceramic tile"]
     for arm in rec["arms"].values():
         assert arm["abstains"] == (arm["abstain_margin"] > 0) and np.isfinite(arm["abstain_margin"])
-    assert (len(set(rec["timing"]["readout"].values())) == 1) == batch_arms
+    assert (max(rec["timing"]["batch"].values()) > 1) == batch_arms
     assert question_prompt("When?", 2).startswith("Question: When? Use DATE of CONVERSATION")
     assert "DATE" not in question_prompt("When?", 4)
+
+
+def test_arm_spec_keeps_unpositioned_kinds_original():
+    assert arm_spec("text", "bm25", 0.1, "contiguous").name == "text:bm25@10%"
+    assert arm_spec("rows", "bm25", 0.1, "contiguous").positions == "contiguous"

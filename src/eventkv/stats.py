@@ -393,3 +393,36 @@ def cluster_bootstrap(
     alpha = (1 - confidence) / 2
     low, high = np.percentile(dist, [100 * alpha, 100 * (1 - alpha)])
     return ClusterBootstrap(estimate, float(low), float(high), len(xs), n_clusters, confidence, n_resamples, seed)
+
+
+def cluster_bootstrap_ratio(
+    numerator: Sequence[float],
+    denominator: Sequence[float],
+    clusters: Sequence[Hashable],
+    n_resamples: int = 10_000,
+    confidence: float = CONFIDENCE,
+    seed: int = 0,
+) -> ClusterBootstrap:
+    """The ratio of means ``mean(numerator) / mean(denominator)`` over paired per-item values (e.g. one
+    arm's F1 over the full history's F1 on the same questions), with the percentile interval of
+    :func:`cluster_bootstrap`: each resample draws whole clusters and takes the ratio of the pooled
+    means, so the pairing of the two values of an item is kept. A resample whose denominator mean is 0
+    gives an infinite or nan ratio; the estimate is nan when the pooled denominator mean is 0.
+
+    Raises:
+        EventKVError: a nan or infinite value.
+        ValueError: the sequences differ in length (or as :func:`cluster_bootstrap`).
+    """
+    num = np.asarray(require_finite(numerator, "ratio bootstrap", "numerator"), dtype=np.float64)
+    den = np.asarray(require_finite(denominator, "ratio bootstrap", "denominator"), dtype=np.float64)
+    if len(num) != len(den):
+        raise ValueError(f"cluster_bootstrap_ratio needs paired values, got {len(num)} and {len(den)}")
+
+    def ratio(items: np.ndarray) -> float:
+        i = items.astype(np.int64)
+        d = float(den[i].mean())
+        return float(num[i].mean()) / d if d else math.nan
+
+    # the resampled "values" are item indices, so the statistic sees both members of each pair
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return cluster_bootstrap([float(i) for i in range(len(num))], clusters, ratio, n_resamples, confidence, seed)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
@@ -27,33 +27,68 @@ def memory_eval(
     model: str = MODEL_OPTION,
     conversations: int = typer.Option(2, "--conversations", help="conversations to evaluate (the file's first N)"),
     questions: int = typer.Option(30, "--questions-per-conversation", help="questions per conversation (seeded)"),
-    max_tokens: int = typer.Option(4000, "--max-tokens", help="history kept per conversation (tokens of turns)"),
-    k: int = typer.Option(8, "--k", help="turns BM25 selects per question"),
-    arms: str = typer.Option("rows,text,isolated,full,gold", "--arms", help="rows,text,isolated,full,gold"),
+    max_tokens: int = typer.Option(
+        4000, "--max-tokens", help="history kept per conversation (tokens of turns); 0: the whole conversation"
+    ),
+    selectors: str = typer.Option(
+        "", "--selectors", help="selectors compared, e.g. bm25,dense,attention,hybrid (default: every registered one)"
+    ),
+    budgets: str = typer.Option(
+        "2.5%,5%,10%,20%", "--budgets", help="rows served per question, as fractions of the history's rows (5% or 0.05)"
+    ),
+    controls: str = typer.Option(
+        "",
+        "--controls",
+        help="selectors whose served sets also get the text / isolated / blend arms (default: hybrid if compared, "
+        "else the first selector)",
+    ),
+    positions: str = typer.Option(
+        "original", "--positions", help="original | contiguous | both (positions the served rows are read at)"
+    ),
+    neighbours: int = typer.Option(0, "--neighbours", help="also serve the W turns either side of each selected one"),
+    with_headers: bool = typer.Option(
+        False,
+        "--with-headers/--no-headers",
+        help="session header events carrying the date (turns undated), served with every served turn",
+    ),
+    k: Optional[int] = typer.Option(None, "--k", help="at most K turns per served set (default: fill to the budget)"),
+    recompute: Optional[float] = typer.Option(
+        None, "--recompute", help="the blend arm's recomputed fraction (default: the serve mode's)"
+    ),
+    arms: str = typer.Option(
+        "rows,text,isolated,full,gold", "--arms", help="arm kinds: rows,text,isolated,blend,full,gold (rows required)"
+    ),
     max_new_tokens: int = typer.Option(24, "--max-new-tokens", help="greedy answer length limit"),
     batch_arms: bool = typer.Option(
         True,
         "--batch-arms/--no-batch-arms",
-        help="read the arms out in one batch (fast); --no-batch-arms: one readout per arm (per-arm latency)",
+        help="read the arms out in batches grouped by length (fast); --no-batch-arms: one readout per arm",
     ),
     seed: int = typer.Option(0, "--seed", help="question sampling seed"),
     *,
     run: RunOptions,
 ) -> None:
-    """Evaluate EventMemory on LoCoMo: per question, BM25-selected turns served as rows of one global prefill.
+    """Evaluate EventMemory on LoCoMo: per question, each selector's turns at each budget served as rows of one global prefill.
 
-    Compared with the same turns as text, each encoded alone, the whole history, and the gold evidence.
+    Compared with the same turns as text, each encoded alone (and blended), the whole history, and the gold evidence.
 
-    Token F1 / EM by category with cluster-bootstrap intervals, and latency p50/p95.
-    """
-    from eventkv.studies.materialization.memory_eval import DEMO_DATA, MemoryEval
+    F1 / EM per arm with cluster-bootstrap intervals, paired differences per budget, cost, recall, and F1(rows at 10%) / F1(full).
+    """  # noqa: E501
+    from eventkv.studies.materialization.memory_eval import DEMO_DATA, MemoryEval, parse_budget
 
     probe = MemoryEval(
         data=DEMO_DATA if data == "demo" else data,
         conversations=conversations,
         questions_per_conversation=questions,
         max_tokens=max_tokens,
+        selectors=comma_list(selectors, "--selectors") if selectors.strip() else (),
+        budgets=tuple(parse_budget(b) for b in comma_list(budgets, "--budgets")),
+        controls=comma_list(controls, "--controls") if controls.strip() else (),
+        positions=positions,
+        neighbours=neighbours,
+        with_headers=with_headers,
         k=k,
+        recompute=recompute,
         max_new_tokens=max_new_tokens,
         arm_names=comma_list(arms, "--arms"),
         batch_arms=batch_arms,

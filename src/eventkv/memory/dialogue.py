@@ -74,11 +74,19 @@ class Turn:
     speaker: str
     text: str
 
-    def event_text(self) -> str:
+    def event_text(self, dated: bool = True) -> str:
         """The event text of this turn: ``"[session 3, 1:56 pm on 8 May, 2023] Caroline: text"``
-        (``"[session 3] ..."`` when there is no date)."""
-        when = f", {self.date_time}" if self.date_time else ""
+        (``"[session 3] ..."`` when there is no date, or with ``dated=False``: for a history whose
+        session header events carry the dates, :func:`session_header_text`)."""
+        when = f", {self.date_time}" if self.date_time and dated else ""
         return f"[session {self.session}{when}] {self.speaker}: {self.text}"
+
+
+def session_header_text(session: int, date_time: str) -> str:
+    """The text of a session's header event: ``"[session 3 begins: 1:56 pm on 8 May, 2023]"``
+    (``"[session 3 begins]"`` without a date); the turns after it are rendered
+    ``Turn.event_text(dated=False)``."""
+    return f"[session {session} begins{': ' + date_time if date_time else ''}]"
 
 
 @dataclass(frozen=True)

@@ -237,6 +237,11 @@ class Probe:
         """Raise EventKVError on an option the loaded model cannot run (e.g. a layer it does not have).
         The runner calls it after :meth:`validate` and before it creates or writes the run directory."""
 
+    def use_run_directory(self, directory) -> None:
+        """The run's directory (a :class:`pathlib.Path`), handed over by the runner once it exists
+        and before the first item is computed. A probe that builds state worth keeping across a
+        restart (e.g. prefilled memories) keeps it under this directory; the default ignores it."""
+
     def arms(self) -> list[Arm]:
         raise NotImplementedError
 

@@ -242,7 +242,8 @@ def check_run_items(probe: Probe, items) -> int:
 
 def open_run(probe: Probe, rt: Runtime, *, model: str, items: int, seed: int, out: Path) -> tuple[dict, list[int]]:
     """Validate ``probe``, check or create the run directory ``out`` (refusing other settings,
-    dropping a record cut short by a kill) and write its manifest for ``items`` items.
+    dropping a record cut short by a kill), write its manifest for ``items`` items and hand the
+    directory to the probe (:meth:`Probe.use_run_directory`).
 
     Returns:
         the manifest (to pass to :func:`run_items`) and the indices still to compute.
@@ -253,7 +254,9 @@ def open_run(probe: Probe, rt: Runtime, *, model: str, items: int, seed: int, ou
     probe.validate()
     check_run_items(probe, items)
     probe.check_model(rt)  # before the directory is made: a bad option leaves nothing behind
-    return open_folder(out, identity(probe, model, rt, seed), profile_dict(rt), items)
+    opened = open_folder(out, identity(probe, model, rt, seed), profile_dict(rt), items)
+    probe.use_run_directory(out)
+    return opened
 
 
 def profile_dict(rt: Runtime) -> dict:

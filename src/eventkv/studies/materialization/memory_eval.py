@@ -1,40 +1,49 @@
-"""``eventkv memory eval``: EventMemory on real multi-session dialogue (LoCoMo), against the
-baselines an agent-memory user would reach for (Study 1, "Real dialogue").
+"""``eventkv memory eval``: EventMemory on real multi-session dialogue (LoCoMo), measured as an
+agent-memory user asks (PROTOCOLS.md, "The memory, measured as its users would"): at what fraction
+of the history's rows does the memory answer like the whole history, and is serving stored rows
+better than re-prefilling the retrieved turns as text?
 
-Each conversation, truncated to its first ``max_tokens`` tokens of turns (each turn rendered with
-its session, date and speaker; only the questions whose evidence lies inside are kept), becomes
-one :class:`~eventkv.memory.EventMemory`, prefilled once. For each question, the same greedy short
-answer is read out under five arms:
+**History.** Each conversation, whole (``max_tokens=0``) or truncated to its first ``max_tokens``
+tokens of turns (:func:`eventkv.memory.dialogue.truncate`: each turn counted as its dated event;
+only the questions whose evidence lies inside are kept), becomes one
+:class:`~eventkv.memory.EventMemory`, prefilled once, session by session (each session's events are
+one ``add(..., prefill=True)``). Events: one per turn, ``"[session 3, 1:56 pm on 8 May, 2023]
+Caroline: text"``; with ``with_headers``, one header event per session (tagged ``"header"``, text
+:func:`eventkv.memory.dialogue.session_header_text`, carrying the session's date) before its turns,
+which are then rendered without the date (``"[session 3] Caroline: text"``), and selection serves
+every served turn's session header (``select(..., with_headers=True)``).
 
-* ``rows`` — BM25 selects the top-``k`` turns (:meth:`EventMemory.select`); their rows from the one
-  global prefill are served (compact, original positions);
-* ``text`` — the same turns re-prefilled as text after the header (the RAG baseline);
-* ``isolated`` — the same turns, each encoded alone at its original positions (what chunked or
-  streaming encoding would have stored);
-* ``full`` — the whole truncated history in context (every stored row served);
-* ``gold`` — the question's evidence turns as text (what a perfect retriever would give).
+The memories are kept under the run's directory (``memories/c<N>``; a temporary directory when
+the probe runs outside a run folder) and reopened by a restarted run
+(:meth:`EventMemory.open`), so a killed run neither re-prefills a conversation nor loses more
+than the session in flight.
 
-The question is asked as LoCoMo's own evaluation asks it (its ``task_eval`` scripts): a category-2
-(temporal) question gets the suffix "Use DATE of CONVERSATION to answer with an approximate date.".
-A category-5 (adversarial) question asks about something the conversation does not contain; besides
-the generated answer, each arm scores the forced choice LoCoMo offers there — "Not mentioned in the
-conversation" against the adversarial answer (full-continuation log-probs, nats) — and abstains
-when the first is more likely.
+**Arms** of one question, for each budget ``b`` (a fraction of the history's rows, the header
+excluded) and each positions mode (``positions``: ``original``, ``contiguous`` or ``both``):
 
-By default (``batch_arms``) the arms' served caches are read out in one batched pass
-(:meth:`EventMemory.query_batch`: equal to separate readouts within float tolerance, and on a CPU
-about one decode instead of five); ``isolated`` encodes each turn alone once per conversation and
-reuses it for later questions (what a chunked-encoding store keeps).
+* ``rows:<selector>@<b>`` — the selector's served set (:meth:`EventMemory.select` with ``k``,
+  ``selector``, ``budget=b``, ``neighbours``, ``with_headers``), its stored rows served (compact);
+* ``text:<control>@<b>`` — a control selector's same served set re-prefilled as text (RAG);
+* ``isolated:<control>@<b>`` — the same set, each event encoded alone (chunk-wise precomputed KV);
+* ``blend:<control>@<b>`` — the same set's rows with a fraction recomputed (serve mode ``blend``,
+  ``recompute``), when ``arm_names`` includes ``blend``;
+* ``full`` — every stored row; ``gold`` — the evidence turns (and their session headers) as text.
+
+A positioned arm (rows, isolated, blend) served in contiguous positions carries the suffix
+``/contiguous`` (``rows:bm25@5%/contiguous``). The question is asked as LoCoMo's ``task_eval``
+scripts ask it: a category-2 (temporal) question gets :data:`TEMPORAL_SUFFIX`; a category-5
+(adversarial) question also scores the forced choice :data:`NOT_MENTIONED` against the
+adversarial answer (full-continuation log-probs, nats).
+
+**Readout.** The arms' served caches are read out in batches grouped by length
+(:func:`length_groups`: sorted by rows, a cache joins a batch while padding stays at most
+``max_padding`` of the padded batch), so the whole-history ``full`` cache does not pad every small
+one; plans that need other serving keywords (positions, recompute) are never batched together.
+``batch_arms=False`` reads out each arm alone (each arm's latency its own).
 
 Metric: LoCoMo's token F1 and exact match after its answer normalization
-(:mod:`eventkv.memory.metrics`), by category 1-4; the adversarial category 5 is reported apart, as
-the forced-choice abstention rate with a Wilson interval.
-Statistics: the mean F1 per arm with a cluster-bootstrap 95% interval (clusters = conversations,
-:func:`eventkv.stats.cluster_bootstrap`), the paired differences rows - text and rows - isolated
-with their intervals and a question-level Wilcoxon signed-rank test (which treats questions as
-independent, so it is the optimistic companion of the bootstrap), tokens generated per arm, and
-latency p50/p95 (ms, wall clock: in the records' ``timing``, never compared on resume) of building
-each arm's served cache and of the readout.
+(:mod:`eventkv.memory.metrics`), by the data's integer category 1-4; category 5 apart. Statistics
+(:func:`summarize_memory_eval`): see ``docs/memory.md`` for the tables.
 
 Item ``i`` is question slot ``i % Q`` of conversation ``i // Q`` (``Q`` questions per
 conversation, drawn with the seed from the conversation's eligible questions); a conversation
@@ -43,27 +52,67 @@ with fewer eligible questions records the missing slots as ``skipped``.
 
 from __future__ import annotations
 
+import inspect
 import random
+import shutil
+import sys
 import tempfile
+import weakref
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
-from typing import ClassVar, Sequence
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
 from eventkv.errors import OptionError
-from eventkv.options import DIALOGUE_FORMATS, check_choices, check_int, check_max_new_tokens
+from eventkv.options import (
+    DIALOGUE_FORMATS,
+    SELECTORS,
+    check_choices,
+    check_int,
+    check_max_new_tokens,
+    check_optional_int,
+    is_int,
+)
 from eventkv.probes.base import Arm, Probe, Runtime, Summary, Table
 from eventkv.studies.materialization.dialogue_data import DialogueData
 
-ARMS = ("rows", "text", "isolated", "full", "gold")
+#: the kinds of arm; ``arm_names`` picks among them (``rows`` required)
+ARM_KINDS = ("rows", "text", "isolated", "blend", "full", "gold")
+DEFAULT_KINDS = ("rows", "text", "isolated", "full", "gold")
+#: kinds served from the control selectors' sets besides their rows
+CONTROL_KINDS = ("text", "isolated", "blend")
+#: kinds whose served cache depends on the positions mode
+POSITIONED = ("rows", "isolated", "blend")
+#: the serve mode of each kind
+SERVE_MODE = {
+    "rows": "compact",
+    "text": "text",
+    "isolated": "isolated",
+    "blend": "blend",
+    "full": "compact",
+    "gold": "text",
+}
+#: the order selectors are listed in (others follow, by name); the fused one is the default control
+SELECTOR_ORDER = ("bm25", "dense", "attention", "hybrid")
+FUSED = "hybrid"
+DEFAULT_BUDGETS = (0.025, 0.05, 0.1, 0.2)
+POSITIONS = ("original", "contiguous", "both")
+#: positions kept free after the history for the question and its answer (the context check)
+QUESTION_ROOM = 256
+#: the headline's budget (PROTOCOLS.md: "F1(rows at 10 %) / F1(full)")
+HEADLINE_BUDGET = 0.1
 #: a tiny LoCoMo-format file of invented dialogue shipped with eventkv (smoke tests, a first try)
 DEMO_DATA = str(files("eventkv") / "data" / "locomo-demo.json")
 CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop", 5: "adversarial"}
 INSTRUCTION = (
     "The events below are the turns of a conversation, in order, each with its session date and speaker. "
     "Answer questions about the conversation."
+)
+HEADED_INSTRUCTION = (
+    "The events below are the turns of a conversation, in order, each session opened by a header with its "
+    "date; each turn names its speaker. Answer questions about the conversation."
 )
 QUESTION = "Question: {question}\nAnswer in a few words, using the conversation's own words where possible."
 #: LoCoMo's evaluation scripts (task_eval) append this to category-2 (temporal) questions
@@ -82,23 +131,237 @@ def first_line(text: str) -> str:
     return next((line.strip() for line in text.splitlines() if line.strip()), "")
 
 
+def budget_label(fraction: float) -> str:
+    """``0.025`` -> ``"2.5%"`` (the budget as arm names and tables write it)."""
+    return f"{100 * fraction:g}%"
+
+
+def parse_budget(text: str) -> float:
+    """A budget as the CLI takes it: ``"5%"`` or ``"0.05"`` -> 0.05 (a fraction of the history's rows).
+
+    Raises:
+        OptionError: not a percentage or a fraction in (0, 1] (a row count is refused: it means a
+            different fraction for every history).
+    """
+    s = text.strip()
+    try:
+        value = float(s[:-1]) / 100 if s.endswith("%") else float(s)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:
+        raise OptionError(
+            "budgets",
+            text,
+            "give each budget as a percentage or a fraction of the history's rows in (0, 1], e.g. 2.5%,5%,10%,20% "
+            "(row counts are not taken: a fraction means the same for every history).",
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    """One arm of the grid: its name, kind, selector and budget (None for ``full`` and ``gold``) and
+    the positions mode it is served in (``"original"`` for every kind not in :data:`POSITIONED`)."""
+
+    name: str
+    kind: str
+    selector: str | None = None
+    budget: float | None = None
+    positions: str = "original"
+
+
+def arm_spec(kind: str, selector: str | None = None, budget: float | None = None, positions: str = "original"):
+    """The :class:`ArmSpec` named ``kind[:selector@budget][/contiguous]`` (see the module docstring)."""
+    name = kind if selector is None or budget is None else f"{kind}:{selector}@{budget_label(budget)}"
+    if positions == "contiguous" and kind in POSITIONED:
+        name += "/contiguous"
+    else:
+        positions = "original"
+    return ArmSpec(name, kind, selector, budget, positions)
+
+
+def parse_arm(name: str) -> ArmSpec:
+    """The :class:`ArmSpec` of an arm name (the inverse of :func:`arm_spec`)."""
+    base, _, suffix = name.partition("/")
+    kind, _, rest = base.partition(":")
+    if not rest:
+        return ArmSpec(name, kind)
+    selector, _, label = rest.rpartition("@")
+    return arm_spec(kind, selector, float(label.rstrip("%")) / 100, suffix or "original")
+
+
+def length_groups(lengths: Sequence[int], max_padding: float) -> list[list[int]]:
+    """Indices of ``lengths`` (rows of each served cache) grouped for batched readouts: sorted by
+    length, each joins the current group while the group's padding (the rows added to bring every
+    cache to the longest, as a fraction of the padded batch's rows) stays at most ``max_padding``;
+    else it starts a new group. ``max_padding=1`` gives one group, ``0`` groups equal lengths only.
+    Groups come shortest first, each in ascending length."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda j: (lengths[j], j)):
+        trial = current + [i]
+        padded = lengths[i] * len(trial)
+        if current and padded - sum(lengths[j] for j in trial) > max_padding * padded:
+            groups.append(current)
+            trial = [i]
+        current = trial
+    return groups + ([current] if current else [])
+
+
+def _accepts(method, keyword: str) -> bool:
+    return keyword in inspect.signature(method).parameters
+
+
+def served_set(
+    mem,
+    question: str,
+    selector: str,
+    budget: float,
+    *,
+    k: int | None = None,
+    neighbours: int = 0,
+    with_headers: bool = False,
+) -> list[str]:
+    """The served set (event ids, history order) of one selector at one budget:
+    ``mem.select(question, k=k, selector=selector, budget=budget, neighbours=neighbours,
+    with_headers=with_headers)``. For a memory whose ``select`` takes no ``selector`` / ``budget``
+    keywords, the same set is ranked here: the named selector (:data:`eventkv.options.SELECTORS`)
+    ranks the view and keeps events, best first, while their rows fit ``int(budget * rows)`` (rows
+    of the history, header excluded); ``neighbours`` and ``with_headers`` need the keywords.
+
+    Raises:
+        OptionError: an unknown selector; ``neighbours`` or ``with_headers`` on a ``select`` without them.
+    """
+    select: Any = mem.select
+    if _accepts(select, "budget"):
+        return select(question, k=k, selector=selector, budget=budget, neighbours=neighbours, with_headers=with_headers)
+    from eventkv.memory.select import SelectionContext, selector_for
+
+    if neighbours or with_headers:
+        raise OptionError(
+            "neighbours" if neighbours else "with_headers",
+            neighbours or with_headers,
+            "this EventMemory.select takes no neighbours / with_headers keywords: leave them out.",
+        )
+    events = mem.list()
+    stats = mem.stats()
+    limit = int(budget * (stats.rows - len(mem.header_ids)))
+    context = SelectionContext(lm=mem.lm, history_end=stats.history_end)
+    chosen = {r.id for r in selector_for(selector).rank(question, events, k=k, budget=limit, context=context)}
+    return [e.id for e in events if e.id in chosen]
+
+
+def history_events(conv, with_headers: bool) -> list:
+    """The memory events of a conversation's turns (module docstring): one per turn, dated; with
+    ``with_headers`` a header event (id ``session-N``, tag ``"header"``) before each session's turns,
+    which are then undated. Returns ``[(session, [MemoryEvent, ...]), ...]`` in history order."""
+    from eventkv.memory import MemoryEvent
+    from eventkv.memory.dialogue import session_header_text
+
+    sessions: list[tuple[int, list]] = []
+    for t in conv.turns:
+        if not sessions or sessions[-1][0] != t.session:
+            head = []
+            if with_headers:
+                text = session_header_text(t.session, t.date_time)
+                head = [MemoryEvent(text, id=f"session-{t.session}", tags=("header",))]
+            sessions.append((t.session, head))
+        sessions[-1][1].append(MemoryEvent(t.event_text(dated=not with_headers), id=t.id))
+    return sessions
+
+
+#: the memories :func:`open_history` opened in this process, by directory (a store takes one writer)
+_OPEN: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def open_history(directory: Path, lm, instruction: str, sessions: list) -> Any:
+    """The memory of one history in ``directory``: reopened when it holds a prefix of these events
+    (the same ids and texts, in order; the missing sessions are then added), else built afresh (a store
+    made by another model or header, or for another history, is removed); every session is added with
+    its rows prefilled and committed, so a kill loses at most the session in flight. A handle this
+    process opened on ``directory`` before is closed first.
+
+    Raises:
+        StoreDamaged: the store is damaged (:meth:`EventMemory.open`).
+        EventKVError: another process holds the store; as :meth:`EventMemory.create` and
+            :meth:`EventMemory.add`.
+    """
+    import json
+
+    from eventkv.memory import EventMemory
+    from eventkv.memory.store import model_identity
+
+    key = str(directory.resolve())
+    if key in _OPEN:
+        _OPEN[key].close()  # this process's earlier handle (another probe object) holds the writer lock
+    want = [(e.id, e.text) for _, evs in sessions for e in evs]
+    mem = None
+    if directory.exists():
+        manifest = directory / "manifest.json"
+        made = json.loads(manifest.read_text()) if manifest.is_file() else {}
+        same = all(made.get(k) == v for k, v in model_identity(lm).items()) and made.get("instruction") == instruction
+        if same:  # a store of this model and header: any other error (damage, a live writer) is raised
+            mem = EventMemory.open(directory, lm)
+            have = [(r.id, r.text) for r in mem.list()]
+            if have != want[: len(have)]:
+                mem.close()
+                mem = None
+        if mem is None:  # made for another history or model (a run folder taken over), or never completed
+            shutil.rmtree(directory)
+    if mem is None:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        mem = EventMemory.create(directory, lm, namespace="eval", instruction=instruction)
+    _OPEN[key] = mem
+    done = len(mem.list())
+    seen = 0
+    for _, evs in sessions:
+        if seen + len(evs) > done:
+            mem.add(evs[max(0, done - seen) :], prefill=True)
+        seen += len(evs)
+    mem.prefill()  # events left pending by an earlier process
+    return mem
+
+
+@dataclass
+class _History:
+    conv: Any
+    sessions: list
+    n_tokens: int  # header + events
+
+
 @dataclass
 class MemoryEval(DialogueData, Probe):
     """Options (all part of a run's identity): ``data`` (LoCoMo JSON path) and its ``data_digest``
-    (sha256, filled in when empty: a changed file is another run), ``conversations``,
-    ``questions_per_conversation``, ``max_tokens`` (history tokens per conversation), ``k``
-    (turns selected), ``max_new_tokens``, ``arm_names``, ``batch_arms`` (read the arms out in one
-    batch; off, one readout per arm, so each arm's latency is its own), ``timing`` (record wall-clock
-    latencies; off, records depend only on the seed and index, byte for byte)."""
+    (sha256, filled in when empty), ``conversations``, ``questions_per_conversation``,
+    ``max_tokens`` (history tokens per conversation; 0 = the whole conversation), ``selectors``
+    (names in :data:`eventkv.options.SELECTORS`; empty = every registered one), ``budgets``
+    (fractions of the history's rows, header excluded), ``controls`` (the selectors whose served
+    sets also get the text / isolated / blend arms; empty = ``"hybrid"`` when listed, else the first
+    selector), ``positions`` (``original`` | ``contiguous`` | ``both``), ``neighbours``,
+    ``with_headers``, ``k`` (at most ``k`` events ranked per served set besides the budget; None =
+    fill to the budget), ``recompute`` (the blend arm's fraction; None = the serve mode's default),
+    ``max_new_tokens``, ``arm_names`` (the arm kinds, :data:`ARM_KINDS`), ``batch_arms``,
+    ``max_padding`` (:func:`length_groups`), ``timing`` (record wall-clock latencies; off, records
+    depend only on the seed and index).
+
+    Record (version 3), one per question: ``index``, ``conversation``, ``slot``, ``question``,
+    ``gold``, ``category``, ``evidence``, ``history_rows`` (header excluded), ``choice`` (category 5),
+    ``selection`` (per ``"<selector>@<budget>"``: ``ids``, ``rows``, ``recall`` = the fraction of the
+    evidence ids served), ``arms`` (per arm name: ``answer``, ``f1``, ``em``, ``n_rows`` (the served
+    cache's rows, header included), ``rows`` (header excluded), ``fraction`` (rows / history_rows),
+    ``kv_bytes`` (n_rows x layers x 2 x kv_heads x head_dim x dtype bytes), ``n_tokens``, ``empty``
+    (true when the served set was empty: f1 0, nothing read out), category 5: ``abstain_margin``,
+    ``abstains``) and ``timing`` (``serve``, ``readout`` in ms and ``batch``, the readout batch's size,
+    per arm); a skipped slot: ``skipped`` with the reason."""
 
     name: ClassVar[str] = "memory-eval"
-    record_version: ClassVar[int] = 2
+    record_version: ClassVar[int] = 3
     smoke_options: ClassVar[dict] = {
         "data": DEMO_DATA,
         "conversations": 1,
         "questions_per_conversation": 2,
         "max_tokens": 400,
-        "k": 2,
+        "budgets": (0.5,),
         "max_new_tokens": 3,
         "timing": False,
     }
@@ -106,17 +369,38 @@ class MemoryEval(DialogueData, Probe):
     conversations: int = 2
     questions_per_conversation: int = 30
     max_tokens: int = 4000
-    k: int = 8
+    selectors: tuple[str, ...] = ()
+    budgets: tuple[float, ...] = DEFAULT_BUDGETS
+    controls: tuple[str, ...] = ()
+    positions: str = "original"
+    neighbours: int = 0
+    with_headers: bool = False
+    k: int | None = None
+    recompute: float | None = None
     max_new_tokens: int = 24
-    arm_names: tuple[str, ...] = ARMS
+    arm_names: tuple[str, ...] = DEFAULT_KINDS
     batch_arms: bool = True
+    max_padding: float = 0.5
     timing: bool = True
 
     def __post_init__(self) -> None:
         self.arm_names = tuple(self.arm_names)
-        self._memories: dict = {}
+        self.budgets = tuple(float(b) if is_int(b) or isinstance(b, float) else b for b in self.budgets)
+        if not self.selectors:
+            names = SELECTORS.names()
+            self.selectors = tuple(n for n in SELECTOR_ORDER if n in names) + tuple(
+                sorted(n for n in names if n not in SELECTOR_ORDER)
+            )
+        self.selectors = tuple(self.selectors)
+        if not self.controls:
+            self.controls = (FUSED,) if FUSED in self.selectors else self.selectors[:1]
+        self.controls = tuple(self.controls)
+        self._open: tuple[int, Any] | None = None
+        self._histories: dict[int, _History] = {}
         self._loaded: list | None = None
+        self._run_dir: Path | None = None
         self._tmp: tempfile.TemporaryDirectory | None = None
+        self._row_bytes: int | None = None
         self.validate()
 
     # ------------------------------------------------------------------ options
@@ -129,15 +413,61 @@ class MemoryEval(DialogueData, Probe):
         self.pin_data_digest(path)
         check_int("conversations", self.conversations, "evaluate at least 1 conversation.")
         check_int("questions_per_conversation", self.questions_per_conversation, "ask at least 1 question.")
-        check_int("max_tokens", self.max_tokens, "keep at least 1 token of history.", minimum=16)
-        check_int("k", self.k, "select at least 1 turn.")
+        if not is_int(self.max_tokens) or 0 < self.max_tokens < 16 or self.max_tokens < 0:
+            raise OptionError("max_tokens", self.max_tokens, "keep at least 16 tokens of history, or 0 for all of it.")
+        check_choices(
+            "selectors", self.selectors, SELECTORS.names(), flag="--selectors", what="selectors (the registered ones)"
+        )
+        b = self.budgets
+        if not b or len(set(b)) != len(b) or not all(isinstance(x, float) and 0 < x <= 1 for x in b):
+            raise OptionError(
+                "budgets", b, "give distinct fractions of the history's rows in (0, 1], e.g. 2.5%,5%,10%,20%."
+            )
+        check_choices(
+            "controls", self.controls, self.selectors, flag="--controls", what="control selectors among --selectors"
+        )
+        if self.positions not in POSITIONS:
+            raise OptionError("positions", self.positions, f"give one of {', '.join(POSITIONS)}.")
+        check_int("neighbours", self.neighbours, "give a whole number of neighbouring turns >= 0.", minimum=0)
+        if not isinstance(self.with_headers, bool):
+            raise OptionError("with_headers", self.with_headers, "give true or false.")
+        check_optional_int("k", self.k, "give a whole number of events >= 1, or leave k out (fill to the budget).")
+        if self.recompute is not None and (
+            isinstance(self.recompute, bool)
+            or not isinstance(self.recompute, (int, float))
+            or not 0 < self.recompute <= 1
+        ):
+            raise OptionError("recompute", self.recompute, "give the fraction of rows blend recomputes, in (0, 1].")
         check_max_new_tokens(self.max_new_tokens)
-        check_choices("arm_names", self.arm_names, ARMS, required=("rows",), flag="--arms", what="arms")
+        check_choices("arm_names", self.arm_names, ARM_KINDS, required=("rows",), flag="--arms", what="arms")
+        if not 0 <= self.max_padding <= 1 or isinstance(self.max_padding, bool):
+            raise OptionError("max_padding", self.max_padding, "give a fraction in [0, 1].")
+        self._check_serving()
         n = len(self._conversations())
         if self.conversations > n:
             raise OptionError(
                 "conversations", self.conversations, f"{self.data!r} holds {n} conversations: ask for {n} or fewer."
             )
+
+    def _check_serving(self) -> None:
+        """Refuse what this eventkv's memory cannot serve: blend without the serve mode, contiguous
+        positions without ``query_batch(positions=)``, neighbours / headers without ``select``'s keywords."""
+        from eventkv.memory import EventMemory
+        from eventkv.serve import SERVE_MODES
+
+        if "blend" in self.arm_names and "blend" not in SERVE_MODES:
+            raise OptionError(
+                "arm_names", self.arm_names, "this eventkv has no blend serve mode: leave blend out.", flag="--arms"
+            )
+        if self.positions != "original" and not _accepts(EventMemory.query_batch, "positions"):
+            raise OptionError(
+                "positions", self.positions, "this eventkv serves original positions only: give original."
+            )
+        for kw in ("neighbours", "with_headers"):
+            if getattr(self, kw) and not _accepts(EventMemory.select, kw):
+                raise OptionError(
+                    kw, getattr(self, kw), f"this eventkv's EventMemory.select has no {kw}: leave it out."
+                )
 
     def _conversations(self):
         """The file's conversations, parsed once per probe (validate and every memory read them)."""
@@ -148,96 +478,234 @@ class MemoryEval(DialogueData, Probe):
     def max_items(self) -> int:
         return self.conversations * self.questions_per_conversation
 
+    def position_modes(self) -> tuple[str, ...]:
+        return ("original", "contiguous") if self.positions == "both" else (self.positions,)
+
+    def instruction(self) -> str:
+        return HEADED_INSTRUCTION if self.with_headers else INSTRUCTION
+
+    def grid(self) -> list[ArmSpec]:
+        """Every arm of a question, in table order: per budget the rows of each selector (each
+        positions mode), then the control kinds of each control; then ``full`` and ``gold``."""
+        out = []
+        for b in self.budgets:
+            out += [arm_spec("rows", s, b, p) for s in self.selectors for p in self.position_modes()]
+            for c in self.controls:
+                for kind in (k for k in CONTROL_KINDS if k in self.arm_names):
+                    modes = self.position_modes() if kind in POSITIONED else ("original",)
+                    out += [arm_spec(kind, c, b, p) for p in modes]
+        return out + [arm_spec(k) for k in ("full", "gold") if k in self.arm_names]
+
     def check_model(self, rt: Runtime) -> None:
-        if rt.max_context is not None and self.max_tokens + 256 > rt.max_context:
-            raise OptionError(
-                "max_tokens",
-                self.max_tokens,
-                f"the model's context is {rt.max_context} tokens: keep at most {rt.max_context - 256} of history.",
-            )
+        """Refuse a history that passes the model's context where it must fit: in original positions
+        (the question comes after the whole history), or for the ``full`` arm (every row served)."""
+        ctx = rt.max_context
+        if ctx is None:
+            return
+        header = len(rt.header_ids(self.instruction()))
+        for c in range(self.conversations):
+            h = self._history(rt, c)
+            if h.n_tokens + QUESTION_ROOM <= ctx:
+                continue
+            size = f"conversation {h.conv.id!r} keeps {h.n_tokens - header} tokens of history"
+            if "original" in self.position_modes():
+                raise OptionError(
+                    "max_tokens",
+                    self.max_tokens,
+                    f"{size}: with the header and {QUESTION_ROOM} tokens for the question it passes the model's "
+                    f"context of {ctx} tokens in original positions: give --positions contiguous (or --max-tokens "
+                    f"{ctx - header - QUESTION_ROOM} or fewer).",
+                )
+            if "full" in self.arm_names:
+                raise OptionError(
+                    "arm_names",
+                    self.arm_names,
+                    f"{size}, past the model's context of {ctx} tokens: the full arm cannot serve it; leave full "
+                    "out of --arms (or lower --max-tokens).",
+                    flag="--arms",
+                )
+
+    def use_run_directory(self, directory) -> None:
+        self._run_dir = Path(directory)
 
     def arms(self) -> list[Arm]:
-        served = {"rows": "selected", "text": "selected", "isolated": "selected", "full": "all", "gold": "evidence"}
-        encoding = {"rows": "compact", "text": "prefill", "isolated": "isolated", "full": "compact", "gold": "prefill"}
-        return [Arm(a, served[a], encoding[a], ("generate",)) for a in self.arm_names]
+        served = {"full": "all", "gold": "evidence"}
+        encoding = {"text": "prefill", "gold": "prefill", "isolated": "isolated"}
+        return [
+            Arm(a.name, served.get(a.kind, "selected"), encoding.get(a.kind, "compact"), ("generate",))
+            for a in self.grid()
+        ]
 
     # ------------------------------------------------------------------ items
     def items(self, seed: int, indices: Sequence[int]) -> list[dict]:
         q = self.questions_per_conversation
         return [{"index": i, "conversation": i // q, "slot": i % q, "seed": seed} for i in indices]
 
-    def _memory(self, rt: Runtime, c: int, seed: int):
-        """The conversation's memory (built and prefilled once per run) and its sampled questions."""
-        if c not in self._memories:
-            from eventkv.memory import EventMemory, MemoryEvent
+    def _history(self, rt: Runtime, c: int) -> _History:
+        """Conversation ``c`` as the memory holds it (truncated; its events by session; tokens with the
+        header), tokenized once per probe."""
+        if c not in self._histories:
+            from eventkv.log import Event, encode
             from eventkv.memory.dialogue import truncate
+
+            conv = self._conversations()[c]
+            conv = truncate(conv, rt.tokenizer, self.max_tokens or sys.maxsize)  # 0: every turn
+            sessions = history_events(conv, self.with_headers)
+            n = len(rt.header_ids(self.instruction()))
+            n += sum(len(encode(rt.tokenizer, Event(e.id, e.text).render())) for _, evs in sessions for e in evs)
+            self._histories[c] = _History(conv, sessions, n)
+        return self._histories[c]
+
+    def _store_root(self) -> Path:
+        if self._run_dir is not None:
+            return self._run_dir / "memories"
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="eventkv-memory-eval-")
+        return Path(self._tmp.name)
+
+    def _memory(self, rt: Runtime, c: int, seed: int):
+        """Conversation ``c``'s history, memory and sampled questions. One memory is open at a time
+        (items come conversation by conversation): opening the next closes the last."""
+        if self._open is None or self._open[0] != c:
             from eventkv.models import LoadedModel
 
-            conv = truncate(self._conversations()[c], rt.tokenizer, self.max_tokens)
-            if self._tmp is None:
-                self._tmp = tempfile.TemporaryDirectory(prefix="eventkv-memory-eval-")
+            if self._open is not None:
+                self._open[1][1].close()
+                self._open = None
+            h = self._history(rt, c)
             lm = LoadedModel(rt.model, rt.tokenizer, rt.profile)
-            mem = EventMemory.create(Path(self._tmp.name) / f"c{c}", lm, namespace="eval", instruction=INSTRUCTION)
-            mem.add([MemoryEvent(t.event_text(), id=t.id) for t in conv.turns], prefill=True)
-            questions = list(conv.questions)
+            mem = open_history(self._store_root() / f"c{c}", lm, self.instruction(), h.sessions)
+            questions = list(h.conv.questions)
             random.Random(f"memory-eval:{seed}:{c}").shuffle(questions)
-            self._memories[c] = (conv, mem, questions[: self.questions_per_conversation])
-        return self._memories[c]
+            self._open = (c, (h, mem, questions[: self.questions_per_conversation]))
+        return self._open[1]
+
+    def _kv_row_bytes(self, rt: Runtime) -> int:
+        """Bytes of one stored row over every layer: layers x 2 (K, V) x kv_heads x head_dim x dtype bytes."""
+        if self._row_bytes is None:
+            import torch
+
+            from eventkv.models.introspect import profile_for
+
+            p = profile_for(rt.model, None, "kv rows")
+            size = torch.empty((), dtype=getattr(torch, p.dtype)).element_size()
+            self._row_bytes = p.num_layers * 2 * p.num_kv_heads * p.head_dim * size
+        return self._row_bytes
 
     def run_item(self, rt: Runtime, item: dict) -> dict:
         from eventkv.memory.metrics import score_answer
 
-        conv, mem, questions = self._memory(rt, item["conversation"], item["seed"])
-        rec = {"index": item["index"], "conversation": conv.id, "slot": item["slot"]}
+        h, mem, questions = self._memory(rt, item["conversation"], item["seed"])
+        rec = {"index": item["index"], "conversation": h.conv.id, "slot": item["slot"]}
         if item["slot"] >= len(questions):
-            return {**rec, "skipped": f"{len(questions)} eligible questions in the first {self.max_tokens} tokens"}
+            what = f"the first {self.max_tokens} tokens" if self.max_tokens else "the conversation"
+            return {**rec, "skipped": f"{len(questions)} eligible questions in {what}"}
         qa = questions[item["slot"]]
         prompt = question_prompt(qa.question, qa.category)
         trap = (qa.adversarial_answer or qa.answer) if qa.category == 5 else None
         candidates = [NOT_MENTIONED, trap] if trap and trap.strip() and trap != NOT_MENTIONED else None
-        selected = mem.select(qa.question, k=self.k)
-        plan = {
-            "rows": (selected, "compact"),
-            "text": (selected, "text"),
-            "isolated": (selected, "isolated"),
-            "full": ("all", "compact"),
-            "gold": (list(qa.evidence), "text"),
-        }
-        ask = {"candidates": candidates, "max_new_tokens": self.max_new_tokens}
-        groups = [list(self.arm_names)] if self.batch_arms else [[a] for a in self.arm_names]
-        answers, serve_ms, readout_ms = {}, {}, {}
-        for group in groups:
-            for arm, ans in zip(group, mem.query_batch(prompt, [plan[a] for a in group], **ask)):
-                answers[arm] = ans
-                serve_ms[arm] = round(ans.timings_ms["serve"], 3)
-                readout_ms[arm] = round(ans.timings_ms["decode"], 3)
+        header = len(mem.header_ids)
+        n_rows = {r.id: r.n_rows for r in mem.list()}
+        history_rows = sum(n_rows.values())
+        fits = h.n_tokens + QUESTION_ROOM <= (rt.max_context or h.n_tokens + QUESTION_ROOM)
+        evidence = set(qa.evidence)
+
+        selection = {}
+        for s in self.selectors:
+            for b in self.budgets:
+                ids = served_set(
+                    mem, qa.question, s, b, k=self.k, neighbours=self.neighbours, with_headers=self.with_headers
+                )
+                selection[f"{s}@{budget_label(b)}"] = {
+                    "ids": ids,
+                    "rows": sum(n_rows[i] for i in ids),
+                    "recall": round(len(evidence & set(ids)) / len(evidence), 6),
+                }
+        # gold: the evidence turns, and with headers their sessions' header events
+        heads = {f"session-{t.session}" for t in h.conv.turns if t.id in evidence} if self.with_headers else set()
+        gold = [e.id for _, evs in h.sessions for e in evs if e.id in evidence or e.id in heads]
+
+        specs = self.grid()
+        plans: dict[str, tuple[list[str] | str, str, str]] = {}  # name -> (served, mode, positions)
+        for a in specs:
+            if a.kind == "full":
+                served: list[str] | str = "all"
+            elif a.kind == "gold":
+                served = gold
+            else:
+                served = selection[f"{a.selector}@{budget_label(a.budget or 0)}"]["ids"]
+            positions = a.positions if a.kind in POSITIONED or fits else "contiguous"
+            plans[a.name] = (served, SERVE_MODE[a.kind], positions)
+        answers, serve_ms, readout_ms, batch = {}, {}, {}, {}
+        for group in self._groups(plans, n_rows, history_rows, header):
+            served0, mode0, positions = plans[group[0]]
+            kw: dict = {"candidates": candidates, "max_new_tokens": self.max_new_tokens}
+            if positions != "original":
+                kw["positions"] = positions
+            if mode0 == "blend" and self.recompute is not None:
+                kw["recompute"] = self.recompute
+            outs = mem.query_batch(prompt, [(plans[a][0], plans[a][1]) for a in group], **kw)
+            for a, ans in zip(group, outs):
+                answers[a] = ans
+                serve_ms[a] = round(ans.timings_ms["serve"], 3)
+                readout_ms[a] = round(ans.timings_ms["decode"], 3)
+                batch[a] = len(group)
         arms = {}
-        for arm in self.arm_names:
-            ans = answers[arm]
+        row_bytes = self._kv_row_bytes(rt)
+        for a in specs:
+            if a.name not in answers:  # an empty served set: nothing to read out
+                arms[a.name] = {"answer": "", "f1": 0.0, "em": False, "n_rows": header, "rows": 0, "fraction": 0.0}
+                arms[a.name].update({"kv_bytes": header * row_bytes, "n_tokens": 0, "empty": True})
+                continue
+            ans = answers[a.name]
             answer = first_line(ans.text)
             score = score_answer(answer, qa.answer, qa.category)
-            arms[arm] = {
+            arms[a.name] = {
                 "answer": answer,
                 "f1": score.f1,
                 "em": score.exact,
                 "n_rows": ans.n_rows_served,
+                "rows": ans.n_rows_served - header,
+                "fraction": round((ans.n_rows_served - header) / history_rows, 6),
+                "kv_bytes": ans.n_rows_served * row_bytes,
                 "n_tokens": len(ans.generation.tokens),
             }
             if candidates:
                 margin = ans.candidates[0].logprob - ans.candidates[1].logprob
-                arms[arm]["abstain_margin"] = round(margin, 6)
-                arms[arm]["abstains"] = margin > 0
+                arms[a.name]["abstain_margin"] = round(margin, 6)
+                arms[a.name]["abstains"] = margin > 0
         return {
             **rec,
             "question": qa.question,
             "gold": qa.answer,
             "category": qa.category,
             "evidence": list(qa.evidence),
-            "selected": list(selected),
+            "history_rows": history_rows,
             **({"choice": candidates} if candidates else {}),
+            "selection": selection,
             "arms": arms,
-            **({"timing": {"serve": serve_ms, "readout": readout_ms}} if self.timing else {}),
+            **({"timing": {"serve": serve_ms, "readout": readout_ms, "batch": batch}} if self.timing else {}),
         }
+
+    def _groups(self, plans: dict, n_rows: dict, history_rows: int, header: int) -> list[list[str]]:
+        """The arm names in readout batches: arms with an empty served set left out; arms needing other
+        serving keywords (positions, blend's recompute) apart; within those, :func:`length_groups`
+        (``batch_arms=False``: one arm a batch)."""
+        keyed: dict[tuple, list[str]] = {}
+        for name, (served, mode, positions) in plans.items():
+            if served != "all" and not served:
+                continue
+            keyed.setdefault((positions, mode == "blend"), []).append(name)
+        out = []
+        for names in keyed.values():
+            if not self.batch_arms:
+                out += [[n] for n in names]
+                continue
+            lengths = [
+                header + (history_rows if plans[n][0] == "all" else sum(n_rows[i] for i in plans[n][0])) for n in names
+            ]
+            out += [[names[i] for i in g] for g in length_groups(lengths, self.max_padding)]
+        return out
 
     # ------------------------------------------------------------------ statistics
     def summarize(self, records: Sequence[dict]) -> Summary:
@@ -248,14 +716,26 @@ class MemoryEval(DialogueData, Probe):
 
         s = self.summarize(records).data
         plt = pyplot()
-        fig, ax = plt.subplots(figsize=(7, 3.8))
-        arms = [a for a in ARMS if a in s["f1"]]
-        est = [s["f1"][a]["estimate"] for a in arms]
-        lo = [s["f1"][a]["estimate"] - s["f1"][a]["low"] for a in arms]
-        hi = [s["f1"][a]["high"] - s["f1"][a]["estimate"] for a in arms]
-        ax.bar(arms, est, yerr=[lo, hi], capsize=4, color="#2b8cbe")
-        ax.set_ylabel("token F1 (categories 1-4), cluster bootstrap 95%")
+        fig, ax = plt.subplots(figsize=(7.5, 4.2))
+        lines: dict[str, list[tuple[float, float]]] = {}
+        for name, b in s["f1"].items():
+            a = parse_arm(name)
+            if b is None or a.budget is None:
+                continue
+            line = f"{a.kind}:{a.selector}" + ("/contiguous" if a.positions == "contiguous" else "")
+            lines.setdefault(line, []).append((100 * a.budget, b["estimate"]))
+        for line, pts in lines.items():
+            pts.sort()
+            style = "-" if line.startswith("rows") else "--"
+            ax.plot([x for x, _ in pts], [y for _, y in pts], style, marker="o", label=line)
+        for ref, colour in (("full", "black"), ("gold", "#d95f02")):
+            if s["f1"].get(ref):
+                ax.axhline(s["f1"][ref]["estimate"], color=colour, linestyle=":", label=ref)
+        ax.set_xscale("log")
+        ax.set_xlabel("served fraction of the history's rows (%, header excluded)")
+        ax.set_ylabel("token F1 (categories 1-4)")
         ax.set_ylim(0, 1)
+        ax.legend(fontsize=7, ncol=2)
         ax.set_title(f"memory eval: {s['n_questions']} questions, {s['n_conversations']} conversations")
         save_figure(fig, path)
 
@@ -265,15 +745,39 @@ def _with_ci(b) -> str:
     return "n/a" if b is None else b.interval(single="one conversation")
 
 
+def _percentiles(xs: Sequence[float]) -> tuple[float, float]:
+    p50, p95 = (float(x) for x in np.percentile(xs, [50, 95]))
+    return p50, p95
+
+
+def _arm_order(names) -> list[str]:
+    """Arm names in table order: by budget (full and gold last), then rows before the control kinds."""
+    kinds = {k: i for i, k in enumerate(ARM_KINDS)}
+    first = {}
+    for i, n in enumerate(names):
+        first.setdefault(n, i)
+
+    def key(n: str):
+        a = parse_arm(n)
+        return (a.budget is None, a.budget or 0, kinds.get(a.kind, 9), first[n])
+
+    return sorted(first, key=key)
+
+
 def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = None) -> Summary:
-    """Tables: F1 / EM per arm (categories 1-4, cluster-bootstrap 95% intervals; per category;
-    category 5 apart), paired differences rows - text and rows - isolated, latency p50/p95 (ms)."""
-    from eventkv.stats import cluster_bootstrap, format_p, wilcoxon_d, wilson
+    """Tables (``docs/memory.md``): the headline, F1 / EM per arm (categories 1-4, cluster-bootstrap
+    95% intervals; per category; category 5 apart), paired differences per budget (rows - text, rows -
+    isolated, rows - blend for the controls, rows - full for every selector; with both positions
+    modes, contiguous - original), cost per arm (rows, served fraction, KV bytes, latency p50/p95,
+    tokens) and evidence recall per selector and budget."""
+    from eventkv.stats import cluster_bootstrap, cluster_bootstrap_ratio, format_p, wilcoxon_d, wilson
 
     done = [r for r in records if "arms" in r]
     main = [r for r in done if r["category"] in (1, 2, 3, 4)]
     adversarial = [r for r in done if r["category"] == 5]
-    arms = [a for a in ARMS if done and a in done[0]["arms"]]
+    arms = _arm_order([a for r in done for a in r["arms"]])
+    arms = [a for a in arms if all(a in r["arms"] for r in done)]
+    specs = {a: parse_arm(a) for a in arms}
     clusters = [r["conversation"] for r in main]
     data: dict = {
         "n_questions": len(main),
@@ -284,16 +788,25 @@ def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = No
         "em": {},
         "paired": {},
         "abstention": {},
-        "n_tokens": {},
+        "cost": {},
         "latency_ms": {},
+        "recall": {},
+        "headline": None,
+        "reach_text": {},
+        "n_empty": {},
     }
+
+    def f1s(a: str) -> list[float]:
+        return [r["arms"][a]["f1"] for r in main]
+
     rows = []
     for a in arms:
-        f1 = [r["arms"][a]["f1"] for r in main]
+        f1 = f1s(a)
         em = [float(r["arms"][a]["em"]) for r in main]
         b = cluster_bootstrap(f1, clusters) if f1 else None
         data["f1"][a] = b.__dict__ if b else None
         data["em"][a] = float(np.mean(em)) if em else None
+        data["n_empty"][a] = sum(bool(r["arms"][a].get("empty")) for r in done)
         by_cat = []
         for c in (1, 2, 3, 4):
             xs = [r["arms"][a]["f1"] for r in main if r["category"] == c]
@@ -313,73 +826,191 @@ def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = No
                 wilson(sum(chose), len(chose)).describe(2) if chose else "n/a",
             ]
         )
-    tables = [
-        Table(
-            "Token F1 by arm (categories 1-4; cluster bootstrap 95%, clusters = conversations)",
-            [
-                "arm",
-                "F1 [95%]",
-                "EM",
-                *[f"{c} {CATEGORIES[c]} (n)" for c in (1, 2, 3, 4)],
-                "5: answer abstains (n)",
-                "5: chooses 'not mentioned' [Wilson 95%]",
-            ],
-            rows,
-        )
-    ]
+    f1_table = Table(
+        "Token F1 by arm (categories 1-4; cluster bootstrap 95%, clusters = conversations)",
+        [
+            "arm",
+            "F1 [95%]",
+            "EM",
+            *[f"{c} {CATEGORIES[c]} (n)" for c in (1, 2, 3, 4)],
+            "5: answer abstains (n)",
+            "5: chooses 'not mentioned' [Wilson 95%]",
+        ],
+        rows,
+    )
+
+    # ---- paired differences, per budget
+    pairs: list[tuple[str, str]] = []
+    for a, s in specs.items():
+        if s.kind != "rows":
+            continue
+        for kind in CONTROL_KINDS:
+            other = arm_spec(kind, s.selector, s.budget, s.positions).name
+            if other in specs:
+                pairs.append((a, other))
+        if "full" in specs:
+            pairs.append((a, "full"))
+        if s.positions == "contiguous" and arm_spec("rows", s.selector, s.budget).name in specs:
+            pairs.append((a, arm_spec("rows", s.selector, s.budget).name))
     paired_rows = []
-    for other in ("text", "isolated"):
-        if "rows" in arms and other in arms and main:
-            diff = [r["arms"]["rows"]["f1"] - r["arms"][other]["f1"] for r in main]
-            b = cluster_bootstrap(diff, clusters)
-            w = wilcoxon_d(diff, what=f"F1 rows - {other}")
-            data["paired"][f"rows-{other}"] = {
-                **b.__dict__,
-                "wilcoxon_p": w.p_value,
-                "n_nonzero": w.counts["n"],
-                "better": sum(x > 0 for x in diff),
-                "worse": sum(x < 0 for x in diff),
-            }
-            paired_rows.append(
-                [
-                    f"rows - {other}",
-                    f"{b.estimate:+.3f}",
-                    f"[{b.low:+.3f}, {b.high:+.3f}]",
-                    f"{sum(x > 0 for x in diff)}:{sum(x < 0 for x in diff)}",
-                    "n/a" if w.p_value != w.p_value else format_p(w.p_value),
-                    str(len(diff)),
-                ]
+    for a, other in pairs if main else []:
+        diff = [x - y for x, y in zip(f1s(a), f1s(other))]
+        b = cluster_bootstrap(diff, clusters)
+        w = wilcoxon_d(diff, what=f"F1 {a} - {other}")
+        better, worse = sum(x > 0 for x in diff), sum(x < 0 for x in diff)
+        data["paired"][f"{a} - {other}"] = {
+            **b.__dict__,
+            "wilcoxon_p": w.p_value,
+            "n_nonzero": w.counts["n"],
+            "better": better,
+            "worse": worse,
+        }
+        budget = specs[a].budget
+        paired_rows.append(
+            [
+                budget_label(budget) if budget is not None else "",
+                f"{a} - {other}",
+                f"{b.estimate:+.3f}",
+                "n/a" if b.n_clusters < 2 else f"[{b.low:+.3f}, {b.high:+.3f}]",
+                f"{better}:{worse}",
+                "n/a" if w.p_value != w.p_value else format_p(w.p_value),
+                str(len(diff)),
+            ]
+        )
+
+    # ---- cost
+    cost_rows = []
+    timed = [r for r in done if "serve" in r.get("timing", {})]
+    for a in arms:
+        n = [r["arms"][a]["rows"] for r in done]
+        frac = [r["arms"][a]["fraction"] for r in done]
+        kv = [r["arms"][a]["kv_bytes"] for r in done]
+        toks = [r["arms"][a]["n_tokens"] for r in done]
+        data["cost"][a] = {
+            "rows": float(np.mean(n)),
+            "fraction": float(np.mean(frac)),
+            "kv_bytes": float(np.mean(kv)),
+            "n_tokens": float(np.mean(toks)),
+        }
+        serve = [r["timing"]["serve"][a] for r in timed if a in r["timing"]["serve"]]
+        readout = [r["timing"]["readout"][a] for r in timed if a in r["timing"]["readout"]]
+        lat = ["", "", "", ""]
+        if serve:
+            s50, s95 = _percentiles(serve)
+            r50, r95 = _percentiles(readout)
+            data["latency_ms"][a] = {"serve_p50": s50, "serve_p95": s95, "readout_p50": r50, "readout_p95": r95}
+            lat = [f"{s50:.0f}", f"{s95:.0f}", f"{r50:.0f}", f"{r95:.0f}"]
+        cost_rows.append(
+            [
+                a,
+                f"{np.mean(n):.0f}",
+                f"{100 * np.mean(frac):.1f}%",
+                f"{np.mean(kv) / 2**20:.2f}",
+                *lat,
+                f"{np.mean(toks):.1f}",
+                str(len(done)),
+            ]
+        )
+
+    # ---- evidence recall of each selector's served sets
+    recall_rows = []
+    keys = list(dict.fromkeys(k for r in main for k in r.get("selection", {})))
+    for key in keys:
+        got = [r for r in main if key in r["selection"]]
+        rec = [r["selection"][key]["recall"] for r in got]
+        b = cluster_bootstrap(rec, [r["conversation"] for r in got])
+        frac = [r["selection"][key]["rows"] / r["history_rows"] for r in got]
+        data["recall"][key] = {**b.__dict__, "fraction": float(np.mean(frac))}
+        selector, _, label = key.rpartition("@")
+        recall_rows.append([selector, label, _with_ci(b), f"{100 * np.mean(frac):.1f}%", str(len(rec))])
+
+    # ---- headline: the best selector's rows at the headline budget, over full; where rows reach text
+    headline_rows = []
+    budgets = sorted({s.budget for s in specs.values() if s.kind == "rows" and s.budget is not None})
+    if main and budgets:
+        at = min(budgets, key=lambda b: (abs(b - HEADLINE_BUDGET), b))
+        candidates = [a for a, s in specs.items() if s.kind == "rows" and s.budget == at]
+        best = max(candidates, key=lambda a: (float(np.mean(f1s(a))), -arms.index(a)))
+        line = [f"best rows at {budget_label(at)}", best, f"{np.mean(f1s(best)):.3f}"]
+        if "full" in specs:
+            r = cluster_bootstrap_ratio(f1s(best), f1s("full"), clusters)
+            data["headline"] = {"arm": best, "budget": at, "f1": float(np.mean(f1s(best))), **r.__dict__}
+            data["headline"]["full_f1"] = float(np.mean(f1s("full")))
+            line.append(f"{data['headline']['full_f1']:.3f}")
+            line.append(r.interval(single="one conversation"))
+        else:
+            data["headline"] = {"arm": best, "budget": at, "f1": float(np.mean(f1s(best)))}
+            line += ["n/a", "n/a"]
+        headline_rows.append(line)
+    reach_rows = []
+    for c in dict.fromkeys(s.selector for s in specs.values() if s.kind == "text" and main):
+        reached = None
+        for b in budgets:
+            t_name = arm_spec("text", c, b).name
+            r_name = next(
+                (n for n in (arm_spec("rows", c, b).name, arm_spec("rows", c, b, "contiguous").name) if n in specs), ""
             )
+            if r_name and t_name in specs and np.mean(f1s(r_name)) >= np.mean(f1s(t_name)):
+                reached = b
+                break
+        data["reach_text"][c] = reached
+        reach_rows.append([f"rows reach text ({c})", budget_label(reached) if reached else "at no budget", "", "", ""])
+
+    tables = []
+    if headline_rows or reach_rows:
+        tables.append(
+            Table(
+                "Headline: F1 of the best selector's rows at the budget nearest 10% as a fraction of full "
+                "(ratio of means, cluster bootstrap 95%); the smallest budget at which rows' mean F1 reaches text's",
+                ["", "arm / budget", "F1", "full F1", "rows / full [95%]"],
+                headline_rows + reach_rows,
+            )
+        )
+    tables.append(f1_table)
     if paired_rows:
         tables.append(
             Table(
-                "Paired F1 differences (same questions)",
-                ["difference", "mean", "95% CI (cluster bootstrap)", "better:worse", "Wilcoxon p (questions)", "n"],
+                "Paired F1 differences per budget (same questions)",
+                [
+                    "budget",
+                    "difference",
+                    "mean",
+                    "95% CI (cluster bootstrap)",
+                    "better:worse",
+                    "Wilcoxon p (questions)",
+                    "n",
+                ],
                 paired_rows,
             )
         )
-    lat_rows = []
-    timed = [r for r in done if "serve" in r.get("timing", {})]
-    batched = bool(timed) and all(len(set(r["timing"]["readout"].values())) == 1 for r in timed) and len(arms) > 1
-    for a in arms:
-        toks = [r["arms"][a]["n_tokens"] for r in done]
-        data["n_tokens"][a] = float(np.mean(toks)) if toks else None
-        serve = [r["timing"]["serve"][a] for r in timed]
-        readout = [r["timing"]["readout"][a] for r in timed]
-        if serve:
-            s50, s95 = (float(x) for x in np.percentile(serve, [50, 95]))
-            r50, r95 = (float(x) for x in np.percentile(readout, [50, 95]))
-            data["latency_ms"][a] = {"serve_p50": s50, "serve_p95": s95, "readout_p50": r50, "readout_p95": r95}
-            lat_rows.append(
-                [a, f"{s50:.0f}", f"{s95:.0f}", f"{r50:.0f}", f"{r95:.0f}", f"{np.mean(toks):.1f}", str(len(serve))]
-            )
-    if lat_rows:
+    batched = bool(timed) and any(max(r["timing"].get("batch", {"": 1}).values()) > 1 for r in timed)
+    tables.append(
+        Table(
+            "Cost per arm (rows and served fraction: header excluded; KV: the served cache, header included; "
+            "latency in ms, wall clock, the one global prefill excluded"
+            + ("; arms read out in one batch share the readout time)" if batched else ")"),
+            [
+                "arm",
+                "rows (mean)",
+                "served fraction",
+                "KV MiB (mean)",
+                "serve p50",
+                "serve p95",
+                "readout p50",
+                "readout p95",
+                "tokens generated (mean)",
+                "n",
+            ],
+            cost_rows,
+        )
+    )
+    if recall_rows:
         tables.append(
             Table(
-                "Per-question latency (ms, wall clock; the one global prefill excluded)"
-                + (": the arms are read out in one batch, so the readout time is shared" if batched else ""),
-                ["arm", "serve p50", "serve p95", "readout p50", "readout p95", "tokens generated (mean)", "n"],
-                lat_rows,
+                "Evidence recall of each selector's served set (fraction of the question's evidence turns served; "
+                "categories 1-4, cluster bootstrap 95%)",
+                ["selector", "budget", "recall [95%]", "served fraction (mean)", "n"],
+                recall_rows,
             )
         )
     data["batched_readout"] = batched
@@ -390,20 +1021,25 @@ def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = No
         + (f", {data['n_skipped']} slots skipped" if data["n_skipped"] else "")
     )
     notes = [
-        "rows: BM25 top-k turns served from the one global prefill; text: the same turns re-prefilled as text; "
-        "isolated: the same turns each encoded alone; full: the whole truncated history; gold: the evidence turns "
-        "as text.",
-        "F1 and EM: LoCoMo's token F1 after its answer normalization (eventkv.memory.metrics).",
-        "Category 5 (adversarial): 'answer abstains' scores the generated answer by LoCoMo's keyword rule "
-        "('not mentioned', 'no information available'), which the free-form prompt does not invite; 'chooses' is "
-        "LoCoMo's forced choice between 'Not mentioned in the conversation' and the adversarial answer, by "
-        "log-probability. Both are reported apart from the F1 of categories 1-4.",
-        "serve: building the arm's served cache (rows: select and copy; text and gold: prefill the turns; "
-        "isolated: encode each turn alone, once per conversation; full: copy every row); readout: the question, "
-        "the greedy answer and the category-5 scoring.",
+        "rows:S@B: selector S's served set at budget B (a fraction of the history's rows, header excluded) served "
+        "as its stored rows; text / isolated / blend: the same set re-prefilled as text / each event encoded alone / "
+        "rows with a fraction recomputed; /contiguous: served at contiguous positions; full: every stored row; "
+        "gold: the evidence turns as text.",
+        "F1 and EM: LoCoMo's token F1 after its answer normalization (eventkv.memory.metrics), by the data's "
+        "integer category.",
+        "Category 5 (adversarial): 'answer abstains' scores the generated answer by LoCoMo's keyword rule; "
+        "'chooses' is LoCoMo's forced choice between 'Not mentioned in the conversation' and the adversarial "
+        "answer, by log-probability. Both apart from the F1 of categories 1-4.",
         "Wilcoxon p treats the questions as independent (zero differences dropped); the cluster bootstrap "
-        "resamples conversations. Neither corrects for the two comparisons.",
+        f"resamples the {n_conv} conversations. Neither corrects for the number of comparisons.",
     ]
+    empty = {a: n for a, n in data["n_empty"].items() if n}
+    if empty:
+        notes.append(
+            "Served sets left empty by their budget (scored F1 0, nothing read out): "
+            + ", ".join(f"{a} {n}" for a, n in empty.items())
+            + "."
+        )
     if 1 < n_conv < 5:
         notes.append(
             f"With {n_conv} conversations the cluster bootstrap draws from only {n_conv**n_conv} ordered "
