@@ -23,7 +23,7 @@ from eventkv.studies.materialization.memory_eval import (
 )
 
 BASE = ["--conversations", "2", "--questions-per-conversation", "2", "--max-tokens", "600", "--budgets", "20%,50%"]
-BASE += ["--max-new-tokens", "3", "--dtype", "float32", "--no-progress"]
+BASE += ["--max-new-tokens", "3", "--dtype", "float32", "--no-progress", "--selectors", "bm25"]
 
 
 def _records(out):
@@ -148,8 +148,15 @@ def test_whole_history_past_the_context_is_refused_in_original_positions():
 
 
 def test_arm_grid_names_and_budgets():
-    probe = MemoryEval(data=DEMO_DATA, budgets=(0.05, 0.1), arm_names=("rows", "text", "isolated", "full", "gold"))
-    assert probe.selectors[0] == "bm25" and probe.controls == ("bm25",) and probe.k is None
+    from eventkv.options import SELECTORS
+
+    default = MemoryEval(data=DEMO_DATA)  # every registered selector, the fused one as the control when registered
+    assert default.selectors[0] == "bm25" and set(default.selectors) == set(SELECTORS.names())
+    assert default.controls == (("hybrid",) if "hybrid" in SELECTORS.names() else ("bm25",))
+    probe = MemoryEval(
+        data=DEMO_DATA, selectors=("bm25",), budgets=(0.05, 0.1), arm_names=("rows", "text", "isolated", "full", "gold")
+    )
+    assert probe.selectors == ("bm25",) and probe.controls == ("bm25",) and probe.k is None
     assert [a.name for a in probe.grid()] == [
         "rows:bm25@5%",
         "text:bm25@5%",

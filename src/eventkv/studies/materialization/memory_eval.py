@@ -52,7 +52,6 @@ with fewer eligible questions records the missing slots as ``skipped``.
 
 from __future__ import annotations
 
-import inspect
 import random
 import shutil
 import sys
@@ -208,10 +207,6 @@ def length_groups(lengths: Sequence[int], max_padding: float) -> list[list[int]]
     return groups + ([current] if current else [])
 
 
-def _accepts(method, keyword: str) -> bool:
-    return keyword in inspect.signature(method).parameters
-
-
 def served_set(
     mem,
     question: str,
@@ -222,33 +217,14 @@ def served_set(
     neighbours: int = 0,
     with_headers: bool = False,
 ) -> list[str]:
-    """The served set (event ids, history order) of one selector at one budget:
-    ``mem.select(question, k=k, selector=selector, budget=budget, neighbours=neighbours,
-    with_headers=with_headers)``. For a memory whose ``select`` takes no ``selector`` / ``budget``
-    keywords, the same set is ranked here: the named selector (:data:`eventkv.options.SELECTORS`)
-    ranks the view and keeps events, best first, while their rows fit ``int(budget * rows)`` (rows
-    of the history, header excluded); ``neighbours`` and ``with_headers`` need the keywords.
+    """The served set (event ids, history order) of one selector at one budget (a fraction of the
+    view's rows): ``mem.select(question, k=k, selector=selector, budget=budget, neighbours=neighbours,
+    with_headers=with_headers)`` (:meth:`eventkv.memory.EventMemory.select`: never over the budget).
 
     Raises:
-        OptionError: an unknown selector; ``neighbours`` or ``with_headers`` on a ``select`` without them.
+        OptionError: an unknown selector or a bad shaping value.
     """
-    select: Any = mem.select
-    if _accepts(select, "budget"):
-        return select(question, k=k, selector=selector, budget=budget, neighbours=neighbours, with_headers=with_headers)
-    from eventkv.memory.select import SelectionContext, selector_for
-
-    if neighbours or with_headers:
-        raise OptionError(
-            "neighbours" if neighbours else "with_headers",
-            neighbours or with_headers,
-            "this EventMemory.select takes no neighbours / with_headers keywords: leave them out.",
-        )
-    events = mem.list()
-    stats = mem.stats()
-    limit = int(budget * (stats.rows - len(mem.header_ids)))
-    context = SelectionContext(lm=mem.lm, history_end=stats.history_end)
-    chosen = {r.id for r in selector_for(selector).rank(question, events, k=k, budget=limit, context=context)}
-    return [e.id for e in events if e.id in chosen]
+    return mem.select(question, k=k, selector=selector, budget=budget, neighbours=neighbours, with_headers=with_headers)
 
 
 def history_events(conv, with_headers: bool) -> list:
@@ -442,32 +418,11 @@ class MemoryEval(DialogueData, Probe):
         check_choices("arm_names", self.arm_names, ARM_KINDS, required=("rows",), flag="--arms", what="arms")
         if not 0 <= self.max_padding <= 1 or isinstance(self.max_padding, bool):
             raise OptionError("max_padding", self.max_padding, "give a fraction in [0, 1].")
-        self._check_serving()
         n = len(self._conversations())
         if self.conversations > n:
             raise OptionError(
                 "conversations", self.conversations, f"{self.data!r} holds {n} conversations: ask for {n} or fewer."
             )
-
-    def _check_serving(self) -> None:
-        """Refuse what this eventkv's memory cannot serve: blend without the serve mode, contiguous
-        positions without ``query_batch(positions=)``, neighbours / headers without ``select``'s keywords."""
-        from eventkv.memory import EventMemory
-        from eventkv.serve import SERVE_MODES
-
-        if "blend" in self.arm_names and "blend" not in SERVE_MODES:
-            raise OptionError(
-                "arm_names", self.arm_names, "this eventkv has no blend serve mode: leave blend out.", flag="--arms"
-            )
-        if self.positions != "original" and not _accepts(EventMemory.query_batch, "positions"):
-            raise OptionError(
-                "positions", self.positions, "this eventkv serves original positions only: give original."
-            )
-        for kw in ("neighbours", "with_headers"):
-            if getattr(self, kw) and not _accepts(EventMemory.select, kw):
-                raise OptionError(
-                    kw, getattr(self, kw), f"this eventkv's EventMemory.select has no {kw}: leave it out."
-                )
 
     def _conversations(self):
         """The file's conversations, parsed once per probe (validate and every memory read them)."""
