@@ -87,16 +87,17 @@ def rank(texts: list[str], question: str, k: int) -> list[int]:
         EventKVError: ``texts`` is empty or ``question`` is blank.
         OptionError: ``k`` is not a whole number >= 1.
     """
-    _check_k(k)
-    return _best_first(scores(texts, question))[:k]
+    check_k(k)
+    return best_first(scores(texts, question))[:k]
 
 
-def _check_k(k) -> None:
+def check_k(k) -> None:
+    """Raise :class:`OptionError` unless ``k`` is a whole number >= 1 (how many events to select)."""
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise OptionError("k", k, "select at least 1 text (a whole number >= 1).")
 
 
-def _best_first(s: np.ndarray) -> list[int]:
+def best_first(s: np.ndarray) -> list[int]:
     """Indices by score, highest first; equal scores by the lower index first."""
     order = np.lexsort((np.arange(len(s)), -s.astype(np.float64)))  # last key first: score desc, then index
     return [int(i) for i in order]
@@ -121,6 +122,23 @@ class Ranked:
 
     id: str
     score: float
+
+
+def ranked(events: Sequence[MemoryRecord], s: np.ndarray, k: int | None, budget: int | None) -> list[Ranked]:
+    """``events`` best first by their scores ``s`` (``[len(events)]``; equal scores in history order:
+    :func:`best_first`), the first ``k`` (None: all), then with ``budget`` (rows) cut before the first
+    event whose ``n_rows`` do not fit (:func:`within_budget`): what :meth:`Selector.rank` returns.
+
+    Raises:
+        OptionError: ``k`` not a whole number >= 1.
+    """
+    order = best_first(s)
+    if k is not None:
+        check_k(k)
+        order = order[:k]
+    if budget is not None:
+        order = within_budget(order, [events[i].n_rows for i in order], budget)
+    return [Ranked(events[i].id, float(s[i])) for i in order]
 
 
 @dataclass(frozen=True)
@@ -193,14 +211,7 @@ class BM25Selector:
             OptionError: ``k`` not a whole number >= 1.
         """
         events = list(events)
-        s = scores([e.text for e in events], question)
-        order = _best_first(s)
-        if k is not None:
-            _check_k(k)
-            order = order[:k]
-        if budget is not None:
-            order = within_budget(order, [events[i].n_rows for i in order], budget)
-        return [Ranked(events[i].id, float(s[i])) for i in order]
+        return ranked(events, scores([e.text for e in events], question), k, budget)
 
 
 def selector_for(selector: Selector | str) -> Selector:
