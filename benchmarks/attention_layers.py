@@ -11,7 +11,8 @@ of layers (the mean of the layers' scores, as ``AttentionSelector(layers=...)`` 
 BM25 on the same questions (reference).
 
     python benchmarks/attention_layers.py [--model smollm2-135m] [--tokens 3000] [--k 5 10]
-        [--conversations N] [--questions-per-conversation N] [--out results.json] [--threads N]
+        [--conversations N] [--questions-per-conversation N] [--poolings mass max mean]
+        [--attend question history] [--header out in] [--out results.json] [--threads N]
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ import numpy as np
 import torch
 
 from eventkv.log import HEADER_ID, Event, EventLog, tokenize
-from eventkv.memory.attention import ATTENDS, POOLINGS, decoder_layers, event_scores, question_queries
+from eventkv.memory.attention import ATTENDS, POOLINGS, attention_modules, event_scores, question_queries
 from eventkv.memory.dialogue import truncate
-from eventkv.memory.select import best_first, scores as bm25_scores
+from eventkv.memory.select import best_first
+from eventkv.memory.select import scores as bm25_scores
 from eventkv.models import load
 from eventkv.options import DIALOGUE_FORMATS
 from eventkv.prefill import prefill
@@ -59,6 +61,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, nargs="+", default=[5, 10])
     ap.add_argument("--conversations", type=int, default=None, help="the first N conversations (default all)")
     ap.add_argument("--questions-per-conversation", type=int, default=None)
+    ap.add_argument("--poolings", nargs="+", default=list(POOLINGS), choices=POOLINGS)
+    ap.add_argument("--attend", nargs="+", default=list(ATTENDS), choices=ATTENDS)
+    ap.add_argument("--header", nargs="+", default=["out", "in"], choices=["out", "in"])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None, help="write the recalls as JSON here")
     args = ap.parse_args()
@@ -67,9 +72,9 @@ def main() -> None:
     t0 = time.perf_counter()
     lm = load(args.model)
     n_layers = lm.profile.num_layers
-    modules = decoder_layers(lm.model)
+    modules = attention_modules(lm.model)
     convs = DIALOGUE_FORMATS.get("locomo")(args.data)[: args.conversations]
-    settings = [Setting(p, h, a) for p, h, a in product(POOLINGS, (False, True), ATTENDS)]
+    settings = [Setting(p, h == "in", a) for p, h, a in product(args.poolings, args.header, args.attend)]
     # per setting: per question, [layers, events] scores; with the gold indices
     per_q: dict[str, list[np.ndarray]] = {s.label: [] for s in settings}
     golds: list[set[int]] = []
@@ -98,7 +103,7 @@ def main() -> None:
                 a: question_queries(
                     lm, qa.question, log.history_end, range(n_layers), rows=ekv if a == "history" else None
                 )
-                for a in ATTENDS
+                for a in args.attend
             }
             for s in settings:
                 layer_scores = [
@@ -107,7 +112,7 @@ def main() -> None:
                         keys[s.header][layer],
                         owners[s.header],
                         len(events),
-                        scaling=float(modules[layer].self_attn.scaling),
+                        scaling=float(modules[layer].scaling),
                         pooling=s.pooling,  # type: ignore[arg-type]
                     ).numpy()
                     for layer in range(n_layers)
@@ -139,7 +144,10 @@ def main() -> None:
     for s in settings:
         mats = per_q[s.label]
         result["per_layer"][s.label] = {
-            k: [float(np.mean([recall(best_first(m[layer]), g, k) for m, g in zip(mats, golds)])) for layer in range(n_layers)]
+            k: [
+                float(np.mean([recall(best_first(m[layer]), g, k) for m, g in zip(mats, golds)]))
+                for layer in range(n_layers)
+            ]
             for k in args.k
         }
         result["bands"][s.label] = {
@@ -154,7 +162,7 @@ def main() -> None:
         f"\n{args.model}, {len(golds)} questions of {len(convs)} LoCoMo dev conversations (first {args.tokens} "
         f"tokens of turns, {np.mean(n_events):.0f} turns on average); recall@{args.k}"
     )
-    print(f"BM25: " + ", ".join(f"@{k} {v:.3f}" for k, v in result["bm25"].items()))
+    print("BM25: " + ", ".join(f"@{k} {v:.3f}" for k, v in result["bm25"].items()))
     print(f"\nper layer, recall@{k0}:")
     print("| setting | " + " | ".join(str(i) for i in range(n_layers)) + " |")
     for s in settings:
@@ -165,9 +173,7 @@ def main() -> None:
     for s in settings:
         print(
             f"| {s.label} | "
-            + " | ".join(
-                "/".join(f"{result['bands'][s.label][name][k]:.3f}" for k in args.k) for name in bands
-            )
+            + " | ".join("/".join(f"{result['bands'][s.label][name][k]:.3f}" for k in args.k) for name in bands)
             + " |"
         )
     print(f"\n({time.perf_counter() - t0:.0f} s)")

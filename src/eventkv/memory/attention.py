@@ -48,7 +48,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 
@@ -81,8 +81,8 @@ class _Stop(Exception):
     """Raised by the capture hook after the deepest chosen layer: the rest of the forward is not needed."""
 
 
-def decoder_layers(model: PreTrainedModel) -> list[torch.nn.Module]:
-    """The decoder layers of a Hugging Face causal LM, in order (each has ``self_attn``).
+def attention_modules(model: PreTrainedModel) -> list[Any]:
+    """The attention module (``self_attn``) of each decoder layer of a Hugging Face causal LM, in layer order.
 
     Raises:
         EventKVError: a model whose decoder has no ``layers`` list of modules with ``self_attn``.
@@ -94,10 +94,10 @@ def decoder_layers(model: PreTrainedModel) -> list[torch.nn.Module]:
             f"{type(model).__name__} has no decoder layers with self_attn: the attention selector needs a "
             "Llama-style decoder (Llama, Qwen2, Qwen3, Gemma 3)."
         )
-    return list(layers)
+    return [layer.self_attn for layer in layers]
 
 
-def _query_states(attn: torch.nn.Module, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
+def _query_states(attn: Any, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
     """``[batch, heads, q, head_dim]`` query states of one attention module, as its forward makes them."""
     shape = (*hidden.shape[:-1], -1, attn.head_dim)
     q = attn.q_proj(hidden).view(shape)
@@ -122,7 +122,7 @@ def capture_queries(model: PreTrainedModel, layers: Sequence[int]) -> Iterator[d
     happens.
     """
     captured: dict[int, torch.Tensor] = {}
-    modules = decoder_layers(model)
+    modules = attention_modules(model)
     last = max(layers)
     handles = []
 
@@ -137,7 +137,7 @@ def capture_queries(model: PreTrainedModel, layers: Sequence[int]) -> Iterator[d
 
     try:
         for i in sorted(set(layers)):
-            handles.append(modules[i].self_attn.register_forward_pre_hook(hook_for(i), with_kwargs=True))
+            handles.append(modules[i].register_forward_pre_hook(hook_for(i), with_kwargs=True))
         try:
             yield captured
         except _Stop:
@@ -304,11 +304,11 @@ class AttentionSelector:
         queries = question_queries(
             lm, question, context.history_end, layers, rows=ekv if self.attend == "history" else None
         )
-        modules = decoder_layers(lm.model)
+        modules = attention_modules(lm.model)
         total = torch.zeros(len(events), dtype=torch.float32, device=device)
         with torch.inference_mode():
             for layer in layers:
-                attn = modules[layer].self_attn
+                attn = modules[layer]
                 total += event_scores(
                     queries.pop(layer),
                     ekv.keys[layer].index_select(2, index),
