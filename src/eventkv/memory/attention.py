@@ -71,10 +71,13 @@ Attend = Literal["question", "history"]
 """What the question's forward sees: itself only, or every stored row (module docstring, step 1)."""
 ATTENDS: tuple[Attend, ...] = get_args(Attend)
 
-#: The default chosen layers, as fractions of depth (``round(f * (layers - 1))``).
-DEFAULT_LAYERS: tuple[float, ...] = (0.5,)
-#: The default pooling.
-DEFAULT_POOLING: Pooling = "mass"
+#: The default chosen layers, as fractions of depth (``round(f * (layers - 1))``): layer 18 of smollm2-135m's
+#: 30, where evidence-turn recall@5 peaked (0.62 with max pooling, 0.51 with mass; most layers 0.00-0.29;
+#: BM25 0.60) on 18 LoCoMo dev questions (3 conversations cut to 2,000 tokens of turns; float32, AMD EPYC
+#: 2 cores AVX2; ``benchmarks/attention_layers.py``). Few questions, picked on them: a starting point.
+DEFAULT_LAYERS: tuple[float, ...] = (0.62,)
+#: The default pooling (max beat mass at the default layer, above).
+DEFAULT_POOLING: Pooling = "max"
 
 
 class _Stop(Exception):
@@ -244,7 +247,7 @@ class AttentionSelector:
         layers: the layers scored (indices, or fractions of depth; see :func:`resolve_layers`); default
             :data:`DEFAULT_LAYERS`, measured with ``benchmarks/attention_layers.py`` on the LoCoMo
             development split (see ``docs/memory.md``, "Selectors").
-        pooling: ``"mass"`` (default) | ``"max"`` | ``"mean"``.
+        pooling: ``"max"`` (default, :data:`DEFAULT_POOLING`) | ``"mass"`` | ``"mean"``.
         header: whether the header's rows take part in the softmax (they never score).
         attend: ``"question"`` (default: the question forwarded alone) | ``"history"`` (over every
             stored row).
