@@ -388,7 +388,7 @@ def test_probe_options_are_checked_before_the_model():
     with pytest.raises(Exception, match="questions_per_conversation 0"):
         MemoryEval(data=DEMO_DATA, questions_per_conversation=0)
     with pytest.raises(OptionError, match="controls"):
-        MemoryEval(data=DEMO_DATA, controls=("hybrid",))
+        MemoryEval(data=DEMO_DATA, selectors=("bm25",), controls=("hybrid",))  # a control must be compared
 
 
 @pytest.mark.parametrize("batch_arms", [True, False])

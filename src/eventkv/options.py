@@ -277,7 +277,12 @@ them and ``explicit``."""
 
 SELECTORS: Registry = Registry(
     "selector",
-    {"bm25": "eventkv.memory.select:BM25Selector", "dense": "eventkv.memory.dense:DenseSelector"},
+    {
+        "bm25": "eventkv.memory.select:BM25Selector",
+        "dense": "eventkv.memory.dense:DenseSelector",
+        "attention": "eventkv.memory.attention:AttentionSelector",
+        "hybrid": "eventkv.memory.hybrid:HybridSelector",
+    },
     field="selector",
     allowed=lambda names: f"give one of {', '.join(sorted(names))}, or a Selector.",
 )
