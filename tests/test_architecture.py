@@ -24,6 +24,7 @@ LAYERS = (
         "eventkv.log",
         "eventkv.prefill",
         "eventkv.batched",
+        "eventkv.rope",
         "eventkv.serve",
         "eventkv.readout",
         "eventkv.query",

@@ -17,8 +17,14 @@ TINY_VOCAB = 320
 """The tiny models' vocabulary size (ids); every tiny tokenizer here fits it."""
 
 
-def tiny_config(family: str, vocab_size: int = TINY_VOCAB, sliding_window: int = 16):
-    """A 2-to-6-layer config of ``family`` with hidden size 64 (float32, sdpa attention)."""
+def tiny_config(
+    family: str, vocab_size: int = TINY_VOCAB, sliding_window: int = 16, rope_parameters: dict | None = None
+):
+    """A 2-to-6-layer config of ``family`` with hidden size 64 (float32, sdpa attention).
+
+    ``rope_parameters``: transformers' RoPE parameters (``{"rope_type": "yarn", "factor": 4.0, ...}``) for the
+    Llama, Qwen2 and Qwen3 configs; None keeps the family's default RoPE.
+    """
     from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
     common: dict[str, Any] = dict(
@@ -30,6 +36,10 @@ def tiny_config(family: str, vocab_size: int = TINY_VOCAB, sliding_window: int =
         max_position_embeddings=4096,
         tie_word_embeddings=False,
     )
+    if rope_parameters is not None:
+        if family == "gemma3":
+            raise ValueError("rope_parameters is for llama, qwen2 and qwen3 (Gemma 3 has one RoPE per layer type)")
+        common["rope_parameters"] = rope_parameters
     if family == "llama":
         return LlamaConfig(num_hidden_layers=2, **common)
     if family == "qwen2":
