@@ -28,6 +28,7 @@ LAYERS = (
         "eventkv.serve",
         "eventkv.readout",
         "eventkv.query",
+        "eventkv.windowed",
         "eventkv.testing",
     ),
     ("eventkv.memory", "eventkv.eviction"),

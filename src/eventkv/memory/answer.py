@@ -9,11 +9,11 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Mapping, Sequence, cast
 
-from eventkv.errors import OptionError
+from eventkv.errors import EventKVError, OptionError
 from eventkv.log import tokenize_query
 from eventkv.memory.records import MemoryAnswer, MemoryRecord
 from eventkv.options import check_max_new_tokens
-from eventkv.prefill import EventKV, check_context
+from eventkv.prefill import EventKV
 from eventkv.readout import answer_served
 from eventkv.serve import SERVE_MODES, ServeMode, serve
 
@@ -52,17 +52,30 @@ def check_query(plans: Sequence, max_new_tokens: int, candidates: Sequence[str] 
     return plans, cands
 
 
-def question_ids(lm: LoadedModel, question: str, history_end: int, max_new_tokens: int) -> list[int]:
+def question_ids(
+    lm: LoadedModel, question: str, history_end: int, max_new_tokens: int, positions: str = "original"
+) -> list[int]:
     """The question's token ids (chat tail included: :func:`eventkv.log.tokenize_query`), checked to
-    fit after the history (``history_end`` positions) with room for ``max_new_tokens``.
+    fit after the history (``history_end`` positions) with room for ``max_new_tokens`` when the rows
+    are served at their original positions (the question then starts at ``history_end``). With
+    ``positions="contiguous"`` the served rows follow the header, and the fit is the served cache's
+    (checked at the readout).
 
     Raises:
-        EventKVError: history plus question beyond the model's context.
+        EventKVError: ``positions="original"`` and history plus question beyond the model's context: the
+            message names ``positions="contiguous"`` (the fix for a history longer than the context).
         OptionError: no room left for ``max_new_tokens``.
     """
     q = tokenize_query(lm.tokenizer, lm.profile, question)
     end, ctx = history_end, lm.profile.max_context
-    check_context(end + len(q), ctx, what="history plus question")
+    if positions != "original":
+        return q
+    if ctx is not None and end + len(q) > ctx:
+        raise EventKVError(
+            f"the history ends at position {end} and the question takes {len(q)} more, past the model's context "
+            f"of {ctx} tokens: rows served at their original positions cannot be read there. Query with "
+            f'positions="contiguous" (the served rows re-rotated to follow the header), or serve mode "text".'
+        )
     if ctx is not None and end + len(q) + max_new_tokens > ctx:
         raise OptionError(
             "max_new_tokens",
