@@ -13,7 +13,7 @@ from eventkv.errors import EventKVError, OptionError
 from eventkv.log import tokenize_query
 from eventkv.memory.records import MemoryAnswer, MemoryRecord
 from eventkv.options import check_max_new_tokens
-from eventkv.prefill import EventKV
+from eventkv.prefill import EventKV, check_context
 from eventkv.readout import answer_served
 from eventkv.serve import SERVE_MODES, ServeMode, serve
 
@@ -56,26 +56,23 @@ def question_ids(
     lm: LoadedModel, question: str, history_end: int, max_new_tokens: int, positions: str = "original"
 ) -> list[int]:
     """The question's token ids (chat tail included: :func:`eventkv.log.tokenize_query`), checked to
-    fit after the history (``history_end`` positions) with room for ``max_new_tokens`` when the rows
-    are served at their original positions (the question then starts at ``history_end``). With
-    ``positions="contiguous"`` the served rows follow the header, and the fit is the served cache's
-    (checked at the readout).
+    fit after ``history_end`` (where the question starts: the whole history's end when the rows are
+    served at their ``positions="original"``) with room for ``max_new_tokens``.
 
     Raises:
-        EventKVError: ``positions="original"`` and history plus question beyond the model's context: the
-            message names ``positions="contiguous"`` (the fix for a history longer than the context).
+        EventKVError: the question past the model's context; at the original positions the message names
+            ``positions="contiguous"``, the fix for a history longer than the context.
         OptionError: no room left for ``max_new_tokens``.
     """
     q = tokenize_query(lm.tokenizer, lm.profile, question)
     end, ctx = history_end, lm.profile.max_context
-    if positions != "original":
-        return q
-    if ctx is not None and end + len(q) > ctx:
+    if positions == "original" and ctx is not None and end + len(q) > ctx:
         raise EventKVError(
             f"the history ends at position {end} and the question takes {len(q)} more, past the model's context "
             f"of {ctx} tokens: rows served at their original positions cannot be read there. Query with "
-            f'positions="contiguous" (the served rows re-rotated to follow the header), or serve mode "text".'
+            f'positions="contiguous" (the served rows re-rotated to follow the header), or with mode "text".'
         )
+    check_context(end + len(q), ctx, what="history plus question")
     if ctx is not None and end + len(q) + max_new_tokens > ctx:
         raise OptionError(
             "max_new_tokens",

@@ -964,9 +964,11 @@ class EventMemory:
                     else f"the served set is empty (select={select!r}): give event ids, 'view' or 'all'."
                 )
             served_ids.append(ids)
-        # the text mode re-prefills at contiguous positions: only the other modes put the question at the history's end
-        positions = "original" if any(mode != "text" for _, mode in plans) else "contiguous"
-        q = question_ids(self.lm, question, self._history_end(), max_new_tokens, positions)
+        end, positions = self._history_end(), "original"
+        if all(mode == "text" for _, mode in plans):  # re-prefilled at contiguous positions: the question follows them
+            end = len(self.header_ids) + max(sum(self._by_id[i].n_rows for i in ids) for ids in served_ids)
+            positions = "contiguous"
+        q = question_ids(self.lm, question, end, max_new_tokens, positions)
         t0 = time.perf_counter()
         ekv, start, seqs = self._pending()
         if seqs:
