@@ -272,7 +272,7 @@ def test_smollm2_answers_from_a_20k_token_history(tmp_path):
     events = [
         f"step {i}: agent ran tool {['search', 'shell', 'read', 'write'][i % 4]} on file src/mod{i % 37}.py; "
         f"it returned {i * 13 % 101} lines and status ok."
-        for i in range(760)
+        for i in range(670)
     ]
     events[650] = needle  # past the first 8,192 positions: its rows come from a windowed chunk
     with EventMemory.create(tmp_path / "mem", lm, namespace="agent") as mem:
@@ -288,13 +288,13 @@ def test_smollm2_answers_from_a_20k_token_history(tmp_path):
         with pytest.raises(EventKVError, match='positions="contiguous"'):
             mem.query(question, select=["e651"], max_new_tokens=8)
         t0 = time.perf_counter()
-        ans = mem.query(question, select=["e651"], mode="text", max_new_tokens=8)
+        ans = mem.query(question, select=["e651"], mode="text", max_new_tokens=16)
         text_s = time.perf_counter() - t0
         assert "4417" in ans.text, ans.text
         measured = {"text_answer": ans.text, "text_query_s": round(text_s, 1)}
         if "positions" in inspect.signature(EventMemory.query).parameters:
             t0 = time.perf_counter()
-            rows = mem.query(question, select=["e651"], max_new_tokens=8, positions="contiguous")
+            rows = mem.query(question, select=["e651"], max_new_tokens=16, positions="contiguous")
             measured |= {"contiguous_answer": rows.text, "contiguous_query_s": round(time.perf_counter() - t0, 1)}
             assert "4417" in rows.text, rows.text
         print(json.dumps(measured))
