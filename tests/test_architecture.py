@@ -29,6 +29,7 @@ LAYERS = (
         "eventkv.blend",
         "eventkv.readout",
         "eventkv.query",
+        "eventkv.windowed",
         "eventkv.testing",
     ),
     ("eventkv.memory", "eventkv.eviction"),

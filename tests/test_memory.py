@@ -514,18 +514,19 @@ def test_errors_name_the_value_and_the_fix(llama, tmp_path):
     with pytest.raises(OptionError, match="candidates"):
         mem.query("q", select="all", candidates=["a", "a"])
     assert mem.stats().rows_prefilled == 0  # every refusal above came before any compute
-    # a history longer than the model's context: refused before anything is written or computed
-    small = LoadedModel(
-        lm.model, lm.tokenizer, dataclasses.replace(lm.profile, max_context=mem.stats().history_end + 20)
-    )
+    # a history that grows past the model's context is kept (tests/test_memory_long.py); a question past
+    # the context at the original positions is refused before anything is computed, naming the fix
+    end = mem.stats().history_end
+    small = LoadedModel(lm.model, lm.tokenizer, dataclasses.replace(lm.profile, max_context=end + 20))
     mem.close()
     with EventMemory.open(tmp_path / "m", small) as m2:
-        v = m2.version
-        with pytest.raises(EventKVError, match="needs .* positions but the model's context is"):
-            m2.add("this event is far longer than the twenty positions left in the context")
-        assert m2.version == v and m2.stats().rows_prefilled == 0
         with pytest.raises(OptionError, match="max_new_tokens 32: the history and the question take"):
             m2.query("q?", select="all")
+        (added,) = m2.add("this event is far longer than the twenty positions left in the context")
+        assert added.position == end and m2.stats().history_end > small.profile.max_context
+        with pytest.raises(EventKVError, match='positions="contiguous"'):
+            m2.query("q?", select="all")
+        assert m2.stats().rows_prefilled == 0
     mem.close()
     with pytest.raises(EventKVError, match="is closed"):
         mem.add("x")

@@ -18,9 +18,15 @@ TINY_VOCAB = 320
 
 
 def tiny_config(
-    family: str, vocab_size: int = TINY_VOCAB, sliding_window: int = 16, rope_parameters: dict | None = None
+    family: str,
+    vocab_size: int = TINY_VOCAB,
+    sliding_window: int = 16,
+    rope_parameters: dict | None = None,
+    max_context: int = 4096,
 ):
-    """A 2-to-6-layer config of ``family`` with hidden size 64 (float32, sdpa attention).
+    """A 2-to-6-layer config of ``family`` with hidden size 64 (float32, sdpa attention) and a context of
+    ``max_context`` tokens (``max_position_embeddings``: the profile's ``max_context``; the default RoPE
+    itself computes any position).
 
     ``rope_parameters``: transformers' RoPE parameters (``{"rope_type": "yarn", "factor": 4.0, ...}``) for the
     Llama, Qwen2 and Qwen3 configs; None keeps the family's default RoPE.
@@ -33,7 +39,7 @@ def tiny_config(
         intermediate_size=128,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=4096,
+        max_position_embeddings=max_context,
         tie_word_embeddings=False,
     )
     if rope_parameters is not None:
@@ -197,11 +203,12 @@ def tiny_sentence_model(directory, seed: int = 0, dim: int = 32):
     return out / "model"
 
 
-def tiny_lm(family: str = "llama", seed: int = 0):
-    """A ``LoadedModel`` of a tiny random ``family`` model with :func:`tiny_tokenizer` (for tests)."""
+def tiny_lm(family: str = "llama", seed: int = 0, max_context: int = 4096):
+    """A ``LoadedModel`` of a tiny random ``family`` model with :func:`tiny_tokenizer` (for tests), whose
+    context is ``max_context`` tokens."""
     from eventkv.models import LoadedModel, profile_for
 
-    model, tok = tiny_model(family, seed=seed), tiny_tokenizer()
+    model, tok = tiny_model(family, seed=seed, max_context=max_context), tiny_tokenizer()
     return LoadedModel(model, tok, profile_for(model, tok, f"tiny-{family}", weights_digest=f"tiny-{family}-{seed}"))
 
 

@@ -10,7 +10,7 @@ import time
 from typing import TYPE_CHECKING, Mapping, Sequence, cast
 
 from eventkv.blend import check_recompute
-from eventkv.errors import OptionError
+from eventkv.errors import EventKVError, OptionError
 from eventkv.log import HEADER_ID, tokenize_query
 from eventkv.memory.records import MemoryAnswer, MemoryRecord
 from eventkv.options import check_max_new_tokens
@@ -65,21 +65,30 @@ def check_query(
 
 def served_end(header_len: int, records: Mapping[str, MemoryRecord], served_ids: Sequence[Sequence[str]]) -> int:
     """The first position after the header and the served rows of the longest served set: where the question
-    starts under ``positions="contiguous"`` (:func:`eventkv.serve.serve`)."""
+    starts under ``positions="contiguous"`` (:func:`eventkv.serve.serve`) and in mode ``text``."""
     return max(header_len + sum(records[i].n_rows for i in ids) for ids in served_ids)
 
 
-def question_ids(lm: LoadedModel, question: str, history_end: int, max_new_tokens: int) -> list[int]:
+def question_ids(
+    lm: LoadedModel, question: str, history_end: int, max_new_tokens: int, positions: str = "original"
+) -> list[int]:
     """The question's token ids (chat tail included: :func:`eventkv.log.tokenize_query`), checked to
-    fit after the history (``history_end`` positions: the whole history's end, or :func:`served_end` under
-    ``positions="contiguous"``) with room for ``max_new_tokens``.
+    fit after ``history_end`` (where the question starts: the whole history's end when the rows are
+    served at their ``positions="original"``) with room for ``max_new_tokens``.
 
     Raises:
-        EventKVError: history plus question beyond the model's context.
+        EventKVError: the question past the model's context; at the original positions the message names
+            ``positions="contiguous"``, the fix for a history longer than the context.
         OptionError: no room left for ``max_new_tokens``.
     """
     q = tokenize_query(lm.tokenizer, lm.profile, question)
     end, ctx = history_end, lm.profile.max_context
+    if positions == "original" and ctx is not None and end + len(q) > ctx:
+        raise EventKVError(
+            f"the history ends at position {end} and the question takes {len(q)} more, past the model's context "
+            f"of {ctx} tokens: rows served at their original positions cannot be read there. Query with "
+            f'positions="contiguous" (the served rows re-rotated to follow the header), or with mode "text".'
+        )
     check_context(end + len(q), ctx, what="history plus question")
     if ctx is not None and end + len(q) + max_new_tokens > ctx:
         raise OptionError(

@@ -59,8 +59,9 @@ from eventkv.memory.select import (
 from eventkv.memory.sql import EventRow, Writes
 from eventkv.memory.store import SCHEMA_VERSION, Store, check_identity, model_identity, now
 from eventkv.memory.table import EventTable
-from eventkv.prefill import EventKV, check_context, model_device, prefill
+from eventkv.prefill import EventKV, check_context, model_device
 from eventkv.serve import PositionMode, ServeMode
+from eventkv.windowed import PrefillWindow, check_window, windowed_prefill
 
 if TYPE_CHECKING:  # pragma: no cover
     from eventkv.models.profile import LoadedModel
@@ -78,11 +79,15 @@ class EventMemory:
     Not thread-safe: one writer (one process, one thread) per store directory at a time.
     """
 
-    def __init__(self, store: Store, lm: LoadedModel, selector: Selector | str = "bm25") -> None:
+    def __init__(
+        self, store: Store, lm: LoadedModel, selector: Selector | str = "bm25", window: PrefillWindow | None = None
+    ) -> None:
         self.store = store
         self.lm = lm
         #: ranks the view's events for :meth:`select` (:class:`eventkv.memory.select.Selector`)
         self.selector = selector_for(selector)
+        #: how events past the model's context are prefilled (:class:`eventkv.windowed.PrefillWindow`)
+        self.window = check_window(window, lm.profile.max_context)
         self.header_ids: list[int] = list(store.manifest["header_ids"])
         self._closed = False
         self._recs: list[MemoryRecord] = []
@@ -101,6 +106,7 @@ class EventMemory:
         instruction: str | None = None,
         contract: str | Path | None = None,
         selector: Selector | str = "bm25",
+        window: PrefillWindow | None = None,
     ) -> "EventMemory":
         """Make a new, empty memory in ``directory`` (absent or empty) for model ``lm``.
 
@@ -110,12 +116,17 @@ class EventMemory:
             contract: optional path of the model's ``contract.json`` (kept in the manifest for carriers).
             selector: what :meth:`select` ranks events with: a :class:`eventkv.memory.select.Selector`
                 or its name (``"bm25"``, the default); not stored (give it again to :meth:`open`).
+            window: how events past the model's context are prefilled (:class:`eventkv.windowed.PrefillWindow`;
+                default ``PrefillWindow.for_context(max_context)``: the whole context, chunks of a quarter of
+                it); not stored (give it again to :meth:`open`; rows already computed are kept as they are).
 
         Raises:
             EventKVError: ``directory`` is a file, holds a memory already, or holds other files.
-            OptionError: a blank namespace, an instruction that is not a string, an unknown selector.
+            OptionError: a blank namespace, an instruction that is not a string, an unknown selector, a
+                window larger than the model's context.
         """
         selector = selector_for(selector)
+        window = check_window(window, lm.profile.max_context)
         if not isinstance(namespace, str) or not namespace.strip():
             raise OptionError("namespace", namespace, "give the memory a non-empty namespace (e.g. the agent's name).")
         if instruction is not None and not isinstance(instruction, str):
@@ -134,11 +145,17 @@ class EventMemory:
             "header_ids": header_ids,
             "contract": str(Path(contract).resolve()) if contract is not None else None,
         }
-        return cls(Store.create(directory, manifest), lm, selector)
+        return cls(Store.create(directory, manifest), lm, selector, window)
 
     @classmethod
     def open(
-        cls, directory: str | Path, lm: LoadedModel, *, verify: str | None = None, selector: Selector | str = "bm25"
+        cls,
+        directory: str | Path,
+        lm: LoadedModel,
+        *,
+        verify: str | None = None,
+        selector: Selector | str = "bm25",
+        window: PrefillWindow | None = None,
     ) -> "EventMemory":
         """Open a memory written by :meth:`create`, check it was made by ``lm`` and load its rows.
 
@@ -147,7 +164,7 @@ class EventMemory:
         ``EVENTKV_MEMORY_VERIFY=size``: its size only).
 
         A store of schema 1 (before event checksums) is upgraded first (``docs/memory.md``).
-        ``selector``: as :meth:`create`.
+        ``selector``, ``window``: as :meth:`create`.
 
         Raises:
             StoreDamaged: the manifest, the database (SQLite's ``quick_check``, an event's checksum,
@@ -156,13 +173,14 @@ class EventMemory:
             EventKVError: no memory in ``directory``; one made by other weights, tokenizer, chat
                 template or dtype (the message names both values: stale KV is refused, never used);
                 a store of a newer schema.
-            OptionError: an unknown selector.
+            OptionError: an unknown selector, a window larger than the model's context.
         """
         selector = selector_for(selector)
+        window = check_window(window, lm.profile.max_context)
         store = Store.open(directory, verify=verify)
         try:
             check_identity(store.directory, store.manifest, lm)
-            mem = cls(store, lm, selector)
+            mem = cls(store, lm, selector, window)
             mem._load_rows()
         except BaseException:
             store.close()
@@ -319,6 +337,12 @@ class EventMemory:
                     f"event {eid!r} has {len(toks)} tokens but a position budget of {ev.budget}: raise its budget "
                     f"to at least {len(toks)} or leave it out."
                 )
+            widest = self.window.max_event(len(self.header_ids))
+            if width > widest:
+                raise EventKVError(
+                    f"event {eid!r} takes {width} positions but the prefill window ({self.window.size} positions, "
+                    f"{len(self.header_ids)} of them the header) holds at most {widest}: split it into shorter events."
+                )
             taken.add(eid)
             rows.append(
                 EventRow(
@@ -339,7 +363,6 @@ class EventMemory:
             )
             added.append(Added(eid, pos, width))
             seq, pos, row = seq + 1, pos + width, row + len(toks)
-        check_context(pos, self.lm.profile.max_context, what=f"history after adding {len(rows)} event(s)")
         store_vectors = self._vectors_at_add([r.id for r in rows], [r.text for r in rows])
 
         def insert(tx: Writes) -> None:
@@ -365,11 +388,10 @@ class EventMemory:
         return self._rows.n_rows
 
     def _compute(self, log: TokenizedLog, prefix: EventKV | None) -> EventKV:
-        """The rows of ``log``, continuing from ``prefix`` (its rows are reused, not recomputed)."""
+        """The rows of ``log``, continuing from ``prefix`` (its rows are reused, not recomputed): one causal
+        pass while the history fits :attr:`window`, windowed past it (:func:`eventkv.windowed.windowed_prefill`)."""
         lm = self.lm
-        return prefill(
-            lm.model, log, prefix=prefix, max_context=lm.profile.max_context, weights_digest=lm.profile.weights_digest
-        )
+        return windowed_prefill(lm.model, log, self.window, prefix=prefix, weights_digest=lm.profile.weights_digest)
 
     def _commit(
         self,
@@ -420,7 +442,9 @@ class EventMemory:
 
         Each event is tokenized alone (``[role + ": "] + text + "\\n"``) and placed right after the
         history: its first RoPE position is the history's end, and it reserves ``budget`` positions
-        (or its token count). All events of one call are committed in one transaction; the call
+        (or its token count). The history may grow past the model's context: positions keep growing,
+        and the events past :attr:`window` are prefilled windowed (``docs/memory.md``, "Histories
+        longer than the model's context"). All events of one call are committed in one transaction; the call
         returns only after the commit. With ``prefill=True`` the rows (of these events and of any
         pending ones) are computed and their segment file and its directory fsynced *before* that
         transaction, which commits the events and the segment together: an add either returns with
@@ -436,8 +460,8 @@ class EventMemory:
 
         Raises:
             EventKVError: empty text, a duplicate or reserved id, an id with a comma, a budget smaller
-                than the event's token count, or a history longer than the model's context (checked
-                before anything is written or computed).
+                than the event's token count, or an event wider than the prefill window minus the header
+                (checked before anything is written or computed).
             OptionError: no events.
             OutOfSpace: the store's filesystem is full: nothing was kept (the memory is as before).
         """
@@ -455,13 +479,14 @@ class EventMemory:
     def prefill(self) -> int:
         """Compute the rows of every event not yet prefilled, continuing from the stored rows
         (:func:`eventkv.prefill.prefill` with ``prefix=`` the stored EventKV: O(pL + p²) attention for
-        p new tokens over L stored ones), and store them as one new segment file.
+        p new tokens over L stored ones; past :attr:`window`, :func:`eventkv.windowed.windowed_prefill`:
+        each chunk attends to the header and the window's recent rows only), and store them as one new
+        segment file.
 
         Returns:
             rows computed (0 when every event has rows).
 
         Raises:
-            EventKVError: the history is longer than the model's context.
             OutOfSpace: the store's filesystem is full: no rows were kept (the events stay pending).
         """
         self._check_open()
@@ -695,7 +720,6 @@ class EventMemory:
             rows computed (the whole new history, header included).
 
         Raises:
-            EventKVError: the new history is longer than the model's context.
             OutOfSpace: the filesystem is full: nothing was changed.
         """
         self._check_open()
@@ -730,9 +754,7 @@ class EventMemory:
         old_files = [s["file"] for s in self.store.segment_rows()]
         ekv = None
         if events:
-            log = TokenizedLog.from_ids(self.header_ids, events)
-            check_context(log.history_end, self.lm.profile.max_context)
-            ekv = self._compute(log, None)
+            ekv = self._compute(TokenizedLog.from_ids(self.header_ids, events), None)
 
         store_vectors = self._vectors_at_add([r.id for r in rows], [r.text for r in rows])
 
@@ -1007,8 +1029,9 @@ class EventMemory:
                 with a mode other than ``blend``.
             EventKVError: an unknown or forgotten id, nothing to serve (an empty memory or selection, no
                 event within the budget), pinned events over the budget, history (served rows, under
-                ``"contiguous"``) + question beyond the model's context, a rope type that cannot be
-                re-rotated (``"contiguous"``: :func:`eventkv.rope.rerotate`).
+                ``"contiguous"``) + question beyond the model's context (a history longer than the context
+                is answered with ``positions="contiguous"``: the message says so), a rope type that cannot
+                be re-rotated (``"contiguous"``: :func:`eventkv.rope.rerotate`).
         """
         return self.query_batch(
             question,
@@ -1088,8 +1111,9 @@ class EventMemory:
                 )
             served_ids.append(ids)
         records = {r.id: r for r in self._recs}
-        end = self._history_end() if positions == "original" else served_end(len(self.header_ids), records, served_ids)
-        q = question_ids(self.lm, question, end, max_new_tokens)
+        where = "contiguous" if all(mode == "text" for _, mode in plans) else positions  # text re-prefills contiguously
+        end = self._history_end() if where == "original" else served_end(len(self.header_ids), records, served_ids)
+        q = question_ids(self.lm, question, end, max_new_tokens, where)
         t0 = time.perf_counter()
         ekv, start, seqs = self._pending()
         if seqs:
