@@ -101,7 +101,7 @@ def test_the_question_fits_after_the_served_rows_not_after_the_history(tmp_path)
     lm = LoadedModel(base.model, base.tokenizer, dataclasses.replace(base.profile, max_context=history_end + 3))
     with EventMemory.create(tmp_path / "m", lm, namespace="t") as mem:
         mem.add(EVENTS)
-        with pytest.raises(EventKVError, match="history plus question"):
+        with pytest.raises(EventKVError, match="positions=.contiguous."):
             mem.query(QUESTION, select=["mei"], max_new_tokens=2)
         a = mem.query(QUESTION, select=["mei"], positions="contiguous", max_new_tokens=2)
     assert a.served_ids == ["mei"] and a.positions[0][1] == header and len(a.generation.tokens) <= 2
