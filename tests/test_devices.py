@@ -321,9 +321,9 @@ FACTORIES = {
     "zeros",
 }
 SRC = Path(__file__).resolve().parents[1] / "src" / "eventkv"
-DATA_PATH = [SRC / f"{m}.py" for m in ("log", "prefill", "serve", "readout", "query", "batched")] + sorted(
-    p for d in ("splice", "contract", "probes", "memory", "eviction") for p in (SRC / d).rglob("*.py")
-)
+DATA_PATH = [
+    SRC / f"{m}.py" for m in ("log", "prefill", "serve", "readout", "query", "batched", "rope", "blend", "windowed")
+] + sorted(p for d in ("splice", "contract", "probes", "memory", "eviction") for p in (SRC / d).rglob("*.py"))
 #: modules another change is editing; their fixes are listed in docs/devices.md ("Pending")
 PENDING: set[str] = set()
 

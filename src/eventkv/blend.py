@@ -254,9 +254,9 @@ def blend(
     c = n_recomputed(recompute, n)
     deviation = None
     if c == 0:
-        chosen = torch.zeros(0, dtype=torch.long)
+        chosen = torch.zeros(0, dtype=torch.long, device="cpu")  # bookkeeping: row ranks
     elif c == n:
-        chosen = torch.arange(n)
+        chosen = torch.arange(n, device="cpu")
     else:
         deviation = kv_deviation(model, ekv, served, select_layer)
         chosen = choose(deviation, recompute)
@@ -264,9 +264,9 @@ def blend(
     if c == 0:
         return Blend(keys, values, rows, chosen, deviation)
     mdev = model_device(model)
-    keep = torch.ones(n, dtype=torch.bool)
+    keep = torch.ones(n, dtype=torch.bool, device="cpu")
     keep[chosen] = False
-    cached = torch.cat([torch.arange(h), h + torch.nonzero(keep).squeeze(1)])  # ranks in the served cache
+    cached = torch.cat([torch.arange(h, device="cpu"), h + torch.nonzero(keep).squeeze(1)])  # ranks in the served cache
     cache = cache_from_rows(
         [k.index_select(2, cached.to(device)) for k in keys], [v.index_select(2, cached.to(device)) for v in values]
     )

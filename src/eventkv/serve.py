@@ -175,7 +175,7 @@ def to_contiguous(model: PreTrainedModel, served: ServedCache, header_rows: int)
     """
     start = int(served.positions[0]) if served.n_rows else 0
     to = served.positions.clone()
-    to[header_rows:] = torch.arange(header_rows, served.n_rows, dtype=to.dtype) + start
+    to[header_rows:] = torch.arange(header_rows, served.n_rows, dtype=to.dtype, device="cpu") + start
     keys = rerotate(model, served.keys, served.positions, to)
     return ServedCache(
         keys, served.values, to, served.visible, start + served.n_rows, served.mode, served.served, "contiguous"

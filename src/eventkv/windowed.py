@@ -226,7 +226,7 @@ def windowed_prefill(
         )
     device = model_device(model)
     h = len(log.header_ids)
-    ids, positions = log.input_ids, torch.tensor(log.position_ids, dtype=torch.long)
+    ids, positions = log.input_ids, torch.tensor(log.position_ids, dtype=torch.long, device="cpu")
     parts: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [(list(prefix.keys), list(prefix.values))]
     n_layers = len(prefix.keys)
     for chunk in chunks:
