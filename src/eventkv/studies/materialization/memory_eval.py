@@ -207,6 +207,11 @@ def length_groups(lengths: Sequence[int], max_padding: float) -> list[list[int]]
     return groups + ([current] if current else [])
 
 
+def _count(n: int, noun: str) -> str:
+    """``"1 question"``, ``"3 questions"``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def served_set(
     mem,
     question: str,
@@ -411,9 +416,9 @@ class MemoryEval(DialogueData, Probe):
         if self.recompute is not None and (
             isinstance(self.recompute, bool)
             or not isinstance(self.recompute, (int, float))
-            or not 0 < self.recompute <= 1
+            or not 0 <= self.recompute <= 1
         ):
-            raise OptionError("recompute", self.recompute, "give the fraction of rows blend recomputes, in (0, 1].")
+            raise OptionError("recompute", self.recompute, "give the fraction of rows blend recomputes, in [0, 1].")
         check_max_new_tokens(self.max_new_tokens)
         check_choices("arm_names", self.arm_names, ARM_KINDS, required=("rows",), flag="--arms", what="arms")
         if not 0 <= self.max_padding <= 1 or isinstance(self.max_padding, bool):
@@ -691,7 +696,9 @@ class MemoryEval(DialogueData, Probe):
         ax.set_ylabel("token F1 (categories 1-4)")
         ax.set_ylim(0, 1)
         ax.legend(fontsize=7, ncol=2)
-        ax.set_title(f"memory eval: {s['n_questions']} questions, {s['n_conversations']} conversations")
+        ax.set_title(
+            f"memory eval: {_count(s['n_questions'], 'question')}, {_count(s['n_conversations'], 'conversation')}"
+        )
         save_figure(fig, path)
 
 
@@ -892,7 +899,8 @@ def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = No
             data["headline"] = {"arm": best, "budget": at, "f1": float(np.mean(f1s(best))), **r.__dict__}
             data["headline"]["full_f1"] = float(np.mean(f1s("full")))
             line.append(f"{data['headline']['full_f1']:.3f}")
-            line.append(r.interval(single="one conversation"))
+            full_zero = data["headline"]["full_f1"] == 0
+            line.append("n/a (full F1 is 0)" if full_zero else r.interval(single="one conversation"))
         else:
             data["headline"] = {"arm": best, "budget": at, "f1": float(np.mean(f1s(best)))}
             line += ["n/a", "n/a"]
@@ -905,7 +913,8 @@ def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = No
             r_name = next(
                 (n for n in (arm_spec("rows", c, b).name, arm_spec("rows", c, b, "contiguous").name) if n in specs), ""
             )
-            if r_name and t_name in specs and np.mean(f1s(r_name)) >= np.mean(f1s(t_name)):
+            rows_f1 = np.mean(f1s(r_name)) if r_name else 0.0
+            if r_name and t_name in specs and rows_f1 > 0 and rows_f1 >= np.mean(f1s(t_name)):  # 0 = 0 is no reach
                 reached = b
                 break
         data["reach_text"][c] = reached
@@ -971,7 +980,7 @@ def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = No
     data["batched_readout"] = batched
     n_conv = data["n_conversations"]
     title = (
-        f"memory-eval: {len(main)} questions (categories 1-4) from {n_conv} conversation{'s' if n_conv != 1 else ''}"
+        f"memory-eval: {_count(len(main), 'question')} (categories 1-4) from {_count(n_conv, 'conversation')}"
         + (f", {len(adversarial)} adversarial" if adversarial else "")
         + (f", {data['n_skipped']} slots skipped" if data["n_skipped"] else "")
     )
@@ -986,7 +995,7 @@ def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = No
         "'chooses' is LoCoMo's forced choice between 'Not mentioned in the conversation' and the adversarial "
         "answer, by log-probability. Both apart from the F1 of categories 1-4.",
         "Wilcoxon p treats the questions as independent (zero differences dropped); the cluster bootstrap "
-        f"resamples the {n_conv} conversations. Neither corrects for the number of comparisons.",
+        f"resamples the {_count(n_conv, 'conversation')}. Neither corrects for the number of comparisons.",
     ]
     empty = {a: n for a, n in data["n_empty"].items() if n}
     if empty:
