@@ -14,8 +14,9 @@ ranking is reproducible:
   with ``idf(t) = ln(1 + (N - df(t) + 0.5) / (df(t) + 0.5))`` (Kamphuis et al. 2020, "Which BM25 do you
   mean?"). A query token given twice counts twice; a token absent from every text scores nothing.
 - **tokenization** ``bm25s.tokenize``: lowercased, split by the pattern ``(?u)\\b\\w\\w+\\b`` (words of two
-  or more word characters; one-character tokens are dropped), bm25s's English stopword list (NLTK's)
-  removed, no stemming (stemming would need the PyStemmer package, which eventkv does not depend on).
+  or more word characters; one-character tokens are dropped), bm25s's English stopword list removed (33
+  function words such as a, the, of, is; question words such as what, where, who and when are not in it
+  and count), no stemming (stemming would need the PyStemmer package, which eventkv does not depend on).
 """
 
 from __future__ import annotations
