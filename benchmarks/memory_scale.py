@@ -26,7 +26,7 @@ that fits), and each selector's recall at each size.
 
     python benchmarks/memory_scale.py [--model smollm2-135m] [--sizes 4000,16000,32000]
         [--budget-rows 256] [--needles 12] [--selectors bm25,dense,attention,hybrid]
-        [--new-tokens 8] [--threads N] [--seed 0]
+        [--new-tokens 16] [--threads N] [--seed 0]
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--budget-rows", type=int, default=256, help="rows served per query (header excluded)")
     ap.add_argument("--needles", type=int, default=12, help="facts planted over the run (at most 16)")
     ap.add_argument("--selectors", default="bm25,dense,attention,hybrid", help="registered names; others skipped")
-    ap.add_argument("--new-tokens", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
