@@ -52,7 +52,7 @@ import torch
 
 from eventkv.errors import EventKVError, OptionError
 from eventkv.log import HEADER_ID
-from eventkv.prefill import EventKV, LayerRows, cache_from_rows, cache_kv, model_device, model_forward
+from eventkv.prefill import EventKV, LayerRows, cache_from_rows, cache_kv, forward_until, model_device, model_forward
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -112,10 +112,6 @@ class Blend:
     rows: torch.Tensor
     chosen: torch.Tensor
     deviation: torch.Tensor | None
-
-
-class _Stop(Exception):
-    """Raised by the hook that ends the deviation forward after the selection layer."""
 
 
 def _layer_types(model: PreTrainedModel) -> tuple[list[str], int | None]:
@@ -193,16 +189,8 @@ def kv_deviation(
     order = torch.arange(h + n, device=device)
     mask = causal_masks(model, order, order[h:])
 
-    def stop(*_):
-        raise _Stop
-
-    hook = model.get_decoder().layers[select_layer].register_forward_hook(stop)
-    try:
+    with forward_until(model.get_decoder().layers[select_layer]):  # layers after the selection layer are not needed
         model_forward(model, ids, pos, cache, mask, logits_to_keep=1)
-    except _Stop:
-        pass
-    finally:
-        hook.remove()
     keys, values = cache_kv(cache)
     rows = tok_rows.to(device)
     dk = keys[select_layer][:, :, h:].float() - ekv.keys[select_layer].index_select(2, rows).float()

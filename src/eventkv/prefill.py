@@ -13,6 +13,8 @@ import inspect
 import json
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -52,6 +54,29 @@ def model_device(model: PreTrainedModel) -> torch.device:
     """The device of ``model``'s parameters (``cpu``, ``cuda:0``): where every tensor fed to a forward — token
     ids, position ids, attention masks — is created (``device=`` at creation, never a copy per step)."""
     return next(model.parameters()).device
+
+
+class _StopForward(Exception):
+    """Raised by :func:`forward_until`'s hook: the rest of the forward is not needed."""
+
+
+@contextmanager
+def forward_until(module: torch.nn.Module) -> Iterator[None]:
+    """A scope in which a forward ends as soon as ``module`` has run (a forward hook raises an internal
+    exception, caught here): what a caller needs from the early layers, without the later ones. The
+    forward's logits and cache are then incomplete (the cache holds the layers up to ``module``'s).
+    The hook is removed on exit, whatever happens."""
+
+    def stop(*_):
+        raise _StopForward
+
+    handle = module.register_forward_hook(stop)
+    try:
+        yield
+    except _StopForward:
+        pass
+    finally:
+        handle.remove()
 
 
 def model_forward(

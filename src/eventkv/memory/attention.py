@@ -56,7 +56,7 @@ import torch
 from eventkv.errors import EventKVError, OptionError
 from eventkv.log import HEADER_ID, tokenize_query
 from eventkv.memory.select import ScoringSelector, SelectionContext
-from eventkv.prefill import cache_from_rows, model_device, model_forward
+from eventkv.prefill import cache_from_rows, forward_until, model_device, model_forward
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedModel
@@ -79,10 +79,6 @@ ATTENDS: tuple[Attend, ...] = get_args(Attend)
 DEFAULT_LAYERS: tuple[float, ...] = (0.62,)
 #: The default pooling (max beat mass at the default layer, above).
 DEFAULT_POOLING: Pooling = "max"
-
-
-class _Stop(Exception):
-    """Raised by the capture hook after the deepest chosen layer: the rest of the forward is not needed."""
 
 
 def attention_modules(model: PreTrainedModel) -> list[Any]:
@@ -134,18 +130,14 @@ def capture_queries(model: PreTrainedModel, layers: Sequence[int]) -> Iterator[d
         def hook(module, args, kwargs):
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             captured[index] = _query_states(module, hidden, kwargs["position_embeddings"])
-            if index == last:
-                raise _Stop
 
         return hook
 
     try:
         for i in sorted(set(layers)):
             handles.append(modules[i].register_forward_pre_hook(hook_for(i), with_kwargs=True))
-        try:
+        with forward_until(modules[last]):  # the layers after the deepest chosen one are not needed
             yield captured
-        except _Stop:
-            pass
     finally:
         for h in handles:
             h.remove()

@@ -927,15 +927,21 @@ class EventMemory:
             return np.zeros((0, 0), dtype=np.float32)
         return np.stack([vectors[i] for i in ids])
 
-    def _rows_prefilled(self) -> EventKV:
-        """The stored history's rows with every pending event prefilled (committed; on a full disk the
-        rows computed here are used and the events stay pending, as in :meth:`query_batch`)."""
+    def _lazy_prefill(self) -> EventKV | None:
+        """The stored history's rows with every pending event prefilled and committed (a read's lazy
+        prefill); on a full disk the rows computed here are returned unkept and the events stay pending
+        (the next query or :meth:`prefill` retries), so a full disk never fails a read. None: no events."""
         ekv, start, seqs = self._pending()
         if seqs:
             try:
                 self._commit(None, (ekv, start, seqs), bump=False)
             except OutOfSpace:
                 pass  # used from memory; the next query or prefill() retries the commit
+        return ekv
+
+    def _rows_prefilled(self) -> EventKV:
+        """:meth:`_lazy_prefill`'s rows, for a selector that reads them (``SelectionContext.rows``)."""
+        ekv = self._lazy_prefill()
         if ekv is None:
             raise EventKVError("the memory has no stored events: add some before selecting by rows.")
         return ekv
@@ -1115,12 +1121,7 @@ class EventMemory:
         end = self._history_end() if where == "original" else served_end(len(self.header_ids), records, served_ids)
         q = question_ids(self.lm, question, end, max_new_tokens, where)
         t0 = time.perf_counter()
-        ekv, start, seqs = self._pending()
-        if seqs:
-            try:
-                self._commit(None, (ekv, start, seqs), bump=False)
-            except OutOfSpace:
-                pass  # answered from the rows computed here; they stay pending, the next query or prefill() retries
+        ekv = self._lazy_prefill()
         prefill_ms = 1e3 * (time.perf_counter() - t0)
         assert ekv is not None  # every served set is non-empty (checked above): the history has events, with rows
         return read_out(
