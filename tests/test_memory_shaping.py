@@ -340,6 +340,12 @@ def test_the_keywords_round_trip_through_the_client_and_the_routes(live, dialogu
             client.select(QUESTION, budget_rows=1)
         with pytest.raises(InvalidRequest):
             client.select(QUESTION, selector="nope")
+        # a bad value is an OptionError from the server as from the library
+        for options in (dict(selector="nope"), dict(k=None), dict(budget=1.5)):
+            with pytest.raises(OptionError):
+                dialogue.select(QUESTION, **options)
+            with pytest.raises(OptionError):
+                client.select(QUESTION, **options)
     url = f"{live.url}/v1/memories/shaped"
     for route in ("select", "query"):
         for body, code in [
@@ -354,3 +360,6 @@ def test_the_keywords_round_trip_through_the_client_and_the_routes(live, dialogu
             r = httpx.post(f"{url}/{route}", json={"question": QUESTION, **body}, timeout=60)
             assert r.status_code == 422, (route, body, r.text)
             assert r.json()["code"] == code and r.json()["message"], (route, body)
+        # pydantic's rule in the library's wording: the field, the value given, what is allowed
+        r = httpx.post(f"{url}/{route}", json={"question": QUESTION, "neighbours": -1}, timeout=60)
+        assert r.json()["message"].startswith("neighbours -1: input should be greater than or equal to 0"), r.text

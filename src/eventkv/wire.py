@@ -8,7 +8,7 @@ and from a server."""
 
 from __future__ import annotations
 
-from eventkv.errors import EventKVError, OutOfSpace, PurgePending, StoreDamaged
+from eventkv.errors import EventKVError, OptionError, OutOfSpace, PurgePending, StoreDamaged
 
 #: the request header that scopes a request to one namespace
 NAMESPACE_HEADER = "X-EventKV-Namespace"
@@ -38,9 +38,19 @@ class Gone(EventKVError):
     """The event was deleted or forgotten and the verb needs a live one (HTTP 410 ``gone``)."""
 
 
-class InvalidRequest(EventKVError):
+class InvalidRequest(OptionError):
     """A request outside its schema, a bad id or option, or a body that is not JSON (HTTP 422
-    ``invalid_request`` / ``invalid_option``)."""
+    ``invalid_request`` / ``invalid_option``). An :class:`~eventkv.errors.OptionError`, so
+    ``except OptionError`` catches a bad value from a server as it does from the library; only the
+    server's message crosses the wire, so ``field`` and ``value`` are empty and ``allowed`` is that
+    message."""
+
+    def __init__(self, message: str) -> None:
+        self.field, self.value, self.allowed, self.flag = "", None, message, ""
+        EventKVError.__init__(self, message)
+
+    def for_cli(self) -> str:
+        return str(self)
 
 
 class Refused(EventKVError):

@@ -47,12 +47,10 @@ def check_query(
     if not plans:
         raise OptionError("plans", plans, "give at least one (select, mode) plan.")
     for plan in plans:
-        if not isinstance(plan, tuple) or len(plan) != 2 or plan[1] not in SERVE_MODES:
-            raise OptionError(
-                "mode" if isinstance(plan, tuple) and len(plan) == 2 else "plans",
-                plan[1] if isinstance(plan, tuple) and len(plan) == 2 else plan,
-                f"give (select, mode) pairs with mode one of {', '.join(SERVE_MODES)}.",
-            )
+        if not isinstance(plan, tuple) or len(plan) != 2:
+            raise OptionError("plans", plan, f"give (select, mode) pairs with mode one of {', '.join(SERVE_MODES)}.")
+        if plan[1] not in SERVE_MODES:
+            raise OptionError("mode", plan[1], f"use one of {', '.join(SERVE_MODES)}.")
         check_position_mode(positions, plan[1])
     modes = [plan[1] for plan in plans]
     check_recompute(recompute, "blend" if "blend" in modes else modes[0])

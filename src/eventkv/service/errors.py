@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 
-from eventkv.errors import EventKVError, OptionError
+from eventkv.errors import EventKVError, OptionError, show_value
 from eventkv.service import schemas as s
 from eventkv.wire import ERRORS
 
@@ -122,10 +122,14 @@ class Handlers:
         app.add_exception_handler(Exception, self.internal)
 
     async def invalid(self, request: Request, exc: RequestValidationError) -> JSONResponse:
+        # the library's wording, "field value: what is allowed" (OptionError), with pydantic's rule as the fix
         parts = []
         for e in exc.errors()[:5]:
-            loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-            parts.append(f"{loc or 'body'}: {e.get('msg')}")
+            loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
+            given = e.get("input")
+            shown = "" if e.get("type") == "missing" or isinstance(given, dict) else f" {show_value(given)}"
+            shown = shown if len(shown) <= 60 else shown[:56] + " ..."
+            parts.append(f"{loc}{shown}: {str(e.get('msg', '')).lower().rstrip('.')}")
         return error_response(422, "invalid_request", "; ".join(parts) + " (see /docs for the request schemas).")
 
     async def refused(self, request: Request, exc: EventKVError) -> JSONResponse:
