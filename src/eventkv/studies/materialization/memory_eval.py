@@ -692,6 +692,10 @@ class MemoryEval(DialogueData, Probe):
             if s["f1"].get(ref):
                 ax.axhline(s["f1"][ref]["estimate"], color=colour, linestyle=":", label=ref)
         ax.set_xscale("log")
+        budgets = sorted({x for pts in lines.values() for x, _ in pts})
+        if budgets:  # the budgets as plain percentages, not matplotlib's log-scale 5x10^0
+            ax.set_xticks(budgets, [f"{x:g}%" for x in budgets])
+            ax.xaxis.set_minor_formatter(plt.NullFormatter())
         ax.set_xlabel("served fraction of the history's rows (%, header excluded)")
         ax.set_ylabel("token F1 (categories 1-4)")
         ax.set_ylim(0, 1)
