@@ -416,3 +416,41 @@ def test_adversarial_question_gets_the_forced_choice(batch_arms):
 def test_arm_spec_keeps_unpositioned_kinds_original():
     assert arm_spec("text", "bm25", 0.1, "contiguous").name == "text:bm25@10%"
     assert arm_spec("rows", "bm25", 0.1, "contiguous").positions == "contiguous"
+
+
+def test_a_redacted_run_keeps_no_dataset_text_and_reports_and_resumes(tiny_dir, tmp_path, monkeypatch, capsys):
+    """`eventkv memory redact`: the copy holds no question, gold answer, option or model answer; its
+    summary equals the source's; the eval resumed into it computes only the items it lacks."""
+    src, dst = tmp_path / "run", tmp_path / "shared"
+    args = ["memory", "eval", "--data", DEMO_DATA, "--model", str(tiny_dir), *BASE, "--out", str(src)]
+    args[args.index("--conversations") + 1] = "1"
+    assert run_cli(monkeypatch, capsys, *args)[0] == 0
+    whole = _records(src)
+    lines = (src / "records.jsonl").read_text().splitlines()
+    (src / "records.jsonl").write_text(lines[0] + "\n")  # as if stopped after the first item
+    code, out_text, err = run_cli(monkeypatch, capsys, "memory", "redact", str(src), str(dst))
+    assert code == 0, out_text + err
+    assert "1 records redacted" in out_text
+    kept = _records(dst)
+    texts = {whole[0].get("question"), whole[0].get("gold"), *whole[0].get("choice", [])}
+    texts |= {arm["answer"] for arm in whole[0].get("arms", {}).values()}
+    body = (dst / "records.jsonl").read_text()
+    assert all(k not in kept[0] for k in ("question", "gold", "choice"))
+    assert all("answer" not in arm for arm in kept[0].get("arms", {}).values())
+    assert not [t for t in texts if t and len(t) > 3 and json.dumps(t)[1:-1] in body]
+    assert {k: v for k, v in kept[0].items() if k != "arms"} == {
+        k: v for k, v in whole[0].items() if k not in ("question", "gold", "choice", "arms")
+    }
+    assert run_cli(monkeypatch, capsys, "report", str(src))[0] == 0
+    assert run_cli(monkeypatch, capsys, "report", str(dst))[0] == 0
+    assert (dst / "summary.md").read_text() == (src / "summary.md").read_text()
+    assert run_cli(monkeypatch, capsys, *args[:-1], str(dst))[0] == 0  # resumed into the redacted folder
+    again = _records(dst)
+    assert [r["index"] for r in again] == [r["index"] for r in whole]
+    assert json.loads((dst / "manifest.json").read_text())["invocations"][-1]["items_computed"] == len(whole) - 1
+    for a, b in zip(whole[1:], again[1:]):  # the lacking items, computed afresh, equal the source's
+        assert {k: v for k, v in a.items() if k != "timing"} == {k: v for k, v in b.items() if k != "timing"}
+    code, _, err = run_cli(monkeypatch, capsys, "memory", "redact", str(src), str(dst))
+    assert code == 2 and "already holds records.jsonl" in err
+    code, _, err = run_cli(monkeypatch, capsys, "memory", "redact", str(tmp_path / "nope"), str(tmp_path / "x"))
+    assert code == 2 and "is not a run folder" in err

@@ -94,3 +94,17 @@ def memory_eval(
         batch_arms=batch_arms,
     )
     run_probe_command(probe, replace(run, items=conversations * questions))
+
+
+@memory_app.command("redact")
+def memory_redact(
+    source: str = typer.Argument(..., help="a memory eval's run folder (its --out)"),
+    dest: str = typer.Argument(..., help="a new folder for the redacted copy"),
+) -> None:
+    """Copy a memory eval's run folder without the dialogue data's text (questions, gold answers, forced-choice
+    options, the model's answers), to share or commit it: `eventkv report DEST` reports it and the same
+    `memory eval` command with `--out DEST` resumes it."""
+    from eventkv.studies.materialization.memory_eval import redact_run
+
+    n = redact_run(source, dest)
+    typer.echo(f"{n} records redacted into {dest}: `eventkv report {dest}` reports them")
