@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eventkv.errors import EventKVError
-from eventkv.models import dtypes, load, native_bf16, resolve_dtype
+from eventkv.models import load, native_bf16, resolve_dtype
 from eventkv.testing import tiny_model, tiny_tokenizer
 
 AVX2_ONLY = {"cpu_name": "AMD EPYC", "avx2": True, "avx512_f": False, "avx512_bf16": False, "amx_bf16": False}
@@ -16,11 +16,9 @@ AVX512_BF16 = {"cpu_name": "AMD EPYC", "avx2": True, "avx512_f": True, "avx512_b
 AMX = {"cpu_name": "Intel Xeon", "avx2": True, "avx512_f": True, "avx512_bf16": True, "amx_bf16": True}
 
 
-def _cpu(monkeypatch, caps: dict, kernels: str, ratio: float = 0.3) -> None:
-    """Pretend to be a CPU with ``caps``, torch kernels ``kernels`` and a bf16 matmul ``ratio`` x float32's."""
+def _cpu(monkeypatch, caps: dict, kernels: str) -> None:
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: dict(caps))
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: kernels)
-    monkeypatch.setattr(dtypes, "bf16_matmul_ratio", lambda: ratio)
 
 
 @pytest.mark.parametrize(
@@ -39,31 +37,6 @@ def test_auto_dtype_follows_the_cpu(monkeypatch, caps, kernels, want):
     assert dtype == want
     assert reason.startswith("auto: CPU AMD EPYC" if caps["cpu_name"] == "AMD EPYC" else "auto: CPU Intel Xeon")
     assert kernels in reason
-
-
-@pytest.mark.parametrize("ratio, want", [(0.28, "bfloat16"), (0.8, "bfloat16"), (0.81, "float32"), (1.7, "float32")])
-def test_avx512_bf16_without_amx_takes_bf16_only_where_it_measures_faster(monkeypatch, ratio, want):
-    _cpu(monkeypatch, AVX512_BF16, "AVX512", ratio)
-    dtype, reason = resolve_dtype("auto", "cpu")
-    assert dtype == want
-    assert f"{ratio:.2f}x the float32 time" in reason
-
-
-def test_amx_takes_bf16_without_measuring(monkeypatch):
-    _cpu(monkeypatch, AMX, "AVX512", ratio=5.0)  # AMX's tiles: bf16 whatever a matmul timing says
-    assert resolve_dtype("auto", "cpu") == (
-        "bfloat16",
-        "auto: CPU Intel Xeon has avx512_bf16+amx_bf16 (torch kernels AVX512)",
-    )
-
-
-def test_the_bf16_matmul_ratio_is_measured_once_and_leaves_the_thread_count():
-    threads = torch.get_num_threads()
-    dtypes.bf16_matmul_ratio.cache_clear()
-    ratio = dtypes.bf16_matmul_ratio(rows=8, width=16, reps=2)
-    assert ratio > 0 and ratio != float("inf")
-    assert dtypes.bf16_matmul_ratio(rows=8, width=16, reps=2) == ratio  # cached: one choice per process
-    assert torch.get_num_threads() == threads
 
 
 def test_explicit_dtype_is_kept_and_bad_dtype_refused():
@@ -89,10 +62,7 @@ def test_load_records_the_choice_and_the_reason(tmp_path, monkeypatch):
     _cpu(monkeypatch, AVX512_BF16, "AVX512")
     lm = load(str(d))
     assert lm.profile.dtype == "bfloat16" and lm.model.dtype == torch.bfloat16
-    assert (
-        lm.profile.dtype_reason
-        == "auto: CPU AMD EPYC has avx512_bf16 (bf16 matmul 0.30x the float32 time; torch kernels AVX512)"
-    )
+    assert lm.profile.dtype_reason == "auto: CPU AMD EPYC has avx512_bf16 (torch kernels AVX512)"
     assert load(str(d), dtype="float32").profile.dtype_reason == "requested"
 
 
