@@ -196,7 +196,7 @@ class Handlers:
         status, code = status_and_code(exc)
         headers = {"Retry-After": "1"} if status == 503 else None
         if openai_path(request.url.path):
-            param = exc.field or None if isinstance(exc, OptionError) else None
+            param = o.PARAMS.get(exc.field, exc.field) or None if isinstance(exc, OptionError) else None
             code = getattr(exc, "openai_code", code)
             return openai_error_response(status, code, scrub(str(exc), self.root), headers, param)
         return error_response(status, code, scrub(str(exc), self.root), headers)

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from eventkv.errors import OptionError
 from eventkv.service.names import MAX_NAME, NAME_PATTERN
 from eventkv.service.schemas import MAX_TEXT, EventId, MaxNewTokens, Name, Shaping
-from eventkv.wire import NotFound
+from eventkv.wire import MEMORY_HEADER, NotFound
 
 #: tokens generated when the request gives neither ``max_completion_tokens`` nor ``max_tokens``
 DEFAULT_MAX_TOKENS = 256
@@ -55,6 +55,8 @@ UNSUPPORTED_MESSAGE = {
     "audio": "audio in a message is not supported by this server: text only.",
 }
 UNSUPPORTED_ROLES = ("tool", "function")
+#: the library's option names that a chat request spells otherwise (an error's ``param``)
+PARAMS = {"max_new_tokens": "max_tokens", "question": "messages"}
 
 
 class ModelNotFound(NotFound):
@@ -210,7 +212,7 @@ class ChatRequest(_Strict):
             return self.memory
         from eventkv.service.names import check_name
 
-        check_name(header, "memory id")
+        check_name(header, MEMORY_HEADER)
         if self.memory is None:
             return MemoryOptions.model_validate({"id": header})
         if self.memory.id != header:
