@@ -54,10 +54,10 @@ def live(lm, tmp_path_factory):
     app = create_app(Settings(lm, store, {TOKEN: None, ELSEWHERE: frozenset({"elsewhere"})}))
     with LiveApp(app) as srv:
         auth = {"Authorization": f"Bearer {TOKEN}"}
-        assert httpx.post(f"{srv.url}/v1/memories", json={"id": "m"}, headers=auth).status_code == 201
-        r = httpx.post(f"{srv.url}/v1/memories/m/events", json={"events": EVENTS, "prefill": True}, headers=auth)
-        assert r.status_code == 201
-        assert httpx.post(f"{srv.url}/v1/memories", json={"id": "empty"}, headers=auth).status_code == 201
+        post = lambda path, body: httpx.post(f"{srv.url}{path}", json=body, headers=auth, timeout=60)  # noqa: E731
+        assert post("/v1/memories", {"id": "m"}).status_code == 201
+        assert post("/v1/memories/m/events", {"events": EVENTS, "prefill": True}).status_code == 201
+        assert post("/v1/memories", {"id": "empty"}).status_code == 201
         srv.store, srv.auth = store, auth
         yield srv
 
@@ -317,7 +317,8 @@ def test_remember_stores_the_user_turn_and_the_reply(live, client):
     stored = on_memory(live, "m", lambda mem: [mem.get(i).text for i in finish.eventkv["remembered"]])
     assert stored == ["Ravi left Oslo.", text]
     for eid in added + finish.eventkv["remembered"]:  # leave the memory as the other tests expect
-        assert httpx.post(f"{live.url}/v1/memories/m/events/{eid}/delete", headers=live.auth).status_code == 200
+        r = httpx.post(f"{live.url}/v1/memories/m/events/{eid}/delete", headers=live.auth, timeout=60)
+        assert r.status_code == 200
 
 
 def test_an_acknowledged_remember_survives_sigkill(tmp_path):
@@ -445,10 +446,12 @@ def test_auth_namespaces_and_raw_bodies_keep_openai_shape(live):
     plain = elsewhere.chat.completions.create(model=MODEL, messages=ask(), max_tokens=2)  # no namespace involved
     assert plain.choices[0].finish_reason in ("stop", "length")
     url = f"{live.url}/v1/chat/completions"
-    not_json = httpx.post(url, content=b"{not json", headers={**live.auth, "content-type": "application/json"})
+    not_json = httpx.post(
+        url, content=b"{not json", headers={**live.auth, "content-type": "application/json"}, timeout=60
+    )
     assert not_json.status_code == 400 and set(not_json.json()["error"]) == {"message", "type", "param", "code"}
-    wrong_method = httpx.get(url, headers=live.auth)
+    wrong_method = httpx.get(url, headers=live.auth, timeout=60)
     assert wrong_method.status_code == 405 and "error" in wrong_method.json()
     # the memory routes keep their own error body
-    other = httpx.post(f"{live.url}/v1/memories/m/query", json={"question": "x", "k": 0}, headers=live.auth)
+    other = httpx.post(f"{live.url}/v1/memories/m/query", json={"question": "x", "k": 0}, headers=live.auth, timeout=60)
     assert other.status_code == 422 and set(other.json()) == {"code", "message"}

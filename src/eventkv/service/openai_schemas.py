@@ -85,7 +85,7 @@ class Message(_Strict):
     and not used; the content is a string or a list of text parts (joined with newlines)."""
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: ChatText | list[TextPart] = Field(max_length=256)
+    content: ChatText | Annotated[list[TextPart], Field(max_length=256)]
     name: Annotated[str, StringConstraints(max_length=256)] | None = None
     refusal: None = None  # an assistant message of OpenAI's answers carries it (null)
     tool_calls: None = None
@@ -367,7 +367,7 @@ def unsupported(error: dict) -> tuple[str, str | None, str] | None:
             )
             return message, param, "unsupported_parameter"
         if field == "content" and loc[-1] == "type":
-            message = "only text content parts are supported by this server (no images, audio or files)."
+            message = "content parts other than text (images, audio, files) are not supported by this server."
             return message, param, "unsupported_parameter"
     return None
 
