@@ -18,12 +18,13 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 import torch  # noqa: E402
-from service_fixtures import LiveApp, Server, save_sharp_model  # noqa: E402
+from service_fixtures import LiveApp, save_sharp_model  # noqa: E402
 
 from eventkv.log import tokenize_query  # noqa: E402
 from eventkv.memory import EventMemory  # noqa: E402
 from eventkv.readout import Decoding  # noqa: E402
 from eventkv.service.app import Settings, create_app  # noqa: E402
+from eventkv.service.server import ServerProcess  # noqa: E402
 from eventkv.testing import tiny_lm  # noqa: E402
 
 TOKEN = "t0k3n-for-the-chat-tests-0123456789"
@@ -323,7 +324,7 @@ def test_remember_stores_the_user_turn_and_the_reply(live, client):
 
 def test_an_acknowledged_remember_survives_sigkill(tmp_path):
     model_dir = save_sharp_model(tmp_path / "sharp")
-    srv = Server(model_dir, tmp_path / "store")
+    srv = ServerProcess(model_dir, tmp_path / "store", "--dtype", "float32", "--threads", "1", timeout=900)
     try:
         assert httpx.post(f"{srv.url}/v1/memories", json={"id": "k"}, timeout=60).status_code == 201
         r = httpx.post(f"{srv.url}/v1/memories/k/events", json={"events": EVENTS[:2]}, timeout=60)
