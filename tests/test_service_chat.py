@@ -453,6 +453,10 @@ def test_auth_namespaces_and_raw_bodies_keep_openai_shape(live):
     assert not_json.status_code == 400 and set(not_json.json()["error"]) == {"message", "type", "param", "code"}
     wrong_method = httpx.get(url, headers=live.auth, timeout=60)
     assert wrong_method.status_code == 405 and "error" in wrong_method.json()
+    too_big = httpx.post(url, content=b"x" * (5 * 1024 * 1024), headers=live.auth, timeout=60)  # over --max-body
+    assert too_big.status_code == 413 and too_big.json()["error"]["code"] == "body_too_large"
+    no_route = httpx.get(f"{live.url}/v1/chat/nothing", headers=live.auth, timeout=60)
+    assert no_route.status_code == 404 and no_route.json()["error"]["code"] == "not_found"
     # the memory routes keep their own error body
     other = httpx.post(f"{live.url}/v1/memories/m/query", json={"question": "x", "k": 0}, headers=live.auth, timeout=60)
     assert other.status_code == 422 and set(other.json()) == {"code", "message"}
