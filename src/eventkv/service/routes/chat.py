@@ -272,8 +272,8 @@ class Stream:
             raise ClientGone()
 
     async def pieces_until_done(self) -> AsyncIterator[str]:
-        """The steps' text, non-empty pieces only, until the job has ended (every piece it queued
-        reaches the queue before its result: both go through ``call_soon_threadsafe`` in order)."""
+        """Each step's text (possibly empty), until the job has ended (every piece it queued reaches
+        the queue before its result: both go through ``call_soon_threadsafe``, in order)."""
         assert self.first is not None and self.result is not None
         if not self.first.cancelled():
             yield self.first.result()
