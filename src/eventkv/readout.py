@@ -3,7 +3,9 @@
 One implementation, batched: :func:`read_out` answers one query from several served caches at
 once, and the single-cache functions are that same path with a batch of one.
 
-* :func:`generate` — greedy decoding (max new tokens, stops on EOS/end-of-turn).
+* :func:`generate` — greedy decoding (max new tokens, stops on EOS/end-of-turn); a
+  :class:`Decoding` per sequence asks for seeded sampling instead (temperature, top-p), stop
+  strings, and a per-step callback with the text each step adds (streaming).
 * :func:`candidate_logprobs` — forced choice: every candidate's full continuation is scored
   (sum of its tokens' log-probabilities), all candidates in one batched forward.
 * :func:`token_logprobs` — the one place a log-probability is computed: a float64 log-softmax
@@ -26,14 +28,15 @@ reaches real rows before it would reach the pad).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence, cast
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from eventkv.errors import EventKVError
+from eventkv.errors import EventKVError, OptionError
 from eventkv.log import encode
 from eventkv.prefill import cache_kv, check_context, model_forward
 from eventkv.serve import ServedCache
@@ -44,14 +47,150 @@ if TYPE_CHECKING:
 
 @dataclass
 class Generation:
-    """A greedy continuation. ``tokens`` excludes the stop token; ``stopped`` says whether a stop
-    token ended it (else max_new_tokens did); ``logits`` holds each step's logits ``[vocab]``
-    when requested."""
+    """A continuation (greedy unless its :class:`Decoding` samples). ``tokens`` excludes the stop
+    token; ``stopped`` says whether a stop token ended it; ``stop_string`` is the stop string that
+    ended it (``text`` is then cut where that string begins; ``tokens`` keeps every generated token);
+    neither: max_new_tokens did. ``logits`` holds each step's logits ``[vocab]`` when requested."""
 
     tokens: list[int]
     text: str = ""
     stopped: bool = False
     logits: list[torch.Tensor] = field(default_factory=list)
+    stop_string: str | None = None
+
+    @property
+    def finish_reason(self) -> Literal["stop", "length"]:
+        """``"stop"`` when a stop token or a stop string ended it, ``"length"`` when max_new_tokens did."""
+        return "stop" if self.stopped or self.stop_string is not None else "length"
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How one sequence is decoded, when not greedily or not silently.
+
+    Attributes:
+        temperature: 0 (default): greedy (argmax). > 0: each token is drawn from
+            ``softmax(logits / temperature)`` (float64 on the CPU), restricted to the top-p nucleus.
+        top_p: the nucleus (Holtzman et al. 2020, arXiv 1904.09751, Sec. 3.1): the smallest set of
+            most probable tokens whose probabilities sum to at least ``top_p``, in (0, 1]; 1: every
+            token. Only with sampling.
+        seed: seeds the sequence's own ``torch.Generator`` (CPU), so a sampled answer is reproducible
+            whatever else shares its batch; None: a fresh random seed.
+        stop: stop strings: decoding ends once the decoded text contains one; the text is cut where
+            the earliest one begins (``Generation.stop_string`` says which).
+        on_step: called (on the decoding thread) once per decode step with the text that step adds:
+            the decoded text grows by whole characters only (a token ending inside a multi-byte
+            character adds nothing until the character is complete), and text that could begin a
+            stop string is held back until it cannot; the empty string when a step adds nothing. The
+            pieces concatenate to ``Generation.text``. The first call comes at the first step, right
+            after the query's forward. An exception it raises ends the readout (the caller's way to
+            abandon a generation nobody reads).
+
+    Raises (:meth:`check`):
+        OptionError: a temperature outside [0, 2], a top_p outside (0, 1], a seed that is not an int,
+            an empty stop string.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    on_step: Callable[[str], None] | None = None
+
+    def check(self) -> "Decoding":
+        """This decoding, checked (see the class docstring); returns itself."""
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or not 0 <= t <= 2:
+            raise OptionError("temperature", t, "give a number in [0, 2] (0: greedy decoding).")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or not 0 < p <= 1:
+            raise OptionError("top_p", p, "give a number in (0, 1] (1: sample from every token).")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise OptionError("seed", self.seed, "give a whole number (or None for a random seed).")
+        if isinstance(self.stop, str) or any(not isinstance(x, str) or not x for x in self.stop):
+            raise OptionError("stop", self.stop, "give a tuple of non-empty stop strings.")
+        return self
+
+    @property
+    def samples(self) -> bool:
+        """Whether tokens are drawn (temperature > 0) rather than taken greedily."""
+        return self.temperature > 0
+
+    @property
+    def watches_text(self) -> bool:
+        """Whether decoding reads the text at every step (stop strings or a step callback)."""
+        return bool(self.stop) or self.on_step is not None
+
+
+#: how a sequence is decoded when no :class:`Decoding` is given: greedily, silently
+GREEDY = Decoding()
+
+
+class _Sampler:
+    """One sequence's draws: a CPU ``torch.Generator`` seeded once (:attr:`Decoding.seed`)."""
+
+    def __init__(self, decoding: Decoding) -> None:
+        self.decoding = decoding
+        self.generator = torch.Generator(device="cpu")
+        if decoding.seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(decoding.seed % 2**64)  # manual_seed takes [0, 2**64): a negative seed wraps
+
+    def draw(self, logits: torch.Tensor) -> int:
+        """A token id drawn from ``logits`` ``[vocab]`` (any device, any float dtype) under the
+        temperature and the top-p nucleus; computed in float64 on the CPU (the same draw whatever
+        device computed the logits, up to the logits' own rounding)."""
+        d = self.decoding
+        probs = torch.softmax(logits.detach().to("cpu", torch.float64) / d.temperature, dim=-1)
+        if d.top_p < 1:
+            sorted_p, order = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_p, dim=0) - sorted_p < d.top_p  # the first token is always kept
+            sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+            return int(order[torch.multinomial(sorted_p, 1, generator=self.generator)])
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+class TextWatch:
+    """The decoded text of one growing generation, for stop strings and streaming
+    (:attr:`Decoding.stop`, :attr:`Decoding.on_step`).
+
+    Each :meth:`step` decodes every token so far (``tokenizer.decode(..., skip_special_tokens=True)``:
+    the text :func:`read_out` answers with) and finds the earliest stop string in it. What it hands
+    out (:meth:`step`, :meth:`rest`) is the text without a trailing replacement character U+FFFD (a
+    token that ends inside a multi-byte UTF-8 character decodes to one until the character is
+    complete) and without a tail that could still become a stop string; what was handed out is
+    never taken back, so the pieces concatenate to the final text.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, stop: Sequence[str]) -> None:
+        if tokenizer is None:
+            raise EventKVError("stop strings and step callbacks need the tokenizer: pass tokenizer=... to read_out.")
+        self.tokenizer, self.stops = tokenizer, tuple(stop)
+        self.text, self.sent = "", 0
+        self.stop: str | None = None
+
+    def step(self, tokens: Sequence[int]) -> str:
+        """The text the latest token adds (possibly empty), after decoding ``tokens``; sets
+        :attr:`stop` (and cuts :attr:`text`) when a stop string appears."""
+        self.text = cast(str, self.tokenizer.decode(list(tokens), skip_special_tokens=True))
+        found = [(i, s) for s in self.stops if (i := self.text.find(s)) >= 0]
+        if found:
+            at, self.stop = min(found)
+            self.text = self.text[:at]
+            return self.rest()
+        safe = self.text.rstrip("\ufffd")
+        held = max((n for s in self.stops for n in range(1, len(s)) if safe.endswith(s[:n])), default=0)
+        return self._hand_out(len(safe) - held)
+
+    def rest(self) -> str:
+        """What is left to hand out of the final text (at the end of the generation)."""
+        return self._hand_out(len(self.text))
+
+    def _hand_out(self, end: int) -> str:
+        piece = self.text[self.sent : end] if end > self.sent else ""
+        self.sent += len(piece)
+        return piece
 
 
 @dataclass
@@ -216,6 +355,7 @@ def read_out(
     tokenizer: PreTrainedTokenizerBase | None = None,
     max_context: int | None = None,
     keep_logits: bool = False,
+    decoding: Decoding | Sequence[Decoding | None] | None = None,
 ) -> list[Readout]:
     """Answer one query from several served caches in batched forwards.
 
@@ -232,6 +372,9 @@ def read_out(
             ``query_ids + answer_prefix_ids`` (full continuation: sum of its tokens' log-probs, nats).
         answer_prefix_ids: forced answer opener placed before the candidates (e.g. ``"Answer:"``).
         keep_logits: keep each generated step's logits ``[vocab]`` in ``Generation.logits``.
+        decoding: how each generating cache decodes (:class:`Decoding`: sampling, stop strings, a
+            step callback): one for every cache, or one per cache (None: greedy); default greedy.
+            Each sequence samples from its own generator, so its answer does not depend on the batch.
 
     Returns:
         one Readout per served cache, in order.
@@ -239,13 +382,15 @@ def read_out(
     Raises:
         EventKVError: ``generate`` or ``score`` not one flag per served cache, empty query, per-cache
             queries not one per cache or of different lengths, empty candidate, or history + query
-            beyond the model's context.
+            beyond the model's context; stop strings or a step callback without a tokenizer.
+        OptionError: a bad :class:`Decoding` (:meth:`Decoding.check`), or not one per served cache.
     """
     if len(generate) != len(served) or len(score) != len(served):
         raise EventKVError(
             f"read_out got {len(served)} served caches but {len(generate)} generate and {len(score)} "
             f"score flags: give one generate flag and one score flag per served cache."
         )
+    decodings = _decodings(decoding, len(served))
     queries = _queries(query_ids, len(served))
     if any(score) and (not candidates or any(len(c) == 0 for c in candidates)):
         raise EventKVError("candidate scoring needs at least one candidate and no empty candidate.")
@@ -276,8 +421,19 @@ def read_out(
             tokenizer,
             out,
             keep_logits,
+            [decodings[i] for i in gens] + [GREEDY] * (len(rows) - len(gens)),
         )
     return out
+
+
+def _decodings(decoding: Decoding | Sequence[Decoding | None] | None, n: int) -> list[Decoding]:
+    """One checked :class:`Decoding` per served cache (None: greedy)."""
+    if decoding is None or isinstance(decoding, Decoding):
+        return [(decoding or GREEDY).check()] * n
+    given = list(decoding)
+    if len(given) != n:
+        raise OptionError("decoding", f"{len(given)} decodings", f"give one decoding, or one per served cache ({n}).")
+    return [(d or GREEDY).check() for d in given]
 
 
 def _queries(query_ids: Sequence[int] | Sequence[Sequence[int]], n: int) -> list[list[int]]:
@@ -378,12 +534,19 @@ def _generate(
     tokenizer: PreTrainedTokenizerBase | None,
     out: list[Readout],
     keep_logits: bool = False,
+    decodings: Sequence[Decoding] | None = None,
 ) -> None:
-    """Greedy decoding of the whole batch; a sequence that has stopped keeps being fed its last
-    token (its rows are never read) so the batch never has to be copied. An owner of None is a
-    padding sequence (:func:`decode_padding`): fed, never waited for, never read."""
+    """Decoding of the whole batch (greedy, or each sequence as its :class:`Decoding` says); a
+    sequence that has stopped keeps being fed its last token (its rows are never read) so the batch
+    never has to be copied. An owner of None is a padding sequence (:func:`decode_padding`): fed,
+    never waited for, never read."""
+    decodings = list(decodings or [GREEDY] * len(owners))
     gens = [Generation(tokens=[]) for _ in owners]
     done = [max_new <= 0 or i is None for i in owners]
+    samplers = [_Sampler(d) if d.samples and i is not None else None for d, i in zip(decodings, owners)]
+    watches = [
+        TextWatch(tokenizer, d.stop) if d.watches_text and i is not None else None for d, i in zip(decodings, owners)
+    ]
     step = 0
     while not all(done):
         toks = torch.argmax(logits, dim=-1).tolist()
@@ -391,24 +554,40 @@ def _generate(
         for r, g in enumerate(gens):
             t = int(toks[r])
             if not done[r]:
+                sampler, watch = samplers[r], watches[r]
+                if sampler is not None:
+                    t = sampler.draw(logits[r])
                 if keep_logits:
                     g.logits.append(logits[r])
+                piece = ""
                 if t in stops:
                     g.stopped = True
                     done[r] = True
                 else:
                     g.tokens.append(t)
                     done[r] = len(g.tokens) >= max_new
+                    if watch is not None:
+                        piece = watch.step(g.tokens)
+                        if watch.stop is not None:
+                            g.stop_string, done[r] = watch.stop, True
+                if watch is not None:
+                    if done[r]:
+                        piece += watch.rest()
+                    on_step = decodings[r].on_step
+                    if on_step is not None:
+                        on_step(piece)
             feed.append(t)
         if all(done):
             break
         ids = torch.tensor(feed, dtype=torch.long, device=logits.device).unsqueeze(1)
         logits = batch.forward(model, ids, q + step, logits_to_keep=1)[:, -1]
         step += 1
-    for g, i in zip(gens, owners):
+    for g, i, watch in zip(gens, owners, watches):
         if i is None:
             continue
-        if tokenizer is not None:
+        if watch is not None:
+            g.text = watch.text  # cut at its stop string
+        elif tokenizer is not None:
             g.text = cast(str, tokenizer.decode(g.tokens, skip_special_tokens=True))  # one sequence: one text
         out[i].generation = g
 
@@ -517,12 +696,13 @@ def answer_served(
     max_context: int | None,
     candidates: Sequence[str] = (),
     keep_logits: bool = False,
+    decoding: Decoding | Sequence[Decoding | None] | None = None,
 ) -> list[tuple[Generation, list[CandidateScore]]]:
     """A question answered from one or more served caches, as ``eventkv query`` and the memory do:
-    per cache the greedy answer and, when ``candidates`` are given, each candidate's log-probability
-    (nats; candidates tokenized alone with :func:`eventkv.log.encode`) — all caches in one batched
-    :func:`read_out` (left-padded, each row at its own positions; a batch of one is :func:`generate`
-    plus :func:`candidate_logprobs`).
+    per cache the greedy answer (or as ``decoding`` says: :func:`read_out`) and, when ``candidates``
+    are given, each candidate's log-probability (nats; candidates tokenized alone with
+    :func:`eventkv.log.encode`) — all caches in one batched :func:`read_out` (left-padded, each row
+    at its own positions; a batch of one is :func:`generate` plus :func:`candidate_logprobs`).
 
     Returns:
         one ``(generation, candidate scores)`` per served cache, in order.
@@ -546,6 +726,7 @@ def answer_served(
         tokenizer=tokenizer,
         max_context=max_context,
         keep_logits=keep_logits,
+        decoding=decoding,
     )
     return [(_generation(o), o.candidates) for o in outs]
 

@@ -14,6 +14,8 @@ from eventkv.errors import EventKVError, OptionError, OutOfSpace, PurgePending, 
 NAMESPACE_HEADER = "X-EventKV-Namespace"
 #: the namespace of a request without the header
 DEFAULT_NAMESPACE = "default"
+#: the request header that attaches a memory (by id) to a chat completion
+MEMORY_HEADER = "X-EventKV-Memory"
 
 
 class Unauthorized(EventKVError):

@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING, Mapping, Sequence, cast
 from eventkv.blend import check_recompute
 from eventkv.errors import EventKVError, OptionError
 from eventkv.log import HEADER_ID, tokenize_query
+from eventkv.memory.chat import chat_tail_ids
 from eventkv.memory.records import MemoryAnswer, MemoryRecord
 from eventkv.options import check_max_new_tokens
 from eventkv.prefill import EventKV, check_context
-from eventkv.readout import answer_served
+from eventkv.readout import Decoding, answer_served
 from eventkv.serve import SERVE_MODES, PositionMode, ServedCache, ServeMode, check_position_mode, serve
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -68,18 +69,25 @@ def served_end(header_len: int, records: Mapping[str, MemoryRecord], served_ids:
 
 
 def question_ids(
-    lm: LoadedModel, question: str, history_end: int, max_new_tokens: int, positions: str = "original"
+    lm: LoadedModel,
+    question: str,
+    history_end: int,
+    max_new_tokens: int,
+    positions: str = "original",
+    messages: Sequence[Mapping] | None = None,
 ) -> list[int]:
-    """The question's token ids (chat tail included: :func:`eventkv.log.tokenize_query`), checked to
-    fit after ``history_end`` (where the question starts: the whole history's end when the rows are
-    served at their ``positions="original"``) with room for ``max_new_tokens``.
+    """The question's token ids (chat tail included: :func:`eventkv.log.tokenize_query`), or with
+    ``messages`` the conversation's (:func:`eventkv.memory.chat.chat_tail_ids`: the same ids for one
+    user message), checked to fit after ``history_end`` (where the question starts: the whole
+    history's end when the rows are served at their ``positions="original"``) with room for
+    ``max_new_tokens``.
 
     Raises:
         EventKVError: the question past the model's context; at the original positions the message names
             ``positions="contiguous"``, the fix for a history longer than the context.
-        OptionError: no room left for ``max_new_tokens``.
+        OptionError: no room left for ``max_new_tokens``; bad messages (:func:`eventkv.memory.chat.check_messages`).
     """
-    q = tokenize_query(lm.tokenizer, lm.profile, question)
+    q = chat_tail_ids(lm, messages) if messages is not None else tokenize_query(lm.tokenizer, lm.profile, question)
     end, ctx = history_end, lm.profile.max_context
     if positions == "original" and ctx is not None and end + len(q) > ctx:
         raise EventKVError(
@@ -113,6 +121,7 @@ def read_out(
     keep_logits: bool,
     positions: PositionMode = "original",
     recompute: float | None = None,
+    decoding: Decoding | None = None,
 ) -> list[MemoryAnswer]:
     """Serve ``ekv``'s rows of each served set under its mode and read the question ``q`` out of all of
     them in one batched readout (:func:`eventkv.readout.answer_served`: left-padded, each row at its
@@ -125,6 +134,7 @@ def read_out(
         positions: ``original`` | ``contiguous`` (:func:`eventkv.serve.serve`); each answer's ``positions``
             reports where its events were served.
         recompute: the fraction of served tokens each ``blend`` plan recomputes (None: the default, 0.15).
+        decoding: how every plan's answer is decoded (:class:`eventkv.readout.Decoding`; None: greedy).
     """
     caches, serve_ms = [], []
     for ids, mode in zip(served_ids, modes):
@@ -145,6 +155,7 @@ def read_out(
         max_context=lm.profile.max_context,
         candidates=candidates,
         keep_logits=keep_logits,
+        decoding=decoding,
     )
     decode_ms = 1e3 * (time.perf_counter() - t2)
     return [
@@ -155,6 +166,7 @@ def read_out(
             served_ids=list(sc.served),
             positions=served_positions(ekv, sc, records),
             n_rows_served=sc.n_visible,
+            n_query_tokens=len(q),
             timings_ms={"prefill": prefill_ms, "serve": ms, "decode": decode_ms},
         )
         for sc, ms, (gen, scores) in zip(caches, serve_ms, outs)

@@ -35,7 +35,7 @@ import builtins
 import contextlib
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence, cast
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence, cast
 
 import numpy as np
 
@@ -60,6 +60,7 @@ from eventkv.memory.sql import EventRow, Writes
 from eventkv.memory.store import SCHEMA_VERSION, Store, check_identity, model_identity, now
 from eventkv.memory.table import EventTable
 from eventkv.prefill import EventKV, check_context, model_device
+from eventkv.readout import Decoding
 from eventkv.serve import PositionMode, ServeMode
 from eventkv.windowed import PrefillWindow, check_window, windowed_prefill
 
@@ -990,6 +991,9 @@ class EventMemory:
         positions: PositionMode = "original",
         # selective recompute (mode "blend")
         recompute: float | None = None,
+        # a conversation read in place of the question, and how the answer is decoded
+        messages: Sequence[Mapping] | None = None,
+        decoding: Decoding | None = None,
     ) -> MemoryAnswer:
         """Answer a question from served rows (Study 1, "Setting": sparse serving, then a readout).
 
@@ -1023,10 +1027,16 @@ class EventMemory:
                 each event's first served position and its rows.
             recompute: mode ``blend`` only: the fraction of served event tokens recomputed, in [0, 1];
                 None = 0.15 (:data:`eventkv.blend.DEFAULT_RECOMPUTE`).
+            messages: a chat conversation read after the served rows in place of the question
+                (:func:`eventkv.memory.chat.chat_tail_ids`: the model's chat template continues the
+                header's user turn; one user message ``q`` reads exactly as ``question=q``). The
+                ``question`` still selects the served events: give the last user message's text.
+            decoding: how the answer is decoded (:class:`eventkv.readout.Decoding`: seeded sampling,
+                stop strings, a per-step text callback); None: greedy.
 
         Returns:
             :class:`MemoryAnswer` (text, generation, candidates, served ids, their positions, rows
-            served, timings in ms).
+            served, tokens read after them, timings in ms).
 
         Raises:
             OptionError: a blank question, unknown mode or select, ``max_new_tokens`` < 1 or past the
@@ -1053,6 +1063,8 @@ class EventMemory:
             keep_logits=keep_logits,
             positions=positions,
             recompute=recompute,
+            messages=messages,
+            decoding=decoding,
         )[0]
 
     def query_batch(
@@ -1075,6 +1087,9 @@ class EventMemory:
         positions: PositionMode = "original",
         # selective recompute (mode "blend")
         recompute: float | None = None,
+        # a conversation read in place of the question, and how the answers are decoded
+        messages: Sequence[Mapping] | None = None,
+        decoding: Decoding | None = None,
     ) -> builtins.list[MemoryAnswer]:
         """Answer one question under several serving plans in one batched readout: e.g. the same
         selection served as rows and re-prefilled as text, side by side. Each plan is a
@@ -1092,14 +1107,20 @@ class EventMemory:
             shared), ``serve`` (this plan's served cache), ``decode`` (the whole batch's readout, shared).
             ``recompute`` applies to every ``blend`` plan (and is refused when no plan is ``blend``).
 
-        The keywords are :meth:`query`'s, shared by every plan.
+        The keywords are :meth:`query`'s, shared by every plan (``decoding``: each plan samples from its
+        own generator, seeded alike).
 
         Raises:
-            OptionError / EventKVError: as :meth:`query`, for any plan; no plan given.
+            OptionError / EventKVError: as :meth:`query`, for any plan; no plan given; a ``decoding``
+                with a step callback and several plans (whose pieces would interleave).
         """
         self._check_open()
         check_question(question)
         plans, cands = check_query(plans, max_new_tokens, candidates, positions, recompute)
+        if decoding is not None:
+            decoding.check()
+            if decoding.on_step is not None and len(plans) > 1:
+                raise OptionError("decoding", "a step callback", f"stream one plan at a time (got {len(plans)} plans).")
         shaping = dict(
             budget_rows=budget_rows, selector=selector, budget=budget, neighbours=neighbours, with_headers=with_headers
         )
@@ -1119,7 +1140,7 @@ class EventMemory:
         records = {r.id: r for r in self._recs}
         where = "contiguous" if all(mode == "text" for _, mode in plans) else positions  # text re-prefills contiguously
         end = self._history_end() if where == "original" else served_end(len(self.header_ids), records, served_ids)
-        q = question_ids(self.lm, question, end, max_new_tokens, where)
+        q = question_ids(self.lm, question, end, max_new_tokens, where, messages)
         t0 = time.perf_counter()
         ekv = self._lazy_prefill()
         prefill_ms = 1e3 * (time.perf_counter() - t0)
@@ -1138,6 +1159,7 @@ class EventMemory:
             keep_logits=keep_logits,
             positions=positions,
             recompute=recompute,
+            decoding=decoding,
         )
 
     def event_log(self, select: SelectSpec = "all"):

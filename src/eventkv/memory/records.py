@@ -253,6 +253,8 @@ class MemoryAnswer:
         served_ids: the served events, in history order (the header is always served besides).
         positions: ``(id, first position, width)`` of every served event.
         n_rows_served: rows the query attended to (header included; in native mode the visible rows).
+        n_query_tokens: tokens read after the served rows: the question and the chat tail (or the
+            conversation, for a query with ``messages``).
         timings_ms: wall time in milliseconds of ``prefill`` (lazy prefill of pending events; 0 when
             none), ``serve`` (building the served cache) and ``decode`` (generation and scoring).
     """
@@ -264,6 +266,7 @@ class MemoryAnswer:
     positions: list[tuple[str, int, int]] = field(default_factory=list)
     n_rows_served: int = 0
     timings_ms: dict[str, float] = field(default_factory=dict)
+    n_query_tokens: int = 0
 
 
 @dataclass(frozen=True)

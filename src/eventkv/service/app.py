@@ -28,6 +28,7 @@ worker and metrics by dependency injection (:mod:`eventkv.service.state`); the m
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import shutil
 from contextlib import asynccontextmanager
@@ -37,10 +38,10 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from eventkv.memory.store import remove_leftovers
-from eventkv.service.errors import UNAUTHORIZED, Handlers
+from eventkv.service.errors import OPENAI_UNAUTHORIZED, UNAUTHORIZED, Handlers, openai_path
 from eventkv.service.metrics import Measure, Metrics
 from eventkv.service.middleware import BearerAuth, BodyLimit, MemoryIdCheck
-from eventkv.service.routes import GUARDED, ROUTERS
+from eventkv.service.routes import GUARDED, OPENAI, ROUTERS
 from eventkv.service.state import CONTRACTS, ServiceState, Settings
 from eventkv.service.worker import ModelWorker
 
@@ -102,7 +103,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(Measure, requests=metrics.requests, latency=metrics.latency)
     Handlers(root, ROUTERS).install(app)
     for router in ROUTERS:  # 401 is declared where the bearer token is asked for: every route but /health
-        app.include_router(router, responses=UNAUTHORIZED if settings.tokens and router in GUARDED else None)
+        unauthorized = OPENAI_UNAUTHORIZED if router in OPENAI else UNAUTHORIZED
+        app.include_router(router, responses=unauthorized if settings.tokens and router in GUARDED else None)
 
     served = app.state.service.served
 
@@ -120,6 +122,18 @@ def create_app(settings: Settings) -> FastAPI:
                 "anyOf": [{"const": served}, {"type": "null"}],
                 **{"description": "the served model"},
             }
+            schemas = doc["components"]["schemas"]
+            chat = schemas["ChatRequest"]["properties"]
+            chat["model"] = {"const": served, "type": "string", "description": "the served model (GET /v1/models)"}
+            # FastAPI declares its own 422 on a route with a body that declares none; the OpenAI-compatible
+            # routes answer a bad request with 400 (declared), never 422
+            for path, ops in doc["paths"].items():
+                if openai_path(path):
+                    for op in ops.values():
+                        op["responses"].pop("422", None)
+            if "#/components/schemas/HTTPValidationError" not in json.dumps(doc["paths"]):
+                schemas.pop("HTTPValidationError", None)
+                schemas.pop("ValidationError", None)
             if settings.tokens:
                 doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
                 for path, ops in doc["paths"].items():

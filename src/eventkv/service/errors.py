@@ -5,6 +5,11 @@
 in the OpenAPI document; :class:`Handlers` are the app's exception handlers (a request outside its
 schema, an :class:`~eventkv.errors.EventKVError`, a client gone before its answer, Starlette's HTTP
 errors, and any other exception as 500 ``internal``).
+
+The OpenAI-compatible routes (paths under :data:`OPENAI_PREFIXES`) answer the same errors in OpenAI's
+shape instead, ``{"error": {"message", "type", "param", "code"}}``, with 400 where the others say 422
+(what OpenAI's clients expect of a bad request): :func:`error_answer` picks the shape by the path, for
+the handlers and the middleware alike.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 
 from eventkv.errors import EventKVError, OptionError, show_value
+from eventkv.service import openai_schemas as o
 from eventkv.service import schemas as s
 from eventkv.wire import ERRORS
 
@@ -37,6 +43,8 @@ TABLE = _table()
 
 #: what each error status means, as the OpenAPI document declares it
 STATUS_TEXT = {
+    400: "OpenAI-compatible routes: a request outside its schema, a field this server does not support, or one "
+    "the model or the memory cannot answer (`invalid_request_error`)",
     401: "no bearer token, or a wrong one (`unauthorized`)",
     403: "the token is not granted the namespace, or the body names another namespace (`forbidden`)",
     404: "an unknown memory, event or route (`not_found`)",
@@ -64,6 +72,45 @@ class ClientGone(Exception):
 def error_response(status: int, code: str, message: str, headers: dict | None = None) -> JSONResponse:
     """The error answer: ``{"code", "message"}`` with ``status`` (and ``headers``)."""
     return JSONResponse({"code": code, "message": message}, status_code=status, headers=headers)
+
+
+#: the paths of the OpenAI-compatible routes, whose errors are in OpenAI's shape
+OPENAI_PREFIXES = ("/v1/chat/", "/v1/models")
+
+
+def openai_path(path: str) -> bool:
+    """Whether ``path`` is one of the OpenAI-compatible routes' (:data:`OPENAI_PREFIXES`)."""
+    return (
+        path.startswith(OPENAI_PREFIXES[0]) or path == OPENAI_PREFIXES[1] or path.startswith(OPENAI_PREFIXES[1] + "/")
+    )
+
+
+def openai_status(status: int) -> int:
+    """The status an OpenAI-compatible route answers for ``status``: 400 for 422, else the same."""
+    return 400 if status == 422 else status
+
+
+def openai_error_response(
+    status: int, code: str | None, message: str, headers: dict | None = None, param: str | None = None
+) -> JSONResponse:
+    """An error answer in OpenAI's shape (:class:`eventkv.service.openai_schemas.OpenAIErrorOut`),
+    with the status :func:`openai_status` gives and OpenAI's type for it."""
+    status = openai_status(status)
+    kind = {401: "authentication_error", 403: "permission_error"}.get(
+        status, "server_error" if status >= 500 else "invalid_request_error"
+    )
+    body = o.OpenAIErrorOut(error=o.OpenAIError(message=message, type=kind, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def error_answer(
+    path: str, status: int, code: str, message: str, headers: dict | None = None, param: str | None = None
+) -> JSONResponse:
+    """The error answer of a request to ``path``: OpenAI's shape on the OpenAI-compatible routes
+    (:func:`openai_error_response`), the service's ``{"code", "message"}`` elsewhere."""
+    if openai_path(path):
+        return openai_error_response(status, code, message, headers, param)
+    return error_response(status, code, message, headers)
 
 
 def status_and_code(exc: EventKVError) -> tuple[int, str]:
@@ -94,8 +141,18 @@ def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: declared(status) for status in sorted({408, 413, *statuses})}
 
 
+def openai_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """:func:`responses` of an OpenAI-compatible route: OpenAI's error body, 400 for 422."""
+    return {
+        status: {**declared(status), "model": o.OpenAIErrorOut}
+        for status in sorted({408, 413, *(openai_status(x) for x in statuses)})
+    }
+
+
 #: the responses the bearer-token middleware adds to a route it guards
 UNAUTHORIZED: dict[int | str, dict[str, Any]] = {401: declared(401)}
+#: the same, on an OpenAI-compatible route
+OPENAI_UNAUTHORIZED: dict[int | str, dict[str, Any]] = {401: {**declared(401), "model": o.OpenAIErrorOut}}
 
 
 def scrub(message: str, root: Path) -> str:
@@ -122,6 +179,9 @@ class Handlers:
         app.add_exception_handler(Exception, self.internal)
 
     async def invalid(self, request: Request, exc: RequestValidationError) -> JSONResponse:
+        if openai_path(request.url.path):
+            message, param, code = o.invalid(list(exc.errors()))
+            return openai_error_response(400, code, message, param=param)
         # the library's wording, "field value: what is allowed" (OptionError), with pydantic's rule as the fix
         parts = []
         for e in exc.errors()[:5]:
@@ -135,6 +195,10 @@ class Handlers:
     async def refused(self, request: Request, exc: EventKVError) -> JSONResponse:
         status, code = status_and_code(exc)
         headers = {"Retry-After": "1"} if status == 503 else None
+        if openai_path(request.url.path):
+            param = o.PARAMS.get(exc.field, exc.field) or None if isinstance(exc, OptionError) else None
+            code = getattr(exc, "openai_code", code)
+            return openai_error_response(status, code, scrub(str(exc), self.root), headers, param)
         return error_response(status, code, scrub(str(exc), self.root), headers)
 
     async def client_gone(self, request: Request, exc: ClientGone) -> Response:
@@ -146,8 +210,11 @@ class Handlers:
 
     async def http_error(self, request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404:
-            return error_response(
-                404, "not_found", f"no route {request.method} {request.url.path}: see /docs for the routes."
+            return error_answer(
+                request.url.path,
+                404,
+                "not_found",
+                f"no route {request.method} {request.url.path}: see /docs for the routes.",
             )
         if exc.status_code == 405:
             # Starlette's Allow names the methods of the first route whose path matched; a path can have
@@ -158,18 +225,25 @@ class Handlers:
                 if methods and route.matches(request.scope)[0] is not Match.NONE:
                     allowed |= methods
             allow = ", ".join(sorted(allowed))
-            return error_response(
+            return error_answer(
+                request.url.path,
                 405,
                 "method_not_allowed",
                 f"{request.method} is not a method of this route: use {allow}.",
                 {"Allow": allow},
             )
         if exc.status_code == 400:  # the body could not be parsed (not UTF-8, not JSON)
-            return error_response(
-                422, "invalid_request", "the request body is not valid JSON: send a JSON body (see /docs)."
+            return error_answer(
+                request.url.path,
+                422,
+                "invalid_request",
+                "the request body is not valid JSON: send a JSON body (see /docs).",
             )
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-        return error_response(exc.status_code, "invalid_request", message, getattr(exc, "headers", None))
+        return error_answer(
+            request.url.path, exc.status_code, "invalid_request", message, getattr(exc, "headers", None)
+        )
 
     async def internal(self, request: Request, exc: Exception) -> JSONResponse:  # a bug, never the caller's input
-        return error_response(500, "internal", f"internal error ({type(exc).__name__}): please report it.")
+        message = f"internal error ({type(exc).__name__}): please report it."
+        return error_answer(request.url.path, 500, "internal", message)

@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 
 #: the HTTP methods a metric names; any other method is counted as "other" (a label's values stay few)
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
-#: the statuses the app answers with (499: the client went away before the answer)
-STATUSES = frozenset({200, 201, 499} | {status for status, _ in ERRORS.values()})
+#: the statuses the app answers with (499: the client went away before the answer; 400: the
+#: OpenAI-compatible routes' bad request)
+STATUSES = frozenset({200, 201, 400, 499} | {status for status, _ in ERRORS.values()})
 
 
 class Metrics:

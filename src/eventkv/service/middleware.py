@@ -2,7 +2,8 @@
 them (after :class:`eventkv.service.metrics.Measure`): :class:`BearerAuth` (401 without a granted
 token), :class:`BodyLimit` (413 over the size limit, 408 past the body timeout) and
 :class:`MemoryIdCheck` (422 for a bad memory id in any path). Their refusals are the service's
-error answers (:func:`eventkv.service.errors.error_response`)."""
+error answers (:func:`eventkv.service.errors.error_response`; on the OpenAI-compatible routes in OpenAI's shape:
+:func:`eventkv.service.errors.error_answer`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from urllib.parse import unquote
 from fastapi.responses import JSONResponse
 
 from eventkv.errors import OptionError
-from eventkv.service.errors import error_response
+from eventkv.service.errors import error_answer, error_response
 from eventkv.service.names import check_name
 
 
@@ -27,13 +28,14 @@ class BodyLimit:
     def __init__(self, app, max_body: int, body_timeout: float = 30.0) -> None:
         self.app, self.max_body, self.body_timeout = app, max_body, body_timeout
 
-    def too_big(self) -> JSONResponse:
-        return error_response(
-            413, "body_too_large", f"the request body is over {self.max_body} bytes: send less at once."
+    def too_big(self, path: str) -> JSONResponse:
+        return error_answer(
+            path, 413, "body_too_large", f"the request body is over {self.max_body} bytes: send less at once."
         )
 
-    def too_slow(self) -> JSONResponse:
-        return error_response(
+    def too_slow(self, path: str) -> JSONResponse:
+        return error_answer(
+            path,
             408,
             "timeout",
             f"the request body did not arrive within {self.body_timeout:g} s: send it at once, or ask for a longer "
@@ -46,7 +48,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
-            return await self.too_big()(scope, receive, send)
+            return await self.too_big(scope["path"])(scope, receive, send)
         messages, seen = [], 0
         try:
             async with asyncio.timeout(self.body_timeout):
@@ -57,11 +59,11 @@ class BodyLimit:
                         break
                     seen += len(message.get("body", b""))
                     if seen > self.max_body:
-                        return await self.too_big()(scope, receive, send)
+                        return await self.too_big(scope["path"])(scope, receive, send)
                     if not message.get("more_body", False):
                         break
         except TimeoutError:
-            return await self.too_slow()(scope, receive, send)
+            return await self.too_slow(scope["path"])(scope, receive, send)
         replay = iter(messages)
 
         async def buffered():
@@ -111,7 +113,8 @@ class BearerAuth:
             if hmac.compare_digest(given, token):
                 granted, found = ns, True
         if not found:
-            response = error_response(
+            response = error_answer(
+                scope["path"],
                 401,
                 "unauthorized",
                 "missing or wrong bearer token: send 'Authorization: Bearer <token>'.",

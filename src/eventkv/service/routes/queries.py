@@ -20,6 +20,19 @@ def served_ids(mem, ids) -> None:
             not_forgotten(mem, eid, "served (it has no rows)")
 
 
+def check_servable(mem, select, mid: str) -> None:
+    """(worker thread) the served set ``select`` (a query's) can be served: its explicit ids are live
+    events (:func:`served_ids`), and a selection, the view or ``"all"`` has events to serve.
+
+    Raises:
+        NotFound, Gone: an explicit id unknown, or forgotten. Conflict: nothing to serve.
+    """
+    served_ids(mem, select)
+    if select in (None, "view", "all") and not mem.view_ids():
+        if select != "all" or not mem.list(include_superseded=True, include_deleted=True):
+            raise Conflict(f"memory {mid!r} has no live events to serve: add some first.")
+
+
 @router.post("/v1/memories/{mid}/select", response_model=list[str], responses=responses(*QUEUED))
 async def select(mid: MemoryId, body: s.SelectIn, ns: Namespace, state: State, jobs: Work):
     return await jobs.on_memory(
@@ -30,10 +43,7 @@ async def select(mid: MemoryId, body: s.SelectIn, ns: Namespace, state: State, j
 @router.post("/v1/memories/{mid}/query", response_model=s.AnswerOut, responses=responses(*QUEUED, 410))
 async def query(mid: MemoryId, body: s.QueryIn, ns: Namespace, state: State, jobs: Work):
     def verb(mem):
-        served_ids(mem, body.select)
-        if body.select in (None, "view", "all") and not mem.view_ids():
-            if body.select != "all" or not mem.list(include_superseded=True, include_deleted=True):
-                raise Conflict(f"memory {mid!r} has no live events to serve: add some first.")
+        check_servable(mem, body.select, mid)
         a = mem.query(
             body.question,
             select=body.select,
