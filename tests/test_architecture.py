@@ -1,5 +1,5 @@
 """The package map of the README's "Architecture" section, enforced: imports flow one way
-(cli -> studies and sweeps -> probe framework, service, client -> wire -> memory, eviction -> data
+(cli -> studies and sweeps -> mcp -> probe framework, service, client -> wire -> memory, eviction -> data
 path, models, stats), no import cycle, and no module
 imports another's private name. Imports inside functions and under ``TYPE_CHECKING`` count too.
 Also runs the runnable examples in the data path's docstrings."""
@@ -35,6 +35,7 @@ LAYERS = (
     ("eventkv.memory", "eventkv.eviction"),
     ("eventkv.wire",),
     ("eventkv.client", "eventkv.service", "eventkv.probes"),
+    ("eventkv.mcp",),
     ("eventkv.studies", "eventkv.sweep"),
     ("eventkv.cli",),
 )
@@ -45,9 +46,10 @@ INDEPENDENT = (
     ("eventkv.service", "eventkv.probes"),
     ("eventkv.client", "eventkv.probes"),
     ("eventkv.client", "eventkv.service"),
+    ("eventkv.mcp", "eventkv.probes"),
 )
 #: the product: no module of these imports a study
-PRODUCT = ("eventkv.memory", "eventkv.eviction", "eventkv.service", "eventkv.client", "eventkv.wire")
+PRODUCT = ("eventkv.memory", "eventkv.eviction", "eventkv.service", "eventkv.client", "eventkv.wire", "eventkv.mcp")
 
 
 def _modules() -> dict[str, Path]:

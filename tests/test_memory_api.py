@@ -1,7 +1,7 @@
 """One protocol, two front ends: :class:`eventkv.memory.EventMemory` and the HTTP client of
 ``eventkv serve`` (:class:`eventkv.client.Client`) both implement :class:`eventkv.memory.api.MemoryAPI`
 with the same parameter names, defaults and return annotations (extra parameters only keyword-only
-with defaults), and one scenario (add, update, history, delete, pin, select, query, forget, ...) run
+with defaults), and one scenario (add, update, history, delete, pin, select, search, query, forget, ...) run
 against each on the same tiny model gives the same records, selections and answers. Also the
 selector seam: ``EventMemory.create(..., selector=)``."""
 
@@ -51,6 +51,7 @@ def test_the_protocol_lists_the_shared_verbs():
         "prefill",
         "query",
         "rebase",
+        "search",
         "select",
         "stats",
         "update",
@@ -104,6 +105,7 @@ def scenario(mem) -> dict:
     mem.pin("e3")
     out["select"] = mem.select(QUESTION, k=2)
     out["select_budget"] = mem.select(QUESTION, k=8, budget_rows=80)  # over the pin's (e3) rows
+    out["search"] = mem.search(QUESTION, k=2, neighbours=1)
     a = mem.query(QUESTION, candidates=["Lisbon", "Oslo"], max_new_tokens=6)
     out["query"] = answer(a)
     out["candidates"] = [(c.text, c.logprob) for c in a.candidates]
@@ -156,7 +158,7 @@ def test_the_library_and_the_client_give_the_same_results(model_dir, tmp_path):
             assert [p for _, p in over_http[key]] == pytest.approx([p for _, p in library[key]], abs=1e-5)
         else:
             assert over_http[key] == library[key], key
-    assert library["select"] and library["query"][1] and library["forget"] > 0
+    assert library["select"] and library["search"] and library["query"][1] and library["forget"] > 0
     header = library["added"][0].position  # the first event starts right after the header
     served = library["query_contiguous"][3]
     assert served[0][1] == header and served[1][1] == header + served[0][2]  # contiguous after the header

@@ -1,12 +1,15 @@
 """The memory service's wire: the constants and exceptions both the server (:mod:`eventkv.service`)
-and the client (:mod:`eventkv.client`) use — the namespace header, the error codes with their HTTP
-statuses (:data:`ERRORS`), and the exceptions an answer stands for.
+and the client (:mod:`eventkv.client`) use — the namespace header, the rule for memory ids and
+namespaces (:func:`check_name`), mem0's scopes as a namespace and a memory id (:func:`scope`), the
+error codes with their HTTP statuses (:data:`ERRORS`), and the exceptions an answer stands for.
 
 An error answer is JSON ``{"code", "message"}``; the client turns it back into the exception of
 its code (:func:`error_for`), so ``except StoreDamaged`` catches the same failure from the library
 and from a server."""
 
 from __future__ import annotations
+
+import re
 
 from eventkv.errors import EventKVError, OptionError, OutOfSpace, PurgePending, StoreDamaged
 
@@ -16,6 +19,68 @@ NAMESPACE_HEADER = "X-EventKV-Namespace"
 DEFAULT_NAMESPACE = "default"
 #: the request header that attaches a memory (by id) to a chat completion
 MEMORY_HEADER = "X-EventKV-Memory"
+
+#: a name (a memory id or a namespace; each becomes a directory): 1-64 characters, ASCII letters,
+#: digits, ``_`` and ``-``, starting with a letter or digit (no ``.``, ``/``, ``\\``, NUL or spaces:
+#: nothing a path could be traversed with)
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+NAME_PATTERN = "^" + NAME.pattern + "$"
+MAX_NAME = 64
+
+
+def check_name(value: object, what: str = "memory id") -> str:
+    """``value`` if it is a valid name (:data:`NAME`), else an error naming it and the rule.
+
+    Raises:
+        OptionError: not a string, empty, longer than 64 characters, or a character outside
+            ``[A-Za-z0-9_-]`` (or a leading ``_`` / ``-``).
+    """
+    if not isinstance(value, str) or NAME.fullmatch(value) is None:
+        shown = value[:80] if isinstance(value, str) else value
+        raise OptionError(
+            what,
+            shown,
+            f"use 1-{MAX_NAME} characters from A-Z, a-z, 0-9, '_' and '-', starting with a letter or digit.",
+        )
+    return value
+
+
+#: the memory of an agent that names none (mem0's scopes without ``agent_id``)
+DEFAULT_MEMORY = "default"
+#: what joins an agent's id and a run's id into one memory id (never inside either: see :func:`scope`)
+RUN_SEPARATOR = "--"
+
+
+def scope(user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None) -> tuple[str, str]:
+    """mem0's scopes as eventkv's ``(namespace, memory id)``: the namespace is ``user_id``
+    (:data:`DEFAULT_NAMESPACE` when None), the memory id is ``agent_id`` (:data:`DEFAULT_MEMORY`
+    when None), followed by ``--run_id`` when a run is given. So a user's agents are memories of one
+    namespace, which no other user's token reaches, and each run of an agent is a memory of its own.
+
+    ``scope("alice", "travel", "r7") == ("alice", "travel--r7")``; ``scope("alice") == ("alice", "default")``.
+
+    Raises:
+        OptionError: a scope that is not a name (:func:`check_name`), an ``agent_id`` or ``run_id``
+            holding ``--`` (the joined id would be ambiguous), or a joined id over 64 characters.
+    """
+    namespace = DEFAULT_NAMESPACE if user_id is None else check_name(user_id, "user_id")
+    agent = DEFAULT_MEMORY if agent_id is None else check_name(agent_id, "agent_id")
+    if run_id is None:
+        return namespace, agent
+    run = check_name(run_id, "run_id")
+    for what, value in (("agent_id", agent), ("run_id", run)):
+        if RUN_SEPARATOR in value:
+            raise OptionError(
+                what, value, f"give an id without {RUN_SEPARATOR!r} (it joins agent_id and run_id into a memory id)."
+            )
+    joined = f"{agent}{RUN_SEPARATOR}{run}"
+    if len(joined) > MAX_NAME:
+        raise OptionError(
+            "run_id",
+            run,
+            f"agent_id and run_id joined ({joined[:80]!r}) are over {MAX_NAME} characters: give shorter ids.",
+        )
+    return namespace, joined
 
 
 class Unauthorized(EventKVError):

@@ -3,7 +3,7 @@
 ``models`` (:mod:`.models`), ``query`` (:mod:`.query`), ``run <probe>`` and ``report``
 (:mod:`.run`; the contract clauses' run commands from :mod:`.contract`), ``contract``
 (:mod:`.contract`), ``splice`` (:mod:`.splice`), ``memory`` (:mod:`.memory`), ``serve``
-(:mod:`.serve`), ``sweep`` (:mod:`.sweep`), ``audit`` (:mod:`.audit`) and ``harvest``
+(:mod:`.serve`), ``mcp`` (:mod:`.mcp`), ``sweep`` (:mod:`.sweep`), ``audit`` (:mod:`.audit`) and ``harvest``
 (:mod:`.harvest`). User errors print one line and exit with code 2.
 """
 
@@ -18,6 +18,7 @@ from rich.markup import escape
 from eventkv.cli import contract, splice
 from eventkv.cli.audit import audit
 from eventkv.cli.harvest import harvest
+from eventkv.cli.mcp import mcp
 from eventkv.cli.memory import memory_app
 from eventkv.cli.models import models_app
 from eventkv.cli.query import query
@@ -41,6 +42,7 @@ app.command("report")(report)
 app.command("splice")(splice.splice)
 app.command("contract")(contract.contract)
 app.command("serve")(serve)
+app.command("mcp")(mcp)
 app.command("audit")(audit)
 app.command("harvest")(harvest)
 app.command("sweep")(sweep)

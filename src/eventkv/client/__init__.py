@@ -24,7 +24,7 @@ from urllib.parse import quote
 
 from eventkv.errors import EventKVError, OptionError, OutOfSpace, PurgePending, StoreDamaged
 from eventkv.memory.api import MemoryAPI, SelectSpec
-from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
+from eventkv.memory.records import Added, CarrierResult, Hit, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
 from eventkv.serve import PositionMode, ServeMode
 from eventkv.wire import (
     DEFAULT_NAMESPACE,
@@ -45,6 +45,7 @@ from eventkv.wire import (
     ShuttingDown,
     Unauthorized,
     error_for,
+    scope,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -223,6 +224,38 @@ class Client:
             raise
         return client
 
+    @classmethod
+    def scoped(
+        cls,
+        url: str,
+        *,
+        user_id: str | None = None,
+        agent_id: str | None = None,
+        run_id: str | None = None,
+        instruction: str | None = None,
+        token: str | None = None,
+        timeout: float = 600.0,
+    ) -> "Client":
+        """The client of the memory of mem0's scopes (:func:`eventkv.wire.scope`: namespace
+        ``user_id``, memory id ``agent_id`` or ``agent_id--run_id``), created (with ``instruction``)
+        when the namespace has no such memory yet.
+
+        Raises:
+            OptionError: a scope that is not a name, or ids that do not join (:func:`eventkv.wire.scope`).
+            ServiceError: as :meth:`open` and :meth:`create`.
+        """
+        namespace, memory_id = scope(user_id, agent_id, run_id)
+        try:
+            return cls.open(url, memory_id, namespace=namespace, token=token, timeout=timeout)
+        except NotFound:
+            pass
+        try:
+            return cls.create(
+                url, memory_id, namespace=namespace, instruction=instruction, token=token, timeout=timeout
+            )
+        except Conflict:  # created by another client in between
+            return cls.open(url, memory_id, namespace=namespace, token=token, timeout=timeout)
+
     def destroy(self, *, expected_version: int | None = None) -> None:
         """Delete the whole memory on the server (its files are removed)."""
         self._call(
@@ -358,6 +391,26 @@ class Client:
         """
         shaping = _shaping(budget_rows, selector, budget, neighbours, with_headers)
         return self._call("POST", f"{self._base}/select", {"question": question, "k": k, **shaping})
+
+    def search(
+        self,
+        query: str,
+        k: int | None = 8,
+        budget_rows: int | None = None,
+        *,
+        selector: Selector | str | None = None,
+        budget: float | None = None,
+        neighbours: int = 0,
+        with_headers: bool = False,
+    ) -> builtins.list[Hit]:
+        """As :meth:`EventMemory.search` (``POST .../search``; ``selector`` as in :meth:`select`).
+
+        Raises:
+            OptionError: ``selector`` is not a name (a Selector object cannot travel).
+        """
+        shaping = _shaping(budget_rows, selector, budget, neighbours, with_headers)
+        out = self._call("POST", f"{self._base}/search", {"query": query, "k": k, **shaping})
+        return [Hit(**{**h, "tags": tuple(h["tags"])}) for h in out]
 
     def query(
         self,

@@ -5,12 +5,13 @@ materialize locally, serve sparsely"). See ``docs/memory.md``.
 """
 
 from eventkv.memory.memory import EventMemory
-from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
+from eventkv.memory.records import Added, CarrierResult, Hit, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
 
 __all__ = [
     "Added",
     "CarrierResult",
     "EventMemory",
+    "Hit",
     "MemoryAnswer",
     "MemoryEvent",
     "MemoryRecord",

@@ -11,7 +11,7 @@ Deliberate differences, each a keyword-only parameter with a default that one si
   uses the default and answers 503 ``purge_pending`` when a reader blocks it.
 - ``keep_logits=`` on :meth:`EventMemory.query`: logits stay in the process (they do not travel).
 
-One parameter takes less over HTTP: ``selector=`` of ``select`` and ``query`` is a registered name
+One parameter takes less over HTTP: ``selector=`` of ``select``, ``search`` and ``query`` is a registered name
 only on the client (a :class:`eventkv.memory.select.Selector` object does not travel).
 
 Beyond the protocol, the library has ``directory``, ``namespace`` (the store's tenant),
@@ -24,7 +24,7 @@ from __future__ import annotations
 import builtins
 from typing import TYPE_CHECKING, Iterable, Literal, Protocol, Sequence, runtime_checkable
 
-from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
+from eventkv.memory.records import Added, CarrierResult, Hit, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
 from eventkv.serve import PositionMode, ServeMode
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -84,6 +84,18 @@ class MemoryAPI(Protocol):
         neighbours: int = 0,
         with_headers: bool = False,
     ) -> builtins.list[str]: ...
+
+    def search(
+        self,
+        query: str,
+        k: int | None = 8,
+        budget_rows: int | None = None,
+        *,
+        selector: Selector | str | None = None,
+        budget: float | None = None,
+        neighbours: int = 0,
+        with_headers: bool = False,
+    ) -> builtins.list[Hit]: ...
 
     def query(
         self,

@@ -44,10 +44,19 @@ from eventkv.log import HEADER_ID, Event, TokenizedLog, encode, header_text
 from eventkv.memory.answer import check_query, check_question, question_ids, read_out, served_end
 from eventkv.memory.api import MemoryAPI, SelectSpec
 from eventkv.memory.integrity import damaged
-from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
+from eventkv.memory.records import (
+    Added,
+    CarrierResult,
+    Hit,
+    MemoryAnswer,
+    MemoryEvent,
+    MemoryRecord,
+    MemoryStats,
+)
 from eventkv.memory.rows import RowCache, contiguous, tail
 from eventkv.memory.select import (
     HEADER_TAG,
+    Ranked,
     SelectionContext,
     Selector,
     check_shaping,
@@ -857,22 +866,86 @@ class EventMemory:
                 number >= 0; ``with_headers`` not a bool; an unknown selector; a blank question.
             EventKVError: the pinned events alone need more rows than the budget.
         """
+        units, _, kept = self._choose(question, k, budget_rows, selector, budget, neighbours, with_headers)
+        return [units[i][1].id for i in kept]
+
+    def search(
+        self,
+        query: str,
+        k: int | None = 8,
+        budget_rows: int | None = None,
+        *,
+        selector: Selector | str | None = None,
+        budget: float | None = None,
+        neighbours: int = 0,
+        with_headers: bool = False,
+    ) -> builtins.list[Hit]:
+        """The events :meth:`select` would serve for ``query``, ranked, with their texts and scores:
+        the search verb of an agent that composes its own prompt from the events (mem0's ``search``).
+
+        The same served set as ``select(query, k, budget_rows, ...)`` (the same shaping: pins,
+        neighbours, group headers, a row budget), each event once, ordered by its rank in the
+        selector's ranking of the whole view (best first: the score never increases down the list;
+        an event served only as a neighbour, a header or a pin comes at its own rank). Every view
+        event is ranked (the selector is called with ``k=None``), so each hit has its score.
+
+        Args:
+            query: the question or search text (not blank).
+            k, budget_rows, selector, budget, neighbours, with_headers: as :meth:`select`.
+
+        Returns:
+            :class:`eventkv.memory.records.Hit` per served event (id, text, score, rank, role, tags,
+            pinned), best first; empty when the memory has no live events or none fits the budget.
+
+        Raises:
+            OptionError, EventKVError: as :meth:`select`; EventKVError when the selector leaves a served
+                event out of its ranking (a :class:`eventkv.memory.select.Selector` ranks every event
+                when ``k`` is None).
+        """
+        units, ranking, kept = self._choose(query, k, budget_rows, selector, budget, neighbours, with_headers, True)
+        place = {r.id: (n, r.score) for n, r in enumerate(ranking, start=1)}
+        hits = []
+        for root, cur in (units[i] for i in kept):
+            if cur.id not in place:
+                raise EventKVError(
+                    f"the selector left event {cur.id!r} out of its ranking: a selector ranks every event "
+                    "when k is None (eventkv.memory.select.Selector)."
+                )
+            n, score = place[cur.id]
+            hits.append(Hit(cur.id, cast(str, cur.text), float(score), n, cur.role, cur.tags, root.pinned))
+        return sorted(hits, key=lambda h: h.rank)
+
+    def _choose(
+        self,
+        question: str,
+        k: int | None,
+        budget_rows: int | None,
+        selector: Selector | str | None,
+        budget: float | None,
+        neighbours: int,
+        with_headers: bool,
+        rank_all: bool = False,
+    ) -> tuple[builtins.list[tuple[MemoryRecord, MemoryRecord]], builtins.list[Ranked], builtins.list[int]]:
+        """The view as ``(root, served record)`` units, the selector's ranking of their served records
+        (``rank_all``: every one, else the top ``k`` when no budget may skip units) and the indices of
+        the units served (:func:`eventkv.memory.select.shape`), ascending. Checks as :meth:`select`."""
         self._check_open()
         chosen = self.selector if selector is None else selector_for(selector)
         check_shaping(k, budget_rows, budget, neighbours, with_headers)
         check_question(question)
         units = self._units()
         if not units:
-            return []
+            return [], [], []
         served = [cur for _, cur in units]
         rows = [r.n_rows for r in served]
         index = {r.id: i for i, r in enumerate(served)}
-        ask = k if budget_rows is None and budget is None else None  # a budget may skip units: rank every event
-        ranked = [index[r.id] for r in chosen.rank(question, served, k=ask, context=self._selection_context())]
+        # a budget may skip units: rank every event
+        ask = k if budget_rows is None and budget is None and not rank_all else None
+        ranking = chosen.rank(question, served, k=ask, context=self._selection_context())
         if budget is not None:
             budget_rows = fraction_of(budget, sum(rows))
         kept = shape(
-            ranked,
+            [index[r.id] for r in ranking],
             rows,
             k=k,
             budget=budget_rows,
@@ -880,7 +953,7 @@ class EventMemory:
             neighbours=neighbours,
             headers=group_headers([HEADER_TAG in r.tags for r in served]) if with_headers else None,
         )
-        return [served[i].id for i in kept]
+        return units, ranking, kept
 
     def _selection_context(self) -> SelectionContext:
         """What a selector may read (:class:`eventkv.memory.select.SelectionContext`); the rows are

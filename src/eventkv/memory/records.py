@@ -1,6 +1,6 @@
 """The plain data types of the memory's API: what a caller hands in (:class:`MemoryEvent`) and what
 the verbs hand back (:class:`Added`, :class:`MemoryRecord`, :class:`MemoryStats`,
-:class:`MemoryAnswer`). No model code, no storage code: the eval and the HTTP service can import
+:class:`MemoryAnswer`, :class:`Hit`). No model code, no storage code: the eval and the HTTP service can import
 them without loading anything."""
 
 from __future__ import annotations
@@ -240,6 +240,28 @@ class MemoryStats:
     segments: int
     bytes_on_disk: int
     version: int
+
+
+@dataclass(frozen=True)
+class Hit:
+    """One event of a search (``EventMemory.search``): a served event with its text and its score under
+    the selector that ranked the view.
+
+    Attributes:
+        id: the event's id (a patched event is served as its latest patch: the patch's id).
+        text: its text, exactly as it enters the prompt (without the role prefix).
+        score: its score under the selector (higher is better; the selector's own units, e.g. BM25's).
+        rank: its place in the selector's ranking of the whole view, 1 = best.
+        role, tags: as added. pinned: the event (or the event it patches) is pinned, so always served.
+    """
+
+    id: str
+    text: str
+    score: float
+    rank: int
+    role: str | None
+    tags: tuple[str, ...]
+    pinned: bool
 
 
 @dataclass

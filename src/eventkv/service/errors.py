@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -155,6 +155,20 @@ UNAUTHORIZED: dict[int | str, dict[str, Any]] = {401: declared(401)}
 OPENAI_UNAUTHORIZED: dict[int | str, dict[str, Any]] = {401: {**declared(401), "model": o.OpenAIErrorOut}}
 
 
+def validation_message(errors: Sequence[Any], hint: str = "see /docs for the request schemas") -> str:
+    """The message of a request outside its schema, from pydantic's ``errors`` (``ValidationError.errors()``,
+    the first five): the library's wording, ``field value: what is allowed`` (as an
+    :class:`~eventkv.errors.OptionError`), with pydantic's rule as the fix, then ``(hint)``."""
+    parts = []
+    for e in list(errors)[:5]:
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
+        given = e.get("input")
+        shown = "" if e.get("type") == "missing" or isinstance(given, dict) else f" {show_value(given)}"
+        shown = shown if len(shown) <= 60 else shown[:56] + " ..."
+        parts.append(f"{loc}{shown}: {str(e.get('msg', '')).lower().rstrip('.')}")
+    return "; ".join(parts) + f" ({hint})."
+
+
 def scrub(message: str, root: Path) -> str:
     """``message`` without the server's paths under the store ``root`` (a client knows its memories by id)."""
     for prefix in sorted({str(root.resolve()), str(root)}, key=len, reverse=True):
@@ -182,15 +196,7 @@ class Handlers:
         if openai_path(request.url.path):
             message, param, code = o.invalid(list(exc.errors()))
             return openai_error_response(400, code, message, param=param)
-        # the library's wording, "field value: what is allowed" (OptionError), with pydantic's rule as the fix
-        parts = []
-        for e in exc.errors()[:5]:
-            loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
-            given = e.get("input")
-            shown = "" if e.get("type") == "missing" or isinstance(given, dict) else f" {show_value(given)}"
-            shown = shown if len(shown) <= 60 else shown[:56] + " ..."
-            parts.append(f"{loc}{shown}: {str(e.get('msg', '')).lower().rstrip('.')}")
-        return error_response(422, "invalid_request", "; ".join(parts) + " (see /docs for the request schemas).")
+        return error_response(422, "invalid_request", validation_message(exc.errors()))
 
     async def refused(self, request: Request, exc: EventKVError) -> JSONResponse:
         status, code = status_and_code(exc)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
-from eventkv.memory.records import Added, MemoryAnswer, MemoryRecord, MemoryStats
+from eventkv.memory.records import Added, Hit, MemoryAnswer, MemoryRecord, MemoryStats
 from eventkv.options import CARRIER_KINDS, SELECTORS
 from eventkv.service.names import MAX_NAME, NAME_PATTERN
 
@@ -124,6 +124,12 @@ class SelectIn(Shaping):
     question: Text
 
 
+class SearchIn(Shaping):
+    """A search: the served set's events ranked with their scores (``EventMemory.search``)."""
+
+    query: Text = Field(description="the question or search text")
+
+
 class QueryIn(Shaping):
     question: Text
     select: Literal["all", "view"] | list[EventId] | None = Field(None, max_length=10_000)
@@ -146,6 +152,7 @@ class QueryIn(Shaping):
 AddedOut = Added
 RecordOut = MemoryRecord
 StatsOut = MemoryStats
+HitOut = Hit
 
 
 class MemoryOut(BaseModel):

@@ -1,5 +1,6 @@
 """Reading a memory through the model, on the worker: ``POST .../select`` (the event ids a question
-would be served) and ``POST .../query`` (an answer from the served set's KV rows)."""
+would be served), ``POST .../search`` (the same events ranked, with their texts and scores) and
+``POST .../query`` (an answer from the served set's KV rows)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,13 @@ def check_servable(mem, select, mid: str) -> None:
 async def select(mid: MemoryId, body: s.SelectIn, ns: Namespace, state: State, jobs: Work):
     return await jobs.on_memory(
         state.existing(ns, mid), lambda mem: mem.select(body.question, body.k, **body.shaping()), None
+    )
+
+
+@router.post("/v1/memories/{mid}/search", response_model=list[s.HitOut], responses=responses(*QUEUED))
+async def search(mid: MemoryId, body: s.SearchIn, ns: Namespace, state: State, jobs: Work):
+    return await jobs.on_memory(
+        state.existing(ns, mid), lambda mem: mem.search(body.query, body.k, **body.shaping()), None
     )
 
 
