@@ -28,7 +28,7 @@ EVENTS = [
 ]
 QUESTION = "Where does Dana live?"
 #: the parameters one side adds to a protocol verb, on purpose (see eventkv.memory.api)
-EXTRAS = {"expected_version", "purge_wait_s", "keep_logits"}
+EXTRAS = {"expected_version", "purge_wait_s", "keep_logits", "messages", "decoding"}
 
 
 def _members() -> list[str]:

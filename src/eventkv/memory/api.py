@@ -10,6 +10,9 @@ Deliberate differences, each a keyword-only parameter with a default that one si
 - ``purge_wait_s=`` on :meth:`EventMemory.forget`: how long the purge waits for readers; the server
   uses the default and answers 503 ``purge_pending`` when a reader blocks it.
 - ``keep_logits=`` on :meth:`EventMemory.query`: logits stay in the process (they do not travel).
+- ``messages=`` and ``decoding=`` on :meth:`EventMemory.query`: a chat conversation read in place of
+  the question, and sampling / stop strings; over HTTP they are the OpenAI-compatible
+  ``POST /v1/chat/completions`` (``docs/service.md``), not the query route.
 
 One parameter takes less over HTTP: ``selector=`` of ``select``, ``search`` and ``query`` is a registered name
 only on the client (a :class:`eventkv.memory.select.Selector` object does not travel).
