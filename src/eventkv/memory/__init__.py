@@ -4,6 +4,7 @@ materialize locally, serve sparsely"). See ``docs/memory.md``.
     >>> from eventkv.memory import EventMemory, MemoryEvent  # doctest: +SKIP
 """
 
+from eventkv.memory.answer import PreparedQuery, answer_prepared
 from eventkv.memory.memory import EventMemory
 from eventkv.memory.records import Added, CarrierResult, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
 
@@ -15,4 +16,6 @@ __all__ = [
     "MemoryEvent",
     "MemoryRecord",
     "MemoryStats",
+    "PreparedQuery",
+    "answer_prepared",
 ]

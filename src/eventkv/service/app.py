@@ -79,7 +79,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        worker = ModelWorker(settings.lm, settings.max_queue, settings.max_open)
+        worker = ModelWorker(settings.lm, settings.max_queue, settings.max_open, settings.max_batch)
         app.state.worker = worker
         try:
             yield
