@@ -45,13 +45,14 @@ def test_locustfile_runs_headless_against_a_live_server(tmp_path):
     with LiveApp(app) as live:
         env = {**os.environ, "EVENTKV_EVENTS": "3", "EVENTKV_K": "2", "EVENTKV_NEW_TOKENS": "2"}
         cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--host", live.url]
-        cmd += ["--headless", "-u", "2", "-r", "2", "-t", "5s", "--only-summary", "--csv", str(tmp_path / "run")]
+        cmd += ["--headless", "-u", "2", "-r", "2", "-t", "5s", "--stop-timeout", "300"]  # each user ends its work
+        cmd += ["--only-summary", "--csv", str(tmp_path / "run")]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
         assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
         with open(tmp_path / "run_stats.csv", newline="") as f:
             rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(f)}
         assert {name for _, name in rows} <= ROUTES, rows.keys()
         assert rows[("POST", "/v1/memories")]["Request Count"] == "2"  # one memory per user
-        assert rows[("DELETE", "/v1/memories/[mid]")]["Request Count"] == "2"  # deleted when the run ended
         assert all(r["Failure Count"] == "0" for r in rows.values()), rows
+        # each user deleted its memory when the run ended (locust's CSV is written before those requests)
         assert httpx.get(f"{live.url}/v1/memories").json() == []
