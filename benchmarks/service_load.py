@@ -1,20 +1,27 @@
-"""The memory service under load over loopback, measured in one run.
+"""The memory service under load over loopback, batching on vs off, measured in one run.
 
 1. A memory with a synthetic agent history (default 40 events, ~2,400 tokens, eagerly prefilled)
-   is built with the library, and its store is copied: the server serves one copy, the library
-   opens the other, so both answer from identical stores.
+   is built with the library; every server below serves fresh copies of its store, and the library
+   opens another copy, so all answer from identical stores.
 2. HTTP overhead: the same queries (BM25 top-k, greedy, ``--new-tokens``) alternately through HTTP
    (:class:`eventkv.client.Client`) and through the library in this process, with the same
    torch threads; the server idles while the library runs and the other way round.
-3. Load: ``--clients`` asyncio httpx clients for ``--seconds`` seconds (and at most ``--max-requests``
-   requests), each looping over a mix of queries, adds and updates on the served memory; per route
-   requests, p50 / p99 latency and status codes. Then every acknowledged add (2xx) is looked up.
+3. Load, for each client count (default 1, 4, 8, 16) and each of ``--max-batch 1`` (one query at a
+   time) and ``--max-batch N`` (queued queries answered in one batched readout): a fresh server on
+   fresh copies of the store, ``--memories`` memories shared round-robin by the clients (1: every
+   client on one memory), each client an asyncio httpx loop of queries, adds and updates (``--mix``)
+   for ``--seconds`` seconds (at most ``--max-requests`` requests). Per cell: requests/s, p50 / p99
+   latency of queries and of all requests, errors, deliberate 503s, acknowledged adds lost (each is
+   looked up afterwards), and the mean batch the server read out (``eventkv_query_batch_size``).
+   Both modes of a client count run back to back, so they see the same machine.
 
-Printed last: requests/s, errors (non-2xx other than 503), deliberate 503s, acknowledged writes
-lost, and `HTTP overhead (median query latency, HTTP / library): N.NNx`.
+Printed last: each client count's ratios batched / unbatched (requests/s, query p50, query p99),
+the ratio at 8 clients on a line of its own, and `HTTP overhead (median query latency, HTTP /
+library): N.NNx`.
 
-    python benchmarks/service_load.py [--model smollm2-135m] [--clients 8] [--seconds 60]
-        [--events 40] [--queries 20] [--k 8] [--new-tokens 8] [--threads 2]
+    python benchmarks/service_load.py [--model smollm2-135m] [--clients 1,4,8,16] [--max-batch 8]
+        [--seconds 30] [--memories 8] [--mix 60,25,15] [--events 40] [--queries 20] [--k 8]
+        [--new-tokens 8] [--threads 2]
 """
 
 from __future__ import annotations
@@ -22,11 +29,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import re
 import shutil
 import statistics
 import tempfile
 import time
 from collections import Counter, defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -41,6 +50,7 @@ from eventkv.service.server import ServerProcess
 PEOPLE = ("Dana", "Ravi", "Mei", "Tomas", "Aiko", "Lena", "Omar", "Priya", "Jon", "Sofia")
 PLACES = ("Lisbon", "Oslo", "Kyoto", "Austin", "Nairobi", "Porto", "Quito", "Tallinn", "Hanoi", "Perth")
 THINGS = ("the quarterly report", "the grant proposal", "the team offsite", "the server migration", "the demo")
+OPS = ("query", "add", "update")
 
 
 def event_text(rng: random.Random, i: int) -> str:
@@ -60,25 +70,63 @@ def percentile(xs, q):
     return float(np.percentile(xs, q)) if xs else float("nan")
 
 
-async def load_phase(url, mid, clients, seconds, max_requests, k, new_tokens, seed, event_ids):
-    """``clients`` loops of query (60%) / add (25%) / update (15%) until the time or count is up."""
-    lat = defaultdict(list)
-    codes = Counter()
-    acked: list[str] = []
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b > 0 and a == a and b == b else "n/a"
+
+
+@dataclass
+class Cell:
+    """What one (client count, max batch) run measured."""
+
+    clients: int
+    max_batch: int
+    wall: float = 0.0
+    lat: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))  # seconds, by op
+    codes: Counter = field(default_factory=Counter)  # (op, status) -> count
+    lost: int = 0
+    acked: int = 0
+    mean_batch: float = float("nan")
+
+    @property
+    def total(self) -> int:
+        return sum(self.codes.values())
+
+    @property
+    def rate(self) -> float:
+        return self.total / self.wall if self.wall else float("nan")
+
+    def ms(self, op: str | None, q: float) -> float:
+        xs = [x for o in OPS for x in self.lat[o]] if op is None else self.lat[op]
+        return percentile([1e3 * x for x in xs], q)
+
+    @property
+    def errors(self) -> int:
+        return sum(v for (_, c), v in self.codes.items() if not 200 <= c < 300 and c != 503)
+
+    @property
+    def busy(self) -> int:
+        return sum(v for (_, c), v in self.codes.items() if c == 503)
+
+
+async def load_phase(url, mids, cell: Cell, args, event_ids) -> list[tuple[str, str]]:
+    """``cell.clients`` loops of query / add / update (``args.mix``) until the time or count is up;
+    client ``i`` works on memory ``mids[i % len(mids)]``. Returns the acknowledged adds (memory, id)."""
+    acked: list[tuple[str, str]] = []
     n = 0
-    deadline = time.perf_counter() + seconds
+    deadline = time.perf_counter() + args.seconds
 
     async def one(client_no: int):
         nonlocal n
-        rng = random.Random(seed * 100 + client_no)
+        rng = random.Random(args.seed * 100 + client_no)
+        mid = mids[client_no % len(mids)]
         async with httpx.AsyncClient(base_url=url, timeout=600) as http:
-            while time.perf_counter() < deadline and n < max_requests:
+            while time.perf_counter() < deadline and n < args.max_requests:
                 n += 1
-                op = rng.choices(("query", "add", "update"), (60, 25, 15))[0]
+                op = rng.choices(OPS, args.mix)[0]
                 if op == "query":
                     path, body = (
                         f"/v1/memories/{mid}/query",
-                        {"question": question(rng), "k": k, "max_new_tokens": new_tokens},
+                        {"question": question(rng), "k": args.k, "max_new_tokens": args.new_tokens},
                     )
                 elif op == "add":
                     path, body = f"/v1/memories/{mid}/events", {"events": [{"text": f"client {client_no} note {n}."}]}
@@ -90,87 +138,170 @@ async def load_phase(url, mid, clients, seconds, max_requests, k, new_tokens, se
                     )
                 t0 = time.perf_counter()
                 r = await http.post(path, json=body)
-                lat[op].append(time.perf_counter() - t0)
-                codes[(op, r.status_code)] += 1
+                cell.lat[op].append(time.perf_counter() - t0)
+                cell.codes[(op, r.status_code)] += 1
                 if op == "add" and r.status_code == 201:
-                    acked.extend(a["id"] for a in r.json()["added"])
+                    acked.extend((mid, a["id"]) for a in r.json()["added"])
                 if r.status_code == 503:
                     await asyncio.sleep(float(r.headers.get("retry-after", "1")))
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(one(i) for i in range(clients)))
-    return lat, codes, acked, time.perf_counter() - t0
+    await asyncio.gather(*(one(i) for i in range(cell.clients)))
+    cell.wall = time.perf_counter() - t0
+    return acked
+
+
+def batch_totals(metrics: str) -> tuple[float, float]:
+    """``(sum, count)`` of the server's ``eventkv_query_batch_size`` histogram (queries per batched readout)."""
+    got = dict(re.findall(r"^eventkv_query_batch_size_(sum|count) ([\d.e+-]+)$", metrics, re.M))
+    return float(got.get("sum", 0)), float(got.get("count", 0))
+
+
+def run_cell(args, pristine: Path, work: Path, mids: list[str], event_ids: list[str], cell: Cell) -> None:
+    """One fresh server (``--max-batch cell.max_batch``) on fresh copies of the store, loaded by
+    ``cell.clients`` clients; fills ``cell``."""
+    store = work / f"cell-{cell.clients}-{cell.max_batch}"
+    shutil.copytree(pristine, store)
+    srv = ServerProcess(
+        args.model,
+        store,
+        *("--dtype", "float32", "--threads", str(args.threads), "--log-level", "info"),
+        *("--max-batch", str(cell.max_batch)),
+        timeout=600,
+    )
+    try:
+        with httpx.Client(base_url=srv.url, timeout=600) as http:
+            for mid in mids:  # warm-up, not counted: each memory opened and its selector's index built
+                body = {"question": "Who handles the demo?", "k": args.k, "max_new_tokens": 1}
+                http.post(f"/v1/memories/{mid}/query", json=body).raise_for_status()
+            s0, n0 = batch_totals(http.get("/metrics").text)  # the warm-up's batches
+            acked = asyncio.run(load_phase(srv.url, mids, cell, args, event_ids))
+            s1, n1 = batch_totals(http.get("/metrics").text)
+            listed = {
+                mid: {e["id"] for e in http.get(f"/v1/memories/{mid}/events?include_superseded=true").json()}
+                for mid in mids
+            }
+        cell.mean_batch = (s1 - s0) / (n1 - n0) if n1 > n0 else float("nan")
+        cell.acked, cell.lost = len(acked), sum(eid not in listed[mid] for mid, eid in acked)
+        assert srv.stop() == 0
+    finally:
+        srv.kill()
+        shutil.rmtree(store, ignore_errors=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--seconds", type=float, default=60.0)
-    ap.add_argument("--max-requests", type=int, default=5000)
+    ap.add_argument("--clients", default="1,4,8,16", help="client counts, comma-separated")
+    ap.add_argument("--max-batch", type=int, default=8, help="the batched servers' --max-batch (the others: 1)")
+    ap.add_argument("--seconds", type=float, default=30.0, help="seconds of load per client count and mode")
+    ap.add_argument("--max-requests", type=int, default=5000, help="requests per client count and mode at most")
+    ap.add_argument("--memories", type=int, default=8, help="memories the clients share round-robin (1: one)")
+    ap.add_argument("--mix", default="60,25,15", help="weights of query, add, update")
     ap.add_argument("--events", type=int, default=40)
-    ap.add_argument("--queries", type=int, default=20)
+    ap.add_argument("--queries", type=int, default=20, help="queries of the HTTP overhead phase (0: skip it)")
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    counts = [int(c) for c in args.clients.split(",")]
+    args.mix = [float(w) for w in args.mix.split(",")]
+    if len(args.mix) != 3 or min(counts) < 1 or args.memories < 1 or args.max_batch < 2:
+        ap.error("give --mix as three weights, client counts >= 1, --memories >= 1 and --max-batch >= 2")
     torch.set_num_threads(args.threads)
     rng = random.Random(args.seed)
     lm = load(args.model, dtype="float32")
     work = Path(tempfile.mkdtemp(prefix="eventkv-service-load-"))
-    served, local = work / "served", work / "local"
-    with EventMemory.create(served / "default" / "load", lm, namespace="default") as mem:
+    pristine, local = work / "pristine", work / "local"
+    mids = [f"load-{i}" for i in range(args.memories)]
+    with EventMemory.create(pristine / "default" / mids[0], lm, namespace="default") as mem:
         ids = [a.id for a in mem.add([event_text(rng, i) for i in range(args.events)], prefill=True)]
         history = mem.stats().history_end
-    shutil.copytree(served, local)
+    for mid in mids[1:]:
+        shutil.copytree(pristine / "default" / mids[0], pristine / "default" / mid)
+    shutil.copytree(pristine, local)
     print(f"model {args.model} float32, {args.threads} threads; history {args.events} events, {history} positions")
-    srv = ServerProcess(args.model, served, "--dtype", "float32", "--threads", str(args.threads), "--log-level", "info")
+    cells: list[Cell] = []
+    http_ms, lib_ms = [], []
     try:
-        questions = [question(rng) for _ in range(args.queries)]
-        http_ms, lib_ms = [], []
-        with Client(srv.url, "load") as remote, EventMemory.open(local / "default" / "load", lm) as lib:
-            for q in questions[:2]:  # warm-up, not counted
-                remote.query(q, k=args.k, max_new_tokens=args.new_tokens)
-                lib.query(q, k=args.k, max_new_tokens=args.new_tokens)
-            for q in questions:
-                t0 = time.perf_counter()
-                a = remote.query(q, k=args.k, max_new_tokens=args.new_tokens)
-                http_ms.append(1e3 * (time.perf_counter() - t0))
-                t0 = time.perf_counter()
-                b = lib.query(q, k=args.k, max_new_tokens=args.new_tokens)
-                lib_ms.append(1e3 * (time.perf_counter() - t0))
-                assert a.generation.tokens == b.generation.tokens, (q, a.text, b.text)
-        print(
-            f"query latency over {len(questions)} queries (median ms): HTTP {statistics.median(http_ms):.1f}, "
-            f"library {statistics.median(lib_ms):.1f}; same answers in {len(questions)}/{len(questions)}"
-        )
-        lat, codes, acked, wall = asyncio.run(
-            load_phase(
-                srv.url, "load", args.clients, args.seconds, args.max_requests, args.k, args.new_tokens, args.seed, ids
+        if args.queries:
+            store = work / "overhead"
+            shutil.copytree(pristine, store)
+            srv = ServerProcess(
+                args.model,
+                store,
+                "--dtype",
+                "float32",
+                "--threads",
+                str(args.threads),
+                "--log-level",
+                "info",
+                timeout=600,
             )
-        )
-        with Client(srv.url, "load") as remote:
-            listed = {r.id for r in remote.list(include_superseded=True)}
-        lost = [i for i in acked if i not in listed]
-        assert srv.stop() == 0
+            try:
+                questions = [question(rng) for _ in range(args.queries)]
+                with Client(srv.url, mids[0]) as remote, EventMemory.open(local / "default" / mids[0], lm) as lib:
+                    for q in questions[:2]:  # warm-up, not counted
+                        remote.query(q, k=args.k, max_new_tokens=args.new_tokens)
+                        lib.query(q, k=args.k, max_new_tokens=args.new_tokens)
+                    for q in questions:
+                        t0 = time.perf_counter()
+                        a = remote.query(q, k=args.k, max_new_tokens=args.new_tokens)
+                        http_ms.append(1e3 * (time.perf_counter() - t0))
+                        t0 = time.perf_counter()
+                        b = lib.query(q, k=args.k, max_new_tokens=args.new_tokens)
+                        lib_ms.append(1e3 * (time.perf_counter() - t0))
+                        assert a.generation.tokens == b.generation.tokens, (q, a.text, b.text)
+                assert srv.stop() == 0
+            finally:
+                srv.kill()
+            print(
+                f"query latency over {len(questions)} queries (median ms): HTTP {statistics.median(http_ms):.1f}, "
+                f"library {statistics.median(lib_ms):.1f}; same answers in {len(questions)}/{len(questions)}"
+            )
+        for n in counts:
+            for mb in (1, args.max_batch):
+                cell = Cell(n, mb)
+                run_cell(args, pristine, work, mids, ids, cell)
+                cells.append(cell)
     finally:
-        srv.kill()
         shutil.rmtree(work, ignore_errors=True)
-    total = sum(codes.values())
-    print(f"\nload: {args.clients} clients, {wall:.1f} s, {total} requests")
-    print(f"{'route':8} {'n':>5} {'p50 ms':>8} {'p99 ms':>8}  status codes")
-    for op in ("query", "add", "update"):
-        xs = [1e3 * x for x in lat[op]]
-        status = ", ".join(f"{c}: {v}" for (o, c), v in sorted(codes.items()) if o == op)
-        print(f"{op:8} {len(xs):5d} {percentile(xs, 50):8.1f} {percentile(xs, 99):8.1f}  {status}")
-    errors = sum(v for (o, c), v in codes.items() if not 200 <= c < 300 and c != 503)
-    busy = sum(v for (o, c), v in codes.items() if c == 503)
-    print(f"\nrequests/s: {total / wall:.2f}")
-    print(f"errors (non-2xx other than 503): {errors}; deliberate 503s: {busy}")
-    print(f"acknowledged adds: {len(acked)}, lost: {len(lost)}")
-    ratio = statistics.median(http_ms) / statistics.median(lib_ms)
-    print(f"HTTP overhead (median query latency, HTTP / library): {ratio:.3f}x")
+
+    mix = " / ".join(f"{op} {w:g}" for op, w in zip(OPS, args.mix))
+    print(
+        f"\nload: {args.memories} memories, mix {mix}, k {args.k}, {args.new_tokens} new tokens, "
+        f"{args.seconds:g} s per cell"
+    )
+    head = (
+        f"{'clients':>7} {'max-batch':>9} {'requests':>8} {'req/s':>7} {'query p50':>9} {'query p99':>9} "
+        f"{'all p50':>8} {'all p99':>8} {'errors':>6} {'503s':>5} {'acked':>5} {'lost':>4} {'mean batch':>10}"
+    )
+    print(head)
+    for c in cells:
+        print(
+            f"{c.clients:7d} {c.max_batch:9d} {c.total:8d} {c.rate:7.2f} {c.ms('query', 50):9.1f} "
+            f"{c.ms('query', 99):9.1f} {c.ms(None, 50):8.1f} {c.ms(None, 99):8.1f} {c.errors:6d} {c.busy:5d} "
+            f"{c.acked:5d} {c.lost:4d} {c.mean_batch:10.2f}"
+        )
+    print(f"\nbatched / unbatched (--max-batch {args.max_batch} / 1), latencies in ms:")
+    by = {(c.clients, c.max_batch): c for c in cells}
+    for n in counts:
+        b, u = by[(n, args.max_batch)], by[(n, 1)]
+        print(
+            f"{n} clients: requests/s {ratio(b.rate, u.rate)} ({b.rate:.2f} / {u.rate:.2f}), "
+            f"query p50 {ratio(b.ms('query', 50), u.ms('query', 50))}, "
+            f"query p99 {ratio(b.ms('query', 99), u.ms('query', 99))}"
+        )
+    if 8 in counts:
+        b, u = by[(8, args.max_batch)], by[(8, 1)]
+        print(f"throughput at 8 clients, batched / unbatched: {ratio(b.rate, u.rate)}")
+    errors = sum(c.errors for c in cells)
+    lost = sum(c.lost for c in cells)
+    print(f"errors (non-2xx other than 503): {errors}; acknowledged adds lost: {lost}")
+    if http_ms:
+        overhead = statistics.median(http_ms) / statistics.median(lib_ms)
+        print(f"HTTP overhead (median query latency, HTTP / library): {overhead:.3f}x")
 
 
 if __name__ == "__main__":

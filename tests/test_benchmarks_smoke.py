@@ -41,3 +41,34 @@ def test_gpu_throughput_smoke():
     one(r"donor pairs, batch 2 \(run_batch; .* pairs/hour")
     one(r"donor pairs, the study's way \(study_pair\b.*: 2 pairs, .* pairs/hour")
     one(r"donor pairs speed-up over the study's way: batch 1 [\d.]+x")
+
+
+def test_service_load_smoke(tmp_path):
+    """The service load benchmark end to end on the tiny model: one client count, batching off and on,
+    a few requests; every table line, the ratios, no errors and no acknowledged add lost."""
+    from service_fixtures import save_sharp_model
+
+    model = save_sharp_model(tmp_path / "model")
+    script = str(BENCHMARKS / "service_load.py")
+    help_ = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=300)
+    assert help_.returncode == 0 and "--max-batch" in help_.stdout and "--clients" in help_.stdout
+    args = ["--model", str(model), "--clients", "2", "--seconds", "1", "--max-requests", "6", "--memories", "2"]
+    args += ["--events", "3", "--queries", "2", "--k", "2", "--new-tokens", "2", "--threads", "1", "--max-batch", "4"]
+    out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+
+    def one(pattern: str) -> re.Match:
+        hits = [m for m in map(re.compile(pattern).match, lines) if m]
+        assert len(hits) == 1, f"{pattern!r}: {len(hits)} lines in\n{out.stdout}"
+        return hits[0]
+
+    one(r"model .* float32, 1 threads; history 3 events, \d+ positions")
+    one(r"query latency over 2 queries \(median ms\): HTTP [\d.]+, library [\d.]+; same answers in 2/2")
+    one(r"load: 2 memories, mix query 60 / add 25 / update 15, k 2, 2 new tokens, 1 s per cell")
+    for mb in (1, 4):
+        row = one(rf"\s+2\s+{mb}\s+(\d+)\s+[\d.]+(?:\s+[\d.na]+){{4}}\s+0\s+\d+\s+\d+\s+0\s+[\d.na]+$")
+        assert 1 <= int(row.group(1)) <= 6
+    one(r"2 clients: requests/s [\d.]+x \([\d.]+ / [\d.]+\), query p50 ([\d.]+x|n/a), query p99 ([\d.]+x|n/a)")
+    one(r"errors \(non-2xx other than 503\): 0; acknowledged adds lost: 0")
+    one(r"HTTP overhead \(median query latency, HTTP / library\): [\d.]+x")

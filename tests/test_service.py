@@ -201,7 +201,7 @@ def test_auth_tokens_and_namespace_grants(model_dir, tmp_path):
     tokens.write_text(f"# admin\n{TOKEN}\n{'b' * 32} beta\n")
     srv = Server(model_dir, tmp_path / "store", "--token-file", str(tokens))
     try:
-        assert raw(srv, "GET", "/health").status_code == 200  # the one open route
+        assert raw(srv, "GET", "/health").status_code == 200  # open, as the API description is (test_service_docs)
         for headers in ({}, {"Authorization": "Bearer wrong-token-0000000000"}, {"Authorization": TOKEN}):
             r = raw(srv, "GET", "/v1/memories", headers=headers)
             assert r.status_code == 401 and r.json()["code"] == "unauthorized"

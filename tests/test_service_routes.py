@@ -42,9 +42,10 @@ class FakeWorker:
     depth = 2
 
     def __init__(self) -> None:
-        self.mem, self.opened = FakeMemory(), []
+        self.mem, self.opened, self.directories = FakeMemory(), [], []
 
-    def submit(self, job) -> Future:
+    def submit(self, job, directory=None) -> Future:
+        self.directories.append(directory)
         fut: Future = Future()
         fut.set_result(job())
         return fut
@@ -79,6 +80,7 @@ def test_prefill_and_rebase_run_their_verb_on_the_worker(alone, tmp_path):
     assert r.status_code == 200 and r.json() == {"version": 3, "added": [], "rows": 12}
     assert worker.mem.calls == ["prefill", "rebase"]
     assert worker.opened == [tmp_path / "default" / "m1"] * 2
+    assert worker.directories == [tmp_path / "default" / "m1"] * 2  # queued as jobs on that memory
 
 
 def test_refusals_of_a_router_alone_are_the_service_errors(alone):

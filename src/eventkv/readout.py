@@ -16,6 +16,12 @@ once, and the single-cache functions are that same path with a batch of one.
 Queries are placed at positions starting at ``served.next_position`` (right after the full
 history). Nothing here modifies a served cache.
 
+Several queries (one per cache, of any lengths) read out together: the caches whose queries have
+one length take their query forward as one batch, and the generating sequences of every length
+then decode as one batch, each left-padded again so that its own rows and its query's rows stay
+contiguous (no padding between a cache's rows and its query): what answers several clients'
+queries on several memories in one batched readout (:func:`eventkv.memory.answer.answer_prepared`).
+
 Why batching is the default: on a CPU a decode step costs about the same for 1 or 8 sequences
 (reading the weights dominates), so every arm of a donor pair is answered in one batch: the
 served caches are left-padded with masked rows to a common row count, the query runs once for
@@ -246,6 +252,16 @@ class GrowingLayer(DynamicLayer):
         self.is_initialized = True
         self._views()
 
+    @classmethod
+    def over(cls, keys: torch.Tensor, values: torch.Tensor, n: int) -> "GrowingLayer":
+        """A layer over the preallocated buffers ``keys`` / ``values`` ``[batch, kv_heads, capacity,
+        head_dim]`` (not copied) whose first ``n`` rows are filled."""
+        layer = cls.__new__(cls)
+        DynamicLayer.__init__(layer)
+        layer._k, layer._v, layer.n, layer.device, layer.is_initialized = keys, values, n, keys.device, True
+        layer._views()
+        return layer
+
     def _views(self) -> None:
         self.keys = self._k[:, :, : self.n]
         self.values = self._v[:, :, : self.n]
@@ -325,17 +341,42 @@ def stack(served: Sequence[ServedCache], extra: int = 0) -> Batch:
             r = s.n_rows
             k[i, :, n - r : n] = s.keys[layer][0]
             v[i, :, n - r : n] = s.values[layer][0]
-        gl = GrowingLayer.__new__(GrowingLayer)
-        DynamicLayer.__init__(gl)
-        gl._k, gl._v, gl.n, gl.device, gl.is_initialized = k, v, n, dev, True
-        gl._views()
-        layers.append(gl)
+        layers.append(GrowingLayer.over(k, v, n))
     cache = DynamicCache()
     cache.layers.extend(layers)  # config-less: no layers until given
     mask = torch.zeros(len(served), n, dtype=torch.bool, device=dev)
     for i, s in enumerate(served):
         mask[i, n - s.n_rows :] = True if s.visible is None else s.visible.to(dev)
     nxt = torch.tensor([s.next_position for s in served], dtype=torch.long, device=dev)
+    return Batch(cache, mask, nxt)
+
+
+def merge(parts: Sequence[tuple[Batch, int, int]], extra: int) -> Batch:
+    """Sequences of several batches (of any row counts) as one batch: ``parts`` are ``(batch, index
+    in it, shift)``; each sequence's rows are left-padded with masked zero rows to the longest one's
+    count (so its own rows stay contiguous at the end, as :func:`stack` leaves them) and its next
+    position moves by ``shift`` (the query rows it was given since). Room for ``extra`` more rows;
+    indices may repeat. The rows are copied: the batches are left as they were."""
+    n = max(int(b.mask.shape[1]) for b, _, _ in parts)
+    dev = parts[0][0].mask.device
+    rows = {id(b): cache_kv(b.cache) for b, _, _ in parts}  # per batch: per layer keys, values
+    layers = []
+    for layer in range(len(parts[0][0].cache.layers)):
+        k0, v0 = rows[id(parts[0][0])][0][layer], rows[id(parts[0][0])][1][layer]
+        k = k0.new_zeros(len(parts), k0.shape[1], n + extra, k0.shape[3])
+        v = v0.new_zeros(len(parts), v0.shape[1], n + extra, v0.shape[3])
+        for r, (b, i, _) in enumerate(parts):
+            kb, vb = rows[id(b)][0][layer], rows[id(b)][1][layer]
+            m = kb.shape[2]
+            k[r, :, n - m : n] = kb[i]
+            v[r, :, n - m : n] = vb[i]
+        layers.append(GrowingLayer.over(k, v, n))
+    cache = DynamicCache()  # config-less: no layers until given
+    cache.layers.extend(layers)
+    mask = torch.zeros(len(parts), n, dtype=torch.bool, device=dev)
+    for r, (b, i, _) in enumerate(parts):
+        mask[r, n - b.mask.shape[1] :] = b.mask[i]
+    nxt = torch.stack([b.next_position[i] + shift for b, i, shift in parts])
     return Batch(cache, mask, nxt)
 
 
@@ -350,27 +391,29 @@ def read_out(
     candidates: Sequence[Sequence[int]] = (),
     candidate_texts: Sequence[str] = (),
     answer_prefix_ids: Sequence[int] = (),
-    max_new_tokens: int = 64,
+    max_new_tokens: int | Sequence[int] = 64,
     stop_token_ids: Sequence[int] = (),
     tokenizer: PreTrainedTokenizerBase | None = None,
     max_context: int | None = None,
     keep_logits: bool = False,
     decoding: Decoding | Sequence[Decoding | None] | None = None,
 ) -> list[Readout]:
-    """Answer one query from several served caches in batched forwards.
+    """Answer one query, or one query per cache, from several served caches in batched forwards.
 
     Args:
         served: the served caches (any modes, any row counts).
         query_ids: the query's token ids (question + chat tail), the same for every cache; or one
-            query per cache, all of one length (several items' questions read out in one batch:
-            no padding goes between a cache's rows and its query, so sliding-window layers see
-            the rows they would see alone).
+            query per cache, of any lengths (several items' or clients' questions read out in one
+            batch). The caches whose queries have one length run their query forward together; the
+            generating sequences then decode together. No padding goes between a cache's rows and
+            its query, so sliding-window layers see the rows they would see alone.
         generate: per cache, whether to decode greedily (up to ``max_new_tokens``, stopping on
             ``stop_token_ids``, which are not emitted).
         score: per cache, whether to score the candidates.
         candidates: token ids per candidate; each is scored as the continuation of
             ``query_ids + answer_prefix_ids`` (full continuation: sum of its tokens' log-probs, nats).
         answer_prefix_ids: forced answer opener placed before the candidates (e.g. ``"Answer:"``).
+        max_new_tokens: the greedy decoding budget (tokens), for every cache or one per cache.
         keep_logits: keep each generated step's logits ``[vocab]`` in ``Generation.logits``.
         decoding: how each generating cache decodes (:class:`Decoding`: sampling, stop strings, a
             step callback): one for every cache, or one per cache (None: greedy); default greedy.
@@ -381,42 +424,57 @@ def read_out(
 
     Raises:
         EventKVError: ``generate`` or ``score`` not one flag per served cache, empty query, per-cache
-            queries not one per cache or of different lengths, empty candidate, or history + query
-            beyond the model's context; stop strings or a step callback without a tokenizer.
+            queries or budgets not one per cache, empty candidate, or history + query beyond the
+            model's context; stop strings or a step callback without a tokenizer.
         OptionError: a bad :class:`Decoding` (:meth:`Decoding.check`), or not one per served cache.
     """
-    if len(generate) != len(served) or len(score) != len(served):
+    n = len(served)
+    if len(generate) != n or len(score) != n:
         raise EventKVError(
-            f"read_out got {len(served)} served caches but {len(generate)} generate and {len(score)} "
+            f"read_out got {n} served caches but {len(generate)} generate and {len(score)} "
             f"score flags: give one generate flag and one score flag per served cache."
         )
-    decodings = _decodings(decoding, len(served))
-    queries = _queries(query_ids, len(served))
+    decodings = _decodings(decoding, n)
+    queries = _queries(query_ids, n)
+    budgets = _budgets(max_new_tokens, n)
     if any(score) and (not candidates or any(len(c) == 0 for c in candidates)):
         raise EventKVError("candidate scoring needs at least one candidate and no empty candidate.")
     longest = max([len(c) for c in candidates], default=0) + len(answer_prefix_ids)
-    q = len(queries[0])
-    for s in served:
-        check_context(s.next_position + q + max(max_new_tokens, longest), max_context, what="history plus query")
-    batch = stack(served, extra=q_len_extra(queries[0], max_new_tokens, longest))
-    dev = batch.mask.device
-    first = batch.forward(model, torch.tensor(queries, device=dev), 0, logits_to_keep=1)[:, -1]
+    for s, query, budget in zip(served, queries, budgets):
+        check_context(s.next_position + len(query) + max(budget, longest), max_context, what="history plus query")
     out = [Readout(None, []) for _ in served]
-
-    scored = [i for i, f in enumerate(score) if f]
-    if scored:
-        _score(model, batch, first, scored, q, candidates, candidate_texts, list(answer_prefix_ids), out)
+    groups: dict[int, list[int]] = {}  # query length -> the caches with a query of that length
+    for i, query in enumerate(queries):
+        groups.setdefault(len(query), []).append(i)
+    where: dict[int, tuple[Batch, int, int]] = {}  # cache -> (its group's batch, index there, query length)
+    firsts: dict[int, torch.Tensor] = {}  # cache -> the query's last logits [vocab]
+    for q, idx in groups.items():
+        room = max([budgets[i] for i in idx if generate[i]], default=0)
+        batch = stack([served[i] for i in idx], extra=q_len_extra(queries[idx[0]], room, longest))
+        first = batch.forward(model, torch.tensor([queries[i] for i in idx], device=batch.mask.device), 0, 1)[:, -1]
+        scored = [j for j, i in enumerate(idx) if score[i]]
+        if scored:
+            local = [out[i] for i in idx]  # the same Readout objects: _score fills them in place
+            _score(model, batch, first, scored, q, candidates, candidate_texts, list(answer_prefix_ids), local)
+        for j, i in enumerate(idx):
+            where[i], firsts[i] = (batch, j, q), first[j]
     gens = [i for i, f in enumerate(generate) if f]
     if gens:
+        dev = where[gens[0]][0].mask.device
         rows = gens + [gens[0]] * decode_padding(len(gens), dev)
-        sub = batch if rows == list(range(batch.size)) else batch.select(rows, batch.mask.shape[1] + max_new_tokens)
+        room = max(budgets[i] for i in gens)
+        batch, _, q = where[gens[0]]
+        if len(groups) == 1 and rows == list(range(batch.size)):
+            sub, offset = batch, q  # every cache decodes, in order: the query's batch goes on as it is
+        else:
+            sub, offset = merge([where[i] for i in rows], room), 0  # next positions shifted by each query
         _generate(
             model,
             sub,
-            first[rows],
+            torch.stack([firsts[i] for i in rows]),
             gens + [None] * (len(rows) - len(gens)),
-            q,
-            max_new_tokens,
+            offset,
+            [budgets[i] for i in rows],
             set(int(t) for t in stop_token_ids),
             tokenizer,
             out,
@@ -438,7 +496,7 @@ def _decodings(decoding: Decoding | Sequence[Decoding | None] | None, n: int) ->
 
 def _queries(query_ids: Sequence[int] | Sequence[Sequence[int]], n: int) -> list[list[int]]:
     """One query per served cache: ``query_ids`` repeated ``n`` times, or the per-cache queries
-    checked (one per cache, none empty, all of one length)."""
+    checked (one per cache, none empty)."""
     if not query_ids:
         raise EventKVError("the query is empty: give a question.")
     if isinstance(query_ids[0], int):  # one query of token ids (the first id tells the two forms apart)
@@ -450,13 +508,19 @@ def _queries(query_ids: Sequence[int] | Sequence[Sequence[int]], n: int) -> list
         )
     if not all(queries):
         raise EventKVError("a query is empty: give a question for every served cache.")
-    lengths = sorted({len(q) for q in queries})
-    if len(lengths) > 1:
-        raise EventKVError(
-            f"per-cache queries have lengths {lengths}: read out queries of one length together "
-            f"(group the caches by query length)."
-        )
     return queries
+
+
+def _budgets(max_new_tokens: int | Sequence[int], n: int) -> list[int]:
+    """One decoding budget per served cache: ``max_new_tokens`` repeated, or the per-cache budgets checked."""
+    if isinstance(max_new_tokens, int):
+        return [max_new_tokens] * n
+    budgets = [int(b) for b in max_new_tokens]
+    if len(budgets) != n:
+        raise EventKVError(
+            f"read_out got {n} served caches but {len(budgets)} max_new_tokens: give one budget or one per cache."
+        )
+    return budgets
 
 
 def q_len_extra(query_ids: Sequence[int], max_new_tokens: int, longest: int) -> int:
@@ -529,20 +593,21 @@ def _generate(
     logits: torch.Tensor,
     owners: list[int | None],
     q: int,
-    max_new: int,
+    max_new: Sequence[int],
     stops: set[int],
     tokenizer: PreTrainedTokenizerBase | None,
     out: list[Readout],
     keep_logits: bool = False,
     decodings: Sequence[Decoding] | None = None,
 ) -> None:
-    """Decoding of the whole batch (greedy, or each sequence as its :class:`Decoding` says); a
-    sequence that has stopped keeps being fed its last token (its rows are never read) so the batch
-    never has to be copied. An owner of None is a padding sequence (:func:`decode_padding`): fed,
-    never waited for, never read."""
+    """Decoding of the whole batch (greedy, or each sequence as its :class:`Decoding` says), sequence
+    ``r`` up to ``max_new[r]`` tokens, the first step fed at ``next_position + q``; a sequence that has
+    stopped keeps being fed its last token (its rows are never read) so the batch never has to be
+    copied. An owner of None is a padding sequence (:func:`decode_padding`): fed, never waited for,
+    never read."""
     decodings = list(decodings or [GREEDY] * len(owners))
     gens = [Generation(tokens=[]) for _ in owners]
-    done = [max_new <= 0 or i is None for i in owners]
+    done = [m <= 0 or i is None for m, i in zip(max_new, owners)]
     samplers = [_Sampler(d) if d.samples and i is not None else None for d, i in zip(decodings, owners)]
     watches = [
         TextWatch(tokenizer, d.stop) if d.watches_text and i is not None else None for d, i in zip(decodings, owners)
@@ -565,7 +630,7 @@ def _generate(
                     done[r] = True
                 else:
                     g.tokens.append(t)
-                    done[r] = len(g.tokens) >= max_new
+                    done[r] = len(g.tokens) >= max_new[r]
                     if watch is not None:
                         piece = watch.step(g.tokens)
                         if watch.stop is not None:

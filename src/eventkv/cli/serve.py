@@ -23,6 +23,9 @@ def serve(
     max_queue: int = typer.Option(64, "--max-queue", help="model jobs waiting at most (503 + Retry-After beyond)"),
     max_body: int = typer.Option(4 * 1024 * 1024, "--max-body", help="request body bytes at most (413 beyond)"),
     max_open: int = typer.Option(16, "--max-open", help="memories kept open (rows in RAM)"),
+    max_batch: int = typer.Option(
+        8, "--max-batch", help="queued queries answered in one batched readout at most (1: one at a time)"
+    ),
     header_timeout: float = typer.Option(
         10.0, "--header-timeout", help="seconds for a request's headers to arrive (the connection is closed beyond)"
     ),
@@ -64,6 +67,7 @@ def serve(
         check_int("max_queue", max_queue, "allow at least 1 waiting job.", flag="--max-queue")
         check_int("max_body", max_body, "allow at least 1 KiB.", minimum=1024, flag="--max-body")
         check_int("max_open", max_open, "keep at least 1 memory open.", flag="--max-open")
+        check_int("max_batch", max_batch, "batch at least 1 query (1: one at a time).", flag="--max-batch")
         check_int("limit_concurrency", limit_concurrency, "allow at least 1 connection.", flag="--limit-concurrency")
         for name, value in (
             ("header_timeout", header_timeout),
@@ -85,7 +89,14 @@ def serve(
             torch.set_num_threads(threads)
         lm = load(model, dtype=dtype, device=device)
         settings = Settings(
-            lm, store, tokens, max_queue=max_queue, max_body=max_body, max_open=max_open, body_timeout=body_timeout
+            lm,
+            store,
+            tokens,
+            max_queue=max_queue,
+            max_body=max_body,
+            max_open=max_open,
+            body_timeout=body_timeout,
+            max_batch=max_batch,
         )
         connections = Connections(header_timeout, keep_alive, limit_concurrency)
         serve_forever(settings, host, port, log_level=log_level, connections=connections)

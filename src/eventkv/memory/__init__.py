@@ -4,6 +4,7 @@ materialize locally, serve sparsely"). See ``docs/memory.md``.
     >>> from eventkv.memory import EventMemory, MemoryEvent  # doctest: +SKIP
 """
 
+from eventkv.memory.answer import PreparedQuery, answer_prepared
 from eventkv.memory.memory import EventMemory
 from eventkv.memory.records import Added, CarrierResult, Hit, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
 
@@ -16,4 +17,6 @@ __all__ = [
     "MemoryEvent",
     "MemoryRecord",
     "MemoryStats",
+    "PreparedQuery",
+    "answer_prepared",
 ]

@@ -1,22 +1,28 @@
 """Answering a question from served rows (Study 1, "Setting": sparse serving, then a readout): the
-checks of a query's arguments, and the batched readout of one question under several serving
-plans (:func:`read_out`). The memory resolves each plan's served ids and prefills pending events;
-this module serves (:func:`eventkv.serve.serve`) and answers (:func:`eventkv.readout.answer_served`).
+checks of a query's arguments, and the query's two phases. :func:`prepare` serves the question's
+served sets (:func:`eventkv.serve.serve`) into a :class:`PreparedQuery`, which holds everything the
+readout needs and no reference to its memory; :func:`answer_prepared` reads several prepared
+queries out in one batched readout (:func:`eventkv.readout.read_out`: left-padded, each row at its
+own positions, each query at its own length), so queries of different memories, from different
+clients, are answered together. The memory resolves each plan's served ids and prefills pending
+events (``EventMemory.prepare_query``).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Sequence, cast
 
 from eventkv.blend import check_recompute
 from eventkv.errors import EventKVError, OptionError
-from eventkv.log import HEADER_ID, tokenize_query
+from eventkv.log import HEADER_ID, encode, tokenize_query
 from eventkv.memory.chat import chat_tail_ids
 from eventkv.memory.records import MemoryAnswer, MemoryRecord
 from eventkv.options import check_max_new_tokens
 from eventkv.prefill import EventKV, check_context
-from eventkv.readout import Decoding, answer_served
+from eventkv.readout import Decoding, Readout
+from eventkv.readout import read_out as read_out_caches
 from eventkv.serve import SERVE_MODES, PositionMode, ServedCache, ServeMode, check_position_mode, serve
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -106,7 +112,44 @@ def question_ids(
     return q
 
 
-def read_out(
+@dataclass
+class PreparedQuery:
+    """One question on one memory, served and ready to be read out: phase one of a query
+    (``EventMemory.prepare_query``); :func:`answer_prepared` is phase two, for several at once. It
+    holds no reference to its memory (the memory may be closed before the readout).
+
+    Attributes:
+        served: one served cache per plan (per layer ``[1, kv_heads, rows, head_dim]``, on the model's device).
+        query_ids: the question's token ids (chat tail included), read after each cache's ``next_position``.
+        max_new_tokens: the greedy decoding budget (tokens).
+        candidates: answers scored by log-probability (nats); empty: none.
+        keep_logits: keep each generated step's logits ``[vocab]`` (float32).
+        positions: per plan, ``(id, first position, width)`` of each served event where the question saw it.
+        timings_ms: per plan, wall milliseconds of ``prefill`` (the lazy prefill, shared by the plans) and
+            ``serve`` (that plan's served cache).
+        version: the memory's version when it was served (``EventMemory.version``).
+        decoding: how its answers are decoded (:class:`eventkv.readout.Decoding`: sampling, stop strings,
+            a step callback; None: greedy).
+    """
+
+    served: list[ServedCache]
+    query_ids: list[int]
+    max_new_tokens: int
+    candidates: list[str] = field(default_factory=list)
+    keep_logits: bool = False
+    positions: list[list[tuple[str, int, int]]] = field(default_factory=list)
+    timings_ms: list[dict[str, float]] = field(default_factory=list)
+    version: int = 0
+    decoding: Decoding | None = None
+
+    @property
+    def batch_key(self) -> tuple:
+        """Prepared queries with one key can be read out in one batch (:func:`answer_prepared`): the
+        candidates are scored against every cache of a readout, and logits are kept for all or none."""
+        return (tuple(self.candidates), self.keep_logits)
+
+
+def prepare(
     lm: LoadedModel,
     ekv: EventKV,
     served_ids: Sequence[Sequence[str]],
@@ -122,10 +165,10 @@ def read_out(
     positions: PositionMode = "original",
     recompute: float | None = None,
     decoding: Decoding | None = None,
-) -> list[MemoryAnswer]:
-    """Serve ``ekv``'s rows of each served set under its mode and read the question ``q`` out of all of
-    them in one batched readout (:func:`eventkv.readout.answer_served`: left-padded, each row at its
-    own positions); one :class:`MemoryAnswer` per plan, in order.
+    version: int = 0,
+) -> PreparedQuery:
+    """Serve ``ekv``'s rows of each served set under its mode, for the question ``q``: the
+    :class:`PreparedQuery` that :func:`answer_prepared` reads out.
 
     Args:
         records: the memory's records by id (the served events' positions and widths).
@@ -135,42 +178,88 @@ def read_out(
             reports where its events were served.
         recompute: the fraction of served tokens each ``blend`` plan recomputes (None: the default, 0.15).
         decoding: how every plan's answer is decoded (:class:`eventkv.readout.Decoding`; None: greedy).
+        version: the memory's version, kept in the prepared query.
     """
-    caches, serve_ms = [], []
+    caches, timings = [], []
     for ids, mode in zip(served_ids, modes):
         t1 = time.perf_counter()
         fraction = recompute if mode == "blend" else None
         caches.append(
             serve(ekv, ids, mode, model=lm.model, isolated_memo=isolated, positions=positions, recompute=fraction)
         )
-        serve_ms.append(1e3 * (time.perf_counter() - t1))
-    t2 = time.perf_counter()
-    outs = answer_served(
-        lm.model,
-        lm.tokenizer,
-        caches,
-        q,
+        timings.append({"prefill": prefill_ms, "serve": 1e3 * (time.perf_counter() - t1)})
+    return PreparedQuery(
+        served=caches,
+        query_ids=list(q),
         max_new_tokens=max_new_tokens,
-        stop_token_ids=lm.profile.stop_token_ids,
-        max_context=lm.profile.max_context,
-        candidates=candidates,
+        candidates=list(candidates),
         keep_logits=keep_logits,
         decoding=decoding,
+        positions=[served_positions(ekv, sc, records) for sc in caches],
+        timings_ms=timings,
+        version=version,
     )
-    decode_ms = 1e3 * (time.perf_counter() - t2)
-    return [
-        MemoryAnswer(
-            text=gen.text,
-            generation=gen,
-            candidates=scores,
-            served_ids=list(sc.served),
-            positions=served_positions(ekv, sc, records),
-            n_rows_served=sc.n_visible,
-            n_query_tokens=len(q),
-            timings_ms={"prefill": prefill_ms, "serve": ms, "decode": decode_ms},
+
+
+def answer_prepared(lm: LoadedModel, prepared: Sequence[PreparedQuery]) -> list[list[MemoryAnswer]]:
+    """Read prepared queries out, batched: the queries with one :attr:`PreparedQuery.batch_key` in
+    one :func:`eventkv.readout.read_out` (every plan of every query a cache of the batch, each with
+    its own question, decoding budget and :class:`eventkv.readout.Decoding`), the others in one
+    readout per key. Each answer equals the query read out alone within float tolerance (tested:
+    greedy tokens equal, logits within 1e-4 in float32), while decoding costs about one batched pass:
+    on a CPU a decode step reads the weights once whatever the batch size.
+
+    Returns:
+        per prepared query, in order, one :class:`MemoryAnswer` per plan. ``timings_ms``: ``prefill``
+        and ``serve`` the query's own, ``decode`` its batch's whole readout (shared).
+
+    Raises:
+        EventKVError: as :func:`eventkv.readout.read_out` (e.g. history + question + a candidate past the
+            model's context); one bad query fails its whole readout (read it out alone to tell).
+    """
+    out: list[list[MemoryAnswer]] = [[] for _ in prepared]
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(prepared):
+        groups.setdefault(p.batch_key, []).append(i)
+    for idx in groups.values():
+        first = prepared[idx[0]]
+        caches = [(i, sc) for i in idx for sc in prepared[i].served]
+        cands = [encode(lm.tokenizer, c) for c in first.candidates]
+        t2 = time.perf_counter()
+        outs = read_out_caches(
+            lm.model,
+            [sc for _, sc in caches],
+            [prepared[i].query_ids for i, _ in caches],
+            generate=[True] * len(caches),
+            score=[bool(cands)] * len(caches),
+            candidates=cands,
+            candidate_texts=list(first.candidates),
+            max_new_tokens=[prepared[i].max_new_tokens for i, _ in caches],
+            stop_token_ids=lm.profile.stop_token_ids,
+            tokenizer=lm.tokenizer,
+            max_context=lm.profile.max_context,
+            keep_logits=first.keep_logits,
+            decoding=[prepared[i].decoding for i, _ in caches],
         )
-        for sc, ms, (gen, scores) in zip(caches, serve_ms, outs)
-    ]
+        decode_ms = 1e3 * (time.perf_counter() - t2)
+        for (i, sc), o in zip(caches, outs):
+            out[i].append(_answer(prepared[i], len(out[i]), sc, o, decode_ms))
+    return out
+
+
+def _answer(p: PreparedQuery, plan: int, sc: ServedCache, o: Readout, decode_ms: float) -> MemoryAnswer:
+    """The :class:`MemoryAnswer` of plan ``plan`` of ``p``, read out as ``o``."""
+    gen = o.generation
+    assert gen is not None  # answer_prepared generates for every cache
+    return MemoryAnswer(
+        text=gen.text,
+        generation=gen,
+        candidates=o.candidates,
+        served_ids=list(sc.served),
+        positions=p.positions[plan],
+        n_rows_served=sc.n_visible,
+        timings_ms={**p.timings_ms[plan], "decode": decode_ms},
+    )
 
 
 def served_positions(

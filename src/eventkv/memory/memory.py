@@ -41,7 +41,15 @@ import numpy as np
 
 from eventkv.errors import EventKVError, OptionError, OutOfSpace, PurgePending, StoreDamaged
 from eventkv.log import HEADER_ID, Event, TokenizedLog, encode, header_text
-from eventkv.memory.answer import check_query, check_question, question_ids, read_out, served_end
+from eventkv.memory.answer import (
+    PreparedQuery,
+    answer_prepared,
+    check_query,
+    check_question,
+    prepare,
+    question_ids,
+    served_end,
+)
 from eventkv.memory.api import MemoryAPI, SelectSpec
 from eventkv.memory.integrity import damaged
 from eventkv.memory.records import (
@@ -1187,6 +1195,54 @@ class EventMemory:
             OptionError / EventKVError: as :meth:`query`, for any plan; no plan given; a ``decoding``
                 with a step callback and several plans (whose pieces would interleave).
         """
+        prepared = self.prepare_query(
+            question,
+            plans,
+            k=k,
+            candidates=candidates,
+            max_new_tokens=max_new_tokens,
+            budget_rows=budget_rows,
+            selector=selector,
+            budget=budget,
+            neighbours=neighbours,
+            with_headers=with_headers,
+            keep_logits=keep_logits,
+            positions=positions,
+            recompute=recompute,
+            messages=messages,
+            decoding=decoding,
+        )
+        return answer_prepared(self.lm, [prepared])[0]
+
+    def prepare_query(
+        self,
+        question: str,
+        plans: Sequence[tuple[SelectSpec, ServeMode]],
+        *,
+        k: int | None = 8,
+        candidates: Sequence[str] | None = None,
+        max_new_tokens: int = 32,
+        budget_rows: int | None = None,
+        selector: Selector | str | None = None,
+        budget: float | None = None,
+        neighbours: int = 0,
+        with_headers: bool = False,
+        keep_logits: bool = False,
+        positions: PositionMode = "original",
+        recompute: float | None = None,
+        messages: Sequence[Mapping] | None = None,
+        decoding: Decoding | None = None,
+    ) -> PreparedQuery:
+        """The first phase of :meth:`query_batch` (same arguments): the checks, the served ids of
+        every plan, the lazy prefill and the served caches, as a
+        :class:`eventkv.memory.answer.PreparedQuery` that holds no reference to this memory.
+        :func:`eventkv.memory.answer.answer_prepared` reads it out, alone or batched with the
+        prepared queries of other memories (what ``eventkv serve`` does with concurrent queries);
+        ``answer_prepared(lm, [mem.prepare_query(q, plans, ...)])[0]`` is ``mem.query_batch(q, plans, ...)``.
+
+        Raises:
+            OptionError / EventKVError: as :meth:`query_batch`.
+        """
         self._check_open()
         check_question(question)
         plans, cands = check_query(plans, max_new_tokens, candidates, positions, recompute)
@@ -1218,7 +1274,7 @@ class EventMemory:
         ekv = self._lazy_prefill()
         prefill_ms = 1e3 * (time.perf_counter() - t0)
         assert ekv is not None  # every served set is non-empty (checked above): the history has events, with rows
-        return read_out(
+        return prepare(
             self.lm,
             ekv,
             served_ids,
@@ -1233,6 +1289,7 @@ class EventMemory:
             positions=positions,
             recompute=recompute,
             decoding=decoding,
+            version=self.store.version,
         )
 
     def event_log(self, select: SelectSpec = "all"):

@@ -19,6 +19,11 @@ damaged store, 410 an event deleted or forgotten, 413 body too large, 422 a requ
 schema or one the memory refuses, 503 queue full or shutting down, 507 the store's disk is full.
 The OpenAPI document declares every one of them per route, and ``/metrics`` as text.
 
+The interactive pages ``/docs`` (Swagger UI) and ``/redoc`` are served with their scripts from the
+``fastapi-offline`` package (:data:`eventkv.service.middleware.DOCS_ASSETS`), so they render on a
+machine without internet access; they, their assets and ``/openapi.json`` need no bearer token
+(:data:`eventkv.service.middleware.PUBLIC`).
+
 The parts: the routers, one per resource (:mod:`eventkv.service.routes`), handed the app's state,
 worker and metrics by dependency injection (:mod:`eventkv.service.state`); the middleware
 (:mod:`eventkv.service.middleware`: bearer token, body size and timeout, memory id); the metrics
@@ -36,11 +41,12 @@ from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from fastapi_offline import FastAPIOffline
 
 from eventkv.memory.store import remove_leftovers
 from eventkv.service.errors import OPENAI_UNAUTHORIZED, UNAUTHORIZED, Handlers, openai_path
 from eventkv.service.metrics import Measure, Metrics
-from eventkv.service.middleware import BearerAuth, BodyLimit, MemoryIdCheck
+from eventkv.service.middleware import DOCS_ASSETS, BearerAuth, BodyLimit, MemoryIdCheck
 from eventkv.service.routes import GUARDED, OPENAI, ROUTERS
 from eventkv.service.state import CONTRACTS, ServiceState, Settings
 from eventkv.service.worker import ModelWorker
@@ -80,18 +86,21 @@ def create_app(settings: Settings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        worker = ModelWorker(settings.lm, settings.max_queue, settings.max_open)
+        worker = ModelWorker(settings.lm, settings.max_queue, settings.max_open, settings.max_batch)
         app.state.worker = worker
         try:
             yield
         finally:
             await asyncio.get_running_loop().run_in_executor(None, worker.stop)
 
-    app = FastAPI(
+    # fastapi-offline's app: /docs (Swagger UI) and /redoc load their scripts and styles from the
+    # package (mounted at DOCS_ASSETS) instead of FastAPI's default CDN, so they render offline
+    app = FastAPIOffline(
         title="eventkv memory service",
         version="1",
         description="EventMemory over HTTP: one model, many memories, one namespace per request.",
         lifespan=lifespan,
+        static_url=DOCS_ASSETS,
     )
     app.state.service = ServiceState(settings, root)
     app.state.worker = None

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from eventkv.memory.reader import read_memory
 from eventkv.service.names import NAME
@@ -24,13 +24,16 @@ METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"}
 #: the statuses the app answers with (499: the client went away before the answer; 400: the
 #: OpenAI-compatible routes' bad request)
 STATUSES = frozenset({200, 201, 400, 499} | {status for status, _ in ERRORS.values()})
+#: the upper bounds of the ``eventkv_query_batch_size`` histogram's buckets (queries per readout)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class Metrics:
     """One app's series: ``eventkv_requests`` (counter) and ``eventkv_request_seconds`` (histogram,
     seconds) by route template, method and status (:class:`Measure` feeds them),
-    ``eventkv_queue_depth`` and ``eventkv_jobs`` read from the worker ``worker()`` returns (None:
-    not started, every value 0), and the per-memory series of the store ``root``.
+    ``eventkv_queue_depth``, ``eventkv_jobs`` and ``eventkv_query_batch_size`` read from the worker
+    ``worker()`` returns (None: not started, every value 0), and the per-memory series of the store
+    ``root``.
 
     Args:
         root: the store root (``root/<namespace>/<memory id>/``).
@@ -58,7 +61,8 @@ class Metrics:
         self.registry.register(self)
 
     def collect(self):
-        """The ``eventkv_jobs`` counter: jobs started, and cancelled while queued."""
+        """The ``eventkv_jobs`` counter (jobs started, and cancelled while queued) and the
+        ``eventkv_query_batch_size`` histogram (queries per batched readout, :data:`BATCH_BUCKETS`)."""
         w = self.worker()
         jobs = CounterMetricFamily(
             "eventkv_jobs", "model jobs by outcome: started, or cancelled while queued", labels=["outcome"]
@@ -66,6 +70,13 @@ class Metrics:
         jobs.add_metric(["started"], w.started if w is not None else 0)
         jobs.add_metric(["cancelled"], w.cancelled if w is not None else 0)
         yield jobs
+        sizes = dict(w.batches) if w is not None else {}
+        buckets = [(str(float(b)), sum(n for size, n in sizes.items() if size <= b)) for b in BATCH_BUCKETS]
+        batch = HistogramMetricFamily("eventkv_query_batch_size", "queries answered per batched readout")
+        batch.add_metric(
+            [], [*buckets, ("+Inf", sum(sizes.values()))], sum_value=sum(size * n for size, n in sizes.items())
+        )
+        yield batch
 
     def text(self, granted: frozenset[str] | None) -> bytes:
         """Prometheus text: the server-wide series, then the per-memory series of the namespaces

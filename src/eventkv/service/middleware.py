@@ -17,6 +17,14 @@ from eventkv.errors import OptionError
 from eventkv.service.errors import error_answer, error_response
 from eventkv.service.names import check_name
 
+#: where the interactive API pages' scripts and styles are served from (fastapi-offline's static files)
+DOCS_ASSETS = "/docs/assets"
+#: the paths :class:`BearerAuth` lets through without a token: the health check, and the API's
+#: description (the interactive pages, their assets under :data:`DOCS_ASSETS`, the OpenAPI document).
+#: They are the same for every caller and hold no memory's data (the served model's name is on
+#: ``/health`` already), and a browser opening a page cannot send a bearer header.
+PUBLIC = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+
 
 class BodyLimit:
     """ASGI middleware: a request body over ``max_body`` bytes gets 413 — refused by its
@@ -96,15 +104,16 @@ class MemoryIdCheck:
 
 
 class BearerAuth:
-    """ASGI middleware: with tokens configured, every path but ``/health`` needs ``Authorization:
-    Bearer <token>`` (compared in constant time against every token); the token's namespaces go to
-    ``scope["state"]["namespaces"]`` (None = all)."""
+    """ASGI middleware: with tokens configured, every path but the public ones (:data:`PUBLIC`, and
+    the pages' assets under :data:`DOCS_ASSETS`) needs ``Authorization: Bearer <token>`` (compared in
+    constant time against every token); the token's namespaces go to ``scope["state"]["namespaces"]``
+    (None = all)."""
 
     def __init__(self, app, tokens: dict[str, frozenset[str] | None]) -> None:
         self.app, self.tokens = app, [(t.encode(), ns) for t, ns in tokens.items()]
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not self.tokens or scope["path"] == "/health":
+        if scope["type"] != "http" or not self.tokens or is_public(scope["path"]):
             return await self.app(scope, receive, send)
         auth = dict(scope.get("headers") or []).get(b"authorization", b"")
         given = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
@@ -123,3 +132,8 @@ class BearerAuth:
             return await response(scope, receive, send)
         scope.setdefault("state", {})["namespaces"] = granted
         return await self.app(scope, receive, send)
+
+
+def is_public(path: str) -> bool:
+    """Whether ``path`` is answered without a bearer token (:data:`PUBLIC`, or an asset under :data:`DOCS_ASSETS`)."""
+    return path in PUBLIC or path.startswith(DOCS_ASSETS + "/")

@@ -12,6 +12,7 @@ Layout: ``STORE/<namespace>/<memory id>/`` is one EventMemory store; a posted co
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Callable
@@ -25,7 +26,7 @@ from eventkv.service import schemas as s
 from eventkv.service.errors import ClientGone, scrub
 from eventkv.service.metrics import Metrics
 from eventkv.service.names import MAX_NAME, NAME_PATTERN, check_name
-from eventkv.service.worker import ModelWorker
+from eventkv.service.worker import MemoryQuery, ModelWorker
 from eventkv.wire import DEFAULT_NAMESPACE, NAMESPACE_HEADER, Conflict, Forbidden, Gone, NotFound
 
 CONTRACTS = ".contracts"
@@ -42,6 +43,7 @@ class Settings:
         tokens: bearer token -> the namespaces it may use (None: every namespace); empty: no auth.
         max_queue: model jobs waiting at most (503 beyond). max_body: request body bytes at most (413 beyond).
         max_open: memories kept open by the worker.
+        max_batch: queries the worker answers in one batched readout at most (1: one at a time).
     """
 
     lm: Any
@@ -51,6 +53,7 @@ class Settings:
     max_body: int = 4 * 1024 * 1024
     max_open: int = 16
     body_timeout: float = 30.0
+    max_batch: int = 8
 
 
 @dataclass(frozen=True)
@@ -161,14 +164,16 @@ async def disconnected(request: Request) -> None:
 
 
 class Jobs:
-    """One request's way onto the model worker: :meth:`run` a job there, or :meth:`on_memory` a
-    verb on an open memory after its version and event checks."""
+    """One request's way onto the model worker: :meth:`run` a job there, :meth:`on_memory` a verb
+    on an open memory after its version and event checks, or :meth:`query` a query on a memory,
+    batched with the queries of other requests (:class:`eventkv.service.worker.MemoryQuery`)."""
 
     def __init__(self, request: Request, worker: ModelWorker | None) -> None:
         self.request, self.worker = request, worker
 
-    async def run(self, job: Callable[[], Any]) -> Any:
-        """``job``'s result, run on the worker. Starlette does not cancel a handler whose client
+    async def run(self, job: Callable[[], Any], directory: Path | None = None) -> Any:
+        """``job``'s result, run on the worker (``directory``: the memory it works on, None: no memory
+        in particular; :meth:`ModelWorker.submit`). Starlette does not cancel a handler whose client
         disconnected, so the wait watches the connection too: when the client goes first, a queued
         job is cancelled (it leaves the queue and never runs), a running one finishes and its result
         is dropped.
@@ -178,7 +183,22 @@ class Jobs:
             ClientGone: the client disconnected first.
         """
         assert self.worker is not None  # the app's lifespan starts the worker before a request is served
-        result = asyncio.wrap_future(self.worker.submit(job))
+        return await self._wait(self.worker.submit(job, directory))
+
+    async def query(self, d: Path, prepare: Callable[[Any], Any], finish: Callable[[Any, Any, list], Any]) -> Any:
+        """``finish``'s result for the query on the memory of ``d`` (:class:`MemoryQuery`: ``prepare(memory)``
+        gives the :class:`eventkv.memory.PreparedQuery`, ``finish(memory, prepared, answers)`` the result),
+        answered in a batch with the other queued queries. The wait watches the connection as :meth:`run`'s.
+
+        Raises:
+            QueueFull, ShuttingDown: as :meth:`ModelWorker.submit`; whatever a phase raises.
+            ClientGone: the client disconnected first.
+        """
+        assert self.worker is not None  # the app's lifespan starts the worker before a request is served
+        return await self._wait(self.worker.submit_query(MemoryQuery(d, prepare, finish)))
+
+    async def _wait(self, future: Future) -> Any:
+        result = asyncio.wrap_future(future)
         gone = asyncio.ensure_future(disconnected(self.request))
         try:
             await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -192,8 +212,8 @@ class Jobs:
 
     def on_memory(self, d: Path, verb: Callable, expected: int | None, eid: str | None = None) -> Any:
         """An awaitable of ``verb(memory)`` run on the worker on the memory of ``d``, after
-        :meth:`open_checked` (``expected`` version, event ``eid``)."""
-        return self.run(lambda: verb(self.open_checked(d, expected, eid)))
+        :meth:`open_checked` (``expected`` version, event ``eid``); later queries on ``d`` wait for it."""
+        return self.run(lambda: verb(self.open_checked(d, expected, eid)), d)
 
     def open_checked(self, d: Path, expected: int | None, eid: str | None = None):
         """(worker thread) the memory, after the version and event checks.

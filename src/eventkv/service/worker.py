@@ -2,47 +2,102 @@
 thread (the model and an open EventMemory are not thread-safe), fed by a bounded queue. A full queue
 is refused at once (the caller answers 503 with Retry-After) instead of piling up; a queued job can
 be cancelled until it starts (its client went away) and then leaves the queue at once; stopping
-rejects new jobs, finishes the queued ones and closes every memory."""
+rejects new jobs, finishes the queued ones and closes every memory.
+
+Queries are batched: a :class:`MemoryQuery` (a query on a memory, in two phases) queued behind
+others is taken with them, up to ``max_batch`` at a time, and they are answered in one batched
+readout (:func:`eventkv.memory.answer.answer_prepared`). Which queries a batch takes:
+
+- the oldest first: a batch starts at the head of the queue and takes the queued queries in arrival
+  order, so a query waits at most for the queries queued before it (no client is starved by another
+  client's stream);
+- a write is a barrier for its memory: a query queued after a job on the same memory (a write, or
+  any other job) is not taken before that job, so it sees the write; a job on no memory in
+  particular (creating or deleting a memory) is a barrier for every memory;
+- a batch never runs a job other than queries: the jobs it passes over stay queued in order, and
+  the next one starts right after the batch.
+"""
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
 
 from eventkv.wire import QueueFull, ShuttingDown
 
 if TYPE_CHECKING:
-    from eventkv.memory import EventMemory
+    from eventkv.memory import EventMemory, MemoryAnswer, PreparedQuery
     from eventkv.models.profile import LoadedModel
 
 T = TypeVar("T")
 
-__all__ = ["ModelWorker", "QueueFull", "ShuttingDown"]
+__all__ = ["MemoryQuery", "ModelWorker", "QueueFull", "ShuttingDown"]
+
+
+@dataclass(frozen=True, eq=False)
+class MemoryQuery(Generic[T]):
+    """A query on a memory: the unit :class:`ModelWorker` batches. Both phases run on the worker
+    thread with the memory of ``directory`` open.
+
+    Attributes:
+        directory: the memory's store directory.
+        prepare: ``prepare(memory)`` checks the request and serves it: a
+            :class:`eventkv.memory.answer.PreparedQuery` (``EventMemory.prepare_query``); what it
+            raises is the caller's answer, and the other queries of the batch go on.
+        finish: ``finish(memory, prepared, answers)``: the caller's result from the answers, one
+            :class:`eventkv.memory.MemoryAnswer` per plan of ``prepared`` (which also holds the memory's
+            version when it was served); it may write to the memory (it runs after the whole batch's
+            readout, before the next job).
+
+    Example (on the worker thread, ``mem.query`` would give the same answer)::
+
+        MemoryQuery(d, lambda mem: mem.prepare_query("Where?", [(None, "compact")]), lambda mem, p, a: a[0].text)
+    """
+
+    directory: Path
+    prepare: Callable[[EventMemory], PreparedQuery]
+    finish: Callable[[EventMemory, PreparedQuery, list[MemoryAnswer]], T]
+
+
+@dataclass(eq=False)
+class _Item:
+    """A queued job: a plain ``job()`` or a :class:`MemoryQuery`; ``directory`` is the memory it works on
+    (None: no memory in particular, a barrier for all)."""
+
+    job: Callable[[], Any] | MemoryQuery
+    future: Future
+    directory: Path | None
 
 
 class ModelWorker:
-    """The one thread that runs model work and store writes, in arrival order.
+    """The one thread that runs model work and store writes, in arrival order, queries batched.
 
     Args:
         lm: the served model.
-        max_queue: jobs waiting at most (the running one not counted); ``submit`` beyond raises QueueFull.
+        max_queue: jobs waiting at most (the running ones not counted); ``submit`` beyond raises QueueFull.
         max_open: memories kept open (rows in RAM, writer lock held); the least recently used one is
             closed beyond it (reopening verifies its segments again).
+        max_batch: queries answered in one batched readout at most (1: one at a time).
 
     Attributes:
-        started: jobs that began to run. cancelled: jobs cancelled while queued (they never ran).
+        started: jobs that began to run (each query of a batch counted). cancelled: jobs cancelled
+            while queued (they never ran). batches: how many batches of each size were read out
+            (``{size: count}``; a batch of queries that all failed before the readout counts too).
     """
 
-    def __init__(self, lm: LoadedModel, max_queue: int = 64, max_open: int = 16) -> None:
+    def __init__(self, lm: LoadedModel, max_queue: int = 64, max_open: int = 16, max_batch: int = 8) -> None:
         self.lm = lm
         self.max_queue = max_queue
         self.max_open = max_open
+        self.max_batch = max_batch
         self.started = 0
         self.cancelled = 0
-        self._queue: deque[tuple[Callable, Future]] = deque()
+        self.batches: Counter[int] = Counter()
+        self._queue: deque[_Item] = deque()
         self._ready = threading.Condition()
         self._open: OrderedDict[Path, EventMemory] = OrderedDict()
         self._closing = False
@@ -51,20 +106,33 @@ class ModelWorker:
 
     @property
     def depth(self) -> int:
-        """Jobs waiting (not counting the one running; cancelled jobs have left the queue)."""
+        """Jobs waiting (not counting the ones running; cancelled jobs have left the queue)."""
         with self._ready:
             return len(self._queue)
 
-    def submit(self, job: Callable[[], T]) -> Future:
+    def submit(self, job: Callable[[], T], directory: Path | None = None) -> Future:
         """Queue ``job`` (run on the worker thread); its result or exception arrives in the future.
         ``future.cancel()`` before the job starts removes it from the queue: it never runs.
+        ``directory``: the memory the job works on (queries on it queued later wait for it); None:
+        a barrier for every memory.
 
         Raises:
             QueueFull: ``max_queue`` jobs are waiting.
             ShuttingDown: :meth:`stop` was called.
         """
-        fut: Future = Future()
-        item = (job, fut)
+        return self._enqueue(_Item(job, Future(), directory))
+
+    def submit_query(self, query: MemoryQuery[T]) -> Future:
+        """Queue ``query``, to be answered in a batch with the queries queued with it (see the module
+        docstring for which); its future holds ``finish``'s result or what a phase raised, and can be
+        cancelled until the query starts, as with :meth:`submit`.
+
+        Raises:
+            QueueFull, ShuttingDown: as :meth:`submit`.
+        """
+        return self._enqueue(_Item(query, Future(), query.directory))
+
+    def _enqueue(self, item: _Item) -> Future:
         with self._ready:
             if self._closing:
                 raise ShuttingDown("the server is shutting down and takes no new work: retry on its next start.")
@@ -74,16 +142,36 @@ class ModelWorker:
                 )
             self._queue.append(item)
             self._ready.notify()
-        fut.add_done_callback(lambda f: self._drop(item) if f.cancelled() else None)
-        return fut
+        item.future.add_done_callback(lambda f: self._drop(item) if f.cancelled() else None)
+        return item.future
 
-    def _drop(self, item) -> None:
+    def _drop(self, item: _Item) -> None:
         with self._ready:
             try:
                 self._queue.remove(item)
             except ValueError:  # already taken by the worker (which then skips it)
                 return
             self.cancelled += 1
+
+    def _take(self) -> list[_Item]:
+        """(under the lock, the queue not empty) The next job, or the next batch of queries: the head
+        query and the queued queries after it, oldest first, up to ``max_batch``, passing over the
+        jobs that are not queries but never a query on a memory one of them works on."""
+        head = self._queue.popleft()
+        if not isinstance(head.job, MemoryQuery) or self.max_batch <= 1:
+            return [head]
+        batch, barred = [head], set()
+        for item in list(self._queue):
+            if len(batch) >= self.max_batch:
+                break
+            if item.directory is None:  # a job on no memory in particular: nothing after it goes first
+                break
+            if isinstance(item.job, MemoryQuery) and item.directory not in barred:
+                batch.append(item)
+                self._queue.remove(item)
+            else:  # a write (or a query held behind one) keeps later queries on its memory behind it
+                barred.add(item.directory)
+        return batch
 
     def _run(self) -> None:
         while True:
@@ -92,19 +180,56 @@ class ModelWorker:
                     self._ready.wait()
                 if not self._queue:  # closing, and every queued job done
                     break
-                job, fut = self._queue.popleft()
-            if not fut.set_running_or_notify_cancel():  # cancelled between the pop and here
-                with self._ready:
-                    self.cancelled += 1
-                continue
-            self.started += 1
-            try:
-                fut.set_result(job())
-            except BaseException as exc:  # handed to the caller, who maps it to an HTTP answer
-                fut.set_exception(exc)
+                taken = self._take()
+            items = []
+            for item in taken:
+                if item.future.set_running_or_notify_cancel():
+                    items.append(item)
+                else:  # cancelled between the take and here
+                    with self._ready:
+                        self.cancelled += 1
+            self.started += len(items)
+            if len(items) == 1 and not isinstance(items[0].job, MemoryQuery):
+                self._run_one(items[0])
+            elif items:
+                self._answer(items)
         for mem in self._open.values():
             mem.close()
         self._open.clear()
+
+    @staticmethod
+    def _run_one(item: _Item) -> None:
+        assert not isinstance(item.job, MemoryQuery)
+        try:
+            item.future.set_result(item.job())
+        except BaseException as exc:  # handed to the caller, who maps it to an HTTP answer
+            item.future.set_exception(exc)
+
+    def _answer(self, items: list[_Item]) -> None:
+        """Answer a batch of queries: each prepared on its memory, all read out together, each finished."""
+        from eventkv.memory import answer_prepared
+
+        ready: list[tuple[_Item, MemoryQuery, PreparedQuery]] = []
+        for item in items:
+            query, d = item.job, item.directory
+            assert isinstance(query, MemoryQuery) and d is not None
+            try:
+                ready.append((item, query, query.prepare(self.memory(d))))
+            except BaseException as exc:  # this query's answer; the others go on
+                item.future.set_exception(exc)
+        self.batches[len(items)] += 1
+        if not ready:
+            return
+        try:
+            answers = answer_prepared(self.lm, [p for _, _, p in ready])
+        except BaseException:
+            answers = None  # one query failed the batch's readout: each is read out alone, for its own answer
+        for k, (item, query, p) in enumerate(ready):
+            try:
+                got = answers[k] if answers is not None else answer_prepared(self.lm, [p])[0]
+                item.future.set_result(query.finish(self.memory(query.directory), p, got))
+            except BaseException as exc:
+                item.future.set_exception(exc)
 
     def stop(self, timeout: float | None = None) -> None:
         """Take no new jobs, finish the queued ones, close every open memory (idempotent)."""

@@ -1,6 +1,7 @@
 """Reading a memory through the model, on the worker: ``POST .../select`` (the event ids a question
 would be served), ``POST .../search`` (the same events ranked, with their texts and scores) and
-``POST .../query`` (an answer from the served set's KV rows)."""
+``POST .../query`` (an answer from the served set's KV rows; concurrent queries, on any memories, are
+answered in one batched readout: :class:`eventkv.service.worker.MemoryQuery`)."""
 
 from __future__ import annotations
 
@@ -50,19 +51,20 @@ async def search(mid: MemoryId, body: s.SearchIn, ns: Namespace, state: State, j
 
 @router.post("/v1/memories/{mid}/query", response_model=s.AnswerOut, responses=responses(*QUEUED, 410))
 async def query(mid: MemoryId, body: s.QueryIn, ns: Namespace, state: State, jobs: Work):
-    def verb(mem):
+    def prepare(mem):
         check_servable(mem, body.select, mid)
-        a = mem.query(
+        return mem.prepare_query(
             body.question,
-            select=body.select,
+            [(body.select, body.mode)],
             k=body.k,
-            mode=body.mode,
             candidates=body.candidates,
             max_new_tokens=body.max_new_tokens,
             **body.shaping(),
             positions=body.positions,
             recompute=body.recompute,
         )
-        return s.AnswerOut.from_answer(a, version=mem.version)
 
-    return await jobs.on_memory(state.existing(ns, mid), verb, None)
+    def finish(mem, prepared, answers):
+        return s.AnswerOut.from_answer(answers[0], version=prepared.version)
+
+    return await jobs.query(state.existing(ns, mid), prepare, finish)
