@@ -258,6 +258,7 @@ def _answer(p: PreparedQuery, plan: int, sc: ServedCache, o: Readout, decode_ms:
         served_ids=list(sc.served),
         positions=p.positions[plan],
         n_rows_served=sc.n_visible,
+        n_query_tokens=len(p.query_ids),
         timings_ms={**p.timings_ms[plan], "decode": decode_ms},
     )
 
