@@ -101,9 +101,10 @@ def memory_redact(
     source: str = typer.Argument(..., help="a memory eval's run folder (its --out)"),
     dest: str = typer.Argument(..., help="a new folder for the redacted copy"),
 ) -> None:
-    """Copy a memory eval's run folder without the dialogue data's text (questions, gold answers, forced-choice
-    options, the model's answers), to share or commit it: `eventkv report DEST` reports it and the same
-    `memory eval` command with `--out DEST` resumes it."""
+    """Copy a memory eval's run folder without the dataset's text, to share or commit it.
+
+    Dropped: questions, gold answers, forced-choice options, the model's answers. `eventkv report DEST` reports the copy; the same `memory eval` command with `--out DEST` resumes it.
+    """  # noqa: E501
     from eventkv.studies.materialization.memory_eval import redact_run
 
     n = redact_run(source, dest)
