@@ -460,3 +460,50 @@ def test_auth_namespaces_and_raw_bodies_keep_openai_shape(live):
     # the memory routes keep their own error body
     other = httpx.post(f"{live.url}/v1/memories/m/query", json={"question": "x", "k": 0}, headers=live.auth, timeout=60)
     assert other.status_code == 422 and set(other.json()) == {"code", "message"}
+
+
+def test_concurrent_chats_are_answered_in_one_batch_as_alone(live, client):
+    """Three non-streamed chats on the memory (other questions, budgets and served sets) and a
+    ``POST …/query``, queued while the worker is held, are answered in one batched readout; each chat's
+    tokens equal the same chat sent alone afterwards."""
+    import threading
+    import time
+    from collections import Counter
+
+    worker = live.app.state.worker
+    asks = [
+        dict(messages=ask(), memory={"id": "m", "select": ["dana", "offsite"]}, max_tokens=4),
+        dict(messages=ask("Who handles the quarterly report?"), memory={"id": "m"}, max_tokens=6),
+        dict(messages=ask("When is the offsite?"), memory={"id": "m", "k": 1}, max_tokens=3),
+    ]
+    running, release = threading.Event(), threading.Event()
+    before = Counter(worker.batches)
+    blocker = worker.submit(lambda: (running.set(), release.wait(60)))
+    assert running.wait(30)
+    answers: dict[int, object] = {}
+
+    def send(i: int) -> None:
+        if i < len(asks):
+            answers[i] = chat(client, **asks[i])
+        else:
+            body = {"question": QUESTION, "max_new_tokens": 2}
+            answers[i] = httpx.post(f"{live.url}/v1/memories/m/query", json=body, headers=live.auth, timeout=60)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(asks) + 1)]
+    for i, t in enumerate(threads):
+        t.start()
+        deadline = time.monotonic() + 30
+        while worker.depth < i + 1:  # queued in this order
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    release.set()
+    blocker.result(60)
+    for t in threads:
+        t.join(60)
+    assert Counter(worker.batches) - before == Counter({4: 1})
+    assert answers[len(asks)].status_code == 200
+    for i, a in enumerate(asks):
+        alone = chat(client, **a)
+        assert answers[i].eventkv["tokens"] == alone.eventkv["tokens"]
+        assert answers[i].choices[0].message.content == alone.choices[0].message.content
+        assert answers[i].usage == alone.usage

@@ -32,6 +32,7 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 from pydantic import BaseModel
 
 from eventkv.errors import EventKVError
+from eventkv.memory.answer import answer_prepared
 from eventkv.memory.chat import chat_reply, last_user_text
 from eventkv.memory.records import MemoryEvent
 from eventkv.readout import Decoding, Generation
@@ -159,20 +160,21 @@ def plan(body: o.ChatRequest, request: Request, state: ServiceState, jobs: Jobs,
     ns = get_namespace(request, namespace)
     d = state.existing(ns, mem_opts.id)
 
-    def on_memory(on_step):
-        mem = jobs.open_checked(d, None)
+    def prepare(mem, on_step):
         check_servable(mem, mem_opts.select, mem_opts.id)
-        a = mem.query(
+        return mem.prepare_query(
             question,
-            select=mem_opts.select,
+            [(mem_opts.select, mem_opts.mode)],
             k=mem_opts.top_k(),
-            mode=mem_opts.mode,
             max_new_tokens=max_new,
             **mem_opts.shaping(),
             positions=mem_opts.positions,
             messages=messages,
             decoding=Decoding(**settings, on_step=on_step),
         )
+
+    def finish(mem, prepared, answers):
+        a = answers[0]
         remembered = []
         if mem_opts.remember:  # one add, one transaction: both turns or neither; acknowledged by the answer
             turns = [MemoryEvent(question, role="user")]
@@ -183,7 +185,32 @@ def plan(body: o.ChatRequest, request: Request, state: ServiceState, jobs: Jobs,
             a.generation, a.n_rows_served, a.n_query_tokens, mem_opts.id, ns, a.served_ids, remembered, mem.version
         )
 
-    return on_memory
+    return MemoryChat(d, prepare, finish, state.lm, jobs)
+
+
+@dataclass
+class MemoryChat:
+    """A chat on the memory of ``d`` as a query in two phases (``prepare(memory, on_step)`` gives the
+    :class:`eventkv.memory.PreparedQuery`, ``finish(memory, prepared, answers)`` stores a ``remember``'s
+    turns and gives the :class:`Outcome`): a non-streamed chat is answered in one batched readout with
+    the other queued queries (:meth:`eventkv.service.state.Jobs.query`); called with a step callback,
+    it runs as one job, read out alone (a streamed answer is not batched)."""
+
+    d: Any
+    prepare: Callable[[Any, Callable[[str], None] | None], Any]
+    finish: Callable[[Any, Any, list], Outcome]
+    lm: Any
+    jobs: Jobs
+
+    def __call__(self, on_step: Callable[[str], None] | None) -> Outcome:
+        """(worker thread) the chat read out alone."""
+        mem = self.jobs.open_checked(self.d, None)
+        prepared = self.prepare(mem, on_step)
+        return self.finish(mem, prepared, answer_prepared(self.lm, [prepared])[0])
+
+    def batched(self) -> Any:
+        """An awaitable of the :class:`Outcome`, the chat's query batched on the worker."""
+        return self.jobs.query(self.d, lambda mem: self.prepare(mem, None), self.finish)
 
 
 @router.post(
@@ -206,7 +233,7 @@ async def chat_completions(
     job = plan(body, request, state, jobs, namespace, memory)
     name, cid, created = served(state), f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if not body.stream:
-        out: Outcome = await jobs.run(lambda: job(None))
+        out: Outcome = await (job.batched() if isinstance(job, MemoryChat) else jobs.run(lambda: job(None)))
         return o.ChatCompletion(
             id=cid,
             created=created,
