@@ -6,7 +6,12 @@
 2. HTTP overhead: the same queries (BM25 top-k, greedy, ``--new-tokens``) alternately through HTTP
    (:class:`eventkv.client.Client`) and through the library in this process, with the same
    torch threads; the server idles while the library runs and the other way round.
-3. Load, for each client count (default 1, 4, 8, 16) and each of ``--max-batch 1`` (one query at a
+3. Costs, in the library on a copy of the store: a query's preparation (BM25, served cache, question
+   ids) and its readout alone and in batches of 2, 4 and ``--max-batch``; an add's and an update's
+   commit and the lazy prefill the memory's next query pays for it. From them, the most batching
+   can raise throughput on ``--mix`` and on queries alone (Amdahl's law: the writes and every
+   query's preparation stay serial; only the readouts share a batch).
+4. Load, for each client count (default 1, 4, 8, 16) and each of ``--max-batch 1`` (one query at a
    time) and ``--max-batch N`` (queued queries answered in one batched readout): a fresh server on
    fresh copies of the store, ``--memories`` memories shared round-robin by the clients (1: every
    client on one memory), each client an asyncio httpx loop of queries, adds and updates (``--mix``)
@@ -16,12 +21,13 @@
    Both modes of a client count run back to back, so they see the same machine.
 
 Printed last: each client count's ratios batched / unbatched (requests/s, query p50, query p99),
-the ratio at 8 clients on a line of its own, and `HTTP overhead (median query latency, HTTP /
-library): N.NNx`.
+the ratio at 8 clients on a line of its own, the bounds of step 3 next to the mean batch each
+client count reached (closed-loop clients keep only so many queries queued at once), and
+`HTTP overhead (median query latency, HTTP / library): N.NNx`.
 
     python benchmarks/service_load.py [--model smollm2-135m] [--clients 1,4,8,16] [--max-batch 8]
         [--seconds 30] [--memories 8] [--mix 60,25,15] [--events 40] [--queries 20] [--k 8]
-        [--new-tokens 8] [--threads 2]
+        [--new-tokens 8] [--threads 2] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -189,6 +195,60 @@ def run_cell(args, pristine: Path, work: Path, mids: list[str], event_ids: list[
         shutil.rmtree(store, ignore_errors=True)
 
 
+def batch_costs(args, lm, store: Path, questions: list[str], event_ids: list[str]) -> dict[str, float]:
+    """In the library, on a copy of the store: what one query costs before its readout (``prepare``:
+    BM25, the served cache, the question's ids), its readout alone and in batches of 2, 4 and
+    ``--max-batch``, and what an add and an update cost, the commit and the lazy prefill that the
+    memory's next query pays for it. Medians, milliseconds."""
+    from eventkv.memory import answer_prepared
+
+    plan = [(None, "compact")]
+    opts = dict(k=args.k, max_new_tokens=args.new_tokens)
+    sizes = sorted({1, 2, 4, args.max_batch})
+    out: dict[str, list[float]] = defaultdict(list)
+    with EventMemory.open(store, lm) as mem:
+
+        def prepared(qs):
+            ps = []
+            for q in qs:
+                t0 = time.perf_counter()
+                ps.append(mem.prepare_query(q, plan, **opts))
+                out["prepare"].append(1e3 * (time.perf_counter() - t0))
+            return ps
+
+        answer_prepared(lm, prepared(questions[:2]))  # warm-up, not counted
+        out.clear()
+        for _ in range(args.repeats):
+            for b in sizes:
+                ps = prepared(questions[:b])
+                t0 = time.perf_counter()
+                answer_prepared(lm, ps)
+                out[f"readout {b}"].append(1e3 * (time.perf_counter() - t0))
+        for i in range(args.repeats):
+            for op in ("add", "update"):
+                t0 = time.perf_counter()
+                if op == "add":
+                    mem.add([f"client 0 note {i}."])
+                else:
+                    mem.update(event_ids[i % len(event_ids)], f"update {i} by client 0.")
+                out[op].append(1e3 * (time.perf_counter() - t0))
+                t0 = time.perf_counter()
+                mem.prepare_query(questions[0], plan, **opts)
+                out[f"{op} lazy prefill"].append(1e3 * (time.perf_counter() - t0) - statistics.median(out["prepare"]))
+    return {key: statistics.median(xs) for key, xs in out.items()}
+
+
+def bound(costs: dict[str, float], mix: list[float], b: int) -> float:
+    """The most that batching ``b`` queries at a time can raise throughput on this mix: the work per
+    request with every query's readout shared by ``b`` queries, against one at a time (Amdahl's law
+    over the measured costs; the writes and each query's preparation stay serial)."""
+    q, a, u = (w / sum(mix) for w in mix)
+    writes = a * (costs["add"] + costs["add lazy prefill"]) + u * (costs["update"] + costs["update lazy prefill"])
+    one = q * (costs["prepare"] + costs["readout 1"]) + writes
+    batched = q * (costs["prepare"] + costs[f"readout {b}"] / b) + writes
+    return one / batched
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -204,6 +264,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3, help="repeats of each measured cost (0: skip that phase)")
     args = ap.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
     args.mix = [float(w) for w in args.mix.split(",")]
@@ -260,6 +321,22 @@ def main() -> None:
                 f"query latency over {len(questions)} queries (median ms): HTTP {statistics.median(http_ms):.1f}, "
                 f"library {statistics.median(lib_ms):.1f}; same answers in {len(questions)}/{len(questions)}"
             )
+        costs: dict[str, float] = {}
+        if args.repeats:
+            shutil.copytree(pristine, work / "costs")
+            costs = batch_costs(
+                args, lm, work / "costs" / "default" / mids[0], [question(rng) for _ in range(args.max_batch)], ids
+            )
+            sizes = sorted({1, 2, 4, args.max_batch})
+            per = ", ".join(
+                f"{b}: {costs[f'readout {b}']:.0f} ({costs[f'readout {b}'] / b:.0f} a query)" for b in sizes
+            )
+            print(
+                f"a query's costs (library, median ms): prepare {costs['prepare']:.0f} "
+                f"(BM25, served cache, question ids); "
+                f"readout at batch {per}; add {costs['add']:.0f} + its lazy prefill {costs['add lazy prefill']:.0f}; "
+                f"update {costs['update']:.0f} + its lazy prefill {costs['update lazy prefill']:.0f}"
+            )
         for n in counts:
             for mb in (1, args.max_batch):
                 cell = Cell(n, mb)
@@ -296,6 +373,12 @@ def main() -> None:
     if 8 in counts:
         b, u = by[(8, args.max_batch)], by[(8, 1)]
         print(f"throughput at 8 clients, batched / unbatched: {ratio(b.rate, u.rate)}")
+    if costs:
+        for name, mix in (("this mix", args.mix), ("queries only", [1.0, 0.0, 0.0])):
+            bounds = ", ".join(f"batch {b} {bound(costs, mix, b):.2f}x" for b in sorted({2, 4, args.max_batch}))
+            print(f"most that batching can give ({name}; writes and each query's prepare stay serial): {bounds}")
+        means = ", ".join(f"{c.clients} clients {c.mean_batch:.2f}" for c in cells if c.max_batch > 1)
+        print(f"mean batch reached: {means}")
     errors = sum(c.errors for c in cells)
     lost = sum(c.lost for c in cells)
     print(f"errors (non-2xx other than 503): {errors}; acknowledged adds lost: {lost}")

@@ -54,6 +54,7 @@ def test_service_load_smoke(tmp_path):
     assert help_.returncode == 0 and "--max-batch" in help_.stdout and "--clients" in help_.stdout
     args = ["--model", str(model), "--clients", "2", "--seconds", "1", "--max-requests", "6", "--memories", "2"]
     args += ["--events", "3", "--queries", "2", "--k", "2", "--new-tokens", "2", "--threads", "1", "--max-batch", "4"]
+    args += ["--repeats", "1"]
     out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
@@ -70,5 +71,14 @@ def test_service_load_smoke(tmp_path):
         row = one(rf"\s+2\s+{mb}\s+(\d+)\s+[\d.]+(?:\s+[\d.na]+){{4}}\s+0\s+\d+\s+\d+\s+0\s+[\d.na]+$")
         assert 1 <= int(row.group(1)) <= 6
     one(r"2 clients: requests/s [\d.]+x \([\d.]+ / [\d.]+\), query p50 ([\d.]+x|n/a), query p99 ([\d.]+x|n/a)")
+    costs = (
+        r"a query's costs \(library, median ms\): prepare \d+ \(BM25, served cache, question ids\); readout at batch "
+    )
+    one(
+        costs + r"1: \d+ \(\d+ a query\), 2: \d+ \(\d+ a query\), 4: \d+ \(\d+ a query\); add \d+ .*lazy prefill -?\d+$"
+    )
+    for name in ("this mix", "queries only"):
+        one(rf"most that batching can give \({name}; .*\): batch 2 [\d.]+x, batch 4 [\d.]+x$")
+    one(r"mean batch reached: 2 clients ([\d.]+|nan)$")
     one(r"errors \(non-2xx other than 503\): 0; acknowledged adds lost: 0")
     one(r"HTTP overhead \(median query latency, HTTP / library\): [\d.]+x")
