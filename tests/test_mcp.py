@@ -94,7 +94,7 @@ WRITES = [
     ("final_query", "query_memory", {"question": "Who handles the report?", "select": "view", "max_new_tokens": 5}),
 ]
 ERRORS = [
-    ("blank", "add_memory", {"text": "   "}, "invalid_request: text '   ': string should match pattern"),
+    ("blank", "add_memory", {"text": "   "}, "invalid_request: text '   ': string should match pattern '\\S'"),
     ("string_k", "search_memory", {"query": QUESTION, "k": "3"}, "invalid_request: k '3': input should be a valid"),
     ("extra", "search_memory", {"query": QUESTION, "limit": 3}, "limit 3: extra inputs are not permitted"),
     ("missing", "update_memory", {"text": "x"}, "invalid_request: event_id: field required"),

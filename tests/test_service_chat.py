@@ -451,6 +451,10 @@ def test_auth_namespaces_and_raw_bodies_keep_openai_shape(live):
         url, content=b"{not json", headers={**live.auth, "content-type": "application/json"}, timeout=60
     )
     assert not_json.status_code == 400 and set(not_json.json()["error"]) == {"message", "type", "param", "code"}
+    assert not_json.json()["error"]["param"] is None  # a character of the body is not a parameter
+    assert not_json.json()["error"]["message"].startswith(
+        "the body is not valid JSON at character 1: Expecting property name enclosed in double quotes"
+    )
     wrong_method = httpx.get(url, headers=live.auth, timeout=60)
     assert wrong_method.status_code == 405 and "error" in wrong_method.json()
     too_big = httpx.post(url, content=b"x" * (5 * 1024 * 1024), headers=live.auth, timeout=60)  # over --max-body

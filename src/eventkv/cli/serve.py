@@ -87,6 +87,8 @@ def serve(
             import torch
 
             torch.set_num_threads(threads)
+        # the model loads before the server listens (seconds to minutes): say so, on stderr as uvicorn's log
+        typer.echo(f"eventkv serve: loading {model} ...", err=True)
         lm = load(model, dtype=dtype, device=device)
         settings = Settings(
             lm,

@@ -165,7 +165,7 @@ def validation_message(errors: Sequence[Any], hint: str = "see /docs for the req
         given = e.get("input")
         shown = "" if e.get("type") == "missing" or isinstance(given, dict) else f" {show_value(given)}"
         shown = shown if len(shown) <= 60 else shown[:56] + " ..."
-        parts.append(f"{loc}{shown}: {str(e.get('msg', '')).lower().rstrip('.')}")
+        parts.append(f"{loc}{shown}: {s.pydantic_rule(e)}")
     return "; ".join(parts) + f" ({hint})."
 
 

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from eventkv.errors import OptionError
 from eventkv.service.names import MAX_NAME, NAME_PATTERN
-from eventkv.service.schemas import MAX_TEXT, EventId, MaxNewTokens, Name, Shaping
+from eventkv.service.schemas import MAX_TEXT, EventId, MaxNewTokens, Name, Shaping, pydantic_rule
 from eventkv.wire import MEMORY_HEADER, NotFound
 
 #: tokens generated when the request gives neither ``max_completion_tokens`` nor ``max_tokens``
@@ -380,12 +380,17 @@ def invalid(errors: list[dict]) -> tuple[str, str | None, str]:
         found = unsupported(e)
         if found is not None:
             return found
+    if errors and errors[0].get("type") == "json_invalid":  # its location is a character of the body, no field
+        char = next((x for x in errors[0].get("loc", ()) if isinstance(x, int)), None)
+        at = f" at character {char}" if char is not None else ""
+        why = (errors[0].get("ctx") or {}).get("error") or pydantic_rule(errors[0])
+        return f"the body is not valid JSON{at}: {why}; send a JSON object.", None, "invalid_request"
     parts = []
     for e in errors[:3]:
         given = e.get("input")
         where = param_of([x for x in e.get("loc", ()) if x != "body"]) or "body"
         shown = "" if e.get("type") == "missing" or isinstance(given, (dict, list)) else f" {given!r}"
         shown = shown if len(shown) <= 60 else shown[:56] + " ..."
-        parts.append(f"{where}{shown}: {str(e.get('msg', '')).rstrip('.')}")
+        parts.append(f"{where}{shown}: {pydantic_rule(e)}")
     param = param_of([x for x in errors[0].get("loc", ()) if x != "body"])
-    return "; ".join(parts) + " (see /docs for the request schema).", param, "invalid_request"
+    return "; ".join(parts) + " (see /docs for the request schemas).", param, "invalid_request"

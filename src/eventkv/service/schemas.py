@@ -22,6 +22,14 @@ EventId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID, patt
 Tag = Annotated[str, StringConstraints(min_length=1, max_length=100)]
 
 
+def pydantic_rule(error: dict) -> str:
+    """The rule one pydantic error states, in the library's wording: its message with only its first
+    letter lowered (``Input should be ...`` -> ``input should be ...``; a pattern such as ``\\S`` or
+    a name such as ``JSON`` keeps its case) and no final period."""
+    msg = str(error.get("msg", "")).rstrip(".")
+    return msg[:1].lower() + msg[1:] if msg[1:2].islower() else msg
+
+
 def _whole(value: object) -> object:
     """A float with no fractional part as an int: JSON Schema's ``integer`` includes ``3.0``, and a
     client that sends it means 3; strings and booleans still fail the strict int check."""
