@@ -195,6 +195,11 @@ def run_cell(args, pristine: Path, work: Path, mids: list[str], event_ids: list[
         shutil.rmtree(store, ignore_errors=True)
 
 
+def readout_sizes(max_batch: int) -> list[int]:
+    """The batch sizes whose readout the costs phase times."""
+    return sorted({1, 2, 4, max_batch})
+
+
 def batch_costs(args, lm, store: Path, questions: list[str], event_ids: list[str]) -> dict[str, float]:
     """In the library, on a copy of the store: what one query costs before its readout (``prepare``:
     BM25, the served cache, the question's ids), its readout alone and in batches of 2, 4 and
@@ -204,7 +209,6 @@ def batch_costs(args, lm, store: Path, questions: list[str], event_ids: list[str
 
     plan = [(None, "compact")]
     opts = dict(k=args.k, max_new_tokens=args.new_tokens)
-    sizes = sorted({1, 2, 4, args.max_batch})
     out: dict[str, list[float]] = defaultdict(list)
     with EventMemory.open(store, lm) as mem:
 
@@ -219,11 +223,12 @@ def batch_costs(args, lm, store: Path, questions: list[str], event_ids: list[str
         answer_prepared(lm, prepared(questions[:2]))  # warm-up, not counted
         out.clear()
         for _ in range(args.repeats):
-            for b in sizes:
+            for b in readout_sizes(args.max_batch):
                 ps = prepared(questions[:b])
                 t0 = time.perf_counter()
                 answer_prepared(lm, ps)
                 out[f"readout {b}"].append(1e3 * (time.perf_counter() - t0))
+        prepare_ms = statistics.median(out["prepare"])  # a query's cost with no write pending
         for i in range(args.repeats):
             for op in ("add", "update"):
                 t0 = time.perf_counter()
@@ -234,7 +239,7 @@ def batch_costs(args, lm, store: Path, questions: list[str], event_ids: list[str
                 out[op].append(1e3 * (time.perf_counter() - t0))
                 t0 = time.perf_counter()
                 mem.prepare_query(questions[0], plan, **opts)
-                out[f"{op} lazy prefill"].append(1e3 * (time.perf_counter() - t0) - statistics.median(out["prepare"]))
+                out[f"{op} lazy prefill"].append(1e3 * (time.perf_counter() - t0) - prepare_ms)
     return {key: statistics.median(xs) for key, xs in out.items()}
 
 
@@ -327,9 +332,9 @@ def main() -> None:
             costs = batch_costs(
                 args, lm, work / "costs" / "default" / mids[0], [question(rng) for _ in range(args.max_batch)], ids
             )
-            sizes = sorted({1, 2, 4, args.max_batch})
             per = ", ".join(
-                f"{b}: {costs[f'readout {b}']:.0f} ({costs[f'readout {b}'] / b:.0f} a query)" for b in sizes
+                f"{b}: {costs[f'readout {b}']:.0f} ({costs[f'readout {b}'] / b:.0f} a query)"
+                for b in readout_sizes(args.max_batch)
             )
             print(
                 f"a query's costs (library, median ms): prepare {costs['prepare']:.0f} "
@@ -375,7 +380,7 @@ def main() -> None:
         print(f"throughput at 8 clients, batched / unbatched: {ratio(b.rate, u.rate)}")
     if costs:
         for name, mix in (("this mix", args.mix), ("queries only", [1.0, 0.0, 0.0])):
-            bounds = ", ".join(f"batch {b} {bound(costs, mix, b):.2f}x" for b in sorted({2, 4, args.max_batch}))
+            bounds = ", ".join(f"batch {b} {bound(costs, mix, b):.2f}x" for b in readout_sizes(args.max_batch)[1:])
             print(f"most that batching can give ({name}; writes and each query's prepare stay serial): {bounds}")
         means = ", ".join(f"{c.clients} clients {c.mean_batch:.2f}" for c in cells if c.max_batch > 1)
         print(f"mean batch reached: {means}")

@@ -162,6 +162,7 @@ def test_bad_requests_are_4xx_with_a_json_body(server):
             assert set(r.json()) == {"code", "message"} and r.json()["message"]
         r = raw(server, "POST", f"{base}/events", content=b"{not json", headers={"content-type": "application/json"})
         assert r.status_code == 422
+        assert r.json()["message"].startswith("the body is not valid JSON at character 1: Expecting property name")
 
 
 def test_http_answers_equal_the_library_on_the_same_store(model_dir, tmp_path):

@@ -159,6 +159,8 @@ def validation_message(errors: Sequence[Any], hint: str = "see /docs for the req
     """The message of a request outside its schema, from pydantic's ``errors`` (``ValidationError.errors()``,
     the first five): the library's wording, ``field value: what is allowed`` (as an
     :class:`~eventkv.errors.OptionError`), with pydantic's rule as the fix, then ``(hint)``."""
+    if errors and (not_json := s.json_invalid(errors[0])) is not None:
+        return f"{not_json} ({hint})."
     parts = []
     for e in list(errors)[:5]:
         loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from eventkv.errors import OptionError
 from eventkv.service.names import MAX_NAME, NAME_PATTERN
-from eventkv.service.schemas import MAX_TEXT, EventId, MaxNewTokens, Name, Shaping, pydantic_rule
+from eventkv.service.schemas import MAX_TEXT, EventId, MaxNewTokens, Name, Shaping, json_invalid, pydantic_rule
 from eventkv.wire import MEMORY_HEADER, NotFound
 
 #: tokens generated when the request gives neither ``max_completion_tokens`` nor ``max_tokens``
@@ -380,11 +380,8 @@ def invalid(errors: list[dict]) -> tuple[str, str | None, str]:
         found = unsupported(e)
         if found is not None:
             return found
-    if errors and errors[0].get("type") == "json_invalid":  # its location is a character of the body, no field
-        char = next((x for x in errors[0].get("loc", ()) if isinstance(x, int)), None)
-        at = f" at character {char}" if char is not None else ""
-        why = (errors[0].get("ctx") or {}).get("error") or pydantic_rule(errors[0])
-        return f"the body is not valid JSON{at}: {why}; send a JSON object.", None, "invalid_request"
+    if errors and (not_json := json_invalid(errors[0])) is not None:  # a character of the body: no param
+        return f"{not_json}.", None, "invalid_request"
     parts = []
     for e in errors[:3]:
         given = e.get("input")

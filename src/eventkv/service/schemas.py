@@ -30,6 +30,17 @@ def pydantic_rule(error: dict) -> str:
     return msg[:1].lower() + msg[1:] if msg[1:2].islower() else msg
 
 
+def json_invalid(error: dict) -> str | None:
+    """The message of a request body that is not JSON (FastAPI's ``json_invalid`` error, located at a
+    character of the body rather than at a field), without a final period; None for any other error."""
+    if error.get("type") != "json_invalid":
+        return None
+    char = next((x for x in error.get("loc", ()) if isinstance(x, int)), None)
+    at = f" at character {char}" if char is not None else ""
+    why = (error.get("ctx") or {}).get("error") or pydantic_rule(error)
+    return f"the body is not valid JSON{at}: {why}; send a JSON object"
+
+
 def _whole(value: object) -> object:
     """A float with no fractional part as an int: JSON Schema's ``integer`` includes ``3.0``, and a
     client that sends it means 3; strings and booleans still fail the strict int check."""
