@@ -37,6 +37,14 @@ class PurgePending(EventKVError):
     """
 
 
+class StoreLocked(EventKVError):
+    """A memory store whose writer lock another EventMemory holds (in this or another process: a
+    store has one writer at a time). Nothing was read or written; the same call succeeds once the
+    holder closes the store. The service answers HTTP 503 with code ``locked`` and Retry-After; the
+    Ray Serve backend retries it against the replica that holds the store.
+    """
+
+
 class OptionError(EventKVError):
     """A bad option value. ``str()`` names the library field (``max_new_tokens 0: generate at
     least 1 token.``); :meth:`for_cli` names the command-line flag instead (``--max-new-tokens 0:

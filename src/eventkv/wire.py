@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from eventkv.errors import EventKVError, OptionError, OutOfSpace, PurgePending, StoreDamaged
+from eventkv.errors import EventKVError, OptionError, OutOfSpace, PurgePending, StoreDamaged, StoreLocked
 
 #: the request header that scopes a request to one namespace
 NAMESPACE_HEADER = "X-EventKV-Namespace"
@@ -141,6 +141,12 @@ class ShuttingDown(EventKVError):
     """The server is stopping and takes no new work (HTTP 503 ``shutting_down`` + Retry-After)."""
 
 
+class ReplicaUnavailable(EventKVError):
+    """The Ray Serve replica answering the request stopped before its answer (killed, or its node
+    lost): a write may or may not have been carried out, so read the memory (its version, its
+    events) before sending it again (HTTP 503 ``unavailable`` + Retry-After)."""
+
+
 class MethodNotAllowed(EventKVError):
     """A route that exists, called with a method it does not take (HTTP 405; ``Allow`` lists them)."""
 
@@ -167,6 +173,8 @@ ERRORS: dict[str, tuple[int, type[EventKVError]]] = {
     "busy": (503, QueueFull),
     "shutting_down": (503, ShuttingDown),
     "purge_pending": (503, PurgePending),
+    "locked": (503, StoreLocked),
+    "unavailable": (503, ReplicaUnavailable),
     "insufficient_storage": (507, OutOfSpace),
 }
 

@@ -36,6 +36,16 @@ def serve(
     limit_concurrency: int = typer.Option(
         256, "--limit-concurrency", help="open connections and running requests at most (503 beyond)"
     ),
+    backend: str = typer.Option(
+        "process", "--backend", help="process: this process serves; ray: replicas on a Ray cluster (Ray Serve)"
+    ),
+    ray_address: Optional[str] = typer.Option(
+        None, "--ray-address", help="--backend ray: the cluster (auto, or ray://host:10001; default: a local one)"
+    ),
+    replicas: int = typer.Option(2, "--replicas", help="--backend ray: replicas, each with its own model"),
+    memories_per_replica: int = typer.Option(
+        16, "--memories-per-replica", help="--backend ray: memories kept open per replica (instead of --max-open)"
+    ),
     dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
     threads: Optional[int] = THREADS_OPTION,
@@ -43,7 +53,8 @@ def serve(
 ) -> None:
     """Serve EventMemory over HTTP (FastAPI + uvicorn; needs the server extra: pip install 'eventkv\\[server]').
 
-    API docs at /docs; Prometheus metrics at /metrics.
+    API docs at /docs; Prometheus metrics at /metrics. --backend ray: the same app as Ray Serve replicas
+    (pip install 'eventkv\\[server,ray]'), each memory's requests routed to the replica holding it.
     """
     with user_errors():
         from eventkv.errors import EventKVError, OptionError
@@ -76,6 +87,24 @@ def serve(
         ):
             if not value > 0:
                 raise OptionError(name, value, "give a number of seconds > 0.")
+        if backend not in ("process", "ray"):
+            raise OptionError("backend", backend, "use process or ray.")
+        if backend == "process":
+            for flag, value, default in (
+                ("--ray-address", ray_address, None),
+                ("--replicas", replicas, 2),
+                ("--memories-per-replica", memories_per_replica, 16),
+            ):
+                if value != default:
+                    raise OptionError(flag[2:].replace("-", "_"), value, "only --backend ray takes it.", flag=flag)
+        elif max_open != 16:
+            raise OptionError(
+                "max_open", max_open, "--backend ray keeps --memories-per-replica open per replica.", flag="--max-open"
+            )
+        check_int("replicas", replicas, "run at least 1 replica.", flag="--replicas")
+        check_int(
+            "memories_per_replica", memories_per_replica, "keep at least 1 memory open.", flag="--memories-per-replica"
+        )
         if store.exists() and not store.is_dir():
             raise OptionError("store", str(store), "the store is a file: give a directory.", flag="--store")
         tokens = read_tokens(token_file) if token_file is not None else {}
@@ -83,6 +112,36 @@ def serve(
         check_port(host, port)
         resolve_dtype(dtype, resolve_device(device)[0])
         threads = check_threads(threads)
+        connections = Connections(header_timeout, keep_alive, limit_concurrency)
+        if backend == "ray":
+            from eventkv.service.cluster.deploy import serve_cluster
+            from eventkv.service.cluster.replica import ReplicaSpec
+
+            spec = ReplicaSpec(
+                model,
+                str(store.resolve()),
+                dtype,
+                device,
+                threads or 1,
+                tokens,
+                max_queue=max_queue,
+                max_body=max_body,
+                body_timeout=body_timeout,
+                max_batch=max_batch,
+                memories=memories_per_replica,
+            )
+            typer.echo(f"eventkv serve: starting {replicas} Ray Serve replicas of {model} ...", err=True)
+            serve_cluster(
+                spec,
+                host,
+                port,
+                address=ray_address,
+                replicas=replicas,
+                max_ongoing=limit_concurrency,
+                log_level=log_level,
+                connections=connections,
+            )
+            return
         if threads is not None:
             import torch
 
@@ -100,5 +159,4 @@ def serve(
             body_timeout=body_timeout,
             max_batch=max_batch,
         )
-        connections = Connections(header_timeout, keep_alive, limit_concurrency)
         serve_forever(settings, host, port, log_level=log_level, connections=connections)

@@ -63,7 +63,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from eventkv.errors import EventKVError, OutOfSpace, PurgePending
+from eventkv.errors import EventKVError, OutOfSpace, PurgePending, StoreLocked
 from eventkv.files import fsync_path, out_of_space, sha256_file, write_json_atomic
 from eventkv.memory import sql
 from eventkv.memory.integrity import MANIFEST_CHECKSUM, check_manifest, damaged, guard, manifest_checksum
@@ -199,7 +199,7 @@ class Store:
         when the file is closed or the process dies): one EventMemory per store at a time.
 
         Raises:
-            EventKVError: another EventMemory (in this or another process) has the store open.
+            StoreLocked: another EventMemory (in this or another process) has the store open.
         """
         import fcntl
 
@@ -208,7 +208,7 @@ class Store:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.close()
-            raise EventKVError(
+            raise StoreLocked(
                 f"the memory in {str(directory)!r} is open in another EventMemory (this or another process): "
                 "close that one first (a store has one writer at a time)."
             ) from None

@@ -82,7 +82,8 @@ def create_app(settings: Settings) -> FastAPI:
     through their dependencies (:mod:`eventkv.service.state`)."""
     root = Path(settings.store)
     root.mkdir(parents=True, exist_ok=True)
-    clean_leftovers(root)
+    if settings.clean_at_start:
+        clean_leftovers(root)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

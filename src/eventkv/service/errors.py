@@ -55,8 +55,10 @@ STATUS_TEXT = {
     413: "the request body is over the server's limit (`body_too_large`)",
     422: "`invalid_request`: outside the schema, or not JSON; `invalid_option`: a bad memory id, namespace "
     "or model; `refused`: the memory cannot carry out the request",
-    503: "the model queue is full (`busy`), the server is stopping (`shutting_down`), or a forget is done but its "
-    "bytes are still on disk behind a reader (`purge_pending`: forget the same id again); retry after Retry-After",
+    503: "the model queue is full (`busy`), the server is stopping (`shutting_down`), a forget is done but its "
+    "bytes are still on disk behind a reader (`purge_pending`: forget the same id again), the memory is open in "
+    "another process (`locked`), or a Ray Serve replica stopped before its answer (`unavailable`); retry after "
+    "Retry-After",
     507: "the store's filesystem is full (`insufficient_storage`); nothing was written",
 }
 

@@ -202,12 +202,19 @@ def serve_forever(
     running requests finish (at most ``graceful_s`` seconds), then the app's lifespan finishes the
     worker's queued jobs and closes every memory. ``connections``: the timeouts and the connection
     limit (:class:`Connections`)."""
-    import uvicorn
-
     from eventkv.service.app import create_app
 
     check_bind(host, settings.tokens)
-    app = create_app(settings)
+    run_uvicorn(create_app(settings), host, port, log_level=log_level, graceful_s=graceful_s, connections=connections)
+
+
+def run_uvicorn(
+    app, host: str, port: int, *, log_level: str = "info", graceful_s: float = 30.0, connections: Connections = Connections()
+) -> None:
+    """Run the ASGI ``app`` under uvicorn on ``host:port`` until SIGINT/SIGTERM, with the timeouts and
+    connection limit of ``connections``; running requests get ``graceful_s`` seconds to finish."""
+    import uvicorn
+
     # uvicorn re-raises SIGTERM/SIGINT once its graceful shutdown is done (so a parent sees the signal);
     # with these handlers in place it then exits 0: the shutdown was clean (the lifespan closed every store)
     previous = {sig: signal.signal(sig, _exit_cleanly) for sig in (signal.SIGTERM, signal.SIGINT)}

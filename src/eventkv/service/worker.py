@@ -104,6 +104,10 @@ class ModelWorker:
         self._thread = threading.Thread(target=self._run, name="eventkv-model-worker", daemon=True)
         self._thread.start()
 
+    def on_worker_thread(self) -> bool:
+        """Whether the caller runs on the worker thread (where a job must not wait for another job)."""
+        return threading.current_thread() is self._thread
+
     @property
     def depth(self) -> int:
         """Jobs waiting (not counting the ones running; cancelled jobs have left the queue)."""
@@ -131,6 +135,21 @@ class ModelWorker:
             QueueFull, ShuttingDown: as :meth:`submit`.
         """
         return self._enqueue(_Item(query, Future(), query.directory))
+
+    def close_memory(self, directory: Path) -> Future:
+        """Queue the closing of the memory of ``directory`` (its rows dropped, its writer lock released),
+        after the jobs queued on it; the future is done once it is closed (at once when the worker has
+        stopped: every memory is closed then). Never refused for a full queue: closing frees the store
+        for another process, which a full queue must not hold up.
+        """
+        item = _Item(lambda: self.release(directory), Future(), directory)
+        with self._ready:
+            if self._closing and not self._thread.is_alive():
+                item.future.set_result(None)
+                return item.future
+            self._queue.append(item)
+            self._ready.notify()
+        return item.future
 
     def _enqueue(self, item: _Item) -> Future:
         with self._ready:
