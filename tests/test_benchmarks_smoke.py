@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -82,3 +84,38 @@ def test_service_load_smoke(tmp_path):
     one(r"mean batch reached: 2 clients ([\d.]+|nan)$")
     one(r"errors \(non-2xx other than 503\): 0; acknowledged adds lost: 0")
     one(r"HTTP overhead \(median query latency, HTTP / library\): [\d.]+x")
+
+
+def test_service_scale_smoke():
+    """The Ray Serve scaling benchmark end to end on the tiny model and a local Ray cluster of 2 CPUs: the
+    three arms (plain process, 1 replica, 2 replicas), each with a few requests and no errors; the three
+    ratios once each, and no memory answered by more than one replica."""
+    pytest.importorskip("ray.serve")
+    script = str(BENCHMARKS / "service_scale.py")
+    args = ["--memories", "4", "--events", "2", "--clients", "2", "--seconds", "2", "--max-requests", "8"]
+    args += ["--new-tokens", "2", "--k", "2", "--mix", "50,50"]  # at this seed both clients add and query
+    out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+
+    def one(pattern: str) -> re.Match:
+        hits = [m for m in map(re.compile(pattern).match, lines) if m]
+        assert len(hits) == 1, f"{pattern!r}: {len(hits)} lines in\n{out.stdout}"
+        return hits[0]
+
+    one(r"cpu: .+ \(\d+ cores\); torch threads 1 per server and per replica; Ray cluster 2 CPUs; model tiny float32$")
+    sizing = one(r"sizing: KV ([\d,]+) bytes a memory \(2 events, \d+ rows; .*\) = ([\d,]+) memories per GiB ")
+    assert int(sizing.group(1).replace(",", "")) > 0 and int(sizing.group(2).replace(",", "")) > 0
+    one(r"load: 2 clients, 4 memories \(a random one a request\), mix query 50 / add 50, k 2, 2 new tokens, 2 s ")
+    for arm in ("process", "ray 1 replica", "ray 2 replicas"):
+        row = one(rf"{arm}\s+(\d+)\s+[\d.]+(?:\s+[\d.na]+){{4}}\s+(\d+)\s+(\d+)$")
+        assert 1 <= int(row.group(1)) <= 8 and row.group(2) == row.group(3) == "0", row.group(0)
+    for arm, replicas in (("ray 1 replica", 1), ("ray 2 replicas", 2)):
+        held = one(rf"{arm}: replicas that answered (\d+); memories per replica [\d /]+; .* replica: (\d+)$")
+        assert 1 <= int(held.group(1)) <= replicas and held.group(2) == "0", held.group(0)
+    for name in (
+        "throughput, 2 replicas / 1 replica",
+        "throughput, Ray 1 replica / plain process",
+        "p50 latency, Ray 1 replica / plain process",
+    ):
+        assert float(one(rf"{re.escape(name)}: (\d+\.\d\d)x$").group(1)) > 0

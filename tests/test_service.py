@@ -14,7 +14,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from service_fixtures import Server, save_sharp_model  # noqa: E402
+from service_fixtures import RayCluster, Server, save_sharp_model  # noqa: E402
 
 from eventkv.client import Client, ServiceError  # noqa: E402
 from eventkv.memory import EventMemory, MemoryEvent  # noqa: E402
@@ -36,11 +36,40 @@ def model_dir(tmp_path_factory):
     return save_sharp_model(tmp_path_factory.mktemp("sharp"))
 
 
+@pytest.fixture(scope="module", params=["process", "ray"])
+def cluster(request):
+    """The backend every test of this module runs against: None (one process), or a local Ray cluster
+    of 2 CPUs that the servers deploy 2 replicas on (``--backend ray``)."""
+    if request.param == "process":
+        yield None
+        return
+    pytest.importorskip("ray.serve")
+    c = RayCluster()
+    try:
+        yield c
+    finally:
+        c.shutdown()
+
+
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    srv = Server(model_dir, tmp_path_factory.mktemp("store"))
-    yield srv
-    srv.kill()
+def shared(tmp_path_factory, cluster):
+    """The module's shared server (started by :func:`server`) and its store."""
+    held = {"store": tmp_path_factory.mktemp("store"), "server": None}
+    yield held
+    if held["server"] is not None:
+        held["server"].kill()
+
+
+@pytest.fixture
+def server(model_dir, shared, cluster):
+    """The module's shared server, started again on its store when a test's own server has taken
+    its place on the Ray cluster (one Serve application per cluster)."""
+    srv = shared["server"]
+    if srv is None or srv.proc.poll() is not None or (cluster is not None and cluster.deployed is not srv):
+        if srv is not None:
+            srv.kill()
+        srv = shared["server"] = Server(model_dir, shared["store"], cluster=cluster)
+    return srv
 
 
 def raw(server, method, path, namespace="default", **kw):
@@ -80,7 +109,7 @@ def test_every_endpoint_through_the_client(server):
         Client.open(server.url, "verbs")
     assert e.value.status == 404 and e.value.code == "not_found"
     assert raw(server, "GET", "/health").json()["status"] == "ok"
-    metrics = raw(server, "GET", "/metrics").text
+    metrics = raw(server, "GET", "/metrics", headers={"X-EventKV-Memory": "verbs"}).text  # of the memory's replica
     assert 'eventkv_requests_total{method="POST",route="/v1/memories/{mid}/query",status="200"}' in metrics
     assert "eventkv_queue_depth" in metrics and "eventkv_request_seconds_bucket" in metrics
     assert raw(server, "GET", "/docs").status_code == 200
@@ -165,8 +194,8 @@ def test_bad_requests_are_4xx_with_a_json_body(server):
         assert r.json()["message"].startswith("the body is not valid JSON at character 1: Expecting property name")
 
 
-def test_http_answers_equal_the_library_on_the_same_store(model_dir, tmp_path):
-    srv = Server(model_dir, tmp_path / "store")
+def test_http_answers_equal_the_library_on_the_same_store(model_dir, tmp_path, cluster):
+    srv = Server(model_dir, tmp_path / "store", cluster=cluster)
     try:
         with Client.create(srv.url, "same") as mem:
             mem.add(EVENTS, prefill=True)
@@ -197,10 +226,10 @@ def test_http_answers_equal_the_library_on_the_same_store(model_dir, tmp_path):
                 assert c.logprob == pytest.approx(r.logprob, abs=1e-5)
 
 
-def test_auth_tokens_and_namespace_grants(model_dir, tmp_path):
+def test_auth_tokens_and_namespace_grants(model_dir, tmp_path, cluster):
     tokens = tmp_path / "tokens"
     tokens.write_text(f"# admin\n{TOKEN}\n{'b' * 32} beta\n")
-    srv = Server(model_dir, tmp_path / "store", "--token-file", str(tokens))
+    srv = Server(model_dir, tmp_path / "store", "--token-file", str(tokens), cluster=cluster)
     try:
         assert raw(srv, "GET", "/health").status_code == 200  # open, as the API description is (test_service_docs)
         for headers in ({}, {"Authorization": "Bearer wrong-token-0000000000"}, {"Authorization": TOKEN}):
@@ -217,8 +246,8 @@ def test_auth_tokens_and_namespace_grants(model_dir, tmp_path):
         srv.kill()
 
 
-def test_413_and_503(model_dir, tmp_path):
-    srv = Server(model_dir, tmp_path / "store", "--max-body", "2048", "--max-queue", "1")
+def test_413_and_503(model_dir, tmp_path, cluster):
+    srv = Server(model_dir, tmp_path / "store", "--max-body", "2048", "--max-queue", "1", cluster=cluster)
     try:
         with Client.create(srv.url, "busy") as mem:
             r = raw(srv, "POST", "/v1/memories/busy/events", json={"events": [{"text": "x" * 5000}]})
@@ -256,14 +285,14 @@ def test_non_loopback_bind_without_a_token_is_refused(monkeypatch, capsys, tmp_p
     assert code == 2 and "16 characters" in err
 
 
-def test_sigkill_mid_stream_loses_no_acknowledged_event(model_dir, tmp_path):
+def test_sigkill_mid_stream_loses_no_acknowledged_event(model_dir, tmp_path, cluster):
     """A client streams adds (each acknowledged by a 2xx after the commit; every third eager, so
     segment files are being written); the server is SIGKILLed mid-stream; a new server on the same
     store lists every acknowledged event; the reopened store passes the gate."""
     from test_memory import check_gate
 
     store = tmp_path / "store"
-    srv = Server(model_dir, store)
+    srv = Server(model_dir, store, cluster=cluster)
     acked: list[str] = []
     stop = threading.Event()
 
@@ -290,7 +319,7 @@ def test_sigkill_mid_stream_loses_no_acknowledged_event(model_dir, tmp_path):
         t.join(30)
     finally:
         srv.kill()
-    srv2 = Server(model_dir, store)
+    srv2 = Server(model_dir, store, cluster=cluster)
     try:
         with Client.open(srv2.url, "crash") as mem:
             listed = {r.id for r in mem.list()}
@@ -323,13 +352,13 @@ def test_smollm2_through_http_equals_the_library(tmp_path):
     assert_same_greedy(ref.generation.tokens, ref.generation.logits, ref.generation.tokens, ref.generation.logits, 1e-4)
 
 
-def test_sigterm_finishes_queued_work_and_leaves_the_store_consistent(model_dir, tmp_path):
+def test_sigterm_finishes_queued_work_and_leaves_the_store_consistent(model_dir, tmp_path, cluster):
     """SIGTERM while writes and queries are queued: uvicorn lets the open requests finish, the worker
     runs what was queued, every store is closed; each request got a 2xx (or, once stopping, a 503 or
     a refused connection), never a 500; every acknowledged add is in the reopened store."""
     import time
 
-    srv = Server(model_dir, tmp_path / "store")
+    srv = Server(model_dir, tmp_path / "store", cluster=cluster)
     try:
         with Client.create(srv.url, "term") as mem:
             mem.add(["Dana lives in Lisbon."] * 3, prefill=True)
@@ -346,7 +375,7 @@ def test_sigterm_finishes_queued_work_and_leaves_the_store_consistent(model_dir,
                 return "refused", None
 
         def jobs_started() -> int:
-            for line in raw(srv, "GET", "/metrics").text.splitlines():
+            for line in raw(srv, "GET", "/metrics", headers={"X-EventKV-Memory": "term"}).text.splitlines():
                 if line.startswith('eventkv_jobs_total{outcome="started"}'):
                     return int(float(line.split()[-1]))
             return 0
@@ -401,7 +430,7 @@ def test_a_query_does_not_move_the_version(server):
         mem.add("Mei moved to Oslo.", expected_version=v)  # read, query, write: no conflict
 
 
-def test_refusals_do_not_leak_server_paths(model_dir, tmp_path):
+def test_refusals_do_not_leak_server_paths(model_dir, tmp_path, cluster):
     from eventkv.testing import tiny_lm
 
     other = tmp_path / "other-model"
@@ -409,14 +438,14 @@ def test_refusals_do_not_leak_server_paths(model_dir, tmp_path):
     lm.model.save_pretrained(other)
     lm.tokenizer.save_pretrained(other)
     store = tmp_path / "store"
-    srv = Server(model_dir, store)
+    srv = Server(model_dir, store, cluster=cluster)
     try:
         with Client.create(srv.url, "mine") as mem:
             mem.add("Dana lives in Lisbon.", prefill=True)
         assert srv.stop() == 0
     finally:
         srv.kill()
-    srv = Server(other, store)  # another model on the same store
+    srv = Server(other, store, cluster=cluster)  # another model on the same store
     try:
         assert raw(srv, "GET", "/v1/memories/mine/events").status_code == 200  # reads need no model
         r = raw(srv, "POST", "/v1/memories/mine/query", json={"question": "Where?"})

@@ -20,7 +20,9 @@ readout (:func:`eventkv.memory.answer.answer_prepared`). Which queries a batch t
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections import Counter, OrderedDict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -34,6 +36,10 @@ if TYPE_CHECKING:
     from eventkv.models.profile import LoadedModel
 
 T = TypeVar("T")
+#: each open and close of a memory is logged here at INFO, as ``memory NS/ID opened|closing at UNIX_TIME``,
+#: the time taken while the store's writer lock is held (so one store's intervals never overlap across
+#: processes: the Ray Serve backend's tests read them from the replicas' logs)
+LOG = logging.getLogger("eventkv.service.memories")
 
 __all__ = ["MemoryQuery", "ModelWorker", "QueueFull", "ShuttingDown"]
 
@@ -212,8 +218,8 @@ class ModelWorker:
                 self._run_one(items[0])
             elif items:
                 self._answer(items)
-        for mem in self._open.values():
-            mem.close()
+        for directory, mem in self._open.items():
+            _close(directory, mem)
         self._open.clear()
 
     @staticmethod
@@ -269,20 +275,33 @@ class ModelWorker:
         mem = self._open.get(directory)
         if mem is None:
             mem = EventMemory.open(directory, self.lm)
+            LOG.info("memory %s opened at %.6f", _name(directory), time.time())
             self._open[directory] = mem
-            while len(self._open) > self.max_open:
-                self._open.popitem(last=False)[1].close()
+            self._evict()
         self._open.move_to_end(directory)
         return mem
 
     def adopt(self, directory: Path, mem: EventMemory) -> None:
         """Keep a memory created on the worker thread open for later jobs."""
+        LOG.info("memory %s opened at %.6f", _name(directory), time.time())
         self._open[directory] = mem
+        self._evict()
+
+    def _evict(self) -> None:
         while len(self._open) > self.max_open:
-            self._open.popitem(last=False)[1].close()
+            _close(*self._open.popitem(last=False))
 
     def release(self, directory: Path) -> None:
         """Close the memory of ``directory`` if open (before it is removed). Worker thread only."""
         mem = self._open.pop(directory, None)
         if mem is not None:
-            mem.close()
+            _close(directory, mem)
+
+
+def _name(directory: Path) -> str:
+    return f"{directory.parent.name}/{directory.name}"
+
+
+def _close(directory: Path, mem: EventMemory) -> None:
+    LOG.info("memory %s closing at %.6f", _name(directory), time.time())
+    mem.close()

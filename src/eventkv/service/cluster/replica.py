@@ -31,7 +31,8 @@ from eventkv.errors import EventKVError, StoreLocked
 from eventkv.service.cluster.routing import MEMORIES
 
 #: Ray Serve writes the records of this logger to each replica's log file
-#: (``/tmp/ray/session_latest/logs/serve/replica_*.log``)
+#: (``/tmp/ray/session_latest/logs/serve/replica_<app>_<deployment>_<replica id>.log``); the replica
+#: adds the opens and closes of its memories (:data:`eventkv.service.worker.LOG`) to it
 LOG = logging.getLogger("ray.serve")
 #: the response header naming the replica that answered (``serve.get_replica_context().replica_id``)
 REPLICA_HEADER = "x-eventkv-replica"
@@ -104,7 +105,6 @@ class MemorySlot:
         done = self.worker.close_memory(self.directory)
         if not self.worker.on_worker_thread():  # the worker thread must not wait for its own job
             done.result(timeout=120)
-        LOG.info("eventkv: memory %s closed on replica %s", self.key, self.replica)
 
 
 def replica_deployment(spec: ReplicaSpec, replicas: int, max_ongoing: int) -> Any:
@@ -129,6 +129,11 @@ def replica_deployment(spec: ReplicaSpec, replicas: int, max_ongoing: int) -> An
             self.lm = load(spec.model, dtype=spec.dtype, device=spec.device)
             self.root = Path(spec.store)
             self.replica = serve.get_replica_context().replica_id.unique_id
+            # each open and close of a memory (eventkv.service.worker.LOG) into this replica's Serve log
+            opens = logging.getLogger("eventkv.service.memories")
+            opens.setLevel(logging.INFO)
+            for handler in LOG.handlers:
+                opens.addHandler(handler)
             LOG.info("eventkv: replica %s loaded %s (%s)", self.replica, spec.model, self.lm.profile.dtype)
 
         def __serve_build_asgi_app__(self):
@@ -167,7 +172,6 @@ def replica_deployment(spec: ReplicaSpec, replicas: int, max_ongoing: int) -> An
                     raise
                 except EventKVError:  # a damaged store, a full queue, ...: the app answers it as the process does
                     pass
-            LOG.info("eventkv: memory %s opened on replica %s", key, self.replica)
             return MemorySlot(worker, d, key, self.replica)
 
         async def forward(self, request: Forwarded) -> AsyncIterator[Start | bytes]:

@@ -29,6 +29,8 @@ def memory_key(method: str, path: str, headers: dict[str, str], body: bytes, raw
     Where the memory is named: the path ``/v1/memories/<id>/...``; the body's ``id`` of
     ``POST /v1/memories`` (a creation); the body's ``memory.id`` or the header
     :data:`eventkv.wire.MEMORY_HEADER` of ``POST /v1/chat/completions`` (the body wins, as in the route).
+    Any other request with that header (``GET /metrics``, ``GET /health``) goes to the replica holding
+    the header's memory: that replica's metrics and queue.
     The namespace is the header :data:`eventkv.wire.NAMESPACE_HEADER` (default ``default``). A name that
     is not valid, or a body that is not JSON, gives None: the replica that gets the request answers
     its 4xx, as the single process does.
@@ -48,6 +50,8 @@ def memory_key(method: str, path: str, headers: dict[str, str], body: bytes, raw
         else:
             attached = doc.get("memory") if isinstance(doc, dict) else None
             memory = attached.get("id") if isinstance(attached, dict) else headers.get(MEMORY_HEADER.lower())
+    if memory is None and not path.startswith(MEMORIES) and path != CHAT:  # e.g. /metrics of that memory's replica
+        memory = headers.get(MEMORY_HEADER.lower())
     if not isinstance(memory, str) or NAME.fullmatch(memory) is None or NAME.fullmatch(namespace) is None:
         return None
     return f"{namespace}/{memory}"

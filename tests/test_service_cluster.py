@@ -1,0 +1,239 @@
+"""``eventkv serve --backend ray`` under faults, on a local Ray cluster of 2 CPUs the test starts on
+127.0.0.1 (tests/service_fixtures.RayCluster), 2 replicas of the sharpened tiny model (float32, one
+thread each): a replica killed during a stream of adds (``ray.kill`` on its actor, and SIGKILL of its
+process) loses no acknowledged add, the memory answers from the replica that reopened it, as the single
+process answers on the same store; each memory is open on one replica at a time (the replicas' logs
+of opens and closes), memories moving between replicas as each replica keeps few open; two memories
+answered on two replicas at once. The behaviour tests of tests/test_service.py run against this
+backend too."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("ray.serve")
+
+from service_fixtures import RayCluster, Server, save_sharp_model  # noqa: E402
+
+from eventkv.client import Client  # noqa: E402
+from eventkv.service.cluster.replica import REPLICA_HEADER  # noqa: E402
+
+QUESTION = "What is the value of event number 3?"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_sharp_model(tmp_path_factory.mktemp("sharp"))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = RayCluster()
+    try:
+        yield c
+    finally:
+        c.shutdown()
+
+
+def post(srv, path, body, timeout=120):
+    return httpx.post(srv.url + path, json=body, timeout=timeout)
+
+
+def query(srv, mid, **kw):
+    body = {"question": QUESTION, "select": "all", "max_new_tokens": 6, "candidates": ["21", "35"], **kw}
+    r = post(srv, f"/v1/memories/{mid}/query", body)
+    assert r.status_code == 200, r.text
+    return r.json(), r.headers[REPLICA_HEADER]
+
+
+class AddStream:
+    """Adds to memory ``mid``, one event a request (every third eager, so segment files are written
+    while a replica dies), from a thread until stopped: ``acked`` holds each acknowledged event's id and
+    the replica that acknowledged it; a refused add (503 ``unavailable`` while a replica is replaced, a
+    connection error) is not acknowledged and the stream goes on."""
+
+    def __init__(self, srv, mid: str) -> None:
+        self.srv, self.mid = srv, mid
+        self.acked: list[tuple[str, str]] = []
+        self.refused: list[int | str] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        i = 0
+        while not self.stop.is_set():
+            body = {"events": [{"text": f"Event number {i}: the value is {i * 7}."}], "prefill": i % 3 == 0}
+            try:
+                r = post(self.srv, f"/v1/memories/{self.mid}/events", body, timeout=60)
+            except httpx.TransportError as exc:
+                self.refused.append(type(exc).__name__)
+                time.sleep(0.1)
+                continue
+            if r.status_code == 201:
+                self.acked.append((r.json()["added"][0]["id"], r.headers[REPLICA_HEADER]))
+                i += 1
+            else:
+                assert r.status_code == 503 and r.json()["code"] == "unavailable", (r.status_code, r.text)
+                self.refused.append(r.status_code)
+                time.sleep(0.1)
+
+    def wait(self, condition, seconds: float = 240) -> None:
+        deadline = time.monotonic() + seconds
+        while not condition():
+            assert self.thread.is_alive() and time.monotonic() < deadline, (len(self.acked), self.refused[-5:])
+            time.sleep(0.05)
+
+    def finish(self) -> None:
+        self.stop.set()
+        self.thread.join(120)
+
+
+@pytest.mark.parametrize("how", ["ray.kill", "SIGKILL"])
+def test_a_killed_replica_loses_no_acknowledged_add(model_dir, tmp_path, cluster, how):
+    store = tmp_path / "store"
+    srv = Server(model_dir, store, cluster=cluster)
+    try:
+        Client.create(srv.url, "stream", instruction="Answer from the events.").close()
+        stream = AddStream(srv, "stream")
+        stream.wait(lambda: len(stream.acked) >= 10)
+        holder = stream.acked[-1][1]
+        actor, pid = cluster.replicas()[holder]
+        if how == "ray.kill":
+            cluster.ray.kill(actor, no_restart=True)
+        else:
+            os.kill(pid, signal.SIGKILL)
+        killed_at = len(stream.acked)
+        stream.wait(lambda: sum(r != holder for _, r in stream.acked[killed_at:]) >= 10)
+        stream.finish()
+        assert stream.acked[killed_at - 1][1] == holder
+        # until its death every add was acknowledged by the holder; after it, by the replica that reopened it
+        after = {r for _, r in stream.acked[killed_at:]} - {holder}
+        assert len(after) == 1 and all(r == holder for _, r in stream.acked[:killed_at]), stream.acked
+        reopened = after.pop()
+        with Client.open(srv.url, "stream") as mem:
+            listed = {r.id for r in mem.list()}
+        acked = {eid for eid, _ in stream.acked}
+        assert acked <= listed, sorted(acked - listed)
+        assert len(listed) - len(acked) <= 1  # at most the add that was under way when the replica died
+        over_ray, replica = query(srv, "stream")
+        assert replica == reopened and reopened in cluster.replicas()
+        assert srv.stop() == 0  # the gateway's SIGTERM deletes the application: every store closed
+    finally:
+        srv.kill()
+    single = Server(model_dir, store)  # the single process on the same store
+    try:
+        alone, _ = query(single, "stream")
+    finally:
+        single.kill()
+    assert over_ray["tokens"] == alone["tokens"] and over_ray["text"] == alone["text"]
+    assert over_ray["served_ids"] == alone["served_ids"] and len(over_ray["served_ids"]) == len(listed)
+    for a, b in zip(over_ray["candidates"], alone["candidates"]):
+        assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-5)
+
+
+OPENS = re.compile(r"memory (\S+) (opened|closing) at ([0-9.]+)")
+
+
+def open_intervals(session_logs: Path) -> dict[str, list[tuple[float, float, str]]]:
+    """Memory -> its ``(opened, closing, replica)`` intervals, from every replica's Serve log (a memory
+    still open at the end closes at +inf)."""
+    found: dict[str, list[tuple[float, float, str]]] = {}
+    for log in sorted(session_logs.glob("replica_eventkv_MemoryReplica_*.log")):
+        replica = log.stem.split("_")[-1]
+        opened: dict[str, float] = {}
+        for name, what, t in OPENS.findall(log.read_text(errors="replace")):
+            if what == "opened":
+                opened[name] = float(t)
+            else:
+                found.setdefault(name, []).append((opened.pop(name), float(t), replica))
+        for name, t in opened.items():
+            found.setdefault(name, []).append((t, float("inf"), replica))
+    return found
+
+
+def test_each_memory_is_open_on_one_replica_at_a_time(model_dir, tmp_path, cluster):
+    """6 memories, 2 replicas that keep 2 open each: 8 clients add to and query them at random, so
+    memories close on one replica and open on the other. Every request is answered (a lock refusal is
+    retried by the gateway, never seen by a client), every acknowledged add is there, and by the
+    replicas' logs no memory was ever open on two replicas at once."""
+    import random
+
+    srv = Server(model_dir, tmp_path / "store", "--memories-per-replica", "2", cluster=cluster)
+    mids = [f"m{i}" for i in range(6)]
+    try:
+        for m in mids:
+            Client.create(srv.url, m).close()
+
+        def client(seed: int) -> list[tuple[str, int, str | None]]:
+            rng, done = random.Random(seed), []
+            for n in range(12):
+                m = rng.choice(mids)
+                if rng.random() < 0.6:
+                    body = {"events": [{"text": f"Client {seed} says {n}.", "id": f"c{seed}-{n}"}]}
+                    r = post(srv, f"/v1/memories/{m}/events", body)
+                else:
+                    r = post(srv, f"/v1/memories/{m}/query", {"question": "Who says what?", "max_new_tokens": 2})
+                done.append((m, r.status_code, r.headers.get(REPLICA_HEADER)))
+                if r.status_code == 201:
+                    done.append((m, 0, f"c{seed}-{n}"))
+            return done
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            results = [x for got in pool.map(client, range(8)) for x in got]
+        codes = {code for _, code, _ in results}
+        assert codes <= {0, 200, 201}, [x for x in results if x[1] not in (0, 200, 201)]
+        for m in mids:
+            with Client.open(srv.url, m) as mem:
+                listed = {r.id for r in mem.list()}
+            assert {eid for mm, code, eid in results if mm == m and code == 0} <= listed
+        assert srv.stop() == 0
+    finally:
+        srv.kill()
+    intervals = open_intervals(cluster.serve_logs())
+    assert set(intervals) >= {f"default/{m}" for m in mids}
+    moved = 0
+    for name, spans in intervals.items():
+        spans.sort()
+        moved += len({r for _, _, r in spans}) > 1
+        for (o1, c1, r1), (o2, c2, r2) in zip(spans, spans[1:]):
+            assert c1 <= o2, f"{name} open on {r1} until {c1} and on {r2} from {o2}"
+    assert moved > 0, intervals  # the test moved memories between replicas, or it proved nothing
+
+
+def test_two_memories_on_two_replicas_at_once(model_dir, tmp_path, cluster):
+    """The second memory goes to the replica holding none; queries on both, sent together, are
+    answered by both replicas, each as the single process answers it."""
+    store = tmp_path / "store"
+    srv = Server(model_dir, store, cluster=cluster)
+    try:
+        holders = {}
+        for m in ("left", "right"):
+            r = post(srv, "/v1/memories", {"id": m})
+            assert r.status_code == 201
+            r = post(srv, f"/v1/memories/{m}/events", {"events": [{"text": f"Event number 3: {m} is 21."}]})
+            holders[m] = r.headers[REPLICA_HEADER]
+        assert holders["left"] != holders["right"], holders
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            answers = dict(zip(("left", "right"), pool.map(lambda m: query(srv, m, max_new_tokens=24), holders)))
+        assert {m: rep for m, (_, rep) in answers.items()} == holders
+        assert srv.stop() == 0
+    finally:
+        srv.kill()
+    single = Server(model_dir, store)
+    try:
+        for m, (got, _) in answers.items():
+            alone, _ = query(single, m, max_new_tokens=24)
+            assert got["tokens"] == alone["tokens"]
+    finally:
+        single.kill()
