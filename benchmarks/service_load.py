@@ -80,18 +80,13 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b > 0 and a == a and b == b else "n/a"
 
 
-@dataclass
-class Cell:
-    """What one (client count, max batch) run measured."""
+@dataclass(kw_only=True)
+class Tally:
+    """Requests of one load run: latencies by operation, statuses, wall time."""
 
-    clients: int
-    max_batch: int
     wall: float = 0.0
     lat: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))  # seconds, by op
     codes: Counter = field(default_factory=Counter)  # (op, status) -> count
-    lost: int = 0
-    acked: int = 0
-    mean_batch: float = float("nan")
 
     @property
     def total(self) -> int:
@@ -102,16 +97,28 @@ class Cell:
         return self.total / self.wall if self.wall else float("nan")
 
     def ms(self, op: str | None, q: float) -> float:
-        xs = [x for o in OPS for x in self.lat[o]] if op is None else self.lat[op]
+        """The ``q``-th percentile latency of ``op`` (None: every request), in ms."""
+        xs = [x for v in self.lat.values() for x in v] if op is None else self.lat[op]
         return percentile([1e3 * x for x in xs], q)
-
-    @property
-    def errors(self) -> int:
-        return sum(v for (_, c), v in self.codes.items() if not 200 <= c < 300 and c != 503)
 
     @property
     def busy(self) -> int:
         return sum(v for (_, c), v in self.codes.items() if c == 503)
+
+
+@dataclass
+class Cell(Tally):
+    """What one (client count, max batch) run measured."""
+
+    clients: int
+    max_batch: int
+    lost: int = 0
+    acked: int = 0
+    mean_batch: float = float("nan")
+
+    @property
+    def errors(self) -> int:
+        return sum(v for (_, c), v in self.codes.items() if not 200 <= c < 300 and c != 503)
 
 
 async def load_phase(url, mids, cell: Cell, args, event_ids) -> list[tuple[str, str]]:

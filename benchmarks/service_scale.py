@@ -51,25 +51,24 @@ from pathlib import Path
 
 import httpx
 import torch
-from service_load import event_text, percentile, question, ratio
+from service_load import Tally, event_text, question, ratio
 
 from eventkv.memory import EventMemory
 from eventkv.models import load
 from eventkv.service.server import ServerProcess
+from eventkv.testing import save_sharp_model
 
 OPS = ("query", "add")
 NAMESPACE = "default"
 
 
 @dataclass
-class Arm:
-    """What one server measured. ``replicas``: 0 for the plain process."""
+class Arm(Tally):
+    """What one server measured. ``replicas``: 0 for the plain process. ``codes`` status 0: the
+    connection failed."""
 
     name: str
     replicas: int
-    wall: float = 0.0
-    lat: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))  # seconds, by op
-    codes: Counter = field(default_factory=Counter)  # (op, status) -> count; status 0: the connection failed
     answered_by: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))  # memory -> replica -> n
 
     def record(self, op: str, memory: str, status: int, replica: str | None, seconds: float) -> None:
@@ -79,24 +78,8 @@ class Arm:
             self.answered_by[memory][replica] += 1
 
     @property
-    def total(self) -> int:
-        return sum(self.codes.values())
-
-    @property
-    def rate(self) -> float:
-        return self.total / self.wall if self.wall else float("nan")
-
-    def ms(self, op: str | None, q: float) -> float:
-        xs = [x for o in OPS for x in self.lat[o]] if op is None else self.lat[op]
-        return percentile([1e3 * x for x in xs], q)
-
-    @property
     def errors(self) -> int:
         return sum(v for (_, c), v in self.codes.items() if not 200 <= c < 300)
-
-    @property
-    def busy(self) -> int:
-        return sum(v for (_, c), v in self.codes.items() if c == 503)
 
     def held(self) -> Counter:
         """Replica -> memories it answered for (warm-up included)."""
@@ -119,19 +102,6 @@ def cpu_model() -> str:
     import platform
 
     return platform.processor() or "unknown CPU"
-
-
-def sharp_tiny_model(directory: Path) -> Path:
-    """The tiny random Llama with its output layer scaled by 30 (logits spread like a trained model's,
-    so greedy steps have clear top-two margins), saved with its tokenizer as a model directory."""
-    from eventkv.testing import tiny_lm
-
-    lm = tiny_lm("llama")
-    with torch.no_grad():
-        lm.model.lm_head.weight.mul_(30.0)
-    lm.model.save_pretrained(directory)
-    lm.tokenizer.save_pretrained(directory)
-    return directory
 
 
 def start_cluster(cpus: int):
@@ -274,7 +244,7 @@ def main() -> None:
     ray = None
     arms: list[Arm] = []
     try:
-        model = str(sharp_tiny_model(work / "model")) if args.model == "tiny" else args.model
+        model = str(save_sharp_model(work / "model")) if args.model == "tiny" else args.model
         lm = load(model, dtype="float32")
         weights = sum(p.numel() * p.element_size() for p in lm.model.parameters())
         pristine = work / "pristine"

@@ -6,21 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from eventkv.service.server import ServerProcess
-from eventkv.testing import tiny_lm
-
-
-def save_sharp_model(directory: Path) -> Path:
-    """The tiny random Llama with its output layer scaled by 30 (logits spread like a trained
-    model's, so greedy steps have clear top-two margins), saved as a local model directory."""
-    lm = tiny_lm("llama")
-    with torch.no_grad():
-        lm.model.lm_head.weight.mul_(30.0)
-    lm.model.save_pretrained(directory)
-    lm.tokenizer.save_pretrained(directory)
-    return directory
+from eventkv.testing import save_sharp_model  # noqa: F401 - the service tests' model, imported from here
 
 
 def Server(model, store, *args: str, cluster: "RayCluster | None" = None) -> ServerProcess:  # noqa: N802

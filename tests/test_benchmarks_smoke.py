@@ -13,12 +13,12 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def test_gpu_throughput_smoke():
+def run_benchmark(script: str, args: list[str], timeout: float):
+    """Run ``benchmarks/<script>`` with ``args``; its exit must be 0. Returns ``(one, lines)``: ``one(pattern)``
+    is the match of the one stdout line that matches ``pattern`` (it fails unless exactly one does); ``lines``
+    the stdout's lines."""
     out = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "gpu_throughput.py"), "--smoke", "--device", "cpu"],
-        capture_output=True,
-        text=True,
-        timeout=600,
+        [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=timeout
     )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
@@ -28,6 +28,11 @@ def test_gpu_throughput_smoke():
         assert len(hits) == 1, f"{pattern!r}: {len(hits)} lines in\n{out.stdout}"
         return hits[0]
 
+    return one, lines
+
+
+def test_gpu_throughput_smoke():
+    one, lines = run_benchmark("gpu_throughput.py", ["--smoke", "--device", "cpu"], 600)
     assert one(r"device: .*\(cpu, \d+ torch threads\); dtype float32; torch ")
     assert one(r"model: Qwen3ForCausalLM from qwen3-8b\.json \(smoke shape\), random weights: 2 layers, hidden 64, ")
     assert one(r"tokenizer: ")
@@ -57,14 +62,7 @@ def test_service_load_smoke(tmp_path):
     args = ["--model", str(model), "--clients", "2", "--seconds", "1", "--max-requests", "6", "--memories", "2"]
     args += ["--events", "3", "--queries", "2", "--k", "2", "--new-tokens", "2", "--threads", "1", "--max-batch", "4"]
     args += ["--repeats", "1"]
-    out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=1200)
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = out.stdout.splitlines()
-
-    def one(pattern: str) -> re.Match:
-        hits = [m for m in map(re.compile(pattern).match, lines) if m]
-        assert len(hits) == 1, f"{pattern!r}: {len(hits)} lines in\n{out.stdout}"
-        return hits[0]
+    one, lines = run_benchmark("service_load.py", args, 1200)
 
     one(r"model .* float32, 1 threads; history 3 events, \d+ positions")
     one(r"query latency over 2 queries \(median ms\): HTTP [\d.]+, library [\d.]+; same answers in 2/2")
@@ -91,17 +89,9 @@ def test_service_scale_smoke():
     three arms (plain process, 1 replica, 2 replicas), each with a few requests and no errors; the three
     ratios once each, and no memory answered by more than one replica."""
     pytest.importorskip("ray.serve")
-    script = str(BENCHMARKS / "service_scale.py")
     args = ["--memories", "4", "--events", "2", "--clients", "2", "--seconds", "2", "--max-requests", "8"]
     args += ["--new-tokens", "2", "--k", "2", "--mix", "50,50"]  # at this seed both clients add and query
-    out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = out.stdout.splitlines()
-
-    def one(pattern: str) -> re.Match:
-        hits = [m for m in map(re.compile(pattern).match, lines) if m]
-        assert len(hits) == 1, f"{pattern!r}: {len(hits)} lines in\n{out.stdout}"
-        return hits[0]
+    one, _ = run_benchmark("service_scale.py", args, 600)
 
     one(r"cpu: .+ \(\d+ cores\); torch threads 1 per server and per replica; Ray cluster 2 CPUs; model tiny float32$")
     sizing = one(r"sizing: KV ([\d,]+) bytes a memory \(2 events, \d+ rows; .*\) = ([\d,]+) memories per GiB ")

@@ -212,6 +212,18 @@ def tiny_lm(family: str = "llama", seed: int = 0, max_context: int = 4096):
     return LoadedModel(model, tok, profile_for(model, tok, f"tiny-{family}", weights_digest=f"tiny-{family}-{seed}"))
 
 
+def save_sharp_model(directory) -> Any:
+    """The tiny random Llama of :func:`tiny_lm` with its output layer scaled by 30 (logits spread like a
+    trained model's, so greedy steps have clear top-two margins), saved with its tokenizer as a local
+    model directory ``directory`` (returned), for servers and benchmarks that load a model by path."""
+    lm = tiny_lm("llama")
+    with torch.no_grad():
+        lm.model.lm_head.weight.mul_(30.0)
+    lm.model.save_pretrained(directory)
+    lm.tokenizer.save_pretrained(directory)
+    return directory
+
+
 def lookup_model(family: str, table, *, fallback: int, vocab_size: int = 320):
     """A tiny causal LM (``llama`` or ``qwen2``) whose greedy next token is fixed **by construction**
     (weights set by hand, no training), so a test that needs right answers does not depend on one

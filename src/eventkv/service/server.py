@@ -189,8 +189,18 @@ def header_timeout_protocol(seconds: float) -> type:
     return HeaderTimeout
 
 
-def serve_forever(
-    settings,
+def serve_forever(settings, host: str, port: int, **options) -> None:
+    """Run the app over ``settings`` under uvicorn until SIGINT/SIGTERM (:func:`run_uvicorn`, with its
+    keyword ``options``); on shutdown uvicorn stops accepting, lets running requests finish, then the
+    app's lifespan finishes the worker's queued jobs and closes every memory."""
+    from eventkv.service.app import create_app
+
+    check_bind(host, settings.tokens)
+    run_uvicorn(create_app(settings), host, port, **options)
+
+
+def run_uvicorn(
+    app,
     host: str,
     port: int,
     *,
@@ -198,21 +208,9 @@ def serve_forever(
     graceful_s: float = 30.0,
     connections: Connections = Connections(),
 ) -> None:
-    """Run the app under uvicorn until SIGINT/SIGTERM; on shutdown uvicorn stops accepting, lets
-    running requests finish (at most ``graceful_s`` seconds), then the app's lifespan finishes the
-    worker's queued jobs and closes every memory. ``connections``: the timeouts and the connection
-    limit (:class:`Connections`)."""
-    from eventkv.service.app import create_app
-
-    check_bind(host, settings.tokens)
-    run_uvicorn(create_app(settings), host, port, log_level=log_level, graceful_s=graceful_s, connections=connections)
-
-
-def run_uvicorn(
-    app, host: str, port: int, *, log_level: str = "info", graceful_s: float = 30.0, connections: Connections = Connections()
-) -> None:
     """Run the ASGI ``app`` under uvicorn on ``host:port`` until SIGINT/SIGTERM, with the timeouts and
-    connection limit of ``connections``; running requests get ``graceful_s`` seconds to finish."""
+    connection limit of ``connections`` (:class:`Connections`); running requests get ``graceful_s``
+    seconds to finish; ``log_level``: uvicorn's."""
     import uvicorn
 
     # uvicorn re-raises SIGTERM/SIGINT once its graceful shutdown is done (so a parent sees the signal);

@@ -69,7 +69,7 @@ class Gateway:
             query_string=scope.get("query_string", b""),
             headers=list(scope.get("headers") or []),
             body=b"".join(body),
-            client=tuple(scope["client"]) if scope.get("client") else None,  # type: ignore[arg-type]
+            client=tuple(scope["client"]) if scope.get("client") else None,
         )
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
         raw = request.raw_path.decode("latin-1").split("?")[0]
@@ -115,7 +115,13 @@ class Gateway:
             try:
                 start: Start = await call.__anext__()
             except BackPressureError:
-                return error_answer(request.path, 503, "busy", "every replica's queue is full: retry after a moment.")
+                return error_answer(
+                    request.path,
+                    503,
+                    "busy",
+                    "every replica's queue is full: retry after a moment.",
+                    {"Retry-After": "1"},
+                )
             except ray.exceptions.RayTaskError as exc:  # the replica's code raised: a bug, the app answers 500 itself
                 LOG.error("forwarding %s %s failed: %s", request.method, request.path, exc)
                 return error_answer(request.path, 500, "internal", "an internal error: please report it.")

@@ -119,6 +119,8 @@ def replica_deployment(spec: ReplicaSpec, replicas: int, max_ongoing: int) -> An
     class MemoryReplica:
         """One replica: the model, the service's app over it, and the memories it holds."""
 
+        app: Any  # the service's app, set by serve.ingress from __serve_build_asgi_app__ (its lifespan run by Serve)
+
         def __init__(self, spec: ReplicaSpec) -> None:
             import torch
 
@@ -181,9 +183,11 @@ def replica_deployment(spec: ReplicaSpec, replicas: int, max_ongoing: int) -> An
                 try:
                     await self.slot(key)
                 except StoreLocked as exc:
-                    body = json.dumps({"code": "locked", "message": self.app.state.service.scrub(str(exc))})
-                    yield Start(503, self._headers([(b"content-type", b"application/json"), (b"retry-after", b"1")]), True)
-                    yield body.encode()
+                    refusal = json.dumps({"code": "locked", "message": self.app.state.service.scrub(str(exc))})
+                    yield Start(
+                        503, self._headers([(b"content-type", b"application/json"), (b"retry-after", b"1")]), True
+                    )
+                    yield refusal.encode()
                     return
             messages: asyncio.Queue[dict | None] = asyncio.Queue()
             task = asyncio.ensure_future(self._run(request, messages))
@@ -192,7 +196,8 @@ def replica_deployment(spec: ReplicaSpec, replicas: int, max_ongoing: int) -> An
                 assert start is not None and start["type"] == "http.response.start", start
                 status, headers = start["status"], list(start.get("headers") or [])
                 creation = request.method == "POST" and request.path == MEMORIES
-                chunks, more = [], True
+                chunks: list[bytes] = []
+                more = True
                 if status == 503 or creation:  # small answers, read whole first: `locked`? a new memory's id?
                     while more:
                         m = await messages.get()
@@ -257,7 +262,8 @@ def replica_deployment(spec: ReplicaSpec, replicas: int, max_ongoing: int) -> An
             finally:
                 await messages.put(None)
 
-    return MemoryReplica.options(
+    deployment: Any = MemoryReplica  # serve.deployment made it a Deployment
+    return deployment.options(
         num_replicas=replicas, max_ongoing_requests=max_ongoing, ray_actor_options={"num_cpus": spec.threads}
     ).bind(spec)
 
