@@ -239,3 +239,62 @@ def test_two_memories_on_two_replicas_at_once(model_dir, tmp_path, cluster):
             assert got["tokens"] == alone["tokens"]
     finally:
         single.kill()
+
+
+def test_chat_and_mcp_through_the_ray_backend(model_dir, tmp_path, cluster):
+    """The OpenAI client's chat (a memory attached by the body and by the header, streamed and not,
+    ``remember``) and the MCP server's ``--server`` backend, against the Ray backend: the memory's
+    chats all answered by its replica, streamed = not streamed, the remembered turns stored."""
+    import anyio
+    import openai
+    from mcp import ClientSession
+    from mcp.client.stdio import stdio_client
+    from test_mcp import calls, params
+
+    srv = Server(model_dir, tmp_path / "store", cluster=cluster)
+    try:
+        with Client.create(srv.url, "chat") as mem:
+            mem.add(["Event number 3: the value is 21.", "Event number 4: the value is 28."], prefill=True)
+        seen: list[str] = []
+        http = httpx.Client(event_hooks={"response": [lambda r: seen.append(r.headers.get(REPLICA_HEADER))]})
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=120, http_client=http)
+        ask = [{"role": "user", "content": QUESTION}]
+        plain = client.chat.completions.create(
+            model=str(model_dir), messages=ask, max_tokens=8, extra_body={"memory": {"id": "chat"}}
+        )
+        by_header = client.chat.completions.create(
+            model=str(model_dir), messages=ask, max_tokens=8, extra_headers={"X-EventKV-Memory": "chat"}
+        )
+        chunks = list(
+            client.chat.completions.create(
+                model=str(model_dir), messages=ask, max_tokens=8, stream=True, extra_body={"memory": {"id": "chat"}}
+            )
+        )
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert plain.choices[0].message.content == by_header.choices[0].message.content == streamed
+        assert plain.usage.prompt_tokens == by_header.usage.prompt_tokens > 0
+        remembered = client.chat.completions.create(
+            model=str(model_dir), messages=ask, max_tokens=8, extra_body={"memory": {"id": "chat", "remember": True}}
+        )
+        assert len(set(seen)) == 1 and None not in seen, seen  # every chat on the memory's replica
+        with Client.open(srv.url, "chat") as mem:
+            texts, version = [r.text for r in mem.list()], mem.version
+        assert texts[-2] == QUESTION and len(texts) == 4 and remembered.choices[0].message.content is not None
+        got: dict = {}
+
+        async def session():
+            with (tmp_path / "mcp-stderr.txt").open("w") as err, anyio.fail_after(600):
+                async with stdio_client(params("--server", srv.url, "--memory", "chat"), errlog=err) as (read, write):
+                    async with ClientSession(read, write) as s:
+                        await s.initialize()
+                        steps = [
+                            ("add", "add_memory", {"text": "Event number 5: the value is 35.", "id": "five"}),
+                            ("query", "query_memory", {"question": QUESTION, "k": 1, "max_new_tokens": 3}),
+                        ]
+                        got.update(await calls(s, steps))
+
+        anyio.run(session)
+        assert not got["add"].is_error and not got["query"].is_error
+        assert got["add"].structured_content["version"] == version + 1 and len(got["query"].structured_content["served_ids"]) == 1
+    finally:
+        srv.kill()
