@@ -295,6 +295,64 @@ def test_chat_and_mcp_through_the_ray_backend(model_dir, tmp_path, cluster):
 
         anyio.run(session)
         assert not got["add"].is_error and not got["query"].is_error
-        assert got["add"].structured_content["version"] == version + 1 and len(got["query"].structured_content["served_ids"]) == 1
+        assert (
+            got["add"].structured_content["version"] == version + 1
+            and len(got["query"].structured_content["served_ids"]) == 1
+        )
     finally:
         srv.kill()
+
+
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        (["--backend", "kubernetes"], "--backend 'kubernetes': use process or ray."),
+        (["--replicas", "3"], "--replicas 3: only --backend ray takes it."),
+        (["--ray-address", "auto"], "--ray-address 'auto': only --backend ray takes it."),
+        (["--memories-per-replica", "4"], "--memories-per-replica 4: only --backend ray takes it."),
+        (["--backend", "ray", "--max-open", "4"], "--max-open 4: --backend ray keeps --memories-per-replica open"),
+        (["--backend", "ray", "--replicas", "0"], "--replicas 0: run at least 1 replica."),
+    ],
+)
+def test_bad_cluster_options_exit_2_before_anything_starts(monkeypatch, capsys, tmp_path, args, says):
+    from cli_fixtures import run_cli
+
+    code, out, err = run_cli(monkeypatch, capsys, "serve", "--model", "/no/model", "--store", str(tmp_path), *args)
+    assert code == 2 and says in err and "Traceback" not in out + err, err
+
+
+def test_a_cluster_too_small_for_the_replicas_is_refused(monkeypatch, capsys, tmp_path, cluster):
+    """3 replicas of 1 CPU on the 2-CPU cluster: refused at once (Serve would wait for CPUs forever)."""
+    from cli_fixtures import run_cli
+
+    code, _, err = run_cli(
+        monkeypatch, capsys, "serve", "--model", "/no/model", "--store", str(tmp_path), *cluster.args(replicas=3)
+    )
+    assert code == 2 and "the Ray cluster has 2 CPUs, the replicas need 3" in err, err
+
+
+@pytest.mark.parametrize(
+    "method,path,headers,body,key",
+    [
+        ("GET", "/v1/memories/agent-7/events", {}, b"", "default/agent-7"),
+        ("POST", "/v1/memories/agent-7/query", {"x-eventkv-namespace": "team"}, b"{}", "team/agent-7"),
+        ("POST", "/v1/memories", {}, b'{"id": "new-one"}', "default/new-one"),
+        ("POST", "/v1/memories", {}, b"{}", None),  # an id the server will generate: any replica
+        ("POST", "/v1/memories", {}, b"{not json", None),
+        ("POST", "/v1/chat/completions", {}, b'{"memory": {"id": "m"}}', "default/m"),
+        ("POST", "/v1/chat/completions", {"x-eventkv-memory": "h"}, b'{"memory": {"id": "m"}}', "default/m"),
+        ("POST", "/v1/chat/completions", {"x-eventkv-memory": "h"}, b"{}", "default/h"),
+        ("POST", "/v1/chat/completions", {}, b'{"messages": []}', None),
+        ("GET", "/metrics", {"x-eventkv-memory": "m"}, b"", "default/m"),
+        ("GET", "/v1/memories", {}, b"", None),
+        ("GET", "/health", {}, b"", None),
+        ("GET", "/v1/memories/..%2Fx", {}, b"", None),  # not a name: the replica answers 422
+        ("GET", "/v1/memories/m", {"x-eventkv-namespace": "../etc"}, b"", None),
+    ],
+)
+def test_the_routing_key_is_the_memory_a_request_names(method, path, headers, body, key):
+    from urllib.parse import unquote
+
+    from eventkv.service.cluster.routing import memory_key
+
+    assert memory_key(method, unquote(path), headers, body, raw_path=path) == key

@@ -53,8 +53,9 @@ def serve(
 ) -> None:
     """Serve EventMemory over HTTP (FastAPI + uvicorn; needs the server extra: pip install 'eventkv\\[server]').
 
-    API docs at /docs; Prometheus metrics at /metrics. --backend ray: the same app as Ray Serve replicas
-    (pip install 'eventkv\\[server,ray]'), each memory's requests routed to the replica holding it.
+    API docs at /docs; Prometheus metrics at /metrics.
+
+    --backend ray: the same app as Ray Serve replicas, each memory's requests routed to its replica (the ray extra).
     """
     with user_errors():
         from eventkv.errors import EventKVError, OptionError
