@@ -13,6 +13,7 @@ import concurrent.futures
 import os
 import re
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -356,3 +357,13 @@ def test_the_routing_key_is_the_memory_a_request_names(method, path, headers, bo
     from eventkv.service.cluster.routing import memory_key
 
     assert memory_key(method, unquote(path), headers, body, raw_path=path) == key
+
+
+def test_without_ray_the_ray_backend_says_how_to_install_it(monkeypatch, capsys, tmp_path):
+    from cli_fixtures import run_cli
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if the ray extra were not installed
+    code, out, err = run_cli(
+        monkeypatch, capsys, "serve", "--model", "/m", "--store", str(tmp_path), "--backend", "ray"
+    )
+    assert code == 2 and "pip install 'eventkv[ray]'" in err and "Traceback" not in out + err, err

@@ -25,8 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from ray import serve
-
 from eventkv.errors import EventKVError, StoreLocked
 from eventkv.service.cluster.routing import MEMORIES
 
@@ -111,8 +109,10 @@ def replica_deployment(spec: ReplicaSpec, replicas: int, max_ongoing: int) -> An
     """The Serve application of ``replicas`` replicas of :class:`MemoryReplica` over ``spec``, each
     reserving ``spec.threads`` CPUs and taking up to ``max_ongoing`` requests at once (the service's
     own queue, ``spec.max_queue``, answers 503 ``busy`` beyond it, as the single process does).
-    Built per call because the number of memories per replica is the multiplexed decorator's argument.
+    Built per call because the number of memories per replica is the multiplexed decorator's argument
+    (and so Ray is imported only here: it is an optional extra).
     """
+    from ray import serve
 
     @serve.deployment(name="MemoryReplica")
     @serve.ingress()
