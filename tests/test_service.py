@@ -468,3 +468,21 @@ def test_a_taken_port_is_refused_before_the_model_loads(monkeypatch, capsys, tmp
             monkeypatch, capsys, "serve", "--model", "/no/model", "--store", str(tmp_path / "s"), "--port", str(port)
         )
     assert code == 2 and f"--port {port}" in err and "Traceback" not in out + err
+
+
+def test_a_store_held_by_another_process_is_503_locked(model_dir, tmp_path):
+    """The library holds a memory's store (its writer lock): the single process answers a write 503
+    ``locked`` with Retry-After at once, nothing written (the Ray backend retries it until the store
+    is released: tests/test_service_cluster.py)."""
+    lm = load(str(model_dir), dtype="float32")
+    store = tmp_path / "store"
+    with EventMemory.create(store / "default" / "held", lm, namespace="default") as held:
+        held.add("Dana lives in Lisbon.")
+        srv = Server(model_dir, store)
+        try:
+            r = raw(srv, "POST", "/v1/memories/held/events", json={"events": [{"text": "Ravi drinks tea."}]})
+            assert r.status_code == 503 and r.json()["code"] == "locked" and r.headers["retry-after"] == "1"
+            assert str(store) not in r.text  # the server's paths stay private
+        finally:
+            srv.kill()
+        assert [e.text for e in held.list()] == ["Dana lives in Lisbon."]

@@ -203,8 +203,9 @@ def test_each_memory_is_open_on_one_replica_at_a_time(model_dir, tmp_path, clust
         assert srv.stop() == 0
     finally:
         srv.kill()
-    intervals = open_intervals(cluster.serve_logs())
-    assert set(intervals) >= {f"default/{m}" for m in mids}
+    found = open_intervals(cluster.serve_logs())  # the cluster's other tests' memories too: only this test's here
+    intervals = {name: spans for name, spans in found.items() if name in {f"default/{m}" for m in mids}}
+    assert len(intervals) == len(mids)
     moved = 0
     for name, spans in intervals.items():
         spans.sort()
@@ -274,6 +275,10 @@ def test_chat_and_mcp_through_the_ray_backend(model_dir, tmp_path, cluster):
         streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert plain.choices[0].message.content == by_header.choices[0].message.content == streamed
         assert plain.usage.prompt_tokens == by_header.usage.prompt_tokens > 0
+        sse = {"model": str(model_dir), "messages": ask, "max_tokens": 8, "stream": True, "memory": {"id": "chat"}}
+        with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json=sse, timeout=120) as r:
+            raw_stream = b"".join(r.iter_bytes())  # a stream cut short raises here (httpx.RemoteProtocolError)
+        assert raw_stream.rstrip().endswith(b"data: [DONE]")
         remembered = client.chat.completions.create(
             model=str(model_dir), messages=ask, max_tokens=8, extra_body={"memory": {"id": "chat", "remember": True}}
         )
@@ -327,9 +332,33 @@ def test_a_cluster_too_small_for_the_replicas_is_refused(monkeypatch, capsys, tm
     from cli_fixtures import run_cli
 
     code, _, err = run_cli(
-        monkeypatch, capsys, "serve", "--model", "/no/model", "--store", str(tmp_path), *cluster.args(replicas=3)
+        monkeypatch, capsys, "serve", "--model", "/m", "--store", str(tmp_path / "store"), *cluster.args(replicas=3)
     )
     assert code == 2 and "the Ray cluster has 2 CPUs, the replicas need 3" in err, err
+    assert not tmp_path.joinpath("store").exists()  # refused before anything was made
+
+
+def test_more_replicas_than_this_machines_cores_are_refused_before_ray_starts(tmp_path):
+    """Without --ray-address (in a process of its own: this one is a Ray driver already)."""
+    import subprocess
+
+    cores = len(os.sched_getaffinity(0))
+    start = "from eventkv.cli import main; import sys; sys.argv[0] = 'eventkv'; main()"
+    args = [
+        "serve",
+        "--model",
+        "/m",
+        "--store",
+        str(tmp_path / "store"),
+        "--backend",
+        "ray",
+        "--replicas",
+        str(cores + 1),
+    ]
+    out = subprocess.run([sys.executable, "-c", start, *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and f"this machine has {cores} CPUs, the replicas need {cores + 1}" in out.stderr
+    assert "Traceback" not in out.stderr and "Started a local Ray instance" not in out.stderr
+    assert not tmp_path.joinpath("store").exists()
 
 
 @pytest.mark.parametrize(
@@ -367,3 +396,32 @@ def test_without_ray_the_ray_backend_says_how_to_install_it(monkeypatch, capsys,
         monkeypatch, capsys, "serve", "--model", "/m", "--store", str(tmp_path), "--backend", "ray"
     )
     assert code == 2 and "pip install 'eventkv[ray]'" in err and "Traceback" not in out + err, err
+
+
+def test_a_store_held_elsewhere_is_retried_until_released(model_dir, tmp_path, cluster):
+    """A library process holds the memory's store (its writer lock) when an add arrives: the replica's
+    open is refused before anything is written, the gateway sends the add again until the library
+    closes the store, and the add is then stored once. (The single process answers 503 ``locked`` at
+    once: tests/test_service.py.)"""
+    from eventkv.memory import EventMemory
+    from eventkv.models import load
+
+    store = tmp_path / "store"
+    lm = load(str(model_dir), dtype="float32")
+    held = EventMemory.create(store / "default" / "held", lm, namespace="default")
+    held.add("Event number 1: the value is 7.")
+    srv = Server(model_dir, store, cluster=cluster)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            body = {"events": [{"text": "Event number 2: the value is 14.", "id": "two"}]}
+            sent = pool.submit(post, srv, "/v1/memories/held/events", body)
+            time.sleep(3)
+            assert not sent.done()  # refused by the lock and sent again, not answered
+            held.close()
+            r = sent.result(60)
+        assert r.status_code == 201, r.text
+        with Client.open(srv.url, "held") as mem:
+            assert [e.id for e in mem.list()] == ["e1", "two"]
+    finally:
+        held.close()
+        srv.kill()

@@ -8,6 +8,7 @@ own HTTP proxy disabled: the gateway (:mod:`eventkv.service.cluster.gateway`) is
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from eventkv.errors import EventKVError
@@ -54,17 +55,15 @@ def connect(address: str | None) -> bool:
     return address is None
 
 
-def check_capacity(replicas: int, threads: int) -> None:
-    """Refuse a deployment the cluster cannot place (Serve would wait for CPUs forever).
+def check_capacity(replicas: int, threads: int, cpus: float, where: str) -> None:
+    """Refuse a deployment that ``cpus`` CPUs cannot place (Serve would wait for CPUs forever).
 
     Raises:
-        EventKVError: the cluster has fewer CPUs than ``replicas`` x ``threads``.
+        EventKVError: ``replicas`` x ``threads`` is more than ``cpus`` (``where``: whose CPUs, for the message).
     """
-    ray, _ = import_serve()
-    cpus = ray.cluster_resources().get("CPU", 0)
     if replicas * threads > cpus:
         raise EventKVError(
-            f"--replicas {replicas} of --threads {threads}: the Ray cluster has {cpus:g} CPUs, the replicas need "
+            f"--replicas {replicas} of --threads {threads}: {where} has {cpus:g} CPUs, the replicas need "
             f"{replicas * threads}: give fewer replicas or threads, or a larger cluster."
         )
 
@@ -97,12 +96,14 @@ def serve_cluster(
 
     check_bind(host, spec.tokens)
     ray, serve = import_serve()
-    root = Path(spec.store)
-    root.mkdir(parents=True, exist_ok=True)
-    clean_leftovers(root)  # once, before any replica writes under the root
+    if address is None and not ray.is_initialized():  # a local instance would have this machine's cores
+        check_capacity(replicas, spec.threads, len(os.sched_getaffinity(0)), "this machine")
     started = connect(address)
     try:
-        check_capacity(replicas, spec.threads)
+        check_capacity(replicas, spec.threads, ray.cluster_resources().get("CPU", 0), "the Ray cluster")
+        root = Path(spec.store)
+        root.mkdir(parents=True, exist_ok=True)
+        clean_leftovers(root)  # once, before any replica writes under the root
         serve.start(proxy_location="Disabled")
         try:
             handle = serve.run(

@@ -19,6 +19,7 @@ stream (its status and headers, then the body's chunks), so a streamed chat stre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -216,10 +217,16 @@ def replica_deployment(spec: ReplicaSpec, replicas: int, max_ongoing: int) -> An
                     if m.get("body"):
                         yield m["body"]
                     more = m.get("more_body", False)
-            finally:
-                if not task.done():
-                    task.cancel()
-            await task
+            except BaseException:  # the gateway went away (its client left) or the answer failed: stop the app
+                task.cancel()
+                raise
+            # the answer's last message is out: the app returns (a streamed answer first stops waiting for a
+            # disconnect), and is cancelled if it does not within seconds
+            finished, _ = await asyncio.wait({task}, timeout=10)
+            if not finished:
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
         async def _hold_created(self, body: bytes) -> None:
             created = json.loads(body)
