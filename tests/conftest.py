@@ -35,3 +35,21 @@ def tiny_dir(tmp_path_factory):
     tiny_model("llama").save_pretrained(d)
     tiny_tokenizer().save_pretrained(d)
     return d
+
+
+@pytest.fixture(scope="module", params=["process", "ray"])
+def cluster(request):
+    """The backend of ``eventkv serve`` a test module's servers run on (tests/service_fixtures.Server's
+    ``cluster``): None (one process), or a local Ray cluster of 2 CPUs on 127.0.0.1 that each server
+    deploys 2 replicas on (``--backend ray``), started for the module and stopped after it."""
+    if request.param == "process":
+        yield None
+        return
+    pytest.importorskip("ray.serve")
+    from service_fixtures import RayCluster
+
+    c = RayCluster()
+    try:
+        yield c
+    finally:
+        c.shutdown()

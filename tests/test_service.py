@@ -14,7 +14,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from service_fixtures import RayCluster, Server, save_sharp_model  # noqa: E402
+from service_fixtures import Server, save_sharp_model  # noqa: E402
 
 from eventkv.client import Client, ServiceError  # noqa: E402
 from eventkv.memory import EventMemory, MemoryEvent  # noqa: E402
@@ -34,21 +34,6 @@ QUESTION = "Where does Dana live?"
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return save_sharp_model(tmp_path_factory.mktemp("sharp"))
-
-
-@pytest.fixture(scope="module", params=["process", "ray"])
-def cluster(request):
-    """The backend every test of this module runs against: None (one process), or a local Ray cluster
-    of 2 CPUs that the servers deploy 2 replicas on (``--backend ray``)."""
-    if request.param == "process":
-        yield None
-        return
-    pytest.importorskip("ray.serve")
-    c = RayCluster()
-    try:
-        yield c
-    finally:
-        c.shutdown()
 
 
 @pytest.fixture(scope="module")

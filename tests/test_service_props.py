@@ -84,11 +84,12 @@ def test_unknown_keys_are_refused(extra):
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory):
+def live(tmp_path_factory, cluster):
+    """A live server, on each backend (tests/conftest.cluster)."""
     from service_fixtures import Server, save_sharp_model
 
     store = tmp_path_factory.mktemp("store")
-    srv = Server(save_sharp_model(tmp_path_factory.mktemp("m")), store)
+    srv = Server(save_sharp_model(tmp_path_factory.mktemp("m")), store, cluster=cluster)
     yield srv, store
     srv.kill()
 
