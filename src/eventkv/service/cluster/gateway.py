@@ -33,16 +33,10 @@ class Gateway:
 
     Args:
         handle: the replicas' ``DeploymentHandle``. retry_s: as :data:`RETRY_S`.
-
-    Attributes:
-        retries: requests sent again after a 503 ``locked``. unavailable: requests answered 503
-            ``unavailable`` (their replica stopped before answering).
     """
 
     def __init__(self, handle: Any, retry_s: float = RETRY_S) -> None:
         self.handle, self.retry_s = handle, retry_s
-        self.retries = 0
-        self.unavailable = 0
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -126,7 +120,6 @@ class Gateway:
                 LOG.error("forwarding %s %s failed: %s", request.method, request.path, exc)
                 return error_answer(request.path, 500, "internal", "an internal error: please report it.")
             except (ray.exceptions.RayError, RayServeException) as exc:
-                self.unavailable += 1
                 LOG.warning("a replica stopped before answering %s %s: %s", request.method, request.path, exc)
                 return error_answer(
                     request.path,
@@ -138,7 +131,6 @@ class Gateway:
                 )
             if start.locked and loop.time() + delay < deadline:
                 call.cancel()
-                self.retries += 1
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
                 continue
