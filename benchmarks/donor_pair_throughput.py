@@ -17,17 +17,34 @@ machine falls on each of them alike):
 With ``--batch-pairs N`` (N > 1) a fourth way runs the kv,isolated arms N pairs at a time
 (``DonorPair.run_batch``: histories prefilled and read out in one batch).
 
-Prints one line per pair and way, then per way: mean seconds per pair, pairs per hour and the
-ratio of its pairs per hour to the study's. Model load and one warm-up pair per way are excluded.
+With ``--study-repo DIR`` (a checkout of the study's repository, oklen/Compute-Globally-Materialize-Locally,
+cloned by the user: nothing of it is part of eventkv) a way ``study's script`` times the study's own
+Part A (``kvmemory.kv_causal``: both variants' histories encoded, the root and full arms asked with its
+trace readout) on the same model directory, dtype, device and threads, in the same rotation; it is
+then the baseline of the ratios. Its items are the script's own (seeded), as many as ``--pairs``;
+Part B, which the script runs after Part A of each item, is not timed (:class:`StudyScript`).
+Without it the baseline is ``study (re-implemented)``: the study's way re-done on eventkv's data
+path, not the study's code.
+
+Prints one line per pair and way, then per way: mean seconds per pair, pairs per hour, tokens per
+pair through the model's decoder — one-token decode steps (times the rows of the batch) and the
+tokens of multi-token forwards (histories, questions, candidates: prefill) — and the ratio of its
+pairs per hour to the baseline's. Model load and one warm-up pair per way are excluded.
 ``--profile`` prints a cProfile of the eventkv ways.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import os
 import statistics
 import sys
+import tempfile
 import time
+import types
+from pathlib import Path
 
 import torch
 
@@ -71,6 +88,130 @@ def study_pair(rt: Runtime, probe: DonorPair, item: dict) -> float:
     return time.perf_counter() - t
 
 
+class ForwardCount:
+    """Tokens through ``model``'s decoder while :attr:`active`: ``prefill``, the tokens of multi-token
+    forwards (``[batch, q]`` with q > 1 counts batch x q, padding included), and ``decoded``, the
+    one-token forwards (counting batch). A forward pre-hook on the decoder (``model.model``), so the
+    forwards that skip the LM head count too."""
+
+    def __init__(self, model) -> None:
+        self.prefill = self.decoded = 0
+        self.active = False
+        getattr(model, "model", model).register_forward_pre_hook(self._seen, with_kwargs=True)
+
+    def _seen(self, module, args, kwargs) -> None:
+        if not self.active:
+            return
+        x = kwargs.get("input_ids")
+        if x is None:
+            x = args[0] if args else kwargs["inputs_embeds"]
+        batch, q = x.shape[0], x.shape[1]
+        if q > 1:
+            self.prefill += batch * q
+        else:
+            self.decoded += batch
+
+    @contextlib.contextmanager
+    def on(self):
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+
+    def take(self) -> tuple[int, int]:
+        """``(decoded, prefill)`` since the last take."""
+        got = (self.decoded, self.prefill)
+        self.decoded = self.prefill = 0
+        return got
+
+
+class StudyScript:
+    """The study's own Part A from a checkout of its repository (``repo``), on ``model_dir`` in ``dtype``.
+
+    Each pair is one call of the script's ``main`` with ``--items 1 --seed SEED+k`` (the script builds
+    its own items), with three things changed at run time and nothing in its files: its ``HFBackend`` is
+    built once here and handed to every call (no reload per pair; ``SPRAG_DEVICE_MAP=cpu`` on a CPU); on
+    a machine without CUDA its unconditional ``torch.cuda.synchronize()`` / ``empty_cache()`` calls are
+    no-ops; and the package ``kvmemory`` is entered without its ``__init__``, which imports a module the
+    public repository does not ship. What is timed: the calls of Part A — the first two
+    ``encode_variant`` (both variants' histories) and the first four ``ask`` (root and full of each) of
+    an item, which is the order of the script's loop; Part B and the header's encoding are not.
+
+    Raises:
+        EventKVError: ``repo`` holds no ``kvmemory/kv_causal.py``.
+    """
+
+    def __init__(self, repo: Path, model_dir: Path, dtype: str, device: str, seed: int) -> None:
+        script = repo / "kvmemory" / "kv_causal.py"
+        if not script.is_file():
+            raise EventKVError(
+                f"--study-repo {str(repo)!r}: no kvmemory/kv_causal.py there: give a checkout of "
+                "oklen/Compute-Globally-Materialize-Locally."
+            )
+        if "kvmemory" not in sys.modules:
+            package = types.ModuleType("kvmemory")
+            package.__path__ = [str(repo / "kvmemory")]
+            sys.modules["kvmemory"] = package
+        sys.path.insert(0, str(repo))
+        if device == "cpu":
+            os.environ.setdefault("SPRAG_DEVICE_MAP", "cpu")
+        with self.cuda_calls():
+            from kvmemory import kv_causal  # the user's checkout
+            from kvmemory.llm_hf import HFBackend
+
+            self.llm = HFBackend(str(model_dir), dtype=getattr(torch, dtype))
+        self.script, self.seed = kv_causal, seed
+        self.count = ForwardCount(self.llm.model)
+        self.out = Path(tempfile.mkdtemp(prefix="study-script-"))
+
+    @contextlib.contextmanager
+    def cuda_calls(self):
+        """Without CUDA, the script's ``torch.cuda.synchronize`` and ``empty_cache`` do nothing."""
+        if torch.cuda.is_available():
+            yield
+            return
+        saved = torch.cuda.synchronize, torch.cuda.empty_cache
+        torch.cuda.synchronize = torch.cuda.empty_cache = lambda *a, **k: None  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            torch.cuda.synchronize, torch.cuda.empty_cache = saved
+
+    def pair(self, index: int) -> float:
+        """Part A of the script's item for seed ``seed + index``: its wall seconds (the tokens in
+        :attr:`count`)."""
+        k = self.script
+        spent, calls = [0.0], {"encode_variant": 0, "ask": 0}
+        originals = {"encode_variant": k.encode_variant, "ask": k.ask, "HFBackend": k.HFBackend}
+
+        def timed(name: str, part_a: int):
+            def call(*args, **kwargs):
+                calls[name] += 1
+                if calls[name] > part_a:  # Part B's
+                    return originals[name](*args, **kwargs)
+                t = time.perf_counter()
+                with self.count.on():
+                    got = originals[name](*args, **kwargs)
+                spent[0] += time.perf_counter() - t
+                return got
+
+            return call
+
+        argv = sys.argv
+        k.encode_variant, k.ask = timed("encode_variant", 2), timed("ask", 4)
+        k.HFBackend = lambda *a, **kw: self.llm
+        sys.argv = ["kv_causal", "--items", "1", "--seed", str(self.seed + index), "--out", str(self.out / "cz.json")]
+        try:
+            with self.cuda_calls(), contextlib.redirect_stdout(io.StringIO()):
+                k.main()
+        finally:
+            sys.argv = argv
+            for name, fn in originals.items():
+                setattr(k, name, fn)
+        return spent[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -82,6 +223,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--batch-pairs", type=int, default=1, help="also time kv,isolated N pairs at a time (N > 1)")
     ap.add_argument("--profile", action="store_true", help="print a cProfile of the eventkv ways")
+    ap.add_argument(
+        "--study-repo",
+        type=Path,
+        default=None,
+        help="a checkout of the study's repository: also time its own Part A (the baseline then)",
+    )
+    ap.add_argument("--study-seed", type=int, default=3900, help="the study's script's seed (its items are its own)")
     args = ap.parse_args()
     check_batch_pairs(args.batch_pairs)
     if args.threads:
@@ -104,9 +252,22 @@ def main() -> None:
     items = study.items(args.seed, range(args.pairs + 1))
     warm, timed = items[0], items[1:]
 
-    ways = {"study": lambda it: study_pair(rt, study, it)}
+    count = ForwardCount(rt.model)
+    ways = {REIMPLEMENTED: lambda it: _counted(count, lambda: study_pair(rt, study, it))}
     for name, probe in probes.items():
-        ways[name] = lambda it, p=probe: _timed(lambda: p.run_item(rt, it))
+        ways[name] = lambda it, p=probe: _counted(count, lambda: _timed(lambda: p.run_item(rt, it)))
+    if args.study_repo is not None:
+        from eventkv.models.cache_dir import model_dir
+
+        local = Path(args.model) if Path(args.model).is_dir() else model_dir(args.model)
+        script = StudyScript(args.study_repo.resolve(), local, lm.profile.dtype, args.device, args.study_seed)
+        ways = {SCRIPT: lambda it: (script.pair(it["index"]), *script.count.take()), **ways}
+        print(f"study's script: {args.study_repo} (kvmemory.kv_causal, Part A), model directory {local}")
+    else:
+        print(
+            f"baseline: {REIMPLEMENTED!r} is the study's way re-implemented on eventkv's data path, not the "
+            "study's own code: give --study-repo DIR (a checkout of its repository) to time its own Part A"
+        )
     for way in ways.values():  # warm-up: header prefill, allocator, kernels
         way(warm)
 
@@ -116,45 +277,64 @@ def main() -> None:
 
         prof = cProfile.Profile()
     secs: dict[str, list[float]] = {name: [] for name in ways}
+    tokens: dict[str, list[tuple[int, int]]] = {name: [] for name in ways}
     names = list(ways)
     for k, it in enumerate(timed):
         for j in range(len(names)):
             name = names[(k + j) % len(names)]
-            if prof is not None and name != "study":
+            if prof is not None and name.startswith("eventkv"):
                 prof.enable()
-            s = ways[name](it)
+            s, decoded, prefilled = ways[name](it)
             if prof is not None:
                 prof.disable()
             secs[name].append(s)
-            print(f"pair {it['index']}: {name:<22} {s:7.2f} s")
+            tokens[name].append((decoded, prefilled))
+            print(f"pair {it['index']}: {name:<24} {s:7.2f} s, {decoded} decoded, {prefilled} prefill tokens")
 
     if args.batch_pairs > 1:
         name = f"eventkv kv,isolated batch {args.batch_pairs}"
         p = probes["eventkv kv,isolated"]
         p.run_batch(rt, items[: min(args.batch_pairs, len(items))])  # warm-up at the batch shape
-        per = []
+        per, toks = [], []
         for a in range(0, len(timed), args.batch_pairs):
             chunk = timed[a : a + args.batch_pairs]
-            s = _timed(lambda c=chunk: p.run_batch(rt, c))
+            s, decoded, prefilled = _counted(count, lambda c=chunk: _timed(lambda: p.run_batch(rt, c)))
             per.extend([s / len(chunk)] * len(chunk))
+            toks.extend([(decoded // len(chunk), prefilled // len(chunk))] * len(chunk))
             print(f"pairs {chunk[0]['index']}-{chunk[-1]['index']}: {name} {s:7.2f} s")
-        secs[name] = per
+        secs[name], tokens[name] = per, toks
 
     if prof is not None:
         import pstats
 
         pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
-    base = statistics.mean(secs["study"])
-    print(f"\n{'way':<32} {'s/pair':>8} {'pairs/hour':>11} {'vs study':>9}")
+    baseline = SCRIPT if SCRIPT in secs else REIMPLEMENTED
+    base = statistics.mean(secs[baseline])
+    print(f"\nbaseline of the ratios: {baseline}")
+    print(f"{'way':<32} {'s/pair':>8} {'pairs/hour':>11} {'decoded/pair':>13} {'prefill/pair':>13} {'vs baseline':>12}")
     for name, s in secs.items():
         mean = statistics.mean(s)
-        print(f"{name:<32} {mean:8.2f} {3600 / mean:11.0f} {base / mean:8.2f}x")
+        decoded = statistics.mean(d for d, _ in tokens[name])
+        prefilled = statistics.mean(p for _, p in tokens[name])
+        print(f"{name:<32} {mean:8.2f} {3600 / mean:11.0f} {decoded:13.0f} {prefilled:13.0f} {base / mean:11.2f}x")
+
+
+SCRIPT = "study's script"
+REIMPLEMENTED = "study (re-implemented)"
 
 
 def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def _counted(count: ForwardCount, fn) -> tuple[float, int, int]:
+    """``(fn()'s seconds, decoded, prefill tokens)`` with ``count`` on during ``fn``."""
+    count.take()
+    with count.on():
+        seconds = fn()
+    return (seconds, *count.take())
 
 
 if __name__ == "__main__":

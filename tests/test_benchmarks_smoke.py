@@ -109,3 +109,81 @@ def test_service_scale_smoke():
         "p50 latency, Ray 1 replica / plain process",
     ):
         assert float(one(rf"{re.escape(name)}: (\d+\.\d\d)x$").group(1)) > 0
+
+
+FAKE_STUDY = {
+    "__init__.py": "raise ImportError('the package init imports a module that is not shipped')\n",
+    "llm_hf.py": """
+import torch
+from transformers import AutoModelForCausalLM
+
+
+class HFBackend:
+    def __init__(self, model_path=None, dtype=torch.bfloat16):
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+""",
+    "kv_causal.py": """
+import argparse
+import json
+
+import torch
+
+from kvmemory.llm_hf import HFBackend
+
+
+def encode_variant(llm, n):
+    with torch.no_grad():
+        llm.model(input_ids=torch.arange(1, n + 1)[None])
+
+
+def ask(llm, steps):
+    with torch.no_grad():
+        llm.model(input_ids=torch.tensor([[5, 6, 7]]))
+        for _ in range(steps):
+            llm.model(input_ids=torch.tensor([[8]]))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--items", type=int)
+    ap.add_argument("--seed", type=int)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    llm = HFBackend()
+    torch.cuda.synchronize()
+    for it in range(args.items):
+        for n in (10, 12):  # Part A: both variants, root and full of each
+            encode_variant(llm, n)
+            ask(llm, 2)
+            ask(llm, 2)
+        for n in (30, 30):  # Part B: not timed
+            encode_variant(llm, n)
+            ask(llm, 5)
+        torch.cuda.empty_cache()
+    print("the script's own output")
+    json.dump({"seed": args.seed}, open(args.out, "w"))
+""",
+}
+
+
+def test_donor_pair_throughput_times_the_study_script_s_part_a(tmp_path, tiny_dir):
+    """``--study-repo`` on a stand-in of the study's repository with the same interface (its package
+    ``__init__`` failing, CUDA-only calls, Part A then Part B per item): only Part A's calls are timed
+    and counted — 10 + 12 prefill tokens of the histories and 4 x 3 of the questions, 4 x 2 decode steps
+    — and the script's row is the baseline; without it, the baseline is said to be a re-implementation."""
+    package = tmp_path / "repo" / "kvmemory"
+    package.mkdir(parents=True)
+    for name, text in FAKE_STUDY.items():
+        (package / name).write_text(text)
+    common = ["--model", str(tiny_dir), "--pairs", "2", "--max-new-tokens", "2", "--threads", "1"]
+    one, _ = run_benchmark("donor_pair_throughput.py", [*common, "--study-repo", str(tmp_path / "repo")], 600)
+    one(r"study's script: .*repo \(kvmemory\.kv_causal, Part A\), model directory ")
+    for pair in (1, 2):
+        one(rf"pair {pair}: study's script +[\d.]+ s, 8 decoded, 34 prefill tokens$")
+    one(r"baseline of the ratios: study's script$")
+    one(r"study's script +[\d.]+ +\d+ +8 +34 +1\.00x$")
+    for way in (r"study \(re-implemented\)", "eventkv all arms", "eventkv kv,isolated"):
+        assert float(one(rf"{way} +[\d.]+ +\d+ +\d+ +\d+ +([\d.]+)x$").group(1)) > 0
+    one, _ = run_benchmark("donor_pair_throughput.py", common, 600)
+    one(r"baseline: 'study \(re-implemented\)' is the study's way re-implemented on eventkv's data path, not ")
+    one(r"baseline of the ratios: study \(re-implemented\)$")
