@@ -41,7 +41,6 @@ import io
 import os
 import statistics
 import sys
-import tempfile
 import time
 import types
 from pathlib import Path
@@ -142,13 +141,22 @@ class StudyScript:
         EventKVError: ``repo`` holds no ``kvmemory/kv_causal.py``.
     """
 
-    def __init__(self, repo: Path, model_dir: Path, dtype: str, device: str, seed: int) -> None:
-        script = repo / "kvmemory" / "kv_causal.py"
-        if not script.is_file():
+    @staticmethod
+    def check(repo: Path) -> None:
+        """Raises EventKVError unless ``repo`` is a directory holding ``kvmemory/kv_causal.py``."""
+        if not repo.is_dir():
+            raise EventKVError(
+                f"--study-repo {str(repo)!r}: no such directory: give a checkout of "
+                "oklen/Compute-Globally-Materialize-Locally."
+            )
+        if not (repo / "kvmemory" / "kv_causal.py").is_file():
             raise EventKVError(
                 f"--study-repo {str(repo)!r}: no kvmemory/kv_causal.py there: give a checkout of "
                 "oklen/Compute-Globally-Materialize-Locally."
             )
+
+    def __init__(self, repo: Path, model_dir: Path, dtype: str, device: str, seed: int) -> None:
+        self.check(repo)
         if "kvmemory" not in sys.modules:
             package = types.ModuleType("kvmemory")
             package.__path__ = [str(repo / "kvmemory")]
@@ -163,7 +171,6 @@ class StudyScript:
             self.llm = HFBackend(str(model_dir), dtype=getattr(torch, dtype))
         self.script, self.seed = kv_causal, seed
         self.count = ForwardCount(self.llm.model)
-        self.out = Path(tempfile.mkdtemp(prefix="study-script-"))
 
     @contextlib.contextmanager
     def cuda_calls(self):
@@ -201,7 +208,7 @@ class StudyScript:
         argv = sys.argv
         k.encode_variant, k.ask = timed("encode_variant", 2), timed("ask", 4)
         k.HFBackend = lambda *a, **kw: self.llm
-        sys.argv = ["kv_causal", "--items", "1", "--seed", str(self.seed + index), "--out", str(self.out / "cz.json")]
+        sys.argv = ["kv_causal", "--items", "1", "--seed", str(self.seed + index), "--out", os.devnull]
         try:
             with self.cuda_calls(), contextlib.redirect_stdout(io.StringIO()):
                 k.main()
@@ -213,25 +220,37 @@ class StudyScript:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--pairs", type=int, default=6, help="timed pairs per way (after one warm-up pair)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=None)
+    ap = argparse.ArgumentParser(
+        description="Donor pairs per hour of eventkv's donor-pair probe against the study's way (its own script "
+        "with --study-repo, else a re-implementation), measured in one run.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("--model", default="smollm2-135m", help="packaged alias or local model directory")
+    ap.add_argument("--dtype", default="float32", help="float32, bfloat16 or auto")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    ap.add_argument("--pairs", type=int, default=6, help="timed pairs per way (after one warm-up pair per way)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of eventkv's donor pairs")
+    ap.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=64,
+        help="greedy tokens at most per answer of eventkv's ways (the study's script keeps its own cap, 160)",
+    )
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--batch-pairs", type=int, default=1, help="also time kv,isolated N pairs at a time (N > 1)")
     ap.add_argument("--profile", action="store_true", help="print a cProfile of the eventkv ways")
     ap.add_argument(
         "--study-repo",
         type=Path,
         default=None,
-        help="a checkout of the study's repository: also time its own Part A (the baseline then)",
+        help="a checkout of the study's repository: also time its own Part A, the baseline then "
+        "(without it the baseline is a re-implementation)",
     )
     ap.add_argument("--study-seed", type=int, default=3900, help="the study's script's seed (its items are its own)")
     args = ap.parse_args()
     check_batch_pairs(args.batch_pairs)
+    if args.study_repo is not None:
+        StudyScript.check(args.study_repo)  # before the model loads
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -289,7 +308,7 @@ def main() -> None:
                 prof.disable()
             secs[name].append(s)
             tokens[name].append((decoded, prefilled))
-            print(f"pair {it['index']}: {name:<24} {s:7.2f} s, {decoded} decoded, {prefilled} prefill tokens")
+            print(f"pair {it['index']}: {name:<24} {s:7.2f} s, {decoded} decode steps, {prefilled} prefill tokens")
 
     if args.batch_pairs > 1:
         name = f"eventkv kv,isolated batch {args.batch_pairs}"
@@ -311,7 +330,11 @@ def main() -> None:
     baseline = SCRIPT if SCRIPT in secs else REIMPLEMENTED
     base = statistics.mean(secs[baseline])
     print(f"\nbaseline of the ratios: {baseline}")
-    print(f"{'way':<32} {'s/pair':>8} {'pairs/hour':>11} {'decoded/pair':>13} {'prefill/pair':>13} {'vs baseline':>12}")
+    print(
+        "decode steps: one-token forwards x their batch rows (padding rows too); "
+        "prefill: the tokens of multi-token forwards"
+    )
+    print(f"{'way':<32} {'s/pair':>8} {'pairs/hour':>11} {'decode/pair':>13} {'prefill/pair':>13} {'vs baseline':>12}")
     for name, s in secs.items():
         mean = statistics.mean(s)
         decoded = statistics.mean(d for d, _ in tokens[name])

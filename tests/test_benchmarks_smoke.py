@@ -179,7 +179,7 @@ def test_donor_pair_throughput_times_the_study_script_s_part_a(tmp_path, tiny_di
     one, _ = run_benchmark("donor_pair_throughput.py", [*common, "--study-repo", str(tmp_path / "repo")], 600)
     one(r"study's script: .*repo \(kvmemory\.kv_causal, Part A\), model directory ")
     for pair in (1, 2):
-        one(rf"pair {pair}: study's script +[\d.]+ s, 8 decoded, 34 prefill tokens$")
+        one(rf"pair {pair}: study's script +[\d.]+ s, 8 decode steps, 34 prefill tokens$")
     one(r"baseline of the ratios: study's script$")
     one(r"study's script +[\d.]+ +\d+ +8 +34 +1\.00x$")
     for way in (r"study \(re-implemented\)", "eventkv all arms", "eventkv kv,isolated"):
