@@ -3,6 +3,7 @@ errors print one line and exit 2 before the model loads."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -114,21 +115,26 @@ def serve(
         resolve_dtype(dtype, resolve_device(device)[0])
         threads = check_threads(threads)
         connections = Connections(header_timeout, keep_alive, limit_concurrency)
+        settings = Settings(  # the model is loaded below, or by each Ray Serve replica
+            None,
+            store,
+            tokens,
+            max_queue=max_queue,
+            max_body=max_body,
+            max_open=max_open,
+            body_timeout=body_timeout,
+            max_batch=max_batch,
+        )
         if backend == "ray":
             from eventkv.service.cluster.deploy import serve_cluster
             from eventkv.service.cluster.replica import ReplicaSpec
 
             spec = ReplicaSpec(
                 model,
-                str(store.resolve()),
+                replace(settings, store=store.resolve()),
                 dtype,
                 device,
                 threads or 1,
-                tokens,
-                max_queue=max_queue,
-                max_body=max_body,
-                body_timeout=body_timeout,
-                max_batch=max_batch,
                 memories=memories_per_replica,
             )
             typer.echo(f"eventkv serve: starting {replicas} Ray Serve replicas of {model} ...", err=True)
@@ -149,15 +155,5 @@ def serve(
             torch.set_num_threads(threads)
         # the model loads before the server listens (seconds to minutes): say so, on stderr as uvicorn's log
         typer.echo(f"eventkv serve: loading {model} ...", err=True)
-        lm = load(model, dtype=dtype, device=device)
-        settings = Settings(
-            lm,
-            store,
-            tokens,
-            max_queue=max_queue,
-            max_body=max_body,
-            max_open=max_open,
-            body_timeout=body_timeout,
-            max_batch=max_batch,
-        )
+        settings.lm = load(model, dtype=dtype, device=device)
         serve_forever(settings, host, port, log_level=log_level, connections=connections)

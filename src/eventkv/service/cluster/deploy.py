@@ -94,14 +94,15 @@ def serve_cluster(
     from eventkv.service.cluster.replica import replica_deployment
     from eventkv.service.server import Connections, check_bind, run_uvicorn
 
-    check_bind(host, spec.tokens)
+    settings = spec.settings
+    check_bind(host, settings.tokens)
     ray, serve = import_serve()
     if address is None and not ray.is_initialized():  # a local instance would have this machine's cores
         check_capacity(replicas, spec.threads, len(os.sched_getaffinity(0)), "this machine")
     started = connect(address)
     try:
         check_capacity(replicas, spec.threads, ray.cluster_resources().get("CPU", 0), "the Ray cluster")
-        root = Path(spec.store)
+        root = Path(settings.store)
         root.mkdir(parents=True, exist_ok=True)
         clean_leftovers(root)  # once, before any replica writes under the root
         serve.start(proxy_location="Disabled")
@@ -111,7 +112,7 @@ def serve_cluster(
             )
         except RuntimeError as exc:  # Serve's report of a deployment that failed (a replica's constructor raised)
             raise EventKVError(f"the replicas did not start: {exc}") from None
-        app = gateway_app(handle, spec.tokens, spec.max_body, spec.body_timeout)
+        app = gateway_app(handle, settings.tokens, settings.max_body, settings.body_timeout)
         try:
             run_uvicorn(
                 app, host, port, log_level=log_level, graceful_s=graceful_s, connections=connections or Connections()

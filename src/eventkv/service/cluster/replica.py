@@ -22,12 +22,13 @@ import asyncio
 import contextlib
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, AsyncIterator
 
 from eventkv.errors import EventKVError, StoreLocked
 from eventkv.service.cluster.routing import MEMORIES
+from eventkv.service.state import Settings
 
 #: Ray Serve writes the records of this logger to each replica's log file
 #: (``/tmp/ray/session_latest/logs/serve/replica_<app>_<deployment>_<replica id>.log``); the replica
@@ -39,29 +40,23 @@ REPLICA_HEADER = "x-eventkv-replica"
 
 @dataclass(frozen=True)
 class ReplicaSpec:
-    """What each replica serves: the model to load and the service's settings
-    (:class:`eventkv.service.state.Settings`), as ``eventkv serve`` takes them.
+    """What each replica serves: the model to load, and the service's settings with the model left out
+    (each replica loads it and sets ``lm``, ``max_open`` = ``memories``, ``clean_at_start`` False).
 
     Attributes:
         model: a packaged alias, a Hugging Face directory or hub id, or a ``.gguf`` file (every replica
             loads it: a path must be on storage every node reaches).
-        store: the root of the memories, on storage every replica reaches (POSIX, with working
-            ``flock`` and ``fsync``: docs/service.md).
+        settings: :class:`eventkv.service.state.Settings` (``lm`` None); its ``store`` on storage every
+            replica reaches (POSIX, with working ``flock`` and ``fsync``: docs/service.md).
         dtype, device: as :func:`eventkv.models.load`. threads: torch threads (and Ray CPUs) per replica.
-        tokens, max_queue, max_body, body_timeout, max_batch: as ``Settings``.
         memories: memories kept open per replica (the multiplexed models per replica).
     """
 
     model: str
-    store: str
+    settings: Settings
     dtype: str = "auto"
     device: str = "auto"
     threads: int = 1
-    tokens: dict[str, frozenset[str] | None] = field(default_factory=dict)
-    max_queue: int = 64
-    max_body: int = 4 * 1024 * 1024
-    body_timeout: float = 30.0
-    max_batch: int = 8
     memories: int = 16
 
 
@@ -109,7 +104,7 @@ class MemorySlot:
 def replica_deployment(spec: ReplicaSpec, replicas: int, max_ongoing: int) -> Any:
     """The Serve application of ``replicas`` replicas of :class:`MemoryReplica` over ``spec``, each
     reserving ``spec.threads`` CPUs and taking up to ``max_ongoing`` requests at once (the service's
-    own queue, ``spec.max_queue``, answers 503 ``busy`` beyond it, as the single process does).
+    own queue, ``spec.settings.max_queue``, answers 503 ``busy`` beyond it, as the single process does).
     Built per call because the number of memories per replica is the multiplexed decorator's argument
     (and so Ray is imported only here: it is an optional extra).
     """
@@ -130,7 +125,7 @@ def replica_deployment(spec: ReplicaSpec, replicas: int, max_ongoing: int) -> An
             torch.set_num_threads(spec.threads)
             self.spec = spec
             self.lm = load(spec.model, dtype=spec.dtype, device=spec.device)
-            self.root = Path(spec.store)
+            self.root = Path(spec.settings.store)
             self.replica = serve.get_replica_context().replica_id.unique_id
             # each open and close of a memory (eventkv.service.worker.LOG) into this replica's Serve log
             opens = logging.getLogger("eventkv.service.memories")
@@ -141,20 +136,9 @@ def replica_deployment(spec: ReplicaSpec, replicas: int, max_ongoing: int) -> An
 
         def __serve_build_asgi_app__(self):
             from eventkv.service.app import create_app
-            from eventkv.service.state import Settings
 
-            s = self.spec
-            settings = Settings(
-                self.lm,
-                self.root,
-                s.tokens,
-                max_queue=s.max_queue,
-                max_body=s.max_body,
-                max_open=s.memories,
-                body_timeout=s.body_timeout,
-                max_batch=s.max_batch,
-                clean_at_start=False,  # other replicas write under the same root: the gateway cleaned it once
-            )
+            # other replicas write under the same root: the gateway cleaned it once, before they started
+            settings = replace(self.spec.settings, lm=self.lm, max_open=self.spec.memories, clean_at_start=False)
             return create_app(settings)
 
         @serve.multiplexed(max_num_models_per_replica=spec.memories)
