@@ -52,7 +52,16 @@ import torch
 
 from eventkv.errors import EventKVError, OptionError
 from eventkv.log import HEADER_ID
-from eventkv.prefill import EventKV, LayerRows, cache_from_rows, cache_kv, forward_until, model_device, model_forward
+from eventkv.prefill import (
+    EventKV,
+    LayerRows,
+    attention_masks,
+    cache_from_rows,
+    cache_kv,
+    forward_until,
+    model_device,
+    model_forward,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -114,19 +123,11 @@ class Blend:
     deviation: torch.Tensor | None
 
 
-def _layer_types(model: PreTrainedModel) -> tuple[list[str], int | None]:
-    text = model.config.get_text_config(decoder=True)
-    window = getattr(text, "sliding_window", None)
-    types = getattr(text, "layer_types", None)
-    if types is None:
-        types = ["sliding_attention" if window is not None else "full_attention"] * int(text.num_hidden_layers)
-    return [str(t) for t in types], window
-
-
 def causal_masks(
     model: PreTrainedModel, key_order: torch.Tensor, query_order: torch.Tensor
 ) -> torch.Tensor | dict[str, torch.Tensor]:
-    """The 4D additive attention mask(s) of a forward whose keys are not in position order.
+    """The 4D additive attention mask(s) of a forward whose keys are not in position order
+    (:func:`eventkv.prefill.attention_masks`).
 
     Args:
         key_order: ``[kv]`` int64, each key's rank in the served cache (cache rows, then the new tokens).
@@ -138,27 +139,10 @@ def causal_masks(
     Returns:
         ``[1, 1, q, kv]`` float (the model's dtype; 0 = attend, the dtype's minimum = masked): a query sees
         the keys of rank <= its own; for a model with sliding-window layers a dict by layer type whose
-        ``"sliding_attention"`` mask also hides keys ``window`` or more ranks back (transformers 5 takes a
-        prepared 4D mask as is, and such a dict from models with mixed layer types).
+        ``"sliding_attention"`` mask also hides keys ``window`` or more ranks back.
     """
-    impl = model.config.get_text_config(decoder=True)._attn_implementation
-    if impl not in ("sdpa", "eager"):
-        raise EventKVError(
-            f"serving mode 'blend' passes a 4D attention mask, which attention implementation {impl!r} does not "
-            "take: load the model with attn_implementation='sdpa' (or 'eager')."
-        )
-    types, window = _layer_types(model)
-    dtype = next(model.parameters()).dtype
     diff = query_order.unsqueeze(1) - key_order.unsqueeze(0)  # [q, kv]
-
-    def additive(visible: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-        return out.masked_fill_(~visible, torch.finfo(dtype).min)[None, None]
-
-    full = additive(diff >= 0)
-    if "sliding_attention" not in types or window is None:
-        return full
-    return {"full_attention": full, "sliding_attention": additive((diff >= 0) & (diff < int(window)))}
+    return attention_masks(model, diff >= 0, diff)
 
 
 @torch.inference_mode()

@@ -56,6 +56,64 @@ def model_device(model: PreTrainedModel) -> torch.device:
     return next(model.parameters()).device
 
 
+def layer_types(model: PreTrainedModel) -> tuple[list[str], int | None]:
+    """Each decoder layer's attention type (``"full_attention"`` / ``"sliding_attention"``) and the
+    sliding window in cache rows (None: no window), from the model's text config."""
+    text = model.config.get_text_config(decoder=True)
+    window = getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None)
+    if types is None:
+        types = ["sliding_attention" if window is not None else "full_attention"] * int(text.num_hidden_layers)
+    return [str(t) for t in types], window
+
+
+def takes_4d_masks(model: PreTrainedModel) -> bool:
+    """Whether the model's attention implementation takes a prepared 4D mask (``sdpa``, ``eager``;
+    flash attention takes none)."""
+    return model.config.get_text_config(decoder=True)._attn_implementation in ("sdpa", "eager")
+
+
+def attention_masks(
+    model: PreTrainedModel, visible: torch.Tensor, distance: torch.Tensor
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The 4D additive attention mask(s) of a forward whose attention is not plain causal (keys out of
+    position order, a tree of branches), as transformers 5 takes them prepared.
+
+    Args:
+        visible: ``[batch, q, kv]`` or ``[q, kv]`` bool: which keys (cache rows, then the new tokens) each
+            new token may attend to.
+        distance: ``[q, kv]`` int64, how many cache rows back each key lies from each new token as an
+            unbatched forward would lay them out: a sliding-window layer hides keys ``window`` or more back.
+
+    Returns:
+        ``[batch or 1, 1, q, kv]`` float in the model's dtype (0 = attend, the dtype's minimum = masked);
+        for a model with sliding-window layers, a dict by layer type (``"full_attention"``,
+        ``"sliding_attention"``).
+
+    Raises:
+        EventKVError: an attention implementation that takes no 4D mask (flash attention).
+    """
+    if not takes_4d_masks(model):
+        impl = model.config.get_text_config(decoder=True)._attn_implementation
+        raise EventKVError(
+            f"this forward needs a 4D attention mask, which attention implementation {impl!r} does not take: "
+            "load the model with attn_implementation='sdpa' (or 'eager')."
+        )
+    types, window = layer_types(model)
+    dtype = next(model.parameters()).dtype
+    if visible.dim() == 2:
+        visible = visible.unsqueeze(0)
+
+    def additive(v: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(v.shape, dtype=dtype, device=v.device)
+        return out.masked_fill_(~v, torch.finfo(dtype).min).unsqueeze(1)
+
+    full = additive(visible)
+    if "sliding_attention" not in types or window is None:
+        return full
+    return {"full_attention": full, "sliding_attention": additive(visible & (distance < int(window)))}
+
+
 class _StopForward(Exception):
     """Raised by :func:`forward_until`'s hook: the rest of the forward is not needed."""
 

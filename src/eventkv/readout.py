@@ -44,7 +44,8 @@ from transformers.cache_utils import DynamicLayer
 
 from eventkv.errors import EventKVError, OptionError
 from eventkv.log import encode
-from eventkv.prefill import cache_kv, check_context, model_forward
+from eventkv.models.kernels import linear_kernel_of
+from eventkv.prefill import attention_masks, cache_kv, check_context, model_forward, takes_4d_masks
 from eventkv.serve import ServedCache
 
 if TYPE_CHECKING:
@@ -324,6 +325,76 @@ class Batch:
         self.mask = torch.cat([self.mask, torch.ones(b, q, dtype=torch.bool, device=dev)], dim=1)
         return model_forward(model, ids, pos, self.cache, self.mask, logits_to_keep=logits_to_keep)
 
+    def forward_tree(self, model: PreTrainedModel, ids: torch.Tensor, tree: "CandidateTree") -> torch.Tensor:
+        """Append the query ``ids [batch, q]`` (at ``next_position + arange(q)``) to this batch's rows and,
+        in the same forward, the candidate branches of ``tree`` after it (node ``j`` at ``next_position +
+        q + depth[j]``, seeing the rows, the whole query and its own branch up to itself). The branch rows
+        are dropped again afterwards: the batch then holds its rows and the query, as :meth:`forward`
+        leaves it. A sliding-window layer counts each branch token's distance as the separate branch
+        forward would (query rows, then its branch).
+
+        Returns:
+            logits ``[batch, 1 + n_nodes, vocab]``: the query's last token's, then each node's.
+        """
+        dev = self.mask.device
+        b, q = ids.shape
+        rows, n = int(self.mask.shape[1]), len(tree.tokens)
+        depth = torch.tensor(tree.depths, dtype=torch.long, device=dev)
+        nodes = torch.tensor(tree.tokens, dtype=torch.long, device=dev).expand(b, n)
+        pos = self.next_position.unsqueeze(1) + torch.cat([torch.arange(q, device=dev), q + depth]).unsqueeze(0)
+        new = torch.zeros(q + n, q + n, dtype=torch.bool, device=dev)
+        new[:q, :q] = torch.ones(q, q, dtype=torch.bool, device=dev).tril()
+        new[q:, :q] = True
+        new[q:, q:] = torch.tensor(tree.ancestors, dtype=torch.bool, device=dev)
+        visible = torch.cat([self.mask.unsqueeze(1).expand(b, q + n, rows), new.expand(b, -1, -1)], dim=2)
+        rank = torch.cat([torch.arange(rows + q, device=dev), rows + q + depth])  # rows as unbatched
+        masks = attention_masks(model, visible, rank[rows:].unsqueeze(1) - rank.unsqueeze(0))
+        logits = model_forward(model, torch.cat([ids, nodes], dim=1), pos, self.cache, masks, logits_to_keep=n + 1)
+        for layer in self.cache.layers:  # drop the branch rows: generation continues after the query
+            layer.n -= n
+            layer._views()
+        self.mask = torch.cat([self.mask, torch.ones(b, q, dtype=torch.bool, device=dev)], dim=1)
+        return logits
+
+
+@dataclass(frozen=True)
+class CandidateTree:
+    """The candidates' continuations as a prefix tree of input tokens (what :meth:`Batch.forward_tree`
+    feeds after the query): every distinct prefix ``seq[:j + 1]`` (``j < len(seq) - 1``) of the
+    sequences ``answer prefix + candidate`` is one node, so candidates sharing an answer prefix (or
+    leading tokens) share its rows.
+
+    Attributes:
+        tokens: each node's token id.
+        depths: each node's offset after the query (0 = right after it).
+        ancestors: ``[n][n]`` bools, True where node ``j`` is node ``i`` or on its branch.
+        node_of: the node of each prefix (a tuple of token ids).
+    """
+
+    tokens: list[int]
+    depths: list[int]
+    ancestors: list[list[bool]]
+    node_of: dict[tuple[int, ...], int]
+
+    @classmethod
+    def of(cls, seqs: Sequence[Sequence[int]]) -> "CandidateTree":
+        tokens: list[int] = []
+        depths: list[int] = []
+        branch: list[set[int]] = []
+        node_of: dict[tuple[int, ...], int] = {}
+        for s in seqs:
+            for j in range(len(s) - 1):
+                key = tuple(s[: j + 1])
+                if key in node_of:
+                    continue
+                node_of[key] = len(tokens)
+                up = branch[node_of[key[:-1]]] if j else set()
+                branch.append(up | {len(tokens)})
+                tokens.append(int(s[j]))
+                depths.append(j)
+        ancestors = [[j in branch[i] for j in range(len(tokens))] for i in range(len(tokens))]
+        return cls(tokens, depths, ancestors, node_of)
+
 
 def stack(served: Sequence[ServedCache], extra: int = 0) -> Batch:
     """Left-pad the served caches to a common row count and stack them (``[batch, ...]``), with
@@ -450,18 +521,27 @@ def read_out(
     firsts: dict[int, torch.Tensor] = {}  # cache -> the query's last logits [vocab]
     for q, idx in groups.items():
         room = max([budgets[i] for i in idx if generate[i]], default=0)
-        batch = stack([served[i] for i in idx], extra=q_len_extra(queries[idx[0]], room, longest))
-        first = batch.forward(model, torch.tensor([queries[i] for i in idx], device=batch.mask.device), 0, 1)[:, -1]
         scored = [j for j, i in enumerate(idx) if score[i]]
-        if scored:
-            local = [out[i] for i in idx]  # the same Readout objects: _score fills them in place
-            _score(model, batch, first, scored, q, candidates, candidate_texts, list(answer_prefix_ids), local)
+        seqs = [list(answer_prefix_ids) + list(c) for c in candidates]
+        tree = CandidateTree.of(seqs) if scored and takes_4d_masks(model) else None
+        branch = len(tree.tokens) if tree is not None else 0
+        batch = stack([served[i] for i in idx], extra=q_len_extra(queries[idx[0]], room, max(longest, branch)))
+        ids = torch.tensor([queries[i] for i in idx], device=batch.mask.device)
+        local = [out[i] for i in idx]  # the same Readout objects: scoring fills them in place
+        if tree is not None and branch:  # candidates scored in the query's forward
+            logits = batch.forward_tree(model, ids, tree)
+            first = logits[:, 0]
+            _score_tree(logits, tree, scored, seqs, len(answer_prefix_ids), candidates, candidate_texts, local)
+        else:
+            first = batch.forward(model, ids, 0, 1)[:, -1]
+            if scored:
+                _score(model, batch, first, scored, q, candidates, candidate_texts, list(answer_prefix_ids), local)
         for j, i in enumerate(idx):
             where[i], firsts[i] = (batch, j, q), first[j]
     gens = [i for i, f in enumerate(generate) if f]
     if gens:
         dev = where[gens[0]][0].mask.device
-        rows = gens + [gens[0]] * decode_padding(len(gens), dev)
+        rows = gens + [gens[0]] * decode_padding(len(gens), dev, linear_kernel_of(model))
         room = max(budgets[i] for i in gens)
         batch, _, q = where[gens[0]]
         if len(groups) == 1 and rows == list(range(batch.size)):
@@ -563,28 +643,64 @@ def _score(
         for c, s in enumerate(seqs):
             r = a * n_c + c
             per.append([first_lp[a][c] if k == 0 else lp[r][k - 1] for k in range(len(prefix), len(s))])
-        totals = torch.tensor([sum(t) for t in per], dtype=torch.float64, device="cpu")  # python floats: CPU
-        probs = torch.softmax(totals, dim=0)
-        out[i].candidates = [
-            CandidateScore(texts[c] if texts else "", list(candidates[c]), float(totals[c]), per[c], float(probs[c]))
-            for c in range(n_c)
-        ]
+        _fill_candidates(out[i], per, candidates, texts)
 
 
-#: On a CPU a greedy decode step of 2 or 3 sequences is fed as 4 (copies of the first; their tokens are
-#: never read). Why: torch's CPU matmuls (MKL sgemm) run a product with 2 or 3 rows as that many
-#: matrix-vector products, reading the weights once per row, while 4 rows take one pass of the
-#: weights. Measured on an AMD EPYC (2 threads, float32), one decode step of qwen2.5-coder-1.5b:
-#: 302 / 651 / 921 / 581 ms for 1 / 2 / 3 / 4 sequences; a 1536 x 8960 linear layer 2.5 / 5.0 / 7.8 /
-#: 4.4 ms. Each sequence keeps its own rows, positions and mask, so the padding changes its tokens only
-#: by float rounding. A GPU batches any size well: no padding there.
+def _score_tree(
+    logits: torch.Tensor,
+    tree: CandidateTree,
+    scored: list[int],
+    seqs: list[list[int]],
+    n_prefix: int,
+    candidates,
+    texts,
+    out: list[Readout],
+) -> None:
+    """Candidate scores from :meth:`Batch.forward_tree`'s logits ``[batch, 1 + n_nodes, vocab]``: token
+    ``k`` of a sequence is scored from the query's logits (k = 0) or from node ``seq[:k]``'s."""
+    at = [[0 if k == 0 else 1 + tree.node_of[tuple(s[:k])] for k in range(n_prefix, len(s))] for s in seqs]
+    flat_at = [x for row in at for x in row]
+    targets = [s[k] for s in seqs for k in range(n_prefix, len(s))]
+    dev = logits.device
+    sel = logits[scored][:, torch.tensor(flat_at, dtype=torch.long, device=dev)]  # [scored, tokens, vocab]
+    tgt = torch.tensor(targets, dtype=torch.long, device=dev).expand(len(scored), -1)
+    lp = token_logprobs(sel, tgt).tolist()  # [scored][tokens], one copy
+    for a, i in enumerate(scored):
+        per, k = [], 0
+        for row in at:
+            per.append(lp[a][k : k + len(row)])
+            k += len(row)
+        _fill_candidates(out[i], per, candidates, texts)
+
+
+def _fill_candidates(out: Readout, per: list[list[float]], candidates, texts) -> None:
+    """``out.candidates`` from each candidate's per-token log-probs (nats): sums and their softmax shares."""
+    totals = torch.tensor([sum(t) for t in per], dtype=torch.float64, device="cpu")  # python floats: CPU
+    probs = torch.softmax(totals, dim=0)
+    out.candidates = [
+        CandidateScore(texts[c] if texts else "", list(candidates[c]), float(totals[c]), per[c], float(probs[c]))
+        for c in range(len(candidates))
+    ]
+
+
+#: On a CPU whose linears run on torch's own kernel (MKL sgemm), a greedy decode step of 2 or 3 sequences is
+#: fed as 4 (copies of the first; their tokens are never read). Why: MKL runs a product with 2 or 3 rows as
+#: that many matrix-vector products, reading the weights once per row, while 4 rows take one pass of the
+#: weights. Measured on an AMD EPYC (2 threads, float32), one decode step of qwen2.5-coder-1.5b: 302 / 651 /
+#: 921 / 581 ms for 1 / 2 / 3 / 4 sequences. oneDNN's linears (`eventkv.models.kernels`, what a float32
+#: model gets on a CPU) have no such step: 385 / 586 / 706 / 950 ms on the same CPU, so they are not padded.
+#: Each sequence keeps its own rows, positions and mask, so the padding changes its tokens only by float
+#: rounding. A GPU batches any size well: no padding there.
 CPU_DECODE_MIN_BATCH = 4
 
 
-def decode_padding(n: int, device: torch.device) -> int:
+def decode_padding(n: int, device: torch.device, linear_kernel: str = "torch") -> int:
     """How many padding sequences a greedy decode of ``n`` sequences on ``device`` gets
-    (:data:`CPU_DECODE_MIN_BATCH`): ``4 - n`` for 2 or 3 sequences on a CPU, else 0."""
-    return CPU_DECODE_MIN_BATCH - n if torch.device(device).type == "cpu" and 1 < n < CPU_DECODE_MIN_BATCH else 0
+    (:data:`CPU_DECODE_MIN_BATCH`): ``4 - n`` for 2 or 3 sequences on a CPU whose linears run on torch's
+    own kernel, else 0."""
+    if torch.device(device).type != "cpu" or linear_kernel != "torch":
+        return 0
+    return CPU_DECODE_MIN_BATCH - n if 1 < n < CPU_DECODE_MIN_BATCH else 0
 
 
 def _generate(

@@ -27,6 +27,7 @@ from eventkv.models.digest import directory_digest, file_digest
 from eventkv.models.dtypes import resolve_dtype, torch_dtype
 from eventkv.models.fetch import ensure_cached
 from eventkv.models.introspect import profile_for
+from eventkv.models.kernels import resolve_linear, use_linear
 from eventkv.models.profile import LoadedModel
 from eventkv.models.readers import load_gguf, load_hf
 
@@ -40,6 +41,7 @@ def load(
     dtype: str = "auto",
     device: str = "auto",
     attn_implementation: str = "sdpa",
+    linear: str | None = None,
 ) -> LoadedModel:
     """Load a model and tokenizer, in eval mode, and read its `ModelProfile`.
 
@@ -78,14 +80,18 @@ def load(
             `resolve_device`), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. Where the parameters landed and
             why are in ``profile.device`` (e.g. ``"cuda:0"``) and ``profile.device_reason``.
         attn_implementation: passed to ``from_pretrained`` (``"sdpa"``, ``"eager"``...).
+        linear: the kernel of the linear layers (`eventkv.models.kernels`): ``"auto"`` (oneDNN for a float32
+            model on a CPU, torch's own elsewhere), ``"onednn"`` or ``"torch"``; None reads ``EVENTKV_LINEAR``
+            (default ``"auto"``). The kernel and why are in ``profile.linear_kernel`` and ``profile.linear_reason``.
 
     Raises:
-        OptionError: a bad dtype or device, or a CUDA device this machine does not have (checked
+        OptionError: a bad dtype, device or linear kernel, or a CUDA device this machine does not have (checked
             before anything is read or fetched).
         EventKVError: unknown alias; a model that cannot be found or read; a pip failure or
             checksum mismatch while fetching an alias; a model with attention layer kinds other
             than full/sliding; a model that does not fit on the device.
     """
+    linear = resolve_linear(linear)
     device, device_reason = resolve_device(device)
     dev = torch.device(device)
     dtype, dtype_reason = resolve_dtype(dtype, dev)
@@ -113,8 +119,13 @@ def load(
             f"the model could not be moved to device {device!r} ({e}); use device='cpu', a smaller model, or "
             "another GPU (cuda:N)"
         ) from e
+    kernel, kernel_reason = use_linear(model, linear)
     profile = replace(
-        profile_for(model, tokenizer, name_or_path, digest), dtype_reason=dtype_reason, device_reason=device_reason
+        profile_for(model, tokenizer, name_or_path, digest),
+        dtype_reason=dtype_reason,
+        device_reason=device_reason,
+        linear_kernel=kernel,
+        linear_reason=kernel_reason,
     )
     return LoadedModel(model=model, tokenizer=tokenizer, profile=profile)
 

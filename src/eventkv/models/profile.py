@@ -56,6 +56,8 @@ class ModelProfile:
             for ``dtype="auto"``); empty for profiles not made by `load`.
         device_reason: why ``device`` was chosen (``"requested"``, ``"requested: CUDA device <name>"``,
             or what `resolve_device` found for ``device="auto"``); empty for profiles not made by `load`.
+        linear_kernel: what the linear layers run on, ``"onednn"`` or ``"torch"`` (`eventkv.models.kernels`).
+        linear_reason: why; empty for profiles not made by `load`.
     """
 
     name: str
@@ -75,6 +77,8 @@ class ModelProfile:
     weights_digest: str
     dtype_reason: str = ""
     device_reason: str = ""
+    linear_kernel: str = "torch"
+    linear_reason: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable dict of all fields (tuples become lists)."""

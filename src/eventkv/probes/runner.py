@@ -365,6 +365,8 @@ def run_items(
         device=rt.device,
         # the profile's reason is this invocation's; an earlier invocation's reason is kept here
         device_reason=getattr(rt.profile, "device_reason", ""),
+        # the linear kernel orders float32 sums as the thread count does: provenance of each invocation
+        linear_kernel=getattr(rt.profile, "linear_kernel", "torch"),
         batch_pairs=batch,
     )
 
