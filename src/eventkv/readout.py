@@ -267,6 +267,11 @@ class GrowingLayer(DynamicLayer):
         self.keys = self._k[:, :, : self.n]
         self.values = self._v[:, :, : self.n]
 
+    def drop(self, n: int) -> None:
+        """Forget the last ``n`` rows (their buffer slots are written again by the next update)."""
+        self.n -= n
+        self._views()
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         q = key_states.shape[-2]
         if self.n + q > self._k.shape[2]:
@@ -351,8 +356,7 @@ class Batch:
         masks = attention_masks(model, visible, rank[rows:].unsqueeze(1) - rank.unsqueeze(0))
         logits = model_forward(model, torch.cat([ids, nodes], dim=1), pos, self.cache, masks, logits_to_keep=n + 1)
         for layer in self.cache.layers:  # drop the branch rows: generation continues after the query
-            layer.n -= n
-            layer._views()
+            cast(GrowingLayer, layer).drop(n)
         self.mask = torch.cat([self.mask, torch.ones(b, q, dtype=torch.bool, device=dev)], dim=1)
         return logits
 
