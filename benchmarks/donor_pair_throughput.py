@@ -24,7 +24,11 @@ trace readout) on the same model directory, dtype, device and threads, in the sa
 then the baseline of the ratios. Its items are the script's own (seeded), as many as ``--pairs``;
 Part B, which the script runs after Part A of each item, is not timed (:class:`StudyScript`).
 Without it the baseline is ``study (re-implemented)``: the study's way re-done on eventkv's data
-path, not the study's code.
+path, not the study's code. The script runs as its users run it: its model's linear layers on torch's
+own kernel. ``--study-onednn`` adds a way ``study's script, oneDNN linears``: the same script with its
+model's linears routed through oneDNN as eventkv routes its own (``eventkv.models.kernels``), to tell
+the kernel's share of the ratio from the rest. ``--linear`` sets eventkv's kernel (default ``auto``:
+oneDNN for float32 on a CPU).
 
 Prints one line per pair and way, then per way: mean seconds per pair, pairs per hour, tokens per
 pair through the model's decoder — one-token decode steps (times the rows of the batch) and the
@@ -185,9 +189,13 @@ class StudyScript:
         finally:
             torch.cuda.synchronize, torch.cuda.empty_cache = saved
 
-    def pair(self, index: int) -> float:
+    def pair(self, index: int, linear: str = "torch") -> float:
         """Part A of the script's item for seed ``seed + index``: its wall seconds (the tokens in
-        :attr:`count`)."""
+        :attr:`count`), its model's linears on ``linear`` (``"torch"``: as the script runs them;
+        ``"onednn"``: as eventkv runs its own) for this call."""
+        from eventkv.models.kernels import use_linear
+
+        use_linear(self.llm.model, linear)
         k = self.script
         spent, calls = [0.0], {"encode_variant": 0, "ask": 0}
         originals = {"encode_variant": k.encode_variant, "ask": k.ask, "HFBackend": k.HFBackend}
@@ -216,6 +224,7 @@ class StudyScript:
             sys.argv = argv
             for name, fn in originals.items():
                 setattr(k, name, fn)
+            use_linear(self.llm.model, "torch")
         return spent[0]
 
 
@@ -247,6 +256,12 @@ def main() -> None:
         "(without it the baseline is a re-implementation)",
     )
     ap.add_argument("--study-seed", type=int, default=3900, help="the study's script's seed (its items are its own)")
+    ap.add_argument(
+        "--study-onednn",
+        action="store_true",
+        help="also time the study's script with its model's linears on oneDNN, as eventkv runs its own",
+    )
+    ap.add_argument("--linear", default=None, help="eventkv's linear kernel: auto, onednn or torch (default: auto)")
     args = ap.parse_args()
     check_batch_pairs(args.batch_pairs)
     if args.study_repo is not None:
@@ -255,12 +270,12 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     t = time.perf_counter()
-    lm = load(args.model, dtype=args.dtype, device=args.device)
+    lm = load(args.model, dtype=args.dtype, device=args.device, linear=args.linear)
     cpu = torch.cpu.get_capabilities().get("cpu_name") if hasattr(torch.cpu, "get_capabilities") else None
     print(
         f"model {args.model} ({lm.profile.dtype}, {args.device}) loaded in {time.perf_counter() - t:.1f} s; "
         f"torch threads {torch.get_num_threads()}; CPU {cpu or 'unknown'}, kernels "
-        f"{torch.backends.cpu.get_cpu_capability()}"
+        f"{torch.backends.cpu.get_cpu_capability()}; linears on {lm.profile.linear_kernel}"
     )
     rt = Runtime(lm.model, lm.tokenizer, lm.profile)
     probes = {
@@ -281,6 +296,8 @@ def main() -> None:
         local = Path(args.model) if Path(args.model).is_dir() else model_dir(args.model)
         script = StudyScript(args.study_repo.resolve(), local, lm.profile.dtype, args.device, args.study_seed)
         ways = {SCRIPT: lambda it: (script.pair(it["index"]), *script.count.take()), **ways}
+        if args.study_onednn:
+            ways[SCRIPT_ONEDNN] = lambda it: (script.pair(it["index"], "onednn"), *script.count.take())
         print(f"study's script: {args.study_repo} (kvmemory.kv_causal, Part A), model directory {local}")
     else:
         print(
@@ -343,6 +360,7 @@ def main() -> None:
 
 
 SCRIPT = "study's script"
+SCRIPT_ONEDNN = "study's script, oneDNN linears"
 REIMPLEMENTED = "study (re-implemented)"
 
 

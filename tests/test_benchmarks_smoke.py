@@ -176,14 +176,28 @@ def test_donor_pair_throughput_times_the_study_script_s_part_a(tmp_path, tiny_di
     for name, text in FAKE_STUDY.items():
         (package / name).write_text(text)
     common = ["--model", str(tiny_dir), "--pairs", "2", "--max-new-tokens", "2", "--threads", "1"]
-    one, _ = run_benchmark("donor_pair_throughput.py", [*common, "--study-repo", str(tmp_path / "repo")], 600)
+    study = ["--study-repo", str(tmp_path / "repo"), "--study-onednn"]
+    one, _ = run_benchmark("donor_pair_throughput.py", [*common, *study], 600)
+    one(r"model .* loaded in .*; linears on onednn$")
     one(r"study's script: .*repo \(kvmemory\.kv_causal, Part A\), model directory ")
     for pair in (1, 2):
         one(rf"pair {pair}: study's script +[\d.]+ s, 8 decode steps, 34 prefill tokens$")
+        one(rf"pair {pair}: study's script, oneDNN linears +[\d.]+ s, 8 decode steps, 34 prefill tokens$")
     one(r"baseline of the ratios: study's script$")
     one(r"study's script +[\d.]+ +\d+ +8 +34 +1\.00x$")
+    assert float(one(r"study's script, oneDNN linears +[\d.]+ +\d+ +8 +34 +([\d.]+)x$").group(1)) > 0
     for way in (r"study \(re-implemented\)", "eventkv all arms", "eventkv kv,isolated"):
         assert float(one(rf"{way} +[\d.]+ +\d+ +\d+ +\d+ +([\d.]+)x$").group(1)) > 0
-    one, _ = run_benchmark("donor_pair_throughput.py", common, 600)
+    one, _ = run_benchmark("donor_pair_throughput.py", [*common, "--linear", "torch"], 600)
+    one(r"model .* loaded in .*; linears on torch$")
     one(r"baseline: 'study \(re-implemented\)' is the study's way re-implemented on eventkv's data path, not ")
     one(r"baseline of the ratios: study \(re-implemented\)$")
+
+
+def test_cpu_linear_smoke(tiny_dir):
+    one, _ = run_benchmark("cpu_linear.py", ["--model", str(tiny_dir), "--smoke", "--threads", "1"], 300)
+    one(r"model .* \(float32, cpu\); torch .*, threads 1; CPU ")
+    for shape in (r"\[1, 1\]", r"\[4, 1\]", r"\[2, 22\]"):
+        row = one(rf"{shape} +\d+ +\d+ +([\d.]+)x +([\d.e+-]+)$")
+        assert float(row.group(1)) > 0 and float(row.group(2)) < 1e-3
+    assert float(one(r"every shape once, torch's kernel / oneDNN: ([\d.]+)x$").group(1)) > 0
