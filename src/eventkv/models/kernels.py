@@ -4,20 +4,10 @@ On a CPU, torch runs a float32 ``nn.Linear`` through MKL's sgemm (``aten::addmm`
 already uses for bfloat16 linears, is reached for float32 only through its own op
 ``torch.ops.mkldnn._linear_pointwise`` (what torch's compiler emits for CPU linears). On the shapes a
 donor pair and a served query run (one-token decode steps of 1-8 sequences, 20-450-token prefills)
-oneDNN is faster at every shape, most of all where few tokens read all the weights. Measured on a
-2-core AMD EPYC (AVX2 only, 2 threads), one forward of qwen2.5-coder-1.5b, best of three
-(``benchmarks/cpu_linear.py``):
-
-=============================  ========  ========  =====
-forward ``[batch, tokens]``    MKL       oneDNN    ratio
-=============================  ========  ========  =====
-decode step ``[1, 1]``         477 ms    365 ms    1.31x
-decode step ``[8, 1]``         1,325 ms  677 ms    1.96x
-isolated events ``[2, 22]``    2,179 ms  1,213 ms  1.80x
-query ``[3, 43]``              3,628 ms  2,937 ms  1.24x
-prefill ``[1, 176]``           4,772 ms  3,687 ms  1.29x
-prefill ``[2, 229]``           10,825 ms 10,145 ms 1.07x
-=============================  ========  ========  =====
+oneDNN was faster at every shape, most where few tokens read all the weights: one forward of
+qwen2.5-coder-1.5b on a 2-core AMD EPYC (AVX2 only, 2 threads) ran 1.07x (a ``[2, 229]`` prefill) to
+1.96x (a decode step of 8 sequences) faster (``benchmarks/cpu_linear.py``; the table is in
+``docs/devices.md``, "CPU linear kernels").
 
 The two differ only in the order of float32 sums: logits within 1.3e-4 on those forwards. A model
 gets oneDNN linears from :func:`eventkv.models.load` where it computes in float32 on a CPU and the op is
