@@ -6,7 +6,7 @@ measured in one run, the two kernels alternating.
 
 Per shape ``[batch, tokens]`` (fresh forward, no cache, logits of the last token): the best of
 ``--repeats`` times of each kernel, their ratio, and the largest logit difference between the two.
-The last line is the ratio of the summed times (every shape once).
+The last line is the ratio of the sums of those best times over the shapes.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def main() -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     ap.add_argument("--model", default="smollm2-135m", help="packaged alias or local model directory")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (None: torch's own count)")
     ap.add_argument("--repeats", type=int, default=3, help="timed forwards per shape and kernel (the best counts)")
     ap.add_argument("--smoke", action="store_true", help="three small shapes, one repeat")
     args = ap.parse_args()
@@ -73,7 +73,7 @@ def main() -> None:
         print(f"{str(list(s)):<24} {a * 1000:9.0f} {b * 1000:10.0f} {a / b:6.2f}x {diff:13.1e}")
     total_a = sum(best["torch", s] for s in shapes)
     total_b = sum(best["onednn", s] for s in shapes)
-    print(f"every shape once, torch's kernel / oneDNN: {total_a / total_b:.2f}x")
+    print(f"sum over the shapes of the best times, torch's kernel / oneDNN: {total_a / total_b:.2f}x")
 
 
 if __name__ == "__main__":

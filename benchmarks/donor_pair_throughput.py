@@ -245,7 +245,7 @@ def main() -> None:
         default=64,
         help="greedy tokens at most per answer of eventkv's ways (the study's script keeps its own cap, 160)",
     )
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (None: torch's own count)")
     ap.add_argument("--batch-pairs", type=int, default=1, help="also time kv,isolated N pairs at a time (N > 1)")
     ap.add_argument("--profile", action="store_true", help="print a cProfile of the eventkv ways")
     ap.add_argument(
@@ -261,7 +261,11 @@ def main() -> None:
         action="store_true",
         help="also time the study's script with its model's linears on oneDNN, as eventkv runs its own",
     )
-    ap.add_argument("--linear", default=None, help="eventkv's linear kernel: auto, onednn or torch (default: auto)")
+    ap.add_argument(
+        "--linear",
+        default=None,
+        help="eventkv's linear kernel: auto, onednn or torch (None: EVENTKV_LINEAR, else auto)",
+    )
     args = ap.parse_args()
     check_batch_pairs(args.batch_pairs)
     if args.study_repo is not None:
@@ -325,7 +329,7 @@ def main() -> None:
                 prof.disable()
             secs[name].append(s)
             tokens[name].append((decoded, prefilled))
-            print(f"pair {it['index']}: {name:<24} {s:7.2f} s, {decoded} decode steps, {prefilled} prefill tokens")
+            print(f"pair {it['index']}: {name:<32} {s:7.2f} s, {decoded} decode steps, {prefilled} prefill tokens")
 
     if args.batch_pairs > 1:
         name = f"eventkv kv,isolated batch {args.batch_pairs}"

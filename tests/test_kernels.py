@@ -77,3 +77,13 @@ def test_a_bad_choice_is_named(monkeypatch):
     assert resolve_linear(None) == "torch"
     monkeypatch.delenv(LINEAR_ENV)
     assert resolve_linear(None) == "auto"
+
+
+def test_the_reason_says_where_the_choice_came_from(monkeypatch):
+    monkeypatch.setenv(LINEAR_ENV, "torch")
+    assert use_linear(tiny_model("llama")) == ("torch", "requested (EVENTKV_LINEAR)")
+    bf16 = tiny_model("llama", dtype=torch.bfloat16)
+    assert (
+        linear_kernel(bf16, "onednn")[1]
+        == "bfloat16 on cpu: torch's own kernels (oneDNN linears are for float32 on a CPU)"
+    )

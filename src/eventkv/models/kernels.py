@@ -4,12 +4,14 @@ On a CPU, torch runs a float32 ``nn.Linear`` through MKL's sgemm (``aten::addmm`
 already uses for bfloat16 linears, is reached for float32 only through its own op
 ``torch.ops.mkldnn._linear_pointwise`` (what torch's compiler emits for CPU linears). On the shapes a
 donor pair and a served query run (one-token decode steps of 1-8 sequences, 20-450-token prefills)
-oneDNN was faster at every shape, most where few tokens read all the weights: one forward of
-qwen2.5-coder-1.5b on a 2-core AMD EPYC (AVX2 only, 2 threads) ran 1.07x (a ``[2, 229]`` prefill) to
-1.96x (a decode step of 8 sequences) faster (``benchmarks/cpu_linear.py``; the table is in
-``docs/devices.md``, "CPU linear kernels").
+one forward of qwen2.5-coder-1.5b (hidden size 1,536) on a 2-core AMD EPYC (AVX2 only, 2 threads) ran
+1.2-2.3x faster on oneDNN where few tokens read all the weights (decode steps, 22-176-token forwards)
+and even (0.88-1.14x across runs) on prefills of 276-458 tokens; on smollm2-135m (hidden size 576) the
+two were even throughout (``benchmarks/cpu_linear.py``; the tables are in ``docs/devices.md``,
+"CPU linear kernels").
 
-The two differ only in the order of float32 sums: logits within 1.3e-4 on those forwards. A model
+The two differ only in the order of float32 sums: logits within 1.4e-4 (qwen2.5-coder-1.5b) and 1.9e-4
+(smollm2-135m) on those forwards. A model
 gets oneDNN linears from :func:`eventkv.models.load` where it computes in float32 on a CPU and the op is
 there and agrees with ``F.linear`` on a probe; ``linear="torch"`` (or ``EVENTKV_LINEAR=torch``) keeps
 torch's own. Only the forward is replaced (the module, its weight and any tied weight stay as they
@@ -89,14 +91,15 @@ def linear_kernel(model: PreTrainedModel, choice: str = "auto") -> tuple[str, st
         return "torch", "requested"
     param = next(model.parameters())
     if param.device.type != "cpu" or param.dtype != torch.float32:
-        return "torch", f"{param.dtype} on {param.device.type}: torch's own kernels"
+        why = f"{str(param.dtype).removeprefix('torch.')} on {param.device.type}: torch's own kernels"
+        return "torch", why + (" (oneDNN linears are for float32 on a CPU)" if choice == "onednn" else "")
     op = _onednn_op()
     if op is None:
         return "torch", "this torch has no oneDNN linear op"
     why_not = _agrees(op)
     if why_not is not None:
         return "torch", why_not
-    return "onednn", f"{choice}: float32 on a CPU: oneDNN (faster than MKL sgemm on every measured shape)"
+    return "onednn", f"{choice}: float32 on a CPU: oneDNN linears instead of MKL sgemm"
 
 
 def resolve_linear(choice: str | None) -> str:
@@ -124,7 +127,10 @@ def use_linear(model: PreTrainedModel, choice: str | None = None) -> tuple[str, 
     Raises:
         OptionError: a choice (or environment value) not in :data:`LINEAR_CHOICES`.
     """
+    from_env = choice is None and bool(os.environ.get(LINEAR_ENV, "").strip())
     kernel, reason = linear_kernel(model, resolve_linear(choice))
+    if from_env:
+        reason = f"{reason} ({LINEAR_ENV})"
     model.eventkv_linear_kernel = kernel  # type: ignore[assignment]  # read by linear_kernel_of
     for module in model.modules():
         if type(module) is torch.nn.Linear:
