@@ -87,3 +87,14 @@ def test_the_reason_says_where_the_choice_came_from(monkeypatch):
         linear_kernel(bf16, "onednn")[1]
         == "bfloat16 on cpu: torch's own kernels (oneDNN linears are for float32 on a CPU)"
     )
+
+
+def test_load_names_the_environment_when_it_chose(tiny_dir, monkeypatch):
+    from eventkv.models import load
+
+    monkeypatch.setenv(LINEAR_ENV, "torch")
+    profile = load(str(tiny_dir), dtype="float32", device="cpu").profile
+    assert (profile.linear_kernel, profile.linear_reason) == ("torch", "requested (EVENTKV_LINEAR)")
+    monkeypatch.delenv(LINEAR_ENV)
+    profile = load(str(tiny_dir), dtype="float32", device="cpu", linear="torch").profile
+    assert (profile.linear_kernel, profile.linear_reason) == ("torch", "requested")

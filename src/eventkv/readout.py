@@ -523,16 +523,16 @@ def read_out(
         groups.setdefault(len(query), []).append(i)
     where: dict[int, tuple[Batch, int, int]] = {}  # cache -> (its group's batch, index there, query length)
     firsts: dict[int, torch.Tensor] = {}  # cache -> the query's last logits [vocab]
+    seqs = [list(answer_prefix_ids) + list(c) for c in candidates]
+    tree = CandidateTree.of(seqs) if any(score) and takes_4d_masks(model) else None
+    branch = len(tree.tokens) if tree is not None else 0  # rows the candidates' branches take
     for q, idx in groups.items():
         room = max([budgets[i] for i in idx if generate[i]], default=0)
         scored = [j for j, i in enumerate(idx) if score[i]]
-        seqs = [list(answer_prefix_ids) + list(c) for c in candidates]
-        tree = CandidateTree.of(seqs) if scored and takes_4d_masks(model) else None
-        branch = len(tree.tokens) if tree is not None else 0
         batch = stack([served[i] for i in idx], extra=q_len_extra(queries[idx[0]], room, max(longest, branch)))
         ids = torch.tensor([queries[i] for i in idx], device=batch.mask.device)
         local = [out[i] for i in idx]  # the same Readout objects: scoring fills them in place
-        if tree is not None and branch:  # candidates scored in the query's forward
+        if tree is not None and branch and scored:  # candidates scored in the query's forward
             logits = batch.forward_tree(model, ids, tree)
             first = logits[:, 0]
             _score_tree(logits, tree, scored, seqs, len(answer_prefix_ids), candidates, candidate_texts, local)

@@ -91,7 +91,7 @@ def load(
             checksum mismatch while fetching an alias; a model with attention layer kinds other
             than full/sliding; a model that does not fit on the device.
     """
-    linear = resolve_linear(linear)
+    resolve_linear(linear)  # a bad choice or EVENTKV_LINEAR is refused before anything is read
     device, device_reason = resolve_device(device)
     dev = torch.device(device)
     dtype, dtype_reason = resolve_dtype(dtype, dev)
