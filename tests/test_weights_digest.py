@@ -6,6 +6,7 @@ full-file hashes are cached by each file's stat, so an unchanged file is read on
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -58,13 +59,21 @@ def save_model(directory: Path, family: str = "llama") -> Path:
 
 
 def rewrite_layer0_kv(directory: Path, scale: float = 1.5) -> None:
-    """Scale layer 0's k_proj and v_proj weights inside ``model.safetensors``, in place: same tensor names,
-    shapes and dtypes (so the same file size), same inode, and the file's mtime put back as it was. Retried
-    until the file's ctime moved (a rewrite within the same timestamp tick as the last one keeps it)."""
-    path = directory / "model.safetensors"
+    """Scale layer 0's k_proj and v_proj weights inside ``model.safetensors`` in place (see `rewrite_tensors`)."""
+    rewrite_tensors(
+        directory / "model.safetensors",
+        ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight"),
+        scale,
+    )
+
+
+def rewrite_tensors(path: Path, names: tuple[str, ...], scale: float) -> None:
+    """Scale the tensors ``names`` inside the safetensors file ``path``, in place: same tensor names, shapes and
+    dtypes (so the same file size), same inode, and the file's mtime put back as it was. Retried until the
+    file's ctime moved (a rewrite within the same timestamp tick as the last one keeps it)."""
     before = os.stat(path)
     tensors = {k: v.clone() for k, v in load_file(path).items()}  # copies: the file is rewritten under them
-    for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight"):
+    for name in names:
         tensors[name] = tensors[name] * scale
     data = save(tensors, metadata={"format": "pt"})
     while True:
@@ -81,7 +90,7 @@ def rewrite_layer0_kv(directory: Path, scale: float = 1.5) -> None:
 def test_a_same_size_same_mtime_rewrite_of_layer0_kv_changes_the_digest(tmp_path, settled, hashed):
     d = save_model(tmp_path / "m")
     first = digest.directory_digest(d)
-    assert sorted(hashed) == ["config.json", "model.safetensors"]
+    assert sorted(hashed) == ["config.json", "generation_config.json", "model.safetensors"]
     hashed.clear()
     assert digest.directory_digest(d) == first and hashed == []  # cached: nothing read
     rewrite_layer0_kv(d)
@@ -251,3 +260,288 @@ def test_a_hub_id_gets_the_digest_of_its_cached_snapshot(tmp_path, monkeypatch, 
     assert hub == digest.directory_digest(snapshot) != "unhashed"
     rewrite_layer0_kv(snapshot)
     assert models.load("owner/tiny", dtype="float32").profile.weights_digest != hub
+
+
+# --- every file the loader reads is covered: shards in subfolders, .bin checkpoints, adapters, remote code ---
+
+SUB_SHARD = "sub/model-00002-of-00002.safetensors"
+LAYOUTS = ["safetensors", "sharded", "sharded-subfolder", "bin", "sharded-bin-subfolder", "explicit-subfolder"]
+
+
+def split_checkpoint(directory: Path, first: str, second: str, index: str) -> None:
+    """Replace the directory's ``model.safetensors`` by two shards named in the index ``index`` (written here, as
+    transformers writes one): the tensors sorted by name, the first half in ``first`` and the rest
+    (``model.norm.weight`` among them) in ``second``; a ``.bin`` shard is written with ``torch.save``."""
+    import json
+
+    tensors = {k: v.clone() for k, v in load_file(directory / "model.safetensors").items()}
+    (directory / "model.safetensors").unlink()
+    names = sorted(tensors)
+    half = len(names) // 2
+    weight_map = {}
+    for shard, part in ((first, names[:half]), (second, names[half:])):
+        path = directory / shard
+        path.parent.mkdir(parents=True, exist_ok=True)
+        chunk = {n: tensors[n] for n in part}
+        if shard.endswith(".bin"):
+            torch.save(chunk, path)
+        else:
+            path.write_bytes(save(chunk, metadata={"format": "pt"}))
+        weight_map.update(dict.fromkeys(part, shard))
+    assert weight_map["model.norm.weight"] == second
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / index).write_text(json.dumps(index_json, indent=2))
+
+
+def make_layout(directory: Path, layout: str) -> Path:
+    """A tiny Llama saved as a model directory in one of `LAYOUTS` (no tokenizer)."""
+    import json
+
+    model = tiny_model("llama", vocab_size=VOCAB)
+    if layout == "sharded":
+        model.save_pretrained(directory, max_shard_size="1MB")
+        assert len(list(directory.glob("model-*-of-*.safetensors"))) > 1
+        return directory
+    model.save_pretrained(directory)
+    if layout == "sharded-subfolder":
+        split_checkpoint(directory, "model-00001-of-00002.safetensors", SUB_SHARD, "model.safetensors.index.json")
+    elif layout == "bin":
+        torch.save(load_file(directory / "model.safetensors"), directory / "pytorch_model.bin")
+        (directory / "model.safetensors").unlink()
+    elif layout == "sharded-bin-subfolder":
+        split_checkpoint(
+            directory,
+            "pytorch_model-00001-of-00002.bin",
+            "sub/pytorch_model-00002-of-00002.bin",
+            "pytorch_model.bin.index.json",
+        )
+    elif layout == "explicit-subfolder":  # config.json names its weights file (transformers_weights)
+        (directory / "sub").mkdir()
+        (directory / "model.safetensors").rename(directory / "sub" / "weights.safetensors")
+        config = json.loads((directory / "config.json").read_text())
+        config["transformers_weights"] = "sub/weights.safetensors"
+        (directory / "config.json").write_text(json.dumps(config))
+    else:
+        assert layout == "safetensors"
+    return directory
+
+
+_RECORDING: list[set[Path]] = []
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event == "open" and _RECORDING and isinstance(args[0], str | bytes | os.PathLike):
+        _RECORDING[-1].add(Path(os.fsdecode(args[0])))
+
+
+@pytest.fixture()
+def opened():
+    """``record()``: a context manager giving the set of files opened inside it — Python's own opens (the "open"
+    audit event) and the paths handed to safetensors' ``safe_open`` / ``load_file`` and ``torch.load``, wrapped
+    wherever a loaded transformers, peft or safetensors module holds them (safetensors opens its files from
+    Rust, which the audit hook does not see)."""
+    import contextlib
+    import sys
+
+    import safetensors
+    import safetensors.torch
+
+    if not getattr(sys, "_eventkv_digest_audit", False):  # an audit hook cannot be removed: add it once
+        sys.addaudithook(_audit)
+        sys._eventkv_digest_audit = True  # type: ignore[attr-defined]
+
+    def recording(real):
+        def wrapper(filename, *args, **kwargs):
+            if _RECORDING and isinstance(filename, str | os.PathLike):
+                _RECORDING[-1].add(Path(filename))
+            return real(filename, *args, **kwargs)
+
+        return wrapper
+
+    @contextlib.contextmanager
+    def record():
+        originals = [safetensors.safe_open, safetensors.torch.load_file, torch.load]
+        seen: set[Path] = set()
+        with pytest.MonkeyPatch.context() as patch:  # its own: undone on leaving, the test's patches kept
+            for module in list(sys.modules.values()):
+                name = getattr(module, "__name__", "")
+                if not isinstance(name, str) or not name.startswith(("transformers", "peft", "safetensors", "torch")):
+                    continue
+                for attr, value in list(vars(module).items()):
+                    if any(value is real for real in originals):
+                        patch.setattr(module, attr, recording(value))
+            _RECORDING.append(seen)
+            try:
+                yield seen
+            finally:
+                _RECORDING.pop()
+
+    return record
+
+
+def tokenizer_file_names(tmp_path: Path) -> set[str]:
+    """The names of the files a tokenizer's ``save_pretrained`` writes (they have their own digest in a store)."""
+    out = tmp_path / "tokenizer-files"
+    tiny_tokenizer().save_pretrained(out)
+    return {p.name for p in out.iterdir()}
+
+
+def adapter_layout(models_dir: Path, embedded: bool) -> Path:
+    """A LoRA adapter (peft) over a tiny Llama: in the base model's own directory (``embedded``), or alone in a
+    directory whose ``adapter_config.json`` names the base directory."""
+    import json
+
+    peft = pytest.importorskip("peft")
+    base = make_layout(models_dir / "base", "sharded-subfolder")
+    model = tiny_model("llama", vocab_size=VOCAB)
+    lora = peft.get_peft_model(
+        model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    target = base if embedded else models_dir / "adapter"
+    lora.save_pretrained(target)
+    config = json.loads((target / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(base)
+    (target / "adapter_config.json").write_text(json.dumps(config))
+    return target
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS, "adapter", "embedded-adapter"])
+def test_every_model_file_the_loader_opens_is_in_the_digest(tmp_path, opened, layout):
+    """The files transformers opens while `load_hf` loads a model directory (the tokenizer's files aside) are all
+    among `model_files`, whatever the layout."""
+    from eventkv.models.readers import load_hf
+
+    models_dir = tmp_path / "models"
+    if layout in ("adapter", "embedded-adapter"):
+        d = adapter_layout(models_dir, embedded=layout == "embedded-adapter")
+    else:
+        d = make_layout(models_dir / "m", layout)
+    tiny_tokenizer().save_pretrained(d)
+    with opened() as seen:
+        model, _ = load_hf(str(d), "m", torch.float32, "sdpa")
+    assert torch.equal(model.model.norm.weight, torch.ones(64))  # the loader found every shard
+    tokenizer_files = tokenizer_file_names(tmp_path)
+    read = {
+        p.resolve()
+        for p in seen
+        if p.resolve().is_relative_to(models_dir.resolve()) and p.is_file() and p.name not in tokenizer_files
+    }
+    assert any(p.suffix in (".safetensors", ".bin") for p in read)  # the recording sees the weight files
+    covered = {p.resolve() for p in digest.model_files(d)}
+    assert read - covered == set()
+
+
+def test_a_rewrite_of_a_shard_in_a_subfolder_changes_the_digest_and_the_store_is_refused(tmp_path, settled):
+    """A sharded model whose index maps half the tensors to a shard in ``sub/``: scaling ``model.norm.weight``
+    there by 1.5 changes the digest, and a memory store made with the old weights is refused."""
+    from eventkv.memory import EventMemory
+
+    d = make_layout(tmp_path / "models" / "m", "sharded-subfolder")
+    tiny_tokenizer().save_pretrained(d)
+    lm = models.load(str(d), dtype="float32")
+    assert torch.equal(lm.model.model.norm.weight, torch.ones(64))  # loaded from the sub/ shard
+    with EventMemory.create(tmp_path / "store", lm, namespace="t") as mem:
+        mem.add(["Dana lives in Lisbon.", "Ravi drinks tea."], prefill=True)
+    rewrite_tensors(d / SUB_SHARD, ("model.norm.weight",), 1.5)
+    changed = models.load(str(d), dtype="float32")
+    assert torch.equal(changed.model.model.norm.weight, torch.full((64,), 1.5))
+    assert changed.profile.weights_digest != lm.profile.weights_digest
+    with pytest.raises(EventKVError, match=r"was made with weights .* stored KV rows would be stale"):
+        EventMemory.open(tmp_path / "store", changed)
+
+
+def test_the_digest_of_an_unchanged_sharded_subfolder_model_is_stable_and_cached(tmp_path, settled, hashed):
+    d = make_layout(tmp_path / "m", "sharded-subfolder")
+    names = sorted(p.relative_to(d).as_posix() for p in digest.model_files(d))
+    assert names == [
+        "config.json",
+        "generation_config.json",
+        "model-00001-of-00002.safetensors",
+        "model.safetensors.index.json",
+        SUB_SHARD,
+    ]
+    first = digest.directory_digest(d)
+    assert sorted(hashed) == sorted(Path(n).name for n in names)
+    hashed.clear()
+    assert digest.directory_digest(d) == first and hashed == []  # cached: nothing read
+
+
+@pytest.mark.parametrize(
+    ("shard", "message"),
+    [
+        ("../outside.safetensors", r"points outside the model directory: \.\./outside\.safetensors"),
+        ("/tmp/elsewhere.safetensors", r"points outside the model directory: /tmp/elsewhere\.safetensors"),
+        ("sub/gone.safetensors", r"names the shard sub/gone\.safetensors, which does not exist"),
+    ],
+)
+def test_an_index_naming_a_shard_outside_the_folder_or_a_missing_one_is_refused(tmp_path, shard, message):
+    import json
+
+    d = make_layout(tmp_path / "m" / "model", "sharded-subfolder")
+    (tmp_path / "m" / "outside.safetensors").write_bytes((d / SUB_SHARD).read_bytes())
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: shard if v == SUB_SHARD else v for k, v in index["weight_map"].items()}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(EventKVError, match=message):
+        digest.directory_digest(d)
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [("../w.safetensors", "points outside the model directory"), ("sub/gone.safetensors", "does not exist")],
+)
+def test_a_config_naming_a_weights_file_outside_the_folder_or_a_missing_one_is_refused(tmp_path, name, message):
+    import json
+
+    d = make_layout(tmp_path / "m" / "model", "explicit-subfolder")
+    (d / "sub" / "weights.safetensors").rename(tmp_path / "m" / "w.safetensors")
+    config = json.loads((d / "config.json").read_text())
+    config["transformers_weights"] = name
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(EventKVError, match=rf"transformers_weights='{re.escape(name)}', which {message}"):
+        digest.directory_digest(d)
+
+
+def test_an_adapter_directory_covers_the_adapter_and_its_base_model(tmp_path, settled):
+    """An adapter alone in its directory (``adapter_config.json`` naming the base directory, no ``config.json``):
+    its digest covers the adapter's files and every file of the base model, so a rewritten base shard counts."""
+    import json
+
+    base = make_layout(tmp_path / "base", "sharded-subfolder")
+    a = tmp_path / "adapter"
+    a.mkdir()
+    (a / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": str(base)}))
+    (a / "adapter_model.safetensors").write_bytes(save({"w": torch.ones(2)}, metadata={"format": "pt"}))
+    files = {p.resolve() for p in digest.model_files(a)}
+    assert files == {a / "adapter_config.json", a / "adapter_model.safetensors"} | {
+        p.resolve() for p in digest.model_files(base)
+    }
+    first = digest.directory_digest(a)
+    rewrite_tensors(base / SUB_SHARD, ("model.norm.weight",), 1.5)
+    assert digest.directory_digest(a) != first
+
+
+def test_remote_code_named_in_auto_map_and_what_it_imports_are_covered(tmp_path, settled):
+    import json
+
+    d = make_layout(tmp_path / "m", "safetensors")
+    config = json.loads((d / "config.json").read_text())
+    config["auto_map"] = {
+        "AutoConfig": "configuration_tiny.TinyConfig",
+        "AutoModelForCausalLM": "modeling_tiny.TinyForCausalLM",
+        "AutoTokenizer": ["other/repo--tokenization.Slow", None],  # another repository's code: not in the folder
+    }
+    (d / "config.json").write_text(json.dumps(config))
+    (d / "configuration_tiny.py").write_text("from transformers import LlamaConfig as TinyConfig\n")
+    (d / "modeling_tiny.py").write_text("from .layers.helpers import scale\nfrom .common import TinyForCausalLM\n")
+    (d / "common.py").write_text("from transformers import LlamaForCausalLM as TinyForCausalLM\n")
+    (d / "layers").mkdir()
+    (d / "layers" / "helpers.py").write_text("scale = 1.0\n")
+    (d / "unrelated.py").write_text("x = 1\n")
+    names = {p.relative_to(d).as_posix() for p in digest.model_files(d)}
+    assert {"configuration_tiny.py", "modeling_tiny.py", "common.py", "layers/helpers.py"} <= names
+    assert "unrelated.py" not in names
+    first = digest.directory_digest(d)
+    (d / "layers" / "helpers.py").write_text("scale = 1.5\n")
+    assert digest.directory_digest(d) != first

@@ -54,12 +54,18 @@ def load(
         - ``.gguf`` file: sha256 of the whole file;
         - alias: sha256 of the packaged GGUF (the same digest as loading that file directly); the
           converted directory is checked against its manifest's sha256 of every file;
-        - local directory: `eventkv.models.digest.directory_digest` — sha256 over the sorted
-          ``config.json``, ``*.safetensors``, ``*.bin`` and shard index files, each by name and the
-          full sha256 of its content;
+        - local directory: `eventkv.models.digest.directory_digest` — sha256 over the sorted files
+          ``from_pretrained`` builds the model from (`eventkv.models.digest.model_files`): ``config.json``,
+          ``generation_config.json``, the checkpoint and every shard its index names (subfolders
+          included), every top-level ``*.safetensors`` / ``*.bin`` file and shard index, a PEFT adapter's
+          config and weights (and its base model's files when the adapter has no ``config.json``), and
+          the remote-code ``.py`` files the config's ``auto_map`` names with the files they import; each by
+          its path in the directory and the full sha256 of its content (the tokenizer's files are not
+          covered: a store has a tokenizer digest of its own);
         - hub id: the same directory digest of the snapshot ``from_pretrained`` read from the Hugging
-          Face cache (so a hub id and its downloaded folder give one digest); ``"hub:<id>@<commit>"``
-          only if that snapshot cannot be found on disk.
+          Face cache (found by its ``config.json``, or ``adapter_config.json`` for an adapter; so a hub
+          id and its downloaded folder give one digest); ``"hub:<id>@<commit>"`` only if that snapshot
+          cannot be found on disk.
 
     Full-file hashes are cached by each file's stat (size, mtime, ctime, inode; see
     `eventkv.models.digest`): the first load of a file reads it in full (sha256 runs at a few hundred
@@ -87,9 +93,10 @@ def load(
     Raises:
         OptionError: a bad dtype, device or linear kernel, or a CUDA device this machine does not have (checked
             before anything is read or fetched).
-        EventKVError: unknown alias; a model that cannot be found or read; a pip failure or
-            checksum mismatch while fetching an alias; a model with attention layer kinds other
-            than full/sliding; a model that does not fit on the device.
+        EventKVError: unknown alias; a model that cannot be found or read; a shard index (or the
+            config's ``transformers_weights``) naming a file outside the model directory or a missing
+            one; a pip failure or checksum mismatch while fetching an alias; a model with attention
+            layer kinds other than full/sliding; a model that does not fit on the device.
     """
     resolve_linear(linear)  # a bad choice or EVENTKV_LINEAR is refused before anything is read
     device, device_reason = resolve_device(device)
@@ -155,11 +162,13 @@ def _resolve(name: str) -> tuple[str, str]:
 
 def _hub_digest(repo_id: str, revision: str | None) -> str:
     """The content digest of the hub snapshot ``from_pretrained`` loaded (`directory_digest` of the
-    folder holding its ``config.json`` in the Hugging Face cache); ``"hub:<id>@<commit>"`` if that
-    file is not in the cache (a custom cache folder)."""
+    folder holding its ``config.json``, or its ``adapter_config.json`` for an adapter repository, in
+    the Hugging Face cache); ``"hub:<id>@<commit>"`` if neither file is in the cache (a custom cache
+    folder)."""
     from huggingface_hub import try_to_load_from_cache
 
-    config = try_to_load_from_cache(repo_id, "config.json", revision=revision)
-    if isinstance(config, str):
-        return directory_digest(Path(config).parent)
+    for name in ("config.json", "adapter_config.json"):
+        found = try_to_load_from_cache(repo_id, name, revision=revision)
+        if isinstance(found, str):
+            return directory_digest(Path(found).parent)
     return f"hub:{repo_id}@{revision}" if revision else f"hub:{repo_id}"
