@@ -158,7 +158,7 @@ def test_load_local_directory(tmp_path):
     assert lm.model.dtype == torch.bfloat16
     p = lm.profile
     assert (p.name, p.family, p.dtype, p.num_layers) == (str(tmp_path), "qwen2", "bfloat16", 2)
-    files = ("config.json", "model.safetensors")  # what the model is built from, by full content
+    files = ("config.json", "generation_config.json", "model.safetensors")  # what from_pretrained reads, by content
     expected = hashlib.sha256(
         b"".join(f"{n}\0{hashlib.sha256((tmp_path / n).read_bytes()).hexdigest()}\n".encode() for n in files)
     )
