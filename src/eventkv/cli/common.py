@@ -1,4 +1,5 @@
-"""What the CLI's command modules share: mapping user errors to one line and exit 2, comma lists, the
+"""What the CLI's command modules share: mapping user errors to one line and exit 2, a batch command's
+stop on SIGTERM or Ctrl-C (:func:`stops_resumably`: one line, exit 143 or 130), comma lists, the
 run options every probe command takes (:func:`run_command`), and the start of a run from its
 :class:`~eventkv.probes.run_options.RunOptions` (check every option, fill the default ``--out``, load the
 model) for ``run``, ``contract``, ``audit``, ``harvest``, ``memory eval`` and ``splice``."""
@@ -7,7 +8,9 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import EllipsisType
@@ -146,7 +149,7 @@ def run_command(
 
         @functools.wraps(fn)
         def command(**options: Any) -> None:
-            with user_errors():
+            with user_errors(), stops_resumably():
                 from eventkv.probes.run_options import RunOptions
 
                 run = RunOptions(**{"items": 0, **{k: v for k, v in options.items() if k in RUN_FIELDS}})
@@ -193,6 +196,70 @@ def user_errors():
     except EventKVError as exc:
         _err.print(f"[bold red]error:[/] {escape(cli_message(exc))}", markup=True, highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
+
+
+SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
+"""A batch command's exit status when a signal stops it: 128 + the signal's number, the shell's convention
+(what a shell reports for a process the signal killed)."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread where the command is, as Ctrl-C raises KeyboardInterrupt: it
+    passes every ``except Exception`` and every ``finally`` runs on its way out.
+
+    Attributes:
+        signum: the signal's number.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated(signum)
+
+
+@contextmanager
+def stops_resumably() -> Iterator[None]:
+    """A batch command (a probe run, ``contract``, ``splice``, ``audit``, ``harvest``, ``memory eval``,
+    ``sweep``) stopped by SIGTERM or Ctrl-C (SIGINT): the signal becomes an exception where the command
+    is, so its ``finally`` blocks run (records already appended stay whole; a sweep marks its invocation
+    interrupted), then one line on stderr, ``interrupted: every finished record is kept; run the same
+    command again to resume. (stopped by SIGTERM: exit 143)``, and exit 143 (SIGTERM) or 130 (SIGINT);
+    see :data:`SIGNAL_EXIT`.
+    The SIGTERM handler is installed in the main thread only and restored on leaving.
+
+    Raises:
+        typer.Exit: with the signal's exit status.
+    """
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if main else None
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        _stopped(exc.signum if isinstance(exc, Terminated) else signal.SIGINT)
+    except SystemExit as exc:
+        # why: ray.init (a sweep's ray backend) replaces any SIGTERM handler with one that calls
+        # sys.exit(signal number); its SystemExit has run the same finally blocks on its way here
+        if exc.code != signal.SIGTERM:
+            raise
+        _stopped(signal.SIGTERM)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _stopped(signum: int) -> None:
+    code = SIGNAL_EXIT[signal.Signals(signum)]
+    _err.print(
+        "interrupted: every finished record is kept; run the same command again to resume. "
+        f"(stopped by {signal.Signals(signum).name}: exit {code})",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
+    raise typer.Exit(code) from None
 
 
 def comma_list(text: str, what: str) -> tuple[str, ...]:

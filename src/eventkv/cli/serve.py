@@ -72,7 +72,14 @@ def serve(
                 f"eventkv serve needs the server extra ({exc.name} is not installed): pip install 'eventkv[server]'."
             ) from None
         from eventkv.service.app import Settings
-        from eventkv.service.server import Connections, check_bind, check_port, read_tokens, serve_forever
+        from eventkv.service.server import (
+            Connections,
+            check_bind,
+            check_port,
+            read_tokens,
+            serve_forever,
+            stops_cleanly,
+        )
 
         check_int("port", port, "give a TCP port, 0-65535 (0: any free port).", minimum=0, flag="--port")
         if port > 65535:
@@ -125,35 +132,37 @@ def serve(
             body_timeout=body_timeout,
             max_batch=max_batch,
         )
-        if backend == "ray":
-            from eventkv.service.cluster.deploy import serve_cluster
-            from eventkv.service.cluster.replica import ReplicaSpec
+        # SIGTERM or Ctrl-C, even while the model loads: exit 0 once every memory is closed
+        with stops_cleanly():
+            if backend == "ray":
+                from eventkv.service.cluster.deploy import serve_cluster
+                from eventkv.service.cluster.replica import ReplicaSpec
 
-            spec = ReplicaSpec(
-                model,
-                replace(settings, store=store.resolve()),
-                dtype,
-                device,
-                threads or 1,
-                memories=memories_per_replica,
-            )
-            typer.echo(f"eventkv serve: starting {replicas} Ray Serve replicas of {model} ...", err=True)
-            serve_cluster(
-                spec,
-                host,
-                port,
-                address=ray_address,
-                replicas=replicas,
-                max_ongoing=limit_concurrency,
-                log_level=log_level,
-                connections=connections,
-            )
-            return
-        if threads is not None:
-            import torch
+                spec = ReplicaSpec(
+                    model,
+                    replace(settings, store=store.resolve()),
+                    dtype,
+                    device,
+                    threads or 1,
+                    memories=memories_per_replica,
+                )
+                typer.echo(f"eventkv serve: starting {replicas} Ray Serve replicas of {model} ...", err=True)
+                serve_cluster(
+                    spec,
+                    host,
+                    port,
+                    address=ray_address,
+                    replicas=replicas,
+                    max_ongoing=limit_concurrency,
+                    log_level=log_level,
+                    connections=connections,
+                )
+                return
+            if threads is not None:
+                import torch
 
-            torch.set_num_threads(threads)
-        # the model loads before the server listens (seconds to minutes): say so, on stderr as uvicorn's log
-        typer.echo(f"eventkv serve: loading {model} ...", err=True)
-        settings.lm = load(model, dtype=dtype, device=device)
-        serve_forever(settings, host, port, log_level=log_level, connections=connections)
+                torch.set_num_threads(threads)
+            # the model loads before the server listens (seconds to minutes): say so, on stderr as uvicorn's log
+            typer.echo(f"eventkv serve: loading {model} ...", err=True)
+            settings.lm = load(model, dtype=dtype, device=device)
+            serve_forever(settings, host, port, log_level=log_level, connections=connections)

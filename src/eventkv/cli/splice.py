@@ -24,6 +24,7 @@ from eventkv.cli.common import (
     model_option,
     out_option,
     start_run,
+    stops_resumably,
     user_errors,
 )
 from eventkv.errors import EventKVError
@@ -135,7 +136,7 @@ def splice(
 
     Each cell is compared with the clean run by McNemar's exact test.
     """
-    with user_errors():
+    with user_errors(), stops_resumably():
         from eventkv.probes.run_options import RunOptions
 
         probe = build_probe(

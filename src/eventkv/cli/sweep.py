@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from eventkv.cli.common import PROGRESS_OPTION, user_errors
+from eventkv.cli.common import PROGRESS_OPTION, stops_resumably, user_errors
 from eventkv.options import BACKENDS
 
 
@@ -66,15 +66,8 @@ def sweep(
             _table(console, ["folder", "probe", "model", "seed", "items", "probe options", "run options"], rows)
             console.print(f"{len(rows)} runs; nothing loaded (--dry-run)", highlight=False)
             return
-        try:
+        with stops_resumably():  # SIGTERM, Ctrl-C: the finished records are on disk; say how to go on
             results = run_sweep(p, opts, console)
-        except KeyboardInterrupt:  # Ctrl-C: the finished records are on disk; say how to go on
-            Console(stderr=True).print(
-                "interrupted: every finished record is kept; run the same command again to resume.",
-                highlight=False,
-                soft_wrap=True,
-            )
-            raise typer.Exit(130) from None
         rows = [
             [r.out.as_posix(), r.probe, r.model, str(r.seed), str(r.items), str(r.computed), r.summary.as_posix()]
             for r in results

@@ -169,16 +169,19 @@ class MCPOptions:
         return LocalStore(lm, self.store, self.namespace, instruction=self.instruction, max_open=self.max_open)
 
     def serve(self) -> None:
-        """Run the MCP server until its client goes (stdio) or SIGINT/SIGTERM (http); every memory is
-        let go of at the end."""
+        """Run the MCP server until its client goes (stdio: stdin closes) or SIGTERM or SIGINT (either
+        transport; also while the model loads); every memory is let go of at the end, and a signal exits
+        the process with status 0 (:func:`eventkv.mcp.server.run_stdio`, :func:`eventkv.mcp.server.run_http`)."""
         from eventkv.mcp.server import build_server, run_http, run_stdio
+        from eventkv.service.server import stops_cleanly
 
-        backend = self.backend()
-        try:
-            server = build_server(backend, self.memory)
-            if self.transport == "http":
-                run_http(server, self.host, self.port, log_level=self.log_level)
-            else:
-                run_stdio(server)
-        finally:
-            backend.close()
+        with stops_cleanly():
+            backend = self.backend()
+            try:
+                server = build_server(backend, self.memory)
+                if self.transport == "http":
+                    run_http(server, self.host, self.port, log_level=self.log_level)
+                else:
+                    run_stdio(server, close=backend.close)
+            finally:
+                backend.close()

@@ -16,6 +16,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import mcp_types as types
@@ -114,35 +118,56 @@ def build_server(backend: Backend, memory: str = DEFAULT_MEMORY) -> Server:
     )
 
 
-def run_stdio(server: Server) -> None:
-    """Serve one MCP client on this process's stdin and stdout until stdin closes."""
+def run_stdio(server: Server, close: Callable[[], None] = lambda: None) -> None:
+    """Serve one MCP client on this process's stdin and stdout until stdin closes, then return; or
+    until SIGTERM or SIGINT (Ctrl-C), even with stdin open: then ``close()`` (the backend lets go of
+    every memory: the calls already queued finish, every store is closed; answers not yet written are
+    not sent) and the process exits 0."""
     import anyio
     from mcp.server.stdio import stdio_server
 
+    async def stop_on_signal(*, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            task_status.started()
+            async for signum in signals:
+                log.info("%s: closing every memory", signal.Signals(signum).name)
+                close()
+                logging.shutdown()
+                sys.stderr.flush()
+                # why os._exit: the SDK's transport reads stdin on a worker thread that no cancellation
+                # interrupts (anyio's readline is not abandoned on cancel), so a normal exit would wait for
+                # the client's next line; the memories are closed, nothing else is left to flush
+                os._exit(0)
+
     async def main() -> None:
-        async with stdio_server() as (read, write):
-            await server.run(read, write, server.create_initialization_options())
+        async with anyio.create_task_group() as tg:
+            await tg.start(stop_on_signal)  # before the transport reads: no signal finds it unwatched
+            async with stdio_server() as (read, write):
+                await server.run(read, write, server.create_initialization_options())
+            tg.cancel_scope.cancel()
 
     anyio.run(main)
 
 
-def run_http(server: Server, host: str, port: int, *, log_level: str = "info") -> None:
+def run_http(server: Server, host: str, port: int, *, log_level: str = "info", graceful_s: float = 30.0) -> None:
     """Serve MCP's streamable HTTP transport at ``http://host:port/mcp`` under uvicorn until
-    SIGINT/SIGTERM, then return (the SDK's app: on a loopback host it refuses requests whose ``Host`` or ``Origin``
-    is not a loopback name, against DNS rebinding)."""
-    import signal
-
+    SIGINT/SIGTERM; open requests and streams then get ``graceful_s`` seconds to finish, as under
+    ``eventkv serve``, and ``SystemExit(0)`` is raised through the caller's cleanup (every memory let go
+    of; :func:`eventkv.service.server.stops_cleanly`). The SDK's app: on a loopback host it refuses
+    requests whose ``Host`` or ``Origin`` is not a loopback name, against DNS rebinding."""
     import uvicorn
 
-    def exit_cleanly(signum, frame) -> None:
-        raise SystemExit(0)
+    from eventkv.service.server import stops_cleanly
 
     app = server.streamable_http_app(host=host)
-    # uvicorn re-raises SIGTERM/SIGINT once its graceful shutdown is done; with these handlers the process
-    # then exits 0 through the caller's cleanup (every memory let go of) instead of dying of the signal
-    previous = {sig: signal.signal(sig, exit_cleanly) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    # uvicorn re-raises SIGTERM/SIGINT once its graceful shutdown is done: exit 0, not death by the signal
+    with stops_cleanly():
+        uvicorn.run(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            # bounded: a client's open event stream (GET /mcp) would otherwise hold the shutdown up until it goes;
+            # ignored: uvicorn annotates int but only passes it to asyncio.timeout, which takes seconds as float
+            timeout_graceful_shutdown=graceful_s,  # type: ignore[arg-type]
+        )

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -215,8 +217,7 @@ def run_uvicorn(
 
     # uvicorn re-raises SIGTERM/SIGINT once its graceful shutdown is done (so a parent sees the signal);
     # with these handlers in place it then exits 0: the shutdown was clean (the lifespan closed every store)
-    previous = {sig: signal.signal(sig, _exit_cleanly) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
+    with stops_cleanly():
         uvicorn.run(
             app,
             host=host,
@@ -226,6 +227,22 @@ def run_uvicorn(
             timeout_graceful_shutdown=graceful_s,  # type: ignore[arg-type]
             **connections.uvicorn_options(),
         )
+
+
+@contextmanager
+def stops_cleanly() -> Iterator[None]:
+    """A server's stop: while the block runs, SIGTERM and SIGINT (Ctrl-C) raise ``SystemExit(0)`` in the
+    main thread, so the ``finally`` blocks on the way out close every memory and the process exits 0 (a
+    signal before the server listens, e.g. while the model loads, exits 0 too: nothing was acknowledged
+    yet). Under uvicorn its own handlers come first (stop accepting, let running requests finish) and it
+    re-raises the signal here once it is done. The previous handlers are restored on leaving; in a thread
+    other than the main one nothing is installed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _exit_cleanly) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -83,7 +83,8 @@ def serve_cluster(
     """Deploy ``replicas`` replicas of ``spec`` on the cluster at ``address`` and serve the gateway
     on ``host:port`` until SIGINT/SIGTERM; then the gateway lets running requests finish (at most
     ``graceful_s`` seconds), the application is deleted (each replica's lifespan finishes its queued
-    jobs and closes its memories) and a local cluster started here is stopped.
+    jobs and closes its memories), a local cluster started here is stopped, and the process exits 0
+    (:func:`eventkv.service.server.stops_cleanly`; a signal while the replicas start stops the same way).
 
     Raises:
         EventKVError: Ray Serve missing, the cluster unreachable or too small, or a replica that fails
@@ -92,7 +93,7 @@ def serve_cluster(
     from eventkv.service.app import clean_leftovers
     from eventkv.service.cluster.gateway import gateway_app
     from eventkv.service.cluster.replica import replica_deployment
-    from eventkv.service.server import Connections, check_bind, run_uvicorn
+    from eventkv.service.server import Connections, check_bind, run_uvicorn, stops_cleanly
 
     settings = spec.settings
     check_bind(host, settings.tokens)
@@ -100,26 +101,34 @@ def serve_cluster(
     if address is None and not ray.is_initialized():  # a local instance would have this machine's cores
         check_capacity(replicas, spec.threads, len(os.sched_getaffinity(0)), "this machine")
     started = connect(address)
-    try:
-        check_capacity(replicas, spec.threads, ray.cluster_resources().get("CPU", 0), "the Ray cluster")
-        root = Path(settings.store)
-        root.mkdir(parents=True, exist_ok=True)
-        clean_leftovers(root)  # once, before any replica writes under the root
-        serve.start(proxy_location="Disabled")
+    # why again: ray.init replaced the server's SIGTERM handler with its own (sys.exit(15)); a signal from
+    # here on exits 0 through the finally blocks below (the application deleted, a local cluster stopped)
+    with stops_cleanly():
         try:
-            handle = serve.run(
-                replica_deployment(spec, replicas, max_ongoing), name=APP, route_prefix=None, blocking=False
-            )
-        except RuntimeError as exc:  # Serve's report of a deployment that failed (a replica's constructor raised)
-            raise EventKVError(f"the replicas did not start: {exc}") from None
-        app = gateway_app(handle, settings.tokens, settings.max_body, settings.body_timeout)
-        try:
-            run_uvicorn(
-                app, host, port, log_level=log_level, graceful_s=graceful_s, connections=connections or Connections()
-            )
+            check_capacity(replicas, spec.threads, ray.cluster_resources().get("CPU", 0), "the Ray cluster")
+            root = Path(settings.store)
+            root.mkdir(parents=True, exist_ok=True)
+            clean_leftovers(root)  # once, before any replica writes under the root
+            serve.start(proxy_location="Disabled")
+            try:
+                handle = serve.run(
+                    replica_deployment(spec, replicas, max_ongoing), name=APP, route_prefix=None, blocking=False
+                )
+            except RuntimeError as exc:  # Serve's report of a deployment that failed (a replica's constructor raised)
+                raise EventKVError(f"the replicas did not start: {exc}") from None
+            app = gateway_app(handle, settings.tokens, settings.max_body, settings.body_timeout)
+            try:
+                run_uvicorn(
+                    app,
+                    host,
+                    port,
+                    log_level=log_level,
+                    graceful_s=graceful_s,
+                    connections=connections or Connections(),
+                )
+            finally:
+                serve.delete(APP)
         finally:
-            serve.delete(APP)
-    finally:
-        if started:
-            serve.shutdown()
-            ray.shutdown()
+            if started:
+                serve.shutdown()
+                ray.shutdown()
