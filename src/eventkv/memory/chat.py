@@ -15,12 +15,18 @@ prefilled once), so under a memory each system message's text opens the next use
 
 The model alone (:func:`chat_prompt_ids`, :func:`chat_reply`): the template over the messages as given.
 
+A content is text, never markup: a special token's string typed in it (ChatML's ``<|im_end|>``, a
+``</s>``) is tokenized as its characters (the tokenizer's ``split_special_tokens``), so the control
+tokens of a prompt are the template's alone and a message cannot close its turn or forge another.
+A conversation whose contents hold no such string is tokenized as one text, exactly as before.
+
 Messages are mappings with ``role`` (``system`` | ``user`` | ``assistant``) and ``content`` (a string),
 the last one from the user (the reply is the assistant's next turn).
 """
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Sequence, cast
@@ -42,6 +48,11 @@ if TYPE_CHECKING:  # pragma: no cover
 ROLES = ("system", "user", "assistant")
 #: what stands for the i-th content while the template renders (replaced by the content after)
 _PLACEHOLDER = "EVENTKV_CHAT_CONTENT_{}_5b1e"
+_PLACEHOLDERS = re.compile(r"EVENTKV_CHAT_CONTENT_(\d+)_5b1e")
+
+#: a rendered conversation: its pieces in order, each ``(text, is_content)`` (a message's content, or
+#: the template's text around the contents)
+Parts = list[tuple[str, bool]]
 
 
 @dataclass(frozen=True)
@@ -98,9 +109,10 @@ def last_user_text(messages) -> str:
     return check_messages(messages)[-1]["content"]
 
 
-def _render(lm: LoadedModel, messages: list[dict[str, str]]) -> str:
+def _render(lm: LoadedModel, messages: list[dict[str, str]]) -> Parts:
     """The model's chat template over ``messages`` with the generation prompt, the contents placed
-    as given; a tokenizer without a template gets the plain-text scaffold (``User:`` / ``Assistant:``).
+    as given, as :data:`Parts`; a tokenizer without a template gets the plain-text scaffold
+    (``User:`` / ``Assistant:``).
 
     Raises:
         EventKVError: no tokenizer, or the template renders a placeholder other than once.
@@ -110,15 +122,15 @@ def _render(lm: LoadedModel, messages: list[dict[str, str]]) -> str:
     if lm.profile.scaffold == "none" or tok is None:
         raise EventKVError("a chat needs the model's tokenizer: load the model with its tokenizer.")
     if not getattr(tok, "chat_template", None):
-        text = ""
+        parts: Parts = []
         for m in messages:  # the scaffold eventkv gives a model without a template, turn after turn
             if m["role"] == "user":
-                text += PLAIN_TEXT_HEAD + m["content"] + PLAIN_TEXT_TAIL
+                parts += [(PLAIN_TEXT_HEAD, False), (m["content"], True), (PLAIN_TEXT_TAIL, False)]
             elif m["role"] == "assistant":
-                text += " " + m["content"] + "\n"
+                parts += [(" ", False), (m["content"], True), ("\n", False)]
             else:
-                text += m["content"] + "\n"
-        return text
+                parts += [(m["content"], True), ("\n", False)]
+        return parts
     held = [{"role": m["role"], "content": _PLACEHOLDER.format(i)} for i, m in enumerate(messages)]
     try:
         rendered = cast(str, tok.apply_chat_template(held, tokenize=False, add_generation_prompt=True))
@@ -126,15 +138,68 @@ def _render(lm: LoadedModel, messages: list[dict[str, str]]) -> str:
         raise OptionError(
             "messages", f"{len(messages)} messages", f"the model's chat template refuses this conversation ({exc})."
         ) from None
-    for i, m in enumerate(messages):
+    for i in range(len(messages)):
         mark = _PLACEHOLDER.format(i)
         if rendered.count(mark) != 1:
             raise EventKVError(
                 f"the chat template of {lm.profile.name!r} renders message {i} {rendered.count(mark)} times, "
                 "expected once: give the tokenizer a standard chat template."
             )
-        rendered = rendered.replace(mark, m["content"])
-    return rendered
+    parts, at = [], 0
+    for found in _PLACEHOLDERS.finditer(rendered):
+        parts += [(rendered[at : found.start()], False), (messages[int(found.group(1))]["content"], True)]
+        at = found.end()
+    return [*parts, (rendered[at:], False)]
+
+
+def _text(parts: Parts) -> str:
+    return "".join(text for text, _ in parts)
+
+
+def _special_strings(tok) -> list[str]:
+    """The strings of the tokenizer's special tokens (those a text tokenizes to their control ids), longest first."""
+    found = {t.content for t in getattr(tok, "added_tokens_decoder", {}).values() if getattr(t, "special", False)}
+    return sorted((t for t in found | set(getattr(tok, "all_special_tokens", ())) if t), key=len, reverse=True)
+
+
+class _PlainText:
+    """The tokenizer, reading the strings of special tokens as plain text (transformers'
+    ``split_special_tokens``): what :func:`eventkv.log.encode` calls for a run of text holding a content."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, text: str, **kw):
+        return self.tokenizer(text, split_special_tokens=True, **kw)
+
+
+def _encode(lm: LoadedModel, parts: Parts) -> list[int]:
+    """Token ids of the rendered conversation ``parts``, a special token's string in a content read as
+    plain text (module docstring). Without such a string: :func:`eventkv.log.encode` of the whole text.
+    With one: the template's special tokens are found in the template's pieces alone and give their
+    ids; each run of text between two of them (template text and contents together) is encoded with
+    ``split_special_tokens``, as the tokenizer encodes the runs between special tokens of one text."""
+    tok = lm.tokenizer
+    specials = _special_strings(tok)
+    if not any(mark in text for text, content in parts if content for mark in specials):
+        return encode(tok, _text(parts))
+    split = re.compile("|".join(map(re.escape, specials)))
+    runs: list[str | int] = []  # runs of text, and the template's special tokens' ids
+    run = ""
+    for text, content in parts:
+        if content:
+            run += text
+            continue
+        at = 0
+        for found in split.finditer(text):
+            run += text[at : found.start()]
+            runs += [run] if run else []
+            runs.append(cast(int, tok.convert_tokens_to_ids(found.group())))
+            run, at = "", found.end()
+        run += text[at:]
+    runs += [run] if run else []
+    plain = _PlainText(tok)
+    return [i for r in runs for i in ([r] if isinstance(r, int) else encode(plain, r))]
 
 
 def _bos_text(lm: LoadedModel) -> str:
@@ -169,6 +234,11 @@ def chat_tail_text(lm: LoadedModel, messages) -> str:
         EventKVError: the template renders a conversation that does not open with the head of one
             user turn (the memory's header could not stand in its place).
     """
+    return _text(_tail(lm, messages))
+
+
+def _tail(lm: LoadedModel, messages) -> Parts:
+    """:func:`chat_tail_text` as :data:`Parts`. Raises as :func:`chat_tail_text`."""
     turns = fold_system(check_messages(messages))
     if turns[0]["role"] != "user":
         raise OptionError(
@@ -177,11 +247,11 @@ def chat_tail_text(lm: LoadedModel, messages) -> str:
             "open the conversation with a user message (after any system messages): under a memory the "
             "memory's events open the first user turn.",
         )
-    rendered = _render(lm, turns)
+    parts = _render(lm, turns)
     head = lm.profile.chat_head
     for opening in (head, head[len(_bos_text(lm)) :]):
-        if opening and rendered.startswith(opening):
-            return rendered[len(opening) :]
+        if opening and parts[0][0].startswith(opening):
+            return [(parts[0][0][len(opening) :], False), *parts[1:]]
     raise EventKVError(
         f"the chat template of {lm.profile.name!r} renders this conversation without the head of one user turn "
         f"({head[:60]!r}): a memory's rows cannot be read before it. Ask without a memory."
@@ -190,24 +260,26 @@ def chat_tail_text(lm: LoadedModel, messages) -> str:
 
 def chat_tail_ids(lm: LoadedModel, messages) -> list[int]:
     """Token ids of :func:`chat_tail_text` (one text, encoded as :func:`eventkv.log.tokenize_query`
-    encodes a question with its tail). Raises as :func:`chat_tail_text`."""
-    return encode(lm.tokenizer, chat_tail_text(lm, messages))
+    encodes a question with its tail; a special token's string in a content as plain text: module
+    docstring). Raises as :func:`chat_tail_text`."""
+    return _encode(lm, _tail(lm, messages))
 
 
 def chat_prompt_ids(lm: LoadedModel, messages) -> list[int]:
     """Token ids of the whole conversation for the model alone: its chat template over the messages
     as given (system messages where the template puts them), with the generation prompt, and the
-    BOS token first when the tokenizer adds one the template does not write.
+    BOS token first when the tokenizer adds one the template does not write; a special token's string
+    in a content is plain text (module docstring).
 
     Raises:
         OptionError: as :func:`check_messages`; the template refuses the conversation.
         EventKVError: no tokenizer.
     """
-    rendered = _render(lm, check_messages(messages))
+    parts = _render(lm, check_messages(messages))
     bos = _bos_text(lm)
-    if bos and not rendered.startswith(bos):
-        rendered = bos + rendered
-    return encode(lm.tokenizer, rendered)
+    if bos and not _text(parts).startswith(bos):
+        parts = [(bos, False), *parts]
+    return _encode(lm, parts)
 
 
 @torch.inference_mode()

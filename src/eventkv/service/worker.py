@@ -16,6 +16,11 @@ readout (:func:`eventkv.memory.answer.answer_prepared`). Which queries a batch t
   particular (creating or deleting a memory) is a barrier for every memory;
 - a batch never runs a job other than queries: the jobs it passes over stay queued in order, and
   the next one starts right after the batch.
+
+A memory deleted while jobs on it wait (:meth:`ModelWorker.deleted`, by the ``DELETE`` route's job) is
+never written again by them: each job on a memory was queued for the memory of that time, so a job
+queued before the deletion is refused with NotFound when its turn comes, even when a memory of the
+same id was created in the meantime; a job queued after the deletion works on the new one.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
 
-from eventkv.wire import QueueFull, ShuttingDown
+from eventkv.wire import NotFound, QueueFull, ShuttingDown
 
 if TYPE_CHECKING:
     from eventkv.memory import EventMemory, MemoryAnswer, PreparedQuery
@@ -72,11 +77,13 @@ class MemoryQuery(Generic[T]):
 @dataclass(eq=False)
 class _Item:
     """A queued job: a plain ``job()`` or a :class:`MemoryQuery`; ``directory`` is the memory it works on
-    (None: no memory in particular, a barrier for all)."""
+    (None: no memory in particular, a barrier for all), ``deletions`` how many times that memory had
+    been deleted when the job was queued (:meth:`ModelWorker.deleted`)."""
 
     job: Callable[[], Any] | MemoryQuery
     future: Future
     directory: Path | None
+    deletions: int = 0
 
 
 class ModelWorker:
@@ -106,6 +113,7 @@ class ModelWorker:
         self._queue: deque[_Item] = deque()
         self._ready = threading.Condition()
         self._open: OrderedDict[Path, EventMemory] = OrderedDict()
+        self._deletions: Counter[Path] = Counter()
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="eventkv-model-worker", daemon=True)
         self._thread.start()
@@ -153,6 +161,7 @@ class ModelWorker:
             if self._closing and not self._thread.is_alive():
                 item.future.set_result(None)
                 return item.future
+            item.deletions = self._deletions[directory]
             self._queue.append(item)
             self._ready.notify()
         return item.future
@@ -165,6 +174,8 @@ class ModelWorker:
                 raise QueueFull(
                     f"the model worker's queue is full ({self.max_queue} jobs waiting): retry after a moment."
                 )
+            if item.directory is not None:
+                item.deletions = self._deletions[item.directory]
             self._queue.append(item)
             self._ready.notify()
         item.future.add_done_callback(lambda f: self._drop(item) if f.cancelled() else None)
@@ -208,11 +219,13 @@ class ModelWorker:
                 taken = self._take()
             items = []
             for item in taken:
-                if item.future.set_running_or_notify_cancel():
-                    items.append(item)
-                else:  # cancelled between the take and here
+                if not item.future.set_running_or_notify_cancel():  # cancelled between the take and here
                     with self._ready:
                         self.cancelled += 1
+                elif item.directory is not None and item.deletions != self._deletions[item.directory]:
+                    item.future.set_exception(_deleted(item.directory))  # queued for a memory since deleted
+                else:
+                    items.append(item)
             self.started += len(items)
             if len(items) == 1 and not isinstance(items[0].job, MemoryQuery):
                 self._run_one(items[0])
@@ -268,12 +281,15 @@ class ModelWorker:
         """The open EventMemory of ``directory`` (opened on first use). Worker thread only.
 
         Raises:
+            NotFound: no memory in ``directory`` (deleted since the job's request found it).
             EventKVError: as :meth:`EventMemory.open`.
         """
         from eventkv.memory import EventMemory
 
         mem = self._open.get(directory)
         if mem is None:
+            if not (directory / "manifest.json").is_file():
+                raise _deleted(directory)
             mem = EventMemory.open(directory, self.lm)
             LOG.info("memory %s opened at %.6f", _name(directory), time.time())
             self._open[directory] = mem
@@ -297,9 +313,23 @@ class ModelWorker:
         if mem is not None:
             _close(directory, mem)
 
+    def deleted(self, directory: Path) -> None:
+        """Record that the memory of ``directory`` was deleted (after :meth:`release` and its removal):
+        the jobs on it queued before now are refused with NotFound when their turn comes, whatever
+        ``directory`` holds by then (see the module docstring). Worker thread only."""
+        with self._ready:
+            self._deletions[directory] += 1
+
 
 def _name(directory: Path) -> str:
     return f"{directory.parent.name}/{directory.name}"
+
+
+def _deleted(directory: Path) -> NotFound:
+    return NotFound(
+        f"no memory {directory.name!r} in namespace {directory.parent.name!r}: it was deleted after this request "
+        "found it; create it with POST /v1/memories."
+    )
 
 
 def _close(directory: Path, mem: EventMemory) -> None:

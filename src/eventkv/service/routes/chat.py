@@ -7,7 +7,9 @@ With a memory attached (the body's ``memory``, or the header :data:`eventkv.wire
 reply is ``EventMemory.query`` of the memory (a query on a memory, on the worker, as ``POST .../query``):
 the served events are selected from the last user message, and the conversation is read after the
 memory's header and served rows (:mod:`eventkv.memory.chat`); with ``remember`` the last user message
-and the reply are added as two events in the same job, so the answer is sent only once they are stored.
+and the reply are added as two events in the same job, so the answer is sent only once they are stored;
+a chat whose memory is deleted while it waits is refused 404 when its turn comes, and writes nothing
+(:meth:`eventkv.service.worker.ModelWorker.deleted`).
 Without a memory: the served model alone over its chat template (:func:`eventkv.memory.chat.chat_reply`).
 
 Streaming: the worker's decode loop hands each step's text (:attr:`eventkv.readout.Decoding.on_step`,
@@ -280,7 +282,9 @@ class Stream:
             ShuttingDown (:meth:`ModelWorker.submit`); ClientGone: the client left while it waited.
         """
         assert self.jobs.worker is not None  # the app's lifespan starts the worker before a request is served
-        self.result = asyncio.wrap_future(self.jobs.worker.submit(lambda: self.job(self.step)))
+        # on the chat's memory (None without one): it is refused if the memory is deleted while it waits
+        directory = self.job.d if isinstance(self.job, MemoryChat) else None
+        self.result = asyncio.wrap_future(self.jobs.worker.submit(lambda: self.job(self.step), directory))
         self.result.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, even when nobody awaits
         self.first = asyncio.ensure_future(self.pieces.get())
         gone = asyncio.ensure_future(disconnected(self.request))

@@ -1,6 +1,8 @@
 """The memories of a namespace: ``POST /v1/memories`` (create, on the worker), ``GET /v1/memories``
 (list; a damaged memory is listed as such), ``GET /v1/memories/{mid}`` (its committed state, read
-without the worker) and ``DELETE /v1/memories/{mid}`` (on the worker, under its writer lock)."""
+without the worker) and ``DELETE /v1/memories/{mid}`` (on the worker, under its writer lock; the
+requests on the memory queued before it are refused 404 when their turn comes:
+:meth:`eventkv.service.worker.ModelWorker.deleted`)."""
 
 from __future__ import annotations
 
@@ -117,6 +119,8 @@ async def delete_memory(
     def remove(d: Path) -> None:
         trash = state.root / ns / f".trash-{mid}-{uuid.uuid4().hex[:8]}"
         d.rename(trash)  # one step: the memory is gone for every reader at once
+        assert jobs.worker is not None  # a job on the worker
+        jobs.worker.deleted(d)  # the writes queued for it are refused, even once the id is taken again
         shutil.rmtree(trash, ignore_errors=True)
         state.contract(ns, mid).unlink(missing_ok=True)
 
