@@ -26,12 +26,13 @@ tiny model directory for the CLI:
 
 Tolerances (absolute, in logits or nats, unless relative):
 
-* ``TOL_F32 = 1e-4`` — the CPU gates' tolerance (measured there: ~3e-7; on the H200 at most 1.1e-5). float32 on CUDA here means IEEE
-  float32 matmuls (torch's default ``float32_matmul_precision == "highest"``, asserted below): TF32 would
-  move logits by ~1e-3 and fail these.
-* ``TOL_BF16_REL = 0.03`` — bfloat16 vs float32: max |Δlogit| <= 3% of the largest |logit| (on the H200
-  at most 1.26%). Reference point: bfloat16 on this CPU vs float32 gave 0.6%–1.2% on these fixtures (2.7e-3 to 5.3e-3 on logits
-  up to 0.65). No greedy token comparison in bfloat16 (the fixtures' top-two margins are not bf16-safe).
+* ``TOL_F32 = 1e-4`` — the CPU gates' tolerance (measured there: ~3e-7; on the H200 at most 1.1e-5).
+  float32 on CUDA here means IEEE float32 matmuls (torch's default ``float32_matmul_precision ==
+  "highest"``, asserted below): TF32 would move logits by ~1e-3 and fail these.
+* ``TOL_BF16_REL = 0.03`` — bfloat16 vs float32: max |Δlogit| <= 3% of the largest |logit| (on the
+  H200 at most 1.26%). Reference point: bfloat16 on this CPU vs float32 gave 0.6%–1.2% on these
+  fixtures (2.7e-3 to 5.3e-3 on logits up to 0.65). No greedy token comparison in bfloat16 (the
+  fixtures' top-two margins are not bf16-safe).
 """
 
 from __future__ import annotations

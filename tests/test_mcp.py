@@ -105,6 +105,8 @@ ERRORS = [
     ("forgotten", "forget_memory", {"event_id": "dana"}, "gone: event 'dana' is forgotten"),
     ("stale", "add_memory", {"text": "late", "expected_version": 1}, "conflict: the memory is at version 7"),
     ("taken", "add_memory", {"text": "again", "id": "ravi"}, "conflict: event id 'ravi' is taken"),
+    ("mark_id", "add_memory", {"text": "x", "id": "\u0301"}, "invalid_option: event id '\u0301': it starts"),
+    ("blank_id", "add_memory", {"text": "x", "id": "\u2800"}, "invalid_option: event id '\u2800': it holds no"),
     ("budget", "search_memory", {"query": QUESTION, "budget": 0.5, "budget_rows": 9}, "invalid_option: budget 0.5"),
     ("tool", "no_such_tool", {}, "not_found: no tool 'no_such_tool': the tools are add_memory, search_memory"),
 ]

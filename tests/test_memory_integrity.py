@@ -4,7 +4,9 @@ verb, the model-free reader behind the service's GET routes) refuses damaged sta
 StoreDamaged naming the memory, the event and the damaged part — for that memory alone (HTTP 409
 ``damaged``; a healthy memory of the same namespace keeps working, ``GET /v1/memories`` lists the
 damaged one as such). Schema-1 stores are upgraded on open. Event ids take their NFC form and refuse
-invisible and look-alike characters, in the library, over HTTP and in the client."""
+invisible and look-alike characters and ids that look like nothing (a lone combining mark, the braille
+blank), in the library, over HTTP and in the client (tests/test_event_ids.py: the rule over all of
+Unicode)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import re
 import shutil
 import sqlite3
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -238,7 +241,7 @@ def test_a_newer_schema_is_refused_as_such_not_as_damage(lm, tmp_path):
 
 
 # ---------------------------------------------------------------------- event ids
-#: id -> what the refusal names (plain text)
+#: id -> what the refusal names (plain text): look-alikes of another id, and ids that look like nothing
 LOOK_ALIKES = {
     "fullwidth": ("ｄａｎａ", "U+FF44 FULLWIDTH LATIN SMALL LETTER D, a look-alike of 'd': write 'dana' instead"),
     "zero-width-space": ("dana\u200b", "U+200B ZERO WIDTH SPACE (an invisible format character"),
@@ -247,6 +250,9 @@ LOOK_ALIKES = {
     "variation-selector": ("dana\ufe0f", "U+FE0F VARIATION SELECTOR-16 (a default-ignorable character"),
     "no-break-space": ("dana\u00a0b", "U+00A0 NO-BREAK SPACE, a look-alike of ' ': write 'dana b' instead"),
     "control": ("dana\x07", "U+0007 (a control character"),
+    "lone-combining-mark": ("\u0301", "U+0301 COMBINING ACUTE ACCENT (a combining mark, which has no character"),
+    "braille-blank": ("\u2800", "U+2800 BRAILLE PATTERN BLANK is a braille cell with no dot raised"),
+    "spaces-and-marks": ("  \u0301", "U+0020 SPACE, is a space"),
 }
 
 
@@ -271,12 +277,41 @@ def test_look_alike_event_ids_are_refused(lm, tmp_path, case):
         mem.add(MemoryEvent("Dana lives in Lisbon.", id="dana"))
         with pytest.raises(OptionError, match=re.escape(names)):
             MemoryEvent("Dana again.", id=eid)
-        with pytest.raises(OptionError, match=f"^event id {re.escape(repr(eid))}: it holds {re.escape(names)}") as e:
+        with pytest.raises(OptionError, match=f"^event id {re.escape(repr(eid))}: it .*{re.escape(names)}") as e:
             mem.add([{"text": "Dana again.", "id": eid}])
         assert "event ids are compared in Unicode NFC" in str(e.value)
         with pytest.raises(OptionError, match=re.escape(names)):
             mem.get(eid)  # no event can have it: the lookup names the character too
         assert mem.stats().events == 1 and mem.view_ids() == ["dana"]
+
+
+#: ids people write -> their stored (NFC) form: marks after their letter, scripts, emoji, digits
+WRITTEN_IDS = {
+    "jose\u0301": "jos\u00e9",
+    "क्ष": "क्ष",
+    "東京": "東京",
+    "مرحبا": "مرحبا",
+    "👍🏽": "👍🏽",
+    "1\u20e3": "1\u20e3",
+    "42": "42",
+    "dana b": "dana b",
+}
+
+
+def test_ids_people_write_are_kept_and_found(lm, tmp_path):
+    with EventMemory.create(tmp_path / "m", lm, namespace="t") as mem:
+        added = mem.add([MemoryEvent(f"Event {i}.", id=eid) for i, eid in enumerate(WRITTEN_IDS)])
+        assert [a.id for a in added] == list(WRITTEN_IDS.values())
+        assert [mem.get(eid).id for eid in WRITTEN_IDS] == list(WRITTEN_IDS.values())
+
+
+@pytest.mark.parametrize("namespace", [" ", "\u2800", "\u0301", " \u3000"])
+def test_a_namespace_that_looks_like_nothing_is_refused(lm, tmp_path, namespace):
+    with pytest.raises(OptionError, match="give the memory a namespace with a letter, number, punctuation mark"):
+        EventMemory.create(tmp_path / "m", lm, namespace=namespace)
+    assert not (tmp_path / "m").exists()
+    with EventMemory.create(tmp_path / "ok", lm, namespace=f"a{namespace}") as mem:
+        assert mem.namespace == f"a{namespace}"
 
 
 # ---------------------------------------------------------------------- over HTTP
@@ -391,6 +426,8 @@ def test_event_ids_over_http_and_in_the_client(served):
         assert mem.get(nfd).id == nfc and mem.get(nfc).id == nfc
         with pytest.raises(OptionError, match=r"U\+200B ZERO WIDTH SPACE"):
             mem.add([{"text": "x", "id": "dana\u200b"}])  # refused in the client, before sending
+        with pytest.raises(OptionError, match=r"U\+2800 BRAILLE PATTERN BLANK"):
+            mem.add([{"text": "x", "id": "\u2800"}])
         with pytest.raises(ServiceError) as e:
             mem.get("ｄａｎａ")
         assert e.value.status == 404
@@ -398,6 +435,8 @@ def test_event_ids_over_http_and_in_the_client(served):
         r = call(srv, "POST", "/v1/memories/ids/events", namespace="ids", json={"events": [{"text": "x", "id": eid}]})
         assert r.status_code == 422 and r.json()["code"] == "invalid_option", r.text
         assert "event id" in r.json()["message"] and names.split(" ")[0] in r.json()["message"]
+    for eid in ("\u0301", "\u2800"):  # no event can have them: looking them up answers 404
+        assert call(srv, "GET", f"/v1/memories/ids/events/{quote(eid)}", namespace="ids").status_code == 404
     r = call(srv, "POST", "/v1/memories/ids/events", namespace="ids", json={"events": [{"text": "y", "id": nfc}]})
     assert r.status_code == 409 and "event id 'josé' is taken" in r.json()["message"], r.text
     ids = [e["id"] for e in call(srv, "GET", "/v1/memories/ids/events", namespace="ids").json()]

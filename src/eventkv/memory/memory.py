@@ -60,6 +60,7 @@ from eventkv.memory.records import (
     MemoryEvent,
     MemoryRecord,
     MemoryStats,
+    shows,
 )
 from eventkv.memory.rows import RowCache, contiguous, tail
 from eventkv.memory.select import (
@@ -141,13 +142,19 @@ class EventMemory:
 
         Raises:
             EventKVError: ``directory`` is a file, holds a memory already, or holds other files.
-            OptionError: a blank namespace, an instruction that is not a string, an unknown selector, a
-                window larger than the model's context.
+            OptionError: a namespace with no character that shows (blank, or only spaces, combining marks
+                or U+2800 braille pattern blank: :func:`eventkv.memory.records.shows`), an instruction that
+                is not a string, an unknown selector, a window larger than the model's context.
         """
         selector = selector_for(selector)
         window = check_window(window, lm.profile.max_context)
-        if not isinstance(namespace, str) or not namespace.strip():
-            raise OptionError("namespace", namespace, "give the memory a non-empty namespace (e.g. the agent's name).")
+        if not isinstance(namespace, str) or not any(shows(ch) for ch in namespace):
+            raise OptionError(
+                "namespace",
+                namespace,
+                "give the memory a namespace with a letter, number, punctuation mark or symbol "
+                "(e.g. the agent's name).",
+            )
         if instruction is not None and not isinstance(instruction, str):
             raise OptionError("instruction", instruction, "give the task instruction as a string, or None.")
         header_ids = encode(lm.tokenizer, header_text(lm.profile, instruction or ""))
@@ -481,7 +488,9 @@ class EventMemory:
             EventKVError: empty text, a duplicate or reserved id, an id with a comma, a budget smaller
                 than the event's token count, or an event wider than the prefill window minus the header
                 (checked before anything is written or computed).
-            OptionError: no events.
+            OptionError: no events, or an event id that :func:`eventkv.memory.records.canonical_event_id`
+                refuses (invisible or look-alike characters; an id that looks like nothing, such as a
+                lone combining mark or U+2800 braille pattern blank).
             OutOfSpace: the store's filesystem is full: nothing was kept (the memory is as before).
         """
         if isinstance(events, (str, dict, MemoryEvent)):

@@ -43,9 +43,24 @@ _IGNORABLE = (
     (0xFFA0, 0xFFA0),
     (0xE0000, 0xE0FFF),
 )
+_IGNORABLE_POINTS = frozenset(cp for a, b in _IGNORABLE for cp in range(a, b + 1))
+#: the first letter of the general categories of a character that shows on its own: letters (L*),
+#: numbers (N*), punctuation (P*) and symbols (S*). Spaces (Zs) show only as a gap, combining marks
+#: (M*) only on the character before them, unassigned code points (Cn) as nothing this Python knows.
+SHOWING_CATEGORIES = frozenset("LNPS")
+#: combining marks: nonspacing (Mn), spacing (Mc) and enclosing (Me); each marks the character before it
+MARK_CATEGORIES = frozenset({"Mn", "Mc", "Me"})
+#: characters of a showing category that render as an empty cell. No Unicode property marks a blank
+#: glyph (they are not White_Space and not Default_Ignorable_Code_Point), so they are named here; the
+#: blank Hangul fillers (Lo) are default-ignorable and refused with those.
+BLANK_SYMBOLS = {
+    0x2800: "a braille cell with no dot raised, which renders as an empty cell",
+    0x1D159: "a notehead with no glyph, a base for stems and flags that renders as nothing",
+}
 ID_RULE = (
-    "event ids are compared in Unicode NFC; control, format and default-ignorable characters and compatibility "
-    "forms such as fullwidth letters are refused"
+    "event ids are compared in Unicode NFC; an id holds at least one letter, number, punctuation mark or symbol "
+    "that shows and does not start with a combining mark; control, format and default-ignorable characters and "
+    "compatibility forms such as fullwidth letters are refused"
 )
 
 
@@ -54,21 +69,56 @@ def _char(ch: str) -> str:
     return f"U+{ord(ch):04X} {name}" if name else f"U+{ord(ch):04X}"
 
 
+def _ignorable(cp: int) -> bool:
+    return cp in _IGNORABLE_POINTS
+
+
+def shows(ch: str) -> bool:
+    """Whether the character ``ch`` shows on its own, by the Unicode data of the running Python
+    (:data:`unicodedata.unidata_version`): its general category is a letter, number, punctuation
+    mark or symbol (:data:`SHOWING_CATEGORIES`), and it is neither default-ignorable (the Hangul
+    fillers are letters that render as nothing) nor one of the :data:`BLANK_SYMBOLS` (U+2800
+    braille pattern blank). ``shows("a")``, ``shows("é")``, ``shows("😀")`` are true; ``shows(" ")``,
+    ``shows("\\u0301")``, ``shows("\\u2800")`` are false."""
+    cp = ord(ch)
+    return unicodedata.category(ch)[0] in SHOWING_CATEGORIES and cp not in BLANK_SYMBOLS and not _ignorable(cp)
+
+
+def _what(ch: str) -> str:
+    """What ``ch``, a character that passed the invisible-character check but does not show, is."""
+    cat = unicodedata.category(ch)
+    if ord(ch) in BLANK_SYMBOLS:
+        return BLANK_SYMBOLS[ord(ch)]
+    if cat in MARK_CATEGORIES:
+        return "a combining mark"
+    return {"Zs": "a space", "Cn": "an unassigned code point"}.get(cat, f"of category {cat}")
+
+
 def canonical_event_id(value: str) -> str:
     """The one form of an event id the memory stores and compares: ``value`` in Unicode NFC, so the
     composed and decomposed spellings of ``josé`` are one id.
+
+    An id must look like something: it holds at least one character that :func:`shows` (a letter,
+    number, punctuation mark or symbol by its Unicode general category) and does not start with a
+    combining mark (Mn, Mc, Me: a mark has nothing before it to combine with). Marks after a base
+    character stay allowed (``"e\\u0301"`` is ``"é"``; Devanagari ``"क्ष"``), and so do spaces inside
+    an id that shows. Categories are those of the running Python's Unicode data
+    (:data:`unicodedata.unidata_version`).
 
     Raises:
         OptionError: ``value`` holds a character that does not show (:data:`INVISIBLE_CATEGORIES`,
             Unicode's default-ignorable characters: U+200B zero-width space, U+202E right-to-left
             override, variation selectors, U+3164 Hangul filler) or one whose compatibility form
             (NFKC) differs, a look-alike of another id (fullwidth ``ｄａｎａ`` for ``dana``, U+00A0
-            no-break space, the ligature ``ﬁ``). The message names the character and the fix.
+            no-break space, the ligature ``ﬁ``); or ``value`` looks like nothing: it is empty, starts
+            with a combining mark (a lone U+0301 combining acute accent), or holds only spaces, marks,
+            unassigned code points and :data:`BLANK_SYMBOLS` (U+2800 braille pattern blank). The
+            message names the character and the fix.
     """
     nfc = unicodedata.normalize("NFC", value)
     for ch in nfc:
-        cat, cp = unicodedata.category(ch), ord(ch)
-        if cat in INVISIBLE_CATEGORIES or any(a <= cp <= b for a, b in _IGNORABLE):
+        cat = unicodedata.category(ch)
+        if cat in INVISIBLE_CATEGORIES or _ignorable(ord(ch)):
             what = INVISIBLE_CATEGORIES.get(cat, "a default-ignorable character")
             raise OptionError(
                 "event id",
@@ -85,6 +135,30 @@ def canonical_event_id(value: str) -> str:
             f"{unicodedata.normalize('NFKC', nfc)!r} instead ({ID_RULE}).",
             flag="event id",
         )
+    if not nfc:
+        raise OptionError(
+            "event id",
+            value,
+            f"it is empty: give a letter, number, punctuation mark or symbol ({ID_RULE}).",
+            flag="event id",
+        )
+    if unicodedata.category(nfc[0]) in MARK_CATEGORIES:
+        raise OptionError(
+            "event id",
+            value,
+            f"it starts with {_char(nfc[0])} (a combining mark, which has no character before it to combine with): "
+            f"put it after the letter it marks, or leave it out ({ID_RULE}).",
+            flag="event id",
+        )
+    if not any(shows(ch) for ch in nfc):
+        which = _char(nfc[0]) if len(nfc) == 1 else f"the first, {_char(nfc[0])},"
+        raise OptionError(
+            "event id",
+            value,
+            f"it holds no character that shows ({which} is {_what(nfc[0])}): give an id with at "
+            f"least one letter, number, punctuation mark or symbol ({ID_RULE}).",
+            flag="event id",
+        )
     return nfc
 
 
@@ -97,7 +171,7 @@ class MemoryEvent:
         role: optional speaker label; the event is rendered ``"{role}: {text}"`` (as :class:`eventkv.log.Event`).
         id: optional unique name (no commas, no surrounding spaces); ``None`` = the memory names it
             ``e{seq}``. Kept in its :func:`canonical_event_id` form (NFC; look-alike and invisible
-            characters refused when the event is made).
+            characters, and ids that look like nothing, refused when the event is made).
         tags: free labels kept with the event (JSON in the store; not part of the prompt).
         budget: optional position budget in tokens (>= the event's token count): the event reserves
             that many positions whatever its length (Study 1, "Donor pair").

@@ -93,7 +93,8 @@ class EventTable:
 
         Raises:
             EventKVError: unknown id (the message lists some known ids).
-            OptionError: an id no event can have (invisible or look-alike characters).
+            OptionError: an id no event can have (invisible or look-alike characters, or an id that
+                looks like nothing: see :func:`eventkv.memory.records.canonical_event_id`).
         """
         rec = self.by_id.get(event_id) if isinstance(event_id, str) else None
         if rec is None and isinstance(event_id, str):
