@@ -67,9 +67,12 @@ class OptionError(EventKVError):
 
 
 def show_value(value) -> str:
-    """An option value as a user would type it: strings quoted, lists comma-joined."""
+    """An option value as a user would type it: strings quoted, lists comma-joined; an int of more
+    than 1000 bits by its size (``str`` refuses ints past 4300 digits, ``sys.get_int_max_str_digits``)."""
     if isinstance(value, str):
         return repr(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 1000:
+        return f"({'a negative' if value < 0 else 'an'} integer of {value.bit_length()} bits)"
     if isinstance(value, (list, tuple)):
         return ",".join(map(str, value)) if value else "''"
     return str(value)

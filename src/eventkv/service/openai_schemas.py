@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from eventkv.errors import OptionError
+from eventkv.readout import MAX_TEMPERATURE, SEED_END, SEED_MIN
 from eventkv.service.names import MAX_NAME, NAME_PATTERN
 from eventkv.service.schemas import MAX_TEXT, EventId, MaxNewTokens, Name, Shaping, json_invalid, pydantic_rule
 from eventkv.wire import MEMORY_HEADER, NotFound
@@ -138,10 +139,16 @@ class ChatRequest(_Strict):
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: MaxNewTokens | None = Field(None, description=f"default {DEFAULT_MAX_TOKENS}")
     max_completion_tokens: MaxNewTokens | None = Field(None, description="wins over max_tokens")
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = Field(None, description="0 or null: greedy")
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = Field(
-        None, description="seeds the sampling (temperature > 0): the same seed, the same answer"
+    temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)] | None = Field(
+        None, description="null, 0 or below 1e-5: greedy; from 1e-5: sampled from softmax(logits / temperature)"
+    )
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = Field(
+        None, description="the nucleus, in (0, 1]; null: 1 (every token)"
+    )
+    seed: Annotated[int, Field(ge=SEED_MIN, lt=SEED_END)] | None = Field(
+        None,
+        description="seeds the sampling (temperature >= 1e-5): the same seed, the same answer; a signed or "
+        "unsigned 64-bit integer",
     )
     stop: (
         Annotated[str, StringConstraints(min_length=1, max_length=1000)]
