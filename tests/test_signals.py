@@ -176,7 +176,9 @@ def test_a_probe_run_stops_with_its_records_whole_and_resumes(sig, code, tiny_di
     assert status == code and said_stopped(output, sig), output
     first = whole_lines(out)
     assert [json.loads(line)["index"] for line in first] == [0]
-    assert run_cli(monkeypatch, capsys, *args)[0] == 0  # the same command resumes
+    code, _, err = run_cli(monkeypatch, capsys, *args)
+    assert code == 0  # the same command resumes, and says so
+    assert f"resuming {out}: 1 item already recorded, 2 to compute" in err
     lines = whole_lines(out)
     assert lines[0] == first[0] and sorted(json.loads(line)["index"] for line in lines) == [0, 1, 2]
     assert invocations(out)[-1]["items_computed"] == 2
@@ -197,7 +199,8 @@ def test_memory_eval_stops_and_resumes_on_its_prefilled_memory(sig, code, tiny_d
     segments = sorted((out / "memories" / "c0").rglob("*.safetensors"))
     stamps = [p.stat().st_mtime_ns for p in segments]
     assert segments
-    assert run_cli(monkeypatch, capsys, *args)[0] == 0
+    code, _, err = run_cli(monkeypatch, capsys, *args)
+    assert code == 0 and f"resuming {out}: 1 item already recorded, 3 to compute" in err
     lines = whole_lines(out)
     assert lines[0] == first[0] and sorted(json.loads(line)["index"] for line in lines) == [0, 1, 2, 3]
     assert invocations(out)[-1]["items_computed"] == 3

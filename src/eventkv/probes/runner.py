@@ -219,12 +219,28 @@ def run_probe(
     check_run_items(probe, items)
     out = Path(out)
     manifest, todo = open_run(probe, rt, model=model, items=items, seed=seed, out=out)
+    if len(todo) < items:  # a resumed run says so (a fresh one and a resumed one look alike otherwise)
+        say_resuming(out, items - len(todo), len(todo))
     with progress_bar(progress, console) as bar:
         task = bar.add_task(f"{probe.name}", total=items, completed=items - len(todo)) if bar else None
         run_items(
             probe, rt, seed, out, manifest, todo, after=(lambda i: bar.advance(task)) if bar else None, batch=batch
         )
     return render(out, figure=figure)
+
+
+def say_resuming(out: Path, done: int, todo: int) -> None:
+    """One line on stderr before a run that resumes ``out``: how many items are already recorded there
+    and how many are left to compute (``resuming runs/x: 1 item already recorded, 2 to compute``)."""
+    from rich.console import Console
+
+    items = "item" if done == 1 else "items"
+    Console(stderr=True).print(
+        f"resuming {out}: {done} {items} already recorded, {todo} to compute",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 def check_run_items(probe: Probe, items) -> int:
