@@ -20,9 +20,11 @@ Modes:
 * ``blend`` — selective recompute (CacheBlend, Yao et al. 2024, arXiv 2405.16444): the compact
   rows, with the ``recompute`` fraction (default 0.15) of served event tokens whose K/V deviate most
   on an early layer, once the served events see only each other, re-prefilled through every layer
-  at their original positions; the rest reused (:mod:`eventkv.blend`). ``recompute=0`` is
-  ``compact``; ``recompute=1`` equals a fresh prefill of header + served events at their original
-  positions. Compact layout.
+  at their original positions; the rest reused (:mod:`eventkv.blend`). ``blend_schedule`` picks
+  which tokens are recomputed on which layer: ``once`` (the default: the above), ``layerwise``
+  (CacheBlend's gradual filtering, a set narrowing layer by layer) or ``epic`` (the first tokens of
+  each served event, EPIC's LegoLink). ``recompute=0`` is ``compact``; ``recompute=1`` equals a
+  fresh prefill of header + served events at their original positions. Compact layout.
 
 In compact, native, isolated and blend modes the query starts at the first position after the
 *full* history (``log.history_end``).
@@ -55,7 +57,7 @@ from typing import TYPE_CHECKING, Literal, MutableMapping, Sequence, get_args
 import torch
 from transformers import DynamicCache
 
-from eventkv.blend import blend, check_recompute
+from eventkv.blend import BlendSchedule, blend, check_recompute, check_schedule
 from eventkv.errors import EventKVError, OptionError
 from eventkv.log import HEADER_ID
 from eventkv.prefill import EventKV, LayerRows, cache_from_rows, cache_kv, model_device, model_forward
@@ -199,6 +201,7 @@ def serve(
     positions: PositionMode = "original",
     # selective recompute (mode "blend")
     recompute: float | None = None,
+    blend_schedule: BlendSchedule | None = None,
 ) -> ServedCache:
     """Build the served cache for a served set (Study 1, "Setting": sparse serving and controls).
 
@@ -221,6 +224,8 @@ def serve(
             nothing (text is contiguous already).
         recompute: mode ``blend`` only: the fraction of served event tokens recomputed, in [0, 1]
             (None: :data:`eventkv.blend.DEFAULT_RECOMPUTE`, 0.15).
+        blend_schedule: mode ``blend`` only: which tokens are recomputed on which layer, ``once`` | ``layerwise`` |
+            ``epic`` (:data:`eventkv.blend.BlendSchedule`; None: ``once``).
 
     Returns:
         ServedCache with header + served rows (compact/isolated/text/blend) or all rows (native).
@@ -229,7 +234,8 @@ def serve(
         EventKVError: unknown mode, empty served set, unknown event id, or a missing model; a rope type
             :func:`eventkv.rope.rerotate` cannot re-rotate exactly (``contiguous``).
         OptionError: an unknown ``positions``, or ``contiguous`` with ``native``; ``recompute`` outside
-            [0, 1], or given with a mode other than ``blend``.
+            [0, 1], or given with a mode other than ``blend``; an unknown ``blend_schedule``, or one given with a
+            mode other than ``blend``.
 
     Example (``ekv`` prefilled as in :func:`eventkv.prefill.prefill`'s example):
 
@@ -256,10 +262,13 @@ def serve(
         raise EventKVError(f"unknown serving mode {mode!r}: use one of {', '.join(SERVE_MODES)}.")
     check_position_mode(positions, mode)
     fraction = check_recompute(recompute, mode)
+    schedule = check_schedule(blend_schedule, mode)
     if positions == "contiguous" and mode != "text":
         if model is None:
             raise EventKVError("positions='contiguous' re-rotates the served keys and needs the model: pass model=...")
-        original = serve(ekv, served, mode, model, isolated_memo=isolated_memo, recompute=recompute)
+        original = serve(
+            ekv, served, mode, model, isolated_memo=isolated_memo, recompute=recompute, blend_schedule=blend_schedule
+        )
         return to_contiguous(model, original, ekv.log.span(HEADER_ID).n_tokens)
     ids = resolve_served(ekv, served)
     log = ekv.log
@@ -276,8 +285,8 @@ def serve(
     if model is None:
         raise EventKVError(f"serving mode {mode!r} re-encodes events and needs the model: pass model=...")
     if mode == "blend":
-        assert fraction is not None  # check_recompute gives blend a fraction
-        b = blend(model, ekv, ids, fraction)
+        assert fraction is not None and schedule is not None  # check_recompute / check_schedule give blend both
+        b = blend(model, ekv, ids, fraction, schedule=schedule)
         return ServedCache(b.keys, b.values, ekv.positions[b.rows], None, log.history_end, mode, ids)
     device = model_device(model)
     header = log.span(HEADER_ID)

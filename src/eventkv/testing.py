@@ -23,10 +23,14 @@ def tiny_config(
     sliding_window: int = 16,
     rope_parameters: dict | None = None,
     max_context: int = 4096,
+    num_hidden_layers: int | None = None,
 ):
     """A 2-to-6-layer config of ``family`` with hidden size 64 (float32, sdpa attention) and a context of
     ``max_context`` tokens (``max_position_embeddings``: the profile's ``max_context``; the default RoPE
     itself computes any position).
+
+    ``num_hidden_layers``: another depth (None: 2 layers, Gemma 3 3); Gemma 3's layers repeat its pattern of two
+    sliding-window layers and one full-attention layer.
 
     ``rope_parameters``: transformers' RoPE parameters (``{"rope_type": "yarn", "factor": 4.0, ...}``) for the
     Llama, Qwen2 and Qwen3 configs; None keeps the family's default RoPE.
@@ -46,18 +50,19 @@ def tiny_config(
         if family == "gemma3":
             raise ValueError("rope_parameters is for llama, qwen2 and qwen3 (Gemma 3 has one RoPE per layer type)")
         common["rope_parameters"] = rope_parameters
+    layers = num_hidden_layers or (3 if family == "gemma3" else 2)
     if family == "llama":
-        return LlamaConfig(num_hidden_layers=2, **common)
+        return LlamaConfig(num_hidden_layers=layers, **common)
     if family == "qwen2":
-        return Qwen2Config(num_hidden_layers=2, **common)
+        return Qwen2Config(num_hidden_layers=layers, **common)
     if family == "qwen3":
-        return Qwen3Config(num_hidden_layers=2, head_dim=16, **common)
+        return Qwen3Config(num_hidden_layers=layers, head_dim=16, **common)
     if family == "gemma3":
         return Gemma3TextConfig(
-            num_hidden_layers=3,
+            num_hidden_layers=layers,
             head_dim=16,
             sliding_window=sliding_window,
-            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            layer_types=["full_attention" if i % 3 == 2 else "sliding_attention" for i in range(layers)],
             **common,
         )
     raise ValueError(f"unknown tiny family {family!r}; use one of {TINY_FAMILIES}")

@@ -56,7 +56,9 @@ def memory_eval(
         None, "--recompute", help="the blend arm's recomputed fraction (default: the serve mode's)"
     ),
     arms: str = typer.Option(
-        "rows,text,isolated,full,gold", "--arms", help="arm kinds: rows,text,isolated,blend,full,gold (rows required)"
+        "rows,text,isolated,full,gold",
+        "--arms",
+        help="arm kinds: rows,text,isolated,blend,blend-layerwise,blend-epic,full,gold (rows required)",
     ),
     max_new_tokens: int = typer.Option(24, "--max-new-tokens", help="greedy answer length limit"),
     batch_arms: bool = typer.Option(

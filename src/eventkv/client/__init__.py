@@ -49,6 +49,7 @@ from eventkv.wire import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
+    from eventkv.blend import BlendSchedule
     from eventkv.memory.select import Selector
 
 __all__ = [
@@ -431,6 +432,7 @@ class Client:
         positions: PositionMode = "original",
         # selective recompute (mode "blend")
         recompute: float | None = None,
+        blend_schedule: BlendSchedule | None = None,
     ) -> MemoryAnswer:
         """As :meth:`EventMemory.query` (``keep_logits`` is library-only: logits do not travel;
         ``selector`` as in :meth:`select`)."""
@@ -446,6 +448,7 @@ class Client:
             **_shaping(budget_rows, selector, budget, neighbours, with_headers),
             "positions": positions,
             "recompute": recompute,
+            "blend_schedule": blend_schedule,
         }
         out = self._call("POST", f"{self._base}/query", body)
         return MemoryAnswer(

@@ -196,6 +196,7 @@ def query(mem: MemoryAPI, a: QueryMemory, mid: str) -> Answer:
         **a.shaping(),
         positions=a.positions,
         recompute=a.recompute,
+        blend_schedule=a.blend_schedule,
     )
     return Answer(**s.AnswerOut.from_answer(answer, mem.version).model_dump(), memory_id=mid)
 

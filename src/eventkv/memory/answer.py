@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Sequence, cast
 
-from eventkv.blend import check_recompute
+from eventkv.blend import BlendSchedule, check_recompute, check_schedule
 from eventkv.errors import EventKVError, OptionError
 from eventkv.log import HEADER_ID, encode, tokenize_query
 from eventkv.memory.chat import chat_tail_ids
@@ -42,13 +42,15 @@ def check_query(
     candidates: Sequence[str] | None,
     positions: PositionMode = "original",
     recompute: float | None = None,
+    blend_schedule: BlendSchedule | None = None,
 ) -> tuple[list, list[str]]:
     """The plans (``(select, mode)`` pairs) and candidates of a query, checked: ``(plans, candidates)``.
 
     Raises:
         OptionError: no plan, a plan that is not a pair or names an unknown mode, ``max_new_tokens`` < 1,
             empty or repeated candidates, an unknown ``positions`` or ``"contiguous"`` with a ``native`` plan;
-            a ``recompute`` outside [0, 1], or given when no plan is ``blend``.
+            a ``recompute`` outside [0, 1], or given when no plan is ``blend``; an unknown ``blend_schedule``, or
+            one given when no plan is ``blend``.
     """
     plans = list(plans)
     if not plans:
@@ -61,6 +63,7 @@ def check_query(
         check_position_mode(positions, plan[1])
     modes = [plan[1] for plan in plans]
     check_recompute(recompute, "blend" if "blend" in modes else modes[0])
+    check_schedule(blend_schedule, "blend" if "blend" in modes else modes[0])
     check_max_new_tokens(max_new_tokens)
     cands = list(candidates or [])
     if any(not isinstance(c, str) or not c.strip() for c in cands) or len(set(cands)) != len(cands):
@@ -164,6 +167,7 @@ def prepare(
     keep_logits: bool,
     positions: PositionMode = "original",
     recompute: float | None = None,
+    blend_schedule: BlendSchedule | None = None,
     decoding: Decoding | None = None,
     version: int = 0,
 ) -> PreparedQuery:
@@ -177,15 +181,26 @@ def prepare(
         positions: ``original`` | ``contiguous`` (:func:`eventkv.serve.serve`); each answer's ``positions``
             reports where its events were served.
         recompute: the fraction of served tokens each ``blend`` plan recomputes (None: the default, 0.15).
+        blend_schedule: which tokens each ``blend`` plan recomputes on which layer (None: ``once``;
+            :data:`eventkv.blend.BlendSchedule`).
         decoding: how every plan's answer is decoded (:class:`eventkv.readout.Decoding`; None: greedy).
         version: the memory's version, kept in the prepared query.
     """
     caches, timings = [], []
     for ids, mode in zip(served_ids, modes):
         t1 = time.perf_counter()
-        fraction = recompute if mode == "blend" else None
+        fraction, schedule = (recompute, blend_schedule) if mode == "blend" else (None, None)
         caches.append(
-            serve(ekv, ids, mode, model=lm.model, isolated_memo=isolated, positions=positions, recompute=fraction)
+            serve(
+                ekv,
+                ids,
+                mode,
+                model=lm.model,
+                isolated_memo=isolated,
+                positions=positions,
+                recompute=fraction,
+                blend_schedule=schedule,
+            )
         )
         timings.append({"prefill": prefill_ms, "serve": 1e3 * (time.perf_counter() - t1)})
     return PreparedQuery(

@@ -28,6 +28,7 @@ from __future__ import annotations
 import builtins
 from typing import TYPE_CHECKING, Iterable, Literal, Protocol, Sequence, runtime_checkable
 
+from eventkv.blend import BlendSchedule
 from eventkv.memory.records import Added, CarrierResult, Hit, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
 from eventkv.serve import PositionMode, ServeMode
 
@@ -120,6 +121,7 @@ class MemoryAPI(Protocol):
         positions: PositionMode = "original",
         # selective recompute (mode "blend")
         recompute: float | None = None,
+        blend_schedule: BlendSchedule | None = None,
     ) -> MemoryAnswer: ...
 
     def close(self) -> None: ...

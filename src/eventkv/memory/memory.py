@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence, cast
 
 import numpy as np
 
+from eventkv.blend import BlendSchedule
 from eventkv.errors import EventKVError, OptionError, OutOfSpace, PurgePending, StoreDamaged
 from eventkv.log import HEADER_ID, Event, TokenizedLog, encode, header_text
 from eventkv.memory.answer import (
@@ -1084,6 +1085,7 @@ class EventMemory:
         positions: PositionMode = "original",
         # selective recompute (mode "blend")
         recompute: float | None = None,
+        blend_schedule: BlendSchedule | None = None,
         # a conversation read in place of the question, and how the answer is decoded
         messages: Sequence[Mapping] | None = None,
         decoding: Decoding | None = None,
@@ -1120,6 +1122,9 @@ class EventMemory:
                 each event's first served position and its rows.
             recompute: mode ``blend`` only: the fraction of served event tokens recomputed, in [0, 1];
                 None = 0.15 (:data:`eventkv.blend.DEFAULT_RECOMPUTE`).
+            blend_schedule: mode ``blend`` only: which tokens are recomputed on which layer, ``once`` (None: the
+                default), ``layerwise`` (CacheBlend's gradual filtering) or ``epic`` (the first tokens of each
+                served event) (:data:`eventkv.blend.BlendSchedule`).
             messages: a chat conversation read after the served rows in place of the question
                 (:func:`eventkv.memory.chat.chat_tail_ids`: the model's chat template continues the
                 header's user turn; one user message ``q`` reads exactly as ``question=q``). The
@@ -1135,7 +1140,8 @@ class EventMemory:
             OptionError: a blank question, unknown mode or select, ``max_new_tokens`` < 1 or past the
                 context, empty or repeated candidates, a bad shaping keyword (as :meth:`select`), an
                 unknown ``positions`` or ``"contiguous"`` with ``native``, ``recompute`` outside [0, 1] or
-                with a mode other than ``blend``.
+                with a mode other than ``blend``, an unknown ``blend_schedule`` or one with a mode other than
+                ``blend``.
             EventKVError: an unknown or forgotten id, nothing to serve (an empty memory or selection, no
                 event within the budget), pinned events over the budget, history (served rows, under
                 ``"contiguous"``) + question beyond the model's context (a history longer than the context
@@ -1156,6 +1162,7 @@ class EventMemory:
             keep_logits=keep_logits,
             positions=positions,
             recompute=recompute,
+            blend_schedule=blend_schedule,
             messages=messages,
             decoding=decoding,
         )[0]
@@ -1180,6 +1187,7 @@ class EventMemory:
         positions: PositionMode = "original",
         # selective recompute (mode "blend")
         recompute: float | None = None,
+        blend_schedule: BlendSchedule | None = None,
         # a conversation read in place of the question, and how the answers are decoded
         messages: Sequence[Mapping] | None = None,
         decoding: Decoding | None = None,
@@ -1221,6 +1229,7 @@ class EventMemory:
             keep_logits=keep_logits,
             positions=positions,
             recompute=recompute,
+            blend_schedule=blend_schedule,
             messages=messages,
             decoding=decoding,
         )
@@ -1242,6 +1251,7 @@ class EventMemory:
         keep_logits: bool = False,
         positions: PositionMode = "original",
         recompute: float | None = None,
+        blend_schedule: BlendSchedule | None = None,
         messages: Sequence[Mapping] | None = None,
         decoding: Decoding | None = None,
     ) -> PreparedQuery:
@@ -1257,7 +1267,7 @@ class EventMemory:
         """
         self._check_open()
         check_question(question)
-        plans, cands = check_query(plans, max_new_tokens, candidates, positions, recompute)
+        plans, cands = check_query(plans, max_new_tokens, candidates, positions, recompute, blend_schedule)
         if decoding is not None:
             decoding.check()
             if decoding.on_step is not None and len(plans) > 1:
@@ -1300,6 +1310,7 @@ class EventMemory:
             keep_logits=keep_logits,
             positions=positions,
             recompute=recompute,
+            blend_schedule=blend_schedule,
             decoding=decoding,
             version=self.store.version,
         )

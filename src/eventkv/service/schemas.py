@@ -163,6 +163,11 @@ class QueryIn(Shaping):
     recompute: float | None = Field(
         None, ge=0.0, le=1.0, description="mode 'blend': the fraction of served tokens recomputed (None: 0.15)"
     )
+    blend_schedule: Literal["once", "layerwise", "epic"] | None = Field(
+        None,
+        description="mode 'blend': which tokens are recomputed on which layer: once (None: the default), layerwise "
+        "(CacheBlend's gradual filtering) or epic (the first tokens of each served event)",
+    )
 
 
 # ---------------------------------------------------------------------- responses

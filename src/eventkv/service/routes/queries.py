@@ -62,6 +62,7 @@ async def query(mid: MemoryId, body: s.QueryIn, ns: Namespace, state: State, job
             **body.shaping(),
             positions=body.positions,
             recompute=body.recompute,
+            blend_schedule=body.blend_schedule,
         )
 
     def finish(mem, prepared, answers):

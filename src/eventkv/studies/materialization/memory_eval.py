@@ -26,7 +26,8 @@ excluded) and each positions mode (``positions``: ``original``, ``contiguous`` o
 * ``text:<control>@<b>`` — a control selector's same served set re-prefilled as text (RAG);
 * ``isolated:<control>@<b>`` — the same set, each event encoded alone (chunk-wise precomputed KV);
 * ``blend:<control>@<b>`` — the same set's rows with a fraction recomputed (serve mode ``blend``,
-  ``recompute``), when ``arm_names`` includes ``blend``;
+  ``recompute``), when ``arm_names`` includes ``blend``; ``blend-layerwise`` and ``blend-epic`` the same
+  under the ``layerwise`` and ``epic`` recompute schedules (``blend_schedule``, :mod:`eventkv.blend`);
 * ``full`` — every stored row; ``gold`` — the evidence turns (and their session headers) as text.
 
 A positioned arm (rows, isolated, blend) served in contiguous positions carries the suffix
@@ -79,21 +80,25 @@ from eventkv.probes.base import Arm, Probe, Runtime, Summary, Table
 from eventkv.studies.materialization.dialogue_data import DialogueData
 
 #: the kinds of arm; ``arm_names`` picks among them (``rows`` required)
-ARM_KINDS = ("rows", "text", "isolated", "blend", "full", "gold")
+ARM_KINDS = ("rows", "text", "isolated", "blend", "blend-layerwise", "blend-epic", "full", "gold")
 DEFAULT_KINDS = ("rows", "text", "isolated", "full", "gold")
 #: kinds served from the control selectors' sets besides their rows
-CONTROL_KINDS = ("text", "isolated", "blend")
+CONTROL_KINDS = ("text", "isolated", "blend", "blend-layerwise", "blend-epic")
 #: kinds whose served cache depends on the positions mode
-POSITIONED = ("rows", "isolated", "blend")
+POSITIONED = ("rows", "isolated", "blend", "blend-layerwise", "blend-epic")
 #: the serve mode of each kind
 SERVE_MODE = {
     "rows": "compact",
     "text": "text",
     "isolated": "isolated",
     "blend": "blend",
+    "blend-layerwise": "blend",
+    "blend-epic": "blend",
     "full": "compact",
     "gold": "text",
 }
+#: the recompute schedule (``blend_schedule``) of each blend kind; None: the serve mode's default
+BLEND_SCHEDULE = {"blend": None, "blend-layerwise": "layerwise", "blend-epic": "epic"}
 #: the order selectors are listed in (others follow, by name); the fused one is the default control
 SELECTOR_ORDER = ("bm25", "dense", "attention", "hybrid")
 FUSED = "hybrid"
@@ -587,7 +592,8 @@ class MemoryEval(DialogueData, Probe):
         gold = [e.id for _, evs in h.sessions for e in evs if e.id in evidence or e.id in heads]
 
         specs = self.grid()
-        plans: dict[str, tuple[list[str] | str, str, str]] = {}  # name -> (served, mode, positions)
+        # name -> (served, mode, positions, blend schedule)
+        plans: dict[str, tuple[list[str] | str, str, str, str | None]] = {}
         for a in specs:
             if a.kind == "full":
                 served: list[str] | str = "all"
@@ -596,15 +602,17 @@ class MemoryEval(DialogueData, Probe):
             else:
                 served = selection[f"{a.selector}@{budget_label(a.budget or 0)}"]["ids"]
             positions = a.positions if a.kind in POSITIONED or fits else "contiguous"
-            plans[a.name] = (served, SERVE_MODE[a.kind], positions)
+            plans[a.name] = (served, SERVE_MODE[a.kind], positions, BLEND_SCHEDULE.get(a.kind))
         answers, serve_ms, readout_ms, batch = {}, {}, {}, {}
         for group in self._groups(plans, n_rows, history_rows, header):
-            served0, mode0, positions = plans[group[0]]
+            served0, mode0, positions, schedule = plans[group[0]]
             kw: dict = {"candidates": candidates, "max_new_tokens": self.max_new_tokens}
             if positions != "original":
                 kw["positions"] = positions
             if mode0 == "blend" and self.recompute is not None:
                 kw["recompute"] = self.recompute
+            if schedule is not None:
+                kw["blend_schedule"] = schedule
             outs = mem.query_batch(prompt, [(plans[a][0], plans[a][1]) for a in group], **kw)
             for a, ans in zip(group, outs):
                 answers[a] = ans
@@ -650,13 +658,13 @@ class MemoryEval(DialogueData, Probe):
 
     def _groups(self, plans: dict, n_rows: dict, history_rows: int, header: int) -> list[list[str]]:
         """The arm names in readout batches: arms with an empty served set left out; arms needing other
-        serving keywords (positions, blend's recompute) apart; within those, :func:`length_groups`
-        (``batch_arms=False``: one arm a batch)."""
+        serving keywords (positions, blend's recompute and schedule) apart; within those,
+        :func:`length_groups` (``batch_arms=False``: one arm a batch)."""
         keyed: dict[tuple, list[str]] = {}
-        for name, (served, mode, positions) in plans.items():
+        for name, (served, mode, positions, schedule) in plans.items():
             if served != "all" and not served:
                 continue
-            keyed.setdefault((positions, mode == "blend"), []).append(name)
+            keyed.setdefault((positions, mode == "blend", schedule), []).append(name)
         out = []
         for names in keyed.values():
             if not self.batch_arms:
