@@ -155,19 +155,10 @@ def run_http(server: Server, host: str, port: int, *, log_level: str = "info", g
     ``eventkv serve``, and ``SystemExit(0)`` is raised through the caller's cleanup (every memory let go
     of; :func:`eventkv.service.server.stops_cleanly`). The SDK's app: on a loopback host it refuses
     requests whose ``Host`` or ``Origin`` is not a loopback name, against DNS rebinding."""
-    import uvicorn
+    from eventkv.service.server import run_uvicorn
 
-    from eventkv.service.server import stops_cleanly
-
-    app = server.streamable_http_app(host=host)
-    # uvicorn re-raises SIGTERM/SIGINT once its graceful shutdown is done: exit 0, not death by the signal
-    with stops_cleanly():
-        uvicorn.run(
-            app,
-            host=host,
-            port=port,
-            log_level=log_level,
-            # bounded: a client's open event stream (GET /mcp) would otherwise hold the shutdown up until it goes;
-            # ignored: uvicorn annotates int but only passes it to asyncio.timeout, which takes seconds as float
-            timeout_graceful_shutdown=graceful_s,  # type: ignore[arg-type]
-        )
+    # graceful_s bounds the shutdown: a client's open event stream (GET /mcp) would otherwise hold it up
+    # until the client goes; uvicorn's own connection settings (the SDK's app has its own session handling)
+    run_uvicorn(
+        server.streamable_http_app(host=host), host, port, log_level=log_level, graceful_s=graceful_s, connections=None
+    )

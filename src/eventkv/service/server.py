@@ -208,11 +208,12 @@ def run_uvicorn(
     *,
     log_level: str = "info",
     graceful_s: float = 30.0,
-    connections: Connections = Connections(),
+    connections: Connections | None = Connections(),
 ) -> None:
     """Run the ASGI ``app`` under uvicorn on ``host:port`` until SIGINT/SIGTERM, with the timeouts and
-    connection limit of ``connections`` (:class:`Connections`); running requests get ``graceful_s``
-    seconds to finish; ``log_level``: uvicorn's."""
+    connection limit of ``connections`` (:class:`Connections`; None: uvicorn's own); running requests get
+    ``graceful_s`` seconds to finish; ``log_level``: uvicorn's. The process then exits 0 through the
+    caller's cleanup (:func:`stops_cleanly`)."""
     import uvicorn
 
     # uvicorn re-raises SIGTERM/SIGINT once its graceful shutdown is done (so a parent sees the signal);
@@ -225,7 +226,7 @@ def run_uvicorn(
             log_level=log_level,
             # ignored: uvicorn annotates int but only passes it to asyncio.wait_for, which takes seconds as float
             timeout_graceful_shutdown=graceful_s,  # type: ignore[arg-type]
-            **connections.uvicorn_options(),
+            **(connections.uvicorn_options() if connections is not None else {}),
         )
 
 
