@@ -29,6 +29,8 @@ def _cpu(monkeypatch, caps: dict, kernels: str) -> None:
         (AMX, "AVX512", "bfloat16"),
         (AVX512_BF16, "AVX2", "bfloat16"),  # ATEN_CPU_CAPABILITY=avx2 on a bf16 CPU: oneDNN's bf16 matmuls stay native
         (AVX2_ONLY, "AVX512", "float32"),  # AVX-512 without the BF16 extension
+        (AMX, "AVX2", "float32"),  # ATEN_CPU_CAPABILITY=avx2 on an AMX CPU: torch's bf16 attention refuses to run
+        (AMX, "AVX512_VNNI", "bfloat16"),
     ],
 )
 def test_auto_dtype_follows_the_cpu(monkeypatch, caps, kernels, want):

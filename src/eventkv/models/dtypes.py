@@ -23,10 +23,14 @@ def native_bf16(device: str | torch.device = "cpu") -> tuple[bool, str]:
     CPU: only where the CPU has AVX512-BF16 or AMX-BF16 (read from cpuinfo through
     ``torch.cpu.get_capabilities()``). Without them bf16 is converted in software: on an AVX2-only
     AMD EPYC a 700-token prefill of qwen2.5-coder-1.5b took 116 s in bf16 vs 19 s in float32.
-    torch's own kernel level (``ATEN_CPU_CAPABILITY``) is reported but not used: the
-    matmuls go through oneDNN, which uses AVX512-BF16 whatever that variable says (measured on an
-    AMD EPYC with avx512_bf16 under ``ATEN_CPU_CAPABILITY=avx2``: bf16 prefill 0.28x the float32
-    time; ``benchmarks/dtype_prefill.py``).
+    torch's own kernel level (``ATEN_CPU_CAPABILITY``) is reported and, on a CPU without AMX, not
+    used: the matmuls go through oneDNN, which uses AVX512-BF16 whatever that variable says (measured
+    on an AMD EPYC with avx512_bf16 under ``ATEN_CPU_CAPABILITY=avx2``: bf16 prefill 0.28x the float32
+    time; ``benchmarks/dtype_prefill.py``). On a CPU with AMX-BF16 whose torch kernels are held below
+    AVX512 (``ATEN_CPU_CAPABILITY=avx2``) bf16 is not native: torch 2.13's CPU attention (scaled dot
+    product, flash kernel) packs bf16 for AMX there and refuses sequences of ~100 tokens and more
+    (``RuntimeError: pack_vnni2 is only supported when avx512 is supported``; seen on an Intel Xeon
+    with amx_bf16), so ``auto`` is float32.
     """
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -44,6 +48,11 @@ def native_bf16(device: str | torch.device = "cpu") -> tuple[bool, str]:
     flags = [f for f in ("avx512_bf16", "amx_bf16") if caps.get(f)]
     if not flags:
         return False, f"CPU {cpu} has no native bf16 (no avx512_bf16 or amx_bf16; torch kernels {kernels})"
+    if caps.get("amx_bf16") and not kernels.upper().startswith("AVX512"):
+        return False, (
+            f"CPU {cpu} has {'+'.join(flags)} but torch kernels {kernels} (ATEN_CPU_CAPABILITY): torch's bf16 "
+            "attention needs AVX512 kernels on an AMX CPU"
+        )
     return True, f"CPU {cpu} has {'+'.join(flags)} (torch kernels {kernels})"
 
 
