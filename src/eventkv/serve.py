@@ -47,6 +47,15 @@ Positions (``positions=``):
   then re-rotated); ``text`` is contiguous already (accepted, nothing changes); ``native`` keeps
   every row of the history and refuses it. On Gemma 3's sliding layers a compact cache already
   counts the window in served rows, so contiguous positions only make the positions agree with it.
+
+Order (``sequence=``, contiguous positions only): the served events' rows are laid out after the header
+in log order by default; ``sequence`` lists the served events in another order, and each event's rows
+(a block, in their own order) are placed in that order before the re-rotation, so the event listed last
+sits right before the query (``text`` re-prefills the events in that order). The rows' contents stay
+what the prefill computed in log order; only where they sit changes. At original positions the order
+of rows changes nothing the model computes (each row keeps its position; attention is a sum over rows),
+so ``sequence`` is refused there. ``EventMemory.query(order="relevance")`` builds the sequence from the
+selector's ranking (Liu et al. 2023, "Lost in the Middle", arXiv 2307.03172, sections 2-3).
 """
 
 from __future__ import annotations
@@ -75,6 +84,10 @@ contiguous positions after the header."""
 POSITION_MODES: tuple[PositionMode, ...] = get_args(PositionMode)
 CONTIGUOUS_MODES: tuple[ServeMode, ...] = ("compact", "isolated", "blend", "text")
 """The serving modes that accept ``positions="contiguous"`` (``text`` is contiguous already)."""
+ServeOrder = Literal["log", "relevance"]
+"""The order of the served events' rows under contiguous positions: ``log`` (history order) or ``relevance``
+(increasing selector score, the most relevant event last before the question: ``EventMemory.query``)."""
+SERVE_ORDERS: tuple[ServeOrder, ...] = get_args(ServeOrder)
 ALL = "all"
 
 
@@ -88,7 +101,8 @@ class ServedCache:
         visible: ``[rows]`` bool attention visibility (native mode) on the rows' device, or None when all
             rows are visible.
         next_position: position id of the first query token.
-        mode: the serving mode; served: the served event ids, in log order.
+        mode: the serving mode; served: the served event ids, in the order of their rows (log order unless
+            :func:`serve` was given a ``sequence``).
         position_mode: ``original`` (rows at the positions they were computed at) or ``contiguous`` (header
             then served rows at consecutive positions; ``positions`` and ``next_position`` say so).
     """
@@ -164,6 +178,68 @@ def check_position_mode(positions, mode: str) -> PositionMode:
     return positions
 
 
+def check_order(order, positions) -> ServeOrder:
+    """``order`` checked against ``positions``.
+
+    Raises:
+        OptionError: ``order`` not one of :data:`SERVE_ORDERS`, or ``"relevance"`` with ``positions="original"``
+            (rows at their original positions give the same answer in any order).
+    """
+    if order not in SERVE_ORDERS:
+        raise OptionError("order", order, f"use one of {', '.join(SERVE_ORDERS)}.")
+    if order == "relevance" and positions != "contiguous":
+        raise OptionError(
+            "order",
+            order,
+            f"positions={positions!r} keeps every served row at the position it was computed at, so the order of "
+            "the rows changes nothing the model computes: use positions='contiguous' with order='relevance', or "
+            "order='log'.",
+        )
+    return order
+
+
+def check_sequence(ids: Sequence[str], sequence: Sequence[str]) -> tuple[str, ...]:
+    """``sequence`` checked to list exactly the served events ``ids`` (each once), as a tuple.
+
+    Raises:
+        EventKVError: an event of ``sequence`` not served, a served event missing, or one listed twice.
+    """
+    seq = tuple(s.strip() for s in sequence)
+    if sorted(seq) != sorted(ids):
+        raise EventKVError(
+            f"the served order {list(seq)} does not list the served events {list(ids)} once each: give every "
+            "served event exactly once."
+        )
+    return seq
+
+
+def reordered(served: ServedCache, header_rows: int, widths: Sequence[int], sequence: Sequence[str]) -> ServedCache:
+    """``served`` (compact layout: the header's rows, then each served event's ``widths`` rows in
+    ``served.served`` order) with the events' row blocks laid out in ``sequence`` order instead; positions
+    move with their rows (nothing is re-rotated here: :func:`to_contiguous` does that).
+
+    Args:
+        header_rows: the header's rows at the front (they stay first).
+        widths: rows of each event of ``served.served``, in that order.
+        sequence: the same event ids in the new order.
+    """
+    start, blocks = header_rows, {}
+    for eid, n in zip(served.served, widths):
+        blocks[eid] = torch.arange(start, start + n)
+        start += n
+    rows = torch.cat([torch.arange(header_rows)] + [blocks[e] for e in sequence])
+    return ServedCache(
+        _select(served.keys, rows),
+        _select(served.values, rows),
+        served.positions[rows],
+        None,
+        served.next_position,
+        served.mode,
+        tuple(sequence),
+        served.position_mode,
+    )
+
+
 def to_contiguous(model: PreTrainedModel, served: ServedCache, header_rows: int) -> ServedCache:
     """``served`` (compact layout, header rows first) with its rows after the header re-rotated to the positions
     right after the header's (:func:`eventkv.rope.rerotate`) and the query placed right after them.
@@ -199,6 +275,7 @@ def serve(
     *,
     isolated_memo: MutableMapping[tuple, tuple] | None = None,
     positions: PositionMode = "original",
+    sequence: Sequence[str] | None = None,
     # selective recompute (mode "blend")
     recompute: float | None = None,
     blend_schedule: BlendSchedule | None = None,
@@ -222,18 +299,24 @@ def serve(
             query right after them: see the module docstring). ``contiguous`` is for ``compact``, ``isolated``
             and ``blend`` (blended at the original positions, then re-rotated); with ``text`` it changes
             nothing (text is contiguous already).
+        sequence: ``positions="contiguous"`` only: the served events (each once) in the order their rows are
+            laid out after the header, the last right before the query (see the module docstring, "Order");
+            ``text`` re-prefills them in that order. None: log order.
         recompute: mode ``blend`` only: the fraction of served event tokens recomputed, in [0, 1]
             (None: :data:`eventkv.blend.DEFAULT_RECOMPUTE`, 0.15).
         blend_schedule: mode ``blend`` only: which tokens are recomputed on which layer, ``once`` | ``layerwise`` |
             ``epic`` (:data:`eventkv.blend.BlendSchedule`; None: ``once``).
 
     Returns:
-        ServedCache with header + served rows (compact/isolated/text/blend) or all rows (native).
+        ServedCache with header + served rows (compact/isolated/text/blend) or all rows (native); its
+        ``served`` lists the events in the order of their rows (log order unless ``sequence`` is given).
 
     Raises:
         EventKVError: unknown mode, empty served set, unknown event id, or a missing model; a rope type
-            :func:`eventkv.rope.rerotate` cannot re-rotate exactly (``contiguous``).
-        OptionError: an unknown ``positions``, or ``contiguous`` with ``native``; ``recompute`` outside
+            :func:`eventkv.rope.rerotate` cannot re-rotate exactly (``contiguous``); a ``sequence`` that does not
+            list the served events once each.
+        OptionError: an unknown ``positions``, or ``contiguous`` with ``native``; a ``sequence`` with
+            ``positions="original"``; ``recompute`` outside
             [0, 1], or given with a mode other than ``blend``; an unknown ``blend_schedule``, or one given with a
             mode other than ``blend``.
 
@@ -261,6 +344,8 @@ def serve(
     if mode not in SERVE_MODES:
         raise EventKVError(f"unknown serving mode {mode!r}: use one of {', '.join(SERVE_MODES)}.")
     check_position_mode(positions, mode)
+    if sequence is not None:
+        check_order("relevance", positions)  # any order but the log's is refused at the original positions
     fraction = check_recompute(recompute, mode)
     schedule = check_schedule(blend_schedule, mode)
     if positions == "contiguous" and mode != "text":
@@ -269,8 +354,15 @@ def serve(
         original = serve(
             ekv, served, mode, model, isolated_memo=isolated_memo, recompute=recompute, blend_schedule=blend_schedule
         )
-        return to_contiguous(model, original, ekv.log.span(HEADER_ID).n_tokens)
+        h = ekv.log.span(HEADER_ID).n_tokens
+        if sequence is not None:
+            seq = check_sequence(original.served, sequence)
+            widths = [ekv.log.span(e).n_tokens for e in original.served]
+            original = reordered(original, h, widths, seq)
+        return to_contiguous(model, original, h)
     ids = resolve_served(ekv, served)
+    if sequence is not None:  # text: re-prefilled in the given order
+        ids = check_sequence(ids, sequence)
     log = ekv.log
     if mode == "compact":
         rows = ekv.rows_of(ids)

@@ -25,7 +25,7 @@ from urllib.parse import quote
 from eventkv.errors import EventKVError, OptionError, OutOfSpace, PurgePending, StoreDamaged
 from eventkv.memory.api import MemoryAPI, SelectSpec
 from eventkv.memory.records import Added, CarrierResult, Hit, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
-from eventkv.serve import PositionMode, ServeMode
+from eventkv.serve import PositionMode, ServeMode, ServeOrder
 from eventkv.wire import (
     DEFAULT_NAMESPACE,
     ERRORS,
@@ -428,8 +428,9 @@ class Client:
         budget: float | None = None,
         neighbours: int = 0,
         with_headers: bool = False,
-        # serving positions
+        # serving positions and the served rows' order under contiguous positions
         positions: PositionMode = "original",
+        order: ServeOrder = "log",
         # selective recompute (mode "blend")
         recompute: float | None = None,
         blend_schedule: BlendSchedule | None = None,
@@ -447,6 +448,7 @@ class Client:
             "max_new_tokens": max_new_tokens,
             **_shaping(budget_rows, selector, budget, neighbours, with_headers),
             "positions": positions,
+            "order": order,
             "recompute": recompute,
             "blend_schedule": blend_schedule,
         }

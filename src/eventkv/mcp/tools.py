@@ -97,6 +97,7 @@ QUERY_FIELDS = {
     "candidates": "answers to score by log-probability (nats), besides the greedy answer",
     "max_new_tokens": "greedy decoding budget, in tokens",
     "positions": "where served rows sit: 'original' (where they were computed) or 'contiguous' (after the header)",
+    "order": "with positions 'contiguous': 'log' (history order) or 'relevance' (the most relevant event last)",
 }
 
 
@@ -195,6 +196,7 @@ def query(mem: MemoryAPI, a: QueryMemory, mid: str) -> Answer:
         max_new_tokens=a.max_new_tokens,
         **a.shaping(),
         positions=a.positions,
+        order=a.order,
         recompute=a.recompute,
         blend_schedule=a.blend_schedule,
     )

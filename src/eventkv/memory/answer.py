@@ -23,7 +23,16 @@ from eventkv.options import check_max_new_tokens
 from eventkv.prefill import EventKV, check_context
 from eventkv.readout import Decoding, Readout
 from eventkv.readout import read_out as read_out_caches
-from eventkv.serve import SERVE_MODES, PositionMode, ServedCache, ServeMode, check_position_mode, serve
+from eventkv.serve import (
+    SERVE_MODES,
+    PositionMode,
+    ServedCache,
+    ServeMode,
+    ServeOrder,
+    check_order,
+    check_position_mode,
+    serve,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from eventkv.models.profile import LoadedModel
@@ -43,6 +52,7 @@ def check_query(
     positions: PositionMode = "original",
     recompute: float | None = None,
     blend_schedule: BlendSchedule | None = None,
+    order: ServeOrder = "log",
 ) -> tuple[list, list[str]]:
     """The plans (``(select, mode)`` pairs) and candidates of a query, checked: ``(plans, candidates)``.
 
@@ -50,7 +60,8 @@ def check_query(
         OptionError: no plan, a plan that is not a pair or names an unknown mode, ``max_new_tokens`` < 1,
             empty or repeated candidates, an unknown ``positions`` or ``"contiguous"`` with a ``native`` plan;
             a ``recompute`` outside [0, 1], or given when no plan is ``blend``; an unknown ``blend_schedule``, or
-            one given when no plan is ``blend``.
+            one given when no plan is ``blend``; an unknown ``order``, or ``"relevance"`` without
+            ``positions="contiguous"`` (:func:`eventkv.serve.check_order`).
     """
     plans = list(plans)
     if not plans:
@@ -61,6 +72,7 @@ def check_query(
         if plan[1] not in SERVE_MODES:
             raise OptionError("mode", plan[1], f"use one of {', '.join(SERVE_MODES)}.")
         check_position_mode(positions, plan[1])
+    check_order(order, positions)
     modes = [plan[1] for plan in plans]
     check_recompute(recompute, "blend" if "blend" in modes else modes[0])
     check_schedule(blend_schedule, "blend" if "blend" in modes else modes[0])
@@ -166,6 +178,7 @@ def prepare(
     candidates: Sequence[str],
     keep_logits: bool,
     positions: PositionMode = "original",
+    sequences: Sequence[Sequence[str] | None] | None = None,
     recompute: float | None = None,
     blend_schedule: BlendSchedule | None = None,
     decoding: Decoding | None = None,
@@ -180,6 +193,8 @@ def prepare(
         prefill_ms: the lazy prefill's time, reported in every answer's ``timings_ms``.
         positions: ``original`` | ``contiguous`` (:func:`eventkv.serve.serve`); each answer's ``positions``
             reports where its events were served.
+        sequences: per plan, the served events in the order their rows are laid out under contiguous
+            positions (``serve(..., sequence=)``), or None (log order); None: log order for every plan.
         recompute: the fraction of served tokens each ``blend`` plan recomputes (None: the default, 0.15).
         blend_schedule: which tokens each ``blend`` plan recomputes on which layer (None: ``once``;
             :data:`eventkv.blend.BlendSchedule`).
@@ -187,7 +202,8 @@ def prepare(
         version: the memory's version, kept in the prepared query.
     """
     caches, timings = [], []
-    for ids, mode in zip(served_ids, modes):
+    seqs = list(sequences) if sequences is not None else [None] * len(served_ids)
+    for ids, mode, seq in zip(served_ids, modes, seqs):
         t1 = time.perf_counter()
         fraction, schedule = (recompute, blend_schedule) if mode == "blend" else (None, None)
         caches.append(
@@ -198,6 +214,7 @@ def prepare(
                 model=lm.model,
                 isolated_memo=isolated,
                 positions=positions,
+                sequence=seq,
                 recompute=fraction,
                 blend_schedule=schedule,
             )

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Iterable, Literal, Protocol, Sequence, runtime
 
 from eventkv.blend import BlendSchedule
 from eventkv.memory.records import Added, CarrierResult, Hit, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
-from eventkv.serve import PositionMode, ServeMode
+from eventkv.serve import PositionMode, ServeMode, ServeOrder
 
 if TYPE_CHECKING:  # pragma: no cover
     from eventkv.memory.select import Selector
@@ -117,8 +117,9 @@ class MemoryAPI(Protocol):
         budget: float | None = None,
         neighbours: int = 0,
         with_headers: bool = False,
-        # serving positions
+        # serving positions and the served rows' order under contiguous positions
         positions: PositionMode = "original",
+        order: ServeOrder = "log",
         # selective recompute (mode "blend")
         recompute: float | None = None,
         blend_schedule: BlendSchedule | None = None,

@@ -73,15 +73,16 @@ from eventkv.memory.select import (
     check_shaping,
     fraction_of,
     group_headers,
+    relevance_order,
     selector_for,
-    shape,
+    shape_units,
 )
 from eventkv.memory.sql import EventRow, Writes
 from eventkv.memory.store import SCHEMA_VERSION, Store, check_identity, model_identity, now
 from eventkv.memory.table import EventTable
 from eventkv.prefill import EventKV, check_context, model_device
 from eventkv.readout import Decoding
-from eventkv.serve import PositionMode, ServeMode
+from eventkv.serve import PositionMode, ServeMode, ServeOrder
 from eventkv.windowed import PrefillWindow, check_window, windowed_prefill
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -885,7 +886,7 @@ class EventMemory:
                 number >= 0; ``with_headers`` not a bool; an unknown selector; a blank question.
             EventKVError: the pinned events alone need more rows than the budget.
         """
-        units, _, kept = self._choose(question, k, budget_rows, selector, budget, neighbours, with_headers)
+        units, _, kept, _ = self._choose(question, k, budget_rows, selector, budget, neighbours, with_headers)
         return [units[i][1].id for i in kept]
 
     def search(
@@ -921,7 +922,7 @@ class EventMemory:
                 event out of its ranking (a :class:`eventkv.memory.select.Selector` ranks every event
                 when ``k`` is None).
         """
-        units, ranking, kept = self._choose(query, k, budget_rows, selector, budget, neighbours, with_headers, True)
+        units, ranking, kept, _ = self._choose(query, k, budget_rows, selector, budget, neighbours, with_headers, True)
         place = {r.id: (n, r.score) for n, r in enumerate(ranking, start=1)}
         hits = []
         for root, cur in (units[i] for i in kept):
@@ -944,17 +945,23 @@ class EventMemory:
         neighbours: int,
         with_headers: bool,
         rank_all: bool = False,
-    ) -> tuple[builtins.list[tuple[MemoryRecord, MemoryRecord]], builtins.list[Ranked], builtins.list[int]]:
+    ) -> tuple[
+        builtins.list[tuple[MemoryRecord, MemoryRecord]],
+        builtins.list[Ranked],
+        builtins.list[int],
+        builtins.list[tuple[int, builtins.list[int]]],
+    ]:
         """The view as ``(root, served record)`` units, the selector's ranking of their served records
-        (``rank_all``: every one, else the top ``k`` when no budget may skip units) and the indices of
-        the units served (:func:`eventkv.memory.select.shape`), ascending. Checks as :meth:`select`."""
+        (``rank_all``: every one, else the top ``k`` when no budget may skip units), the indices of
+        the units served (:func:`eventkv.memory.select.shape`), ascending, and the same indices as the
+        shaping units that served them (:func:`eventkv.memory.select.shape_units`). Checks as :meth:`select`."""
         self._check_open()
         chosen = self.selector if selector is None else selector_for(selector)
         check_shaping(k, budget_rows, budget, neighbours, with_headers)
         check_question(question)
         units = self._units()
         if not units:
-            return [], [], []
+            return [], [], [], []
         served = [cur for _, cur in units]
         rows = [r.n_rows for r in served]
         index = {r.id: i for i, r in enumerate(served)}
@@ -964,7 +971,7 @@ class EventMemory:
             ranking = chosen.rank(question, served, k=ask, context=self._selection_context())
         if budget is not None:
             budget_rows = fraction_of(budget, sum(rows))
-        kept = shape(
+        taken = shape_units(
             [index[r.id] for r in ranking],
             rows,
             k=k,
@@ -973,7 +980,7 @@ class EventMemory:
             neighbours=neighbours,
             headers=group_headers([HEADER_TAG in r.tags for r in served]) if with_headers else None,
         )
-        return units, ranking, kept
+        return units, ranking, sorted({j for _, members in taken for j in members}), taken
 
     def _selection_context(self) -> SelectionContext:
         """What a selector may read (:class:`eventkv.memory.select.SelectionContext`); the rows are
@@ -1064,6 +1071,34 @@ class EventMemory:
             out.append(rec.id)  # the stored spelling (an NFD id given for an NFC one)
         return out
 
+    def _served_in_order(
+        self, question: str, select: SelectSpec, k: int | None, shaping: dict, order: ServeOrder
+    ) -> tuple[builtins.list[str], builtins.list[str] | None]:
+        """The ids a plan serves (:meth:`_served_ids`) and, under ``order="relevance"``, the same ids in the
+        order their rows are served (:func:`eventkv.memory.select.relevance_order`: the shaping units in
+        increasing rank under the selector's ranking of the view, the best-ranked last); None under ``"log"``.
+        An explicitly listed event is a unit of its own; one outside the view (a replaced or deleted event,
+        which the selector does not rank) goes first."""
+        if order == "log":
+            return self._served_ids(question, select, k, shaping), None
+        if select is None:
+            units, ranking, kept, taken = self._choose(question, k, **shaping, rank_all=True)
+            where = {cur.id: i for i, (_, cur) in enumerate(units)}
+            rank = {where[r.id]: n for n, r in enumerate(ranking) if r.id in where}
+            return [units[i][1].id for i in kept], [units[i][1].id for i in relevance_order(taken, rank)]
+        ids = self._served_ids(question, select, k, shaping)
+        chosen = self.selector if shaping["selector"] is None else selector_for(shaping["selector"])
+        view = [cur for _, cur in self._units()]
+        ranking = []
+        if view:
+            with available(getattr(chosen, "name", type(chosen).__name__)):
+                ranking = chosen.rank(question, view, k=None, context=self._selection_context())
+        seq = {r.id: r.seq for r in self._recs}
+        logged = sorted(dict.fromkeys(ids), key=lambda i: seq[i])  # history order, each once (as served)
+        place = {i: n for n, i in enumerate(logged)}
+        rank = {place[r.id]: n for n, r in enumerate(ranking) if r.id in place}
+        return ids, [logged[i] for i in relevance_order([(n, [n]) for n in range(len(logged))], rank)]
+
     def query(
         self,
         question: str,
@@ -1081,8 +1116,9 @@ class EventMemory:
         with_headers: bool = False,
         # readout
         keep_logits: bool = False,
-        # serving positions
+        # serving positions and the served rows' order under contiguous positions
         positions: PositionMode = "original",
+        order: ServeOrder = "log",
         # selective recompute (mode "blend")
         recompute: float | None = None,
         blend_schedule: BlendSchedule | None = None,
@@ -1120,6 +1156,16 @@ class EventMemory:
                 history (for histories past the model's context). For ``compact``, ``isolated``, ``blend`` and
                 ``text`` (already contiguous); ``native`` refuses it. ``MemoryAnswer.positions`` then reports
                 each event's first served position and its rows.
+            order: ``"log"`` (default: the served rows in history order) or ``"relevance"`` (with
+                ``positions="contiguous"`` only): the served events in increasing selector score, so the most
+                relevant one is the last before the question, where a long-context reader uses it best (Liu et
+                al. 2023, "Lost in the Middle", arXiv 2307.03172, sections 2-3). Each shaping unit (an event with
+                its neighbours and group headers) stays one block in history order, placed at its event's rank;
+                a pin sits at its own rank; ties follow the selector's ranking (history order for BM25); an
+                event the selector does not rank (a replaced or deleted event listed explicitly) goes first
+                (:func:`eventkv.memory.select.relevance_order`). The rows are re-rotated to their new positions;
+                their contents stay those of the prefill. ``served_ids`` and ``positions`` list the events in
+                the order served. Opt-in; not measured on LoCoMo yet.
             recompute: mode ``blend`` only: the fraction of served event tokens recomputed, in [0, 1];
                 None = 0.15 (:data:`eventkv.blend.DEFAULT_RECOMPUTE`).
             blend_schedule: mode ``blend`` only: which tokens are recomputed on which layer, ``once`` (None: the
@@ -1139,7 +1185,8 @@ class EventMemory:
         Raises:
             OptionError: a blank question, unknown mode or select, ``max_new_tokens`` < 1 or past the
                 context, empty or repeated candidates, a bad shaping keyword (as :meth:`select`), an
-                unknown ``positions`` or ``"contiguous"`` with ``native``, ``recompute`` outside [0, 1] or
+                unknown ``positions`` or ``"contiguous"`` with ``native``, an unknown ``order`` or
+                ``"relevance"`` without ``positions="contiguous"``, ``recompute`` outside [0, 1] or
                 with a mode other than ``blend``, an unknown ``blend_schedule`` or one with a mode other than
                 ``blend``.
             EventKVError: an unknown or forgotten id, nothing to serve (an empty memory or selection, no
@@ -1161,6 +1208,7 @@ class EventMemory:
             with_headers=with_headers,
             keep_logits=keep_logits,
             positions=positions,
+            order=order,
             recompute=recompute,
             blend_schedule=blend_schedule,
             messages=messages,
@@ -1183,8 +1231,9 @@ class EventMemory:
         with_headers: bool = False,
         # readout
         keep_logits: bool = False,
-        # serving positions
+        # serving positions and the served rows' order under contiguous positions
         positions: PositionMode = "original",
+        order: ServeOrder = "log",
         # selective recompute (mode "blend")
         recompute: float | None = None,
         blend_schedule: BlendSchedule | None = None,
@@ -1200,8 +1249,8 @@ class EventMemory:
         equal, logits within 1e-4 in float32) while decoding costs about one batched pass instead of
         one pass per plan — decode on a CPU reads the weights once per step whatever the batch size.
 
-        ``positions`` applies to every plan (as in :meth:`query`); under ``"contiguous"`` the question's
-        context check counts the largest plan's header and served rows.
+        ``positions`` and ``order`` apply to every plan (as in :meth:`query`); under ``"contiguous"`` the
+        question's context check counts the largest plan's header and served rows.
 
         Returns:
             one :class:`MemoryAnswer` per plan, in order. ``timings_ms``: ``prefill`` (lazy prefill,
@@ -1228,6 +1277,7 @@ class EventMemory:
             with_headers=with_headers,
             keep_logits=keep_logits,
             positions=positions,
+            order=order,
             recompute=recompute,
             blend_schedule=blend_schedule,
             messages=messages,
@@ -1250,6 +1300,7 @@ class EventMemory:
         with_headers: bool = False,
         keep_logits: bool = False,
         positions: PositionMode = "original",
+        order: ServeOrder = "log",
         recompute: float | None = None,
         blend_schedule: BlendSchedule | None = None,
         messages: Sequence[Mapping] | None = None,
@@ -1267,7 +1318,7 @@ class EventMemory:
         """
         self._check_open()
         check_question(question)
-        plans, cands = check_query(plans, max_new_tokens, candidates, positions, recompute, blend_schedule)
+        plans, cands = check_query(plans, max_new_tokens, candidates, positions, recompute, blend_schedule, order)
         if decoding is not None:
             decoding.check()
             if decoding.on_step is not None and len(plans) > 1:
@@ -1275,9 +1326,10 @@ class EventMemory:
         shaping = dict(
             budget_rows=budget_rows, selector=selector, budget=budget, neighbours=neighbours, with_headers=with_headers
         )
-        served_ids = []
+        served_ids, sequences = [], []
         for select, _ in plans:
-            ids = self._served_ids(question, select, k, shaping)
+            ids, sequence = self._served_in_order(question, select, k, shaping, order)
+            sequences.append(sequence)
             if not ids:
                 raise EventKVError(
                     "nothing to serve: the memory has no live events; add some first"
@@ -1309,6 +1361,7 @@ class EventMemory:
             candidates=cands,
             keep_logits=keep_logits,
             positions=positions,
+            sequences=sequences,
             recompute=recompute,
             blend_schedule=blend_schedule,
             decoding=decoding,

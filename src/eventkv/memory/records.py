@@ -346,8 +346,10 @@ class MemoryAnswer:
         text: the greedy answer (decoded, stop token excluded).
         generation: the full :class:`eventkv.readout.Generation` (tokens, stopped, logits if kept).
         candidates: candidate scores (log-probabilities in nats), when candidates were given.
-        served_ids: the served events, in history order (the header is always served besides).
-        positions: ``(id, first position, width)`` of every served event.
+        served_ids: the served events in the order they were served: history order, or under
+            ``order="relevance"`` the order of their rows (the most relevant last); the header is always
+            served besides, first.
+        positions: ``(id, first position, width)`` of every served event, in ``served_ids``' order.
         n_rows_served: rows the query attended to (header included; in native mode the visible rows).
         n_query_tokens: tokens read after the served rows: the question and the chat tail (or the
             conversation, for a query with ``messages``).

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
@@ -191,7 +191,7 @@ def fraction_of(budget: float, rows: int) -> int:
     return max(1, math.floor(Fraction(repr(float(budget))) * rows))
 
 
-def shape(
+def shape_units(
     ranked: Sequence[int],
     rows: Sequence[int],
     *,
@@ -200,10 +200,11 @@ def shape(
     pinned: Sequence[int] = (),
     neighbours: int = 0,
     headers: Sequence[int | None] | None = None,
-) -> list[int]:
-    """The served set of a view from a ranking: each chosen event served as one **unit**, itself with
-    the events ``+-neighbours`` around it (view order) and, given ``headers`` (:func:`group_headers`),
-    the group header of every member; the units' rows are counted once however many units share them.
+) -> list[tuple[int, list[int]]]:
+    """The served set of a view from a ranking, as the units that served it: each chosen event served as
+    one **unit**, itself with the events ``+-neighbours`` around it (view order) and, given ``headers``
+    (:func:`group_headers`), the group header of every member; the units' rows are counted once however
+    many units share them.
 
     The fill, written out here (no library does it):
 
@@ -228,7 +229,9 @@ def shape(
         headers: group header index of every view event (None: no headers served).
 
     Returns:
-        the served indices, ascending (history order).
+        ``(anchor, members)`` per unit taken, in fill order: ``anchor`` the pinned or ranked index the unit
+        was taken for, ``members`` (ascending) its whole unit (members served by an earlier unit included; a
+        pin whose neighbours did not fit: the pin alone). The members of all units are :func:`shape`'s set.
 
     Raises:
         EventKVError: the pinned events' rows exceed ``budget``.
@@ -248,16 +251,91 @@ def shape(
         return members
 
     served, used, count = set(pinned), need, 0
+    taken: list[tuple[int, list[int]]] = []
     for i, counts in [(i, False) for i in sorted(set(pinned))] + [(i, True) for i in ranked]:
         if counts and k is not None and count >= k:
             break
-        rest = unit(i) - served
+        whole = unit(i)
+        rest = whole - served
         cost = sum(rows[j] for j in rest)
         if budget is None or used + cost <= budget:
             served |= rest
             used += cost
             count += counts
-    return sorted(served)
+            taken.append((i, sorted(whole)))
+        elif not counts:  # a pin is served even when the rest of its unit does not fit: a unit of its own
+            taken.append((i, [i]))
+    return taken
+
+
+def shape(
+    ranked: Sequence[int],
+    rows: Sequence[int],
+    *,
+    k: int | None = None,
+    budget: int | None = None,
+    pinned: Sequence[int] = (),
+    neighbours: int = 0,
+    headers: Sequence[int | None] | None = None,
+) -> list[int]:
+    """The served set of a view from a ranking (the fill is :func:`shape_units`', documented there): each
+    chosen event served as one unit with its ``+-neighbours`` and, given ``headers``, their group headers,
+    within ``budget`` rows, every pinned event included.
+
+    Returns:
+        the served indices, ascending (history order).
+
+    Raises:
+        EventKVError: the pinned events' rows exceed ``budget``.
+    """
+    taken = shape_units(ranked, rows, k=k, budget=budget, pinned=pinned, neighbours=neighbours, headers=headers)
+    return sorted({j for _, members in taken for j in members})
+
+
+def relevance_order(units: Sequence[tuple[int, Sequence[int]]], rank: Mapping[int, int]) -> list[int]:
+    """The served indices of ``units`` (``(anchor, members)``, e.g. :func:`shape_units`) in relevance order:
+    the order ``order="relevance"`` serves them in (``EventMemory.query``; Liu et al. 2023, "Lost in the
+    Middle", arXiv 2307.03172, sections 2-3: accuracy is highest when the relevant document is nearest the
+    question, lowest in the middle).
+
+    The rule:
+
+    1. ``rank`` maps an index to its place in the selector's ranking (0 = best: scores decreasing, ties in
+       the selector's own order, history order for :class:`ScoringSelector`).
+    2. Every served index goes with the best-ranked anchor whose unit holds it (an anchor is always in its
+       own unit, so each ranked anchor leads its own block; a neighbour or group header shared by several
+       units goes with the most relevant of them).
+    3. Each block is one stretch in history order (a neighbour keeps its side of the event it was served
+       with, a group header stays before its group's events: the block reads as the history its rows were
+       prefilled in, and a unit is placed whole, as Liu et al. place one document). Blocks are sorted by
+       their anchor's rank, worst first, so scores increase toward the question and the best-ranked
+       event's block is the last one before it (without neighbours, the best event itself is last). A pin's
+       block sits at its own rank.
+    4. A block whose anchor has no rank (an event the selector did not rank, e.g. one outside the view)
+       goes first, in history order: the place farthest from the question.
+
+    Args:
+        units: ``(anchor, members)`` per unit (members may be shared between units).
+        rank: place of each ranked index in the ranking (0 = best).
+
+    Returns:
+        every member once, blocks by decreasing rank number (unranked first), each block ascending.
+
+    Example:
+        >>> relevance_order([(1, [0, 1, 2]), (4, [3, 4, 5]), (7, [7])], {4: 0, 7: 1, 1: 2})
+        [0, 1, 2, 7, 3, 4, 5]
+    """
+    worst = len(rank) + max((a for a, _ in units), default=0) + 1
+
+    def place(anchor: int) -> tuple[int, int]:  # lower sorts first; unranked anchors before every ranked one
+        return (0, anchor) if anchor not in rank else (1, worst - rank[anchor])
+
+    best: dict[int, int] = {}
+    for anchor, members in units:
+        for j in members:
+            if j not in best or place(anchor) > place(best[j]):
+                best[j] = anchor
+    return sorted(best, key=lambda j: (place(best[j]), j))
 
 
 @dataclass(frozen=True)

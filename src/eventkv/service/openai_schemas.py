@@ -121,6 +121,7 @@ class MemoryOptions(Shaping):
     )
     mode: Literal["compact", "native", "isolated", "text", "blend"] = "compact"
     positions: Literal["original", "contiguous"] = "original"
+    order: Literal["log", "relevance"] = "log"
     remember: bool = Field(
         False, description="append the last user message and the reply as events (acknowledged once stored)"
     )

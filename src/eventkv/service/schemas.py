@@ -159,6 +159,8 @@ class QueryIn(Shaping):
     max_new_tokens: MaxNewTokens = 32
     # serving positions (eventkv.serve): "contiguous" re-rotates the served rows right after the header
     positions: Literal["original", "contiguous"] = "original"
+    # the served rows' order under contiguous positions: "relevance" puts the most relevant event last
+    order: Literal["log", "relevance"] = "log"
     # selective recompute (mode "blend")
     recompute: float | None = Field(
         None, ge=0.0, le=1.0, description="mode 'blend': the fraction of served tokens recomputed (None: 0.15)"

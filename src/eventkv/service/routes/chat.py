@@ -171,6 +171,7 @@ def plan(body: o.ChatRequest, request: Request, state: ServiceState, jobs: Jobs,
             max_new_tokens=max_new,
             **mem_opts.shaping(),
             positions=mem_opts.positions,
+            order=mem_opts.order,
             messages=messages,
             decoding=Decoding(**settings, on_step=on_step),
         )

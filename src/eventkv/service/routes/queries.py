@@ -61,6 +61,7 @@ async def query(mid: MemoryId, body: s.QueryIn, ns: Namespace, state: State, job
             max_new_tokens=body.max_new_tokens,
             **body.shaping(),
             positions=body.positions,
+            order=body.order,
             recompute=body.recompute,
             blend_schedule=body.blend_schedule,
         )
