@@ -223,11 +223,12 @@ def reordered(served: ServedCache, header_rows: int, widths: Sequence[int], sequ
         widths: rows of each event of ``served.served``, in that order.
         sequence: the same event ids in the new order.
     """
+    dev = served.positions.device  # the rows' device: the indices select on it
     start, blocks = header_rows, {}
     for eid, n in zip(served.served, widths):
-        blocks[eid] = torch.arange(start, start + n)
+        blocks[eid] = torch.arange(start, start + n, device=dev)
         start += n
-    rows = torch.cat([torch.arange(header_rows)] + [blocks[e] for e in sequence])
+    rows = torch.cat([torch.arange(header_rows, device=dev)] + [blocks[e] for e in sequence])
     return ServedCache(
         _select(served.keys, rows),
         _select(served.values, rows),
