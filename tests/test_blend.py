@@ -1,7 +1,8 @@
 """Selective recompute (``serve(..., mode="blend")``, :mod:`eventkv.blend`; CacheBlend, arXiv 2405.16444).
 
 The gate: recomputing every served token equals a fresh prefill of header + served events at their
-original positions (K/V rows and a following query's logits, <= 1e-4 in float32) on every tiny
+original positions, and under ``positions="contiguous"`` the ``text`` mode's fresh prefill at contiguous
+positions (K/V rows and a following query's logits, <= 1e-4 in float32) on every tiny
 architecture (Gemma 3's sliding layers included: the history is longer than its 16-token window);
 ``recompute=0`` is ``compact`` exactly. The token choice is checked against a deviation computed by
 hand from a separate full forward, and a partial recompute against prefix forwards (the mask keeps
@@ -86,6 +87,55 @@ def test_full_recompute_equals_a_fresh_prefill_of_the_served_set(setup, schedule
     # and it differs from the stored rows (they saw events a and c): the recompute did something
     compact = serve(ekv, SERVED, "compact")
     assert _gap(compact.keys, keys) > 1e-3
+
+
+@pytest.mark.parametrize("sequence", [None, ["d", "b"]])
+@pytest.mark.parametrize("schedule", BLEND_SCHEDULES)
+def test_full_recompute_at_contiguous_positions_equals_text(setup, schedule, sequence):
+    """Under contiguous positions the recompute runs where the rows are served: every token recomputed is the
+    ``text`` mode's fresh prefill of header + served events (in the serving order), rows and query logits."""
+    lm, ekv = setup
+    kw = {"positions": "contiguous", "sequence": sequence}
+    served = serve(ekv, SERVED, "blend", lm.model, recompute=1.0, blend_schedule=schedule, **kw)
+    text = serve(ekv, SERVED, "text", lm.model, **kw)
+    assert served.position_mode == "contiguous" and served.served == text.served
+    assert torch.equal(served.positions, text.positions) and served.next_position == text.next_position
+    assert _gap(served.keys, text.keys) <= TOL and _gap(served.values, text.values) <= TOL
+    q = torch.tensor([[5, 17, 42, 9]])
+    pos = torch.arange(served.next_position, served.next_position + 4).unsqueeze(0)
+    with torch.inference_mode():
+        got = model_forward(lm.model, q, pos, cache_from_rows(served.keys, served.values))
+        want = model_forward(lm.model, q, pos, cache_from_rows(text.keys, text.values))
+    assert float((got - want).abs().max()) <= TOL
+
+
+@pytest.mark.parametrize("sequence", [None, ["d", "b"]])
+def test_zero_recompute_at_contiguous_positions_is_compact_contiguous(setup, sequence):
+    lm, ekv = setup
+    kw = {"positions": "contiguous", "sequence": sequence}
+    served = serve(ekv, SERVED, "blend", lm.model, recompute=0, **kw)
+    compact = serve(ekv, SERVED, "compact", lm.model, **kw)
+    assert torch.equal(served.positions, compact.positions) and served.served == compact.served
+    assert _gap(served.keys, compact.keys) <= 1e-6 and _gap(served.values, compact.values) == 0
+
+
+def test_contiguous_deviation_compares_against_the_re_rotated_rows(setup):
+    """The deviation at contiguous positions: a fresh forward at those positions against the stored keys re-rotated
+    there (by hand from ``text`` and ``compact`` contiguous rows)."""
+    lm, ekv = setup
+    h = ekv.log.span("<header>").n_tokens
+    layer = 1
+    text = serve(ekv, SERVED, "text", lm.model)
+    compact = serve(ekv, SERVED, "compact", lm.model, positions="contiguous")
+    dk = text.keys[layer][0, :, h:] - compact.keys[layer][0, :, h:]
+    dv = text.values[layer][0, :, h:] - compact.values[layer][0, :, h:]
+    by_hand = (dk.square().sum(dim=(0, 2)) + dv.square().sum(dim=(0, 2))).sqrt()
+    got = kv_deviation(lm.model, ekv, SERVED, select_layer=layer, positions="contiguous")
+    assert torch.allclose(got, by_hand, atol=TOL, rtol=0)
+    with pytest.raises(OptionError, match="contiguous"):
+        kv_deviation(lm.model, ekv, SERVED, positions="original", sequence=["d", "b"])
+    with pytest.raises(OptionError, match="positions"):
+        kv_deviation(lm.model, ekv, SERVED, positions="shifted")
 
 
 @pytest.mark.parametrize("schedule", BLEND_SCHEDULES)

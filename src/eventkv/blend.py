@@ -70,9 +70,15 @@ stale rows cost 1-10% of that KL against splicing in the fresh rows themselves; 
 the whole history's (Llama: KL from the whole history 0.013 for ``compact``, 0.015 / 0.024 for ``once`` at
 0.15 / 0.3, 0.093 at 1.0). Random weights give no answers to score, and on LoCoMo a fresh prefill of the
 served turns at contiguous positions (``text``) beats rows, so the loss of blend against rows there may
-come from where the recompute runs: at the original positions, across the gaps left by unserved events
-(also under ``positions="contiguous"``, which re-rotates after blending). ``docs/memory.md`` ("Selective
-recompute") gives the table. The default stays ``once`` until a LoCoMo measurement shows a schedule
+come from where the recompute runs: at the original positions, across the gaps left by unserved events.
+``docs/memory.md`` ("Selective recompute") gives the table.
+
+**Positions** (``positions=``): every step above runs at the rows' original positions by default. Under
+``contiguous`` the served rows are laid out after the header (in log order, or in ``sequence``), their stored
+keys re-rotated to the positions right after the header (:func:`eventkv.rope.rerotate`) before step 1, and
+steps 1 and 3 run at those positions: CacheBlend's placement of reused chunks, so that ``recompute=1`` is a
+fresh prefill of header + served events at contiguous positions (the ``text`` serving mode; tested like the
+original-positions end). The default stays ``once`` until a LoCoMo measurement shows a schedule
 beating plain rows.
 """
 
@@ -97,6 +103,7 @@ from eventkv.prefill import (
     model_device,
     model_forward,
 )
+from eventkv.rope import rerotate
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -109,6 +116,8 @@ BlendSchedule = Literal["once", "layerwise", "epic"]
 """Which served tokens are recomputed on which layer (see the module docstring): ``once`` (chosen on
 ``select_layer``, recomputed on every layer), ``layerwise`` (CacheBlend's gradual filtering, §4.3), ``epic``
 (the first tokens of each served event: EPIC's LegoLink)."""
+BlendPositions = Literal["original", "contiguous"]
+"""Where a blend runs: at the rows' original positions, or re-rotated to contiguous positions after the header."""
 BLEND_SCHEDULES: tuple[BlendSchedule, ...] = get_args(BlendSchedule)
 DEFAULT_SCHEDULE: BlendSchedule = "once"
 """The schedule when none is given."""
@@ -175,8 +184,10 @@ class Blend:
 
     Attributes:
         keys, values: per layer ``[1, kv_heads, rows, head_dim]`` (header rows, then the served events'
-            rows in log order), on the model's device.
+            rows in serving order), on the model's device.
         rows: ``[rows]`` int64 on the CPU, the EventKV row of each served row.
+        positions: ``[rows]`` int64 on the CPU, the position each served row is rotated at (the original ones,
+            or ``h0, h0+1, ...`` from the header's first position under ``positions="contiguous"``).
         chosen: ``[c]`` int64 on the CPU, ascending: the tokens the recompute forward ran (for ``layerwise``, the
             initial set), as indices into the served event tokens (0 = the first served event's first token;
             the header not counted).
@@ -190,6 +201,7 @@ class Blend:
     keys: list[LayerRows]
     values: list[LayerRows]
     rows: torch.Tensor
+    positions: torch.Tensor
     chosen: torch.Tensor
     deviation: torch.Tensor | None
     layer_chosen: list[torch.Tensor]
@@ -217,41 +229,109 @@ def causal_masks(
     return attention_masks(model, diff >= 0, diff)
 
 
+@dataclass
+class _Layout:
+    """The served set laid out as it will be served: header rows, then each served event's rows in serving order.
+
+    ``rows`` ``[h + n]`` (EventKV rows, CPU), ``positions`` ``[h + n]`` (the positions the rows are served and
+    recomputed at, CPU), ``ids`` (the token id of each row), ``keys`` / ``values`` per layer
+    ``[1, kv_heads, h + n, head_dim]`` (the stored rows, keys re-rotated to ``positions``), ``h`` header rows,
+    ``widths`` each served event's token count in serving order."""
+
+    rows: torch.Tensor
+    positions: torch.Tensor
+    ids: list[int]
+    keys: list[LayerRows]
+    values: list[LayerRows]
+    h: int
+    widths: list[int]
+
+
+def _layout(
+    model: PreTrainedModel,
+    ekv: EventKV,
+    served: Sequence[str],
+    positions: BlendPositions,
+    sequence: Sequence[str] | None,
+) -> _Layout:
+    if positions not in ("original", "contiguous"):
+        raise OptionError("positions", positions, "use 'original' or 'contiguous'.")
+    if sequence is not None and positions != "contiguous":
+        raise OptionError(
+            "sequence", list(sequence), "a serving order other than the log's needs positions='contiguous'."
+        )
+    order = list(served) if sequence is None else list(sequence)
+    if sequence is not None and sorted(order) != sorted(served):
+        raise EventKVError(f"sequence {order} must list the served events {list(served)} once each.")
+    header = ekv.log.span(HEADER_ID)
+    spans = [header] + [ekv.log.span(e) for e in order]
+    rows = torch.cat([torch.arange(s.row_start, s.row_end, device="cpu") for s in spans])
+    stored_at = ekv.positions[rows]
+    if positions == "contiguous":
+        start = int(stored_at[0]) if rows.numel() else 0
+        at = torch.arange(start, start + int(rows.shape[0]), dtype=stored_at.dtype, device="cpu")
+    else:
+        at = stored_at
+    device = ekv.keys[0].device
+    sel = rows.to(device)
+    keys = [k.index_select(2, sel) for k in ekv.keys]  # copies: the blend writes into them, never into the EventKV
+    values = [v.index_select(2, sel) for v in ekv.values]
+    if positions == "contiguous":
+        keys = rerotate(model, keys, stored_at, at)
+    ids = [ekv.log.input_ids[r] for r in rows.tolist()]
+    return _Layout(rows, at, ids, keys, values, header.n_tokens, [s.n_tokens for s in spans[1:]])
+
+
+def _deviation(model: PreTrainedModel, lay: _Layout, select_layer: int) -> torch.Tensor:
+    n_layers = len(lay.keys)
+    if not 0 <= select_layer < n_layers:
+        raise EventKVError(f"select_layer {select_layer} is not a layer of this {n_layers}-layer model.")
+    device = model_device(model)
+    h = lay.h
+    n = int(lay.rows.shape[0]) - h
+    ids = torch.tensor([lay.ids[h:]], device=device)
+    pos = lay.positions[h:].to(device).unsqueeze(0)
+    cache = cache_from_rows([k[:, :, :h] for k in lay.keys], [v[:, :, :h] for v in lay.values])
+    order = torch.arange(h + n, device=device)
+    mask = causal_masks(model, order, order[h:])
+    with forward_until(model.get_decoder().layers[select_layer]):  # layers after the selection layer are not needed
+        model_forward(model, ids, pos, cache, mask, logits_to_keep=1)
+    keys, values = cache_kv(cache)
+    dk = keys[select_layer][:, :, h:].float() - lay.keys[select_layer][:, :, h:].to(keys[select_layer].device).float()
+    dv = (
+        values[select_layer][:, :, h:].float()
+        - lay.values[select_layer][:, :, h:].to(keys[select_layer].device).float()
+    )
+    return (dk.square().sum(dim=(0, 1, 3)) + dv.square().sum(dim=(0, 1, 3))).sqrt().cpu()
+
+
 @torch.inference_mode()
 def kv_deviation(
-    model: PreTrainedModel, ekv: EventKV, served: Sequence[str], select_layer: int = SELECT_LAYER
+    model: PreTrainedModel,
+    ekv: EventKV,
+    served: Sequence[str],
+    select_layer: int = SELECT_LAYER,
+    *,
+    positions: BlendPositions = "original",
+    sequence: Sequence[str] | None = None,
 ) -> torch.Tensor:
     """Each served event token's K/V deviation on ``select_layer`` (step 1 of the module docstring).
 
     Args:
         served: event ids in log order (as :func:`eventkv.serve.resolve_served` returns them).
+        positions: where the served tokens are run and their stored rows compared: ``original`` (the positions they
+            were prefilled at) or ``contiguous`` (right after the header, the stored keys re-rotated there).
+        sequence: ``contiguous`` only: the served events in serving order (None: log order).
 
     Returns:
-        ``[n_tokens]`` float32 on the CPU, in row order (the header not counted).
+        ``[n_tokens]`` float32 on the CPU, in serving order (the header not counted).
 
     Raises:
-        EventKVError: ``select_layer`` outside the model's layers.
+        EventKVError: ``select_layer`` outside the model's layers; a ``sequence`` that does not list the served
+            events once each.
+        OptionError: an unknown ``positions``; a ``sequence`` with ``original`` positions.
     """
-    n_layers = len(ekv.keys)
-    if not 0 <= select_layer < n_layers:
-        raise EventKVError(f"select_layer {select_layer} is not a layer of this {n_layers}-layer model.")
-    device = model_device(model)
-    h = ekv.log.span(HEADER_ID).n_tokens
-    tok_rows = ekv.rows_of(served, include_header=False)
-    n = int(tok_rows.shape[0])
-    ids = torch.tensor([[ekv.log.input_ids[r] for r in tok_rows.tolist()]], device=device)
-    pos = ekv.positions[tok_rows].to(device).unsqueeze(0)
-    cache = cache_from_rows([k[:, :, :h] for k in ekv.keys], [v[:, :, :h] for v in ekv.values])
-    order = torch.arange(h + n, device=device)
-    mask = causal_masks(model, order, order[h:])
-
-    with forward_until(model.get_decoder().layers[select_layer]):  # layers after the selection layer are not needed
-        model_forward(model, ids, pos, cache, mask, logits_to_keep=1)
-    keys, values = cache_kv(cache)
-    rows = tok_rows.to(device)
-    dk = keys[select_layer][:, :, h:].float() - ekv.keys[select_layer].index_select(2, rows).float()
-    dv = values[select_layer][:, :, h:].float() - ekv.values[select_layer].index_select(2, rows).float()
-    return (dk.square().sum(dim=(0, 1, 3)) + dv.square().sum(dim=(0, 1, 3))).sqrt().cpu()
+    return _deviation(model, _layout(model, ekv, served, positions, sequence), select_layer)
 
 
 def choose(deviation: torch.Tensor, recompute: float) -> torch.Tensor:
@@ -362,6 +442,8 @@ def blend(
     *,
     select_layer: int = SELECT_LAYER,
     schedule: BlendSchedule = DEFAULT_SCHEDULE,
+    positions: BlendPositions = "original",
+    sequence: Sequence[str] | None = None,
 ) -> Blend:
     """The served set's rows with a ``recompute`` fraction of the served tokens recomputed (the module
     docstring's steps; CacheBlend, arXiv 2405.16444, §4; schedule ``epic``: EPIC, arXiv 2410.15332, §4).
@@ -372,23 +454,28 @@ def blend(
             1: every token, no deviation forward); for ``layerwise``, the fraction on the last layer.
         select_layer: the decoder layer whose deviation chooses the tokens (``once``, ``layerwise``).
         schedule: ``once`` | ``layerwise`` | ``epic`` (:data:`BlendSchedule`, the module docstring).
+        positions: ``original`` (every step at the positions the rows were prefilled at) or ``contiguous`` (the
+            stored keys re-rotated to the positions right after the header first, then every step at those
+            positions, as CacheBlend places its chunks: ``recompute=1`` is then a fresh prefill of header +
+            served events at contiguous positions, the ``text`` serving mode).
+        sequence: ``contiguous`` only: the served events (each once) in the order their rows are laid out after
+            the header (None: log order).
 
     Returns:
-        :class:`Blend` (compact layout: header rows, then the served events' rows).
+        :class:`Blend` (compact layout: header rows, then the served events' rows in serving order).
 
     Raises:
-        OptionError: ``recompute`` outside [0, 1]; an unknown ``schedule``.
+        OptionError: ``recompute`` outside [0, 1]; an unknown ``schedule`` or ``positions``; a ``sequence`` with
+            ``original`` positions.
         EventKVError: ``select_layer`` outside the model's layers; rows of another dtype or device than the
-            model's.
+            model's; a ``sequence`` that does not list the served events once each.
     """
     recompute = check_recompute(recompute) or 0.0
     schedule = check_schedule(schedule) or DEFAULT_SCHEDULE
-    rows = ekv.rows_of(served)
+    lay = _layout(model, ekv, served, positions, sequence)
+    keys, values, rows, h = lay.keys, lay.values, lay.rows, lay.h
     device = ekv.keys[0].device
-    keys = [k.index_select(2, rows.to(device)) for k in ekv.keys]
-    values = [v.index_select(2, rows.to(device)) for v in ekv.values]
     n_layers = len(keys)
-    h = ekv.log.span(HEADER_ID).n_tokens
     n = int(rows.shape[0]) - h
     counts = [n_recomputed(recompute, n)] * n_layers
     if schedule == "layerwise":
@@ -400,13 +487,13 @@ def blend(
     elif c == n:
         chosen = torch.arange(n, device="cpu")
     elif schedule == "epic":
-        chosen = choose_first([ekv.log.span(e).n_tokens for e in served], recompute)
+        chosen = choose_first(lay.widths, recompute)
     else:
-        deviation = kv_deviation(model, ekv, served, select_layer)
+        deviation = _deviation(model, lay, select_layer)
         chosen = choose(deviation, c / n if schedule == "layerwise" else recompute)
     c = int(chosen.shape[0])
     if c == 0:
-        return Blend(keys, values, rows, chosen, deviation, [chosen] * n_layers)
+        return Blend(keys, values, rows, lay.positions, chosen, deviation, [chosen] * n_layers)
     mdev = model_device(model)
     keep = torch.ones(n, dtype=torch.bool, device="cpu")
     keep[chosen] = False
@@ -427,8 +514,8 @@ def blend(
         )
     else:
         cache = cache_from_rows(cached_keys, cached_values)
-    ids = torch.tensor([[ekv.log.input_ids[r] for r in rows[ranks].tolist()]], device=mdev)
-    pos = ekv.positions[rows[ranks]].to(mdev).unsqueeze(0)
+    ids = torch.tensor([[lay.ids[r] for r in ranks.tolist()]], device=mdev)
+    pos = lay.positions[ranks].to(mdev).unsqueeze(0)
     mask = causal_masks(model, torch.cat([cached, ranks]).to(mdev), ranks.to(mdev))
     model_forward(model, ids, pos, cache, mask, logits_to_keep=1)
     new_keys, new_values = cache_kv(cache)
@@ -439,4 +526,4 @@ def blend(
     layer_chosen = (
         [chosen[live] for live in cache.layer_live] if isinstance(cache, _NarrowingCache) else [chosen] * n_layers
     )
-    return Blend(keys, values, rows, chosen, deviation, layer_chosen)
+    return Blend(keys, values, rows, lay.positions, chosen, deviation, layer_chosen)

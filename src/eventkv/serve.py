@@ -43,8 +43,10 @@ Positions (``positions=``):
   window can still be answered from a served set that fits it. What changes: the distances
   between the served rows and between them and the query are those of a short contiguous text,
   not those of the history (the rows' contents still are what the global prefill computed).
-  Valid for ``compact`` and ``isolated`` (each event encoded alone at its original positions,
-  then re-rotated); ``text`` is contiguous already (accepted, nothing changes); ``native`` keeps
+  Valid for ``compact``, ``isolated`` (each event encoded alone at its original positions,
+  then re-rotated) and ``blend`` (the stored rows re-rotated first and the chosen tokens recomputed
+  at the contiguous positions, as CacheBlend places its chunks, so that recomputing every token is
+  the ``text`` mode's fresh prefill); ``text`` is contiguous already (accepted, nothing changes); ``native`` keeps
   every row of the history and refuses it. On Gemma 3's sliding layers a compact cache already
   counts the window in served rows, so contiguous positions only make the positions agree with it.
 
@@ -298,8 +300,8 @@ def serve(
         positions: ``original`` (every row at the position it was computed at; the query after the full
             history) or ``contiguous`` (header at ``0 .. h-1``, served rows re-rotated to ``h, h+1, ...``, the
             query right after them: see the module docstring). ``contiguous`` is for ``compact``, ``isolated``
-            and ``blend`` (blended at the original positions, then re-rotated); with ``text`` it changes
-            nothing (text is contiguous already).
+            and ``blend`` (the stored rows re-rotated first, then blended at the contiguous positions, so
+            ``recompute=1`` equals ``text``); with ``text`` it changes nothing (text is contiguous already).
         sequence: ``positions="contiguous"`` only: the served events (each once) in the order their rows are
             laid out after the header, the last right before the query (see the module docstring, "Order");
             ``text`` re-prefills them in that order. None: log order.
@@ -349,6 +351,17 @@ def serve(
         check_order("relevance", positions)  # any order but the log's is refused at the original positions
     fraction = check_recompute(recompute, mode)
     schedule = check_schedule(blend_schedule, mode)
+    if positions == "contiguous" and mode == "blend":
+        if model is None:
+            raise EventKVError("positions='contiguous' re-rotates the served keys and needs the model: pass model=...")
+        assert fraction is not None and schedule is not None  # check_recompute / check_schedule give blend both
+        ids = resolve_served(ekv, served)
+        seq = check_sequence(ids, sequence) if sequence is not None else ids
+        b = blend(model, ekv, ids, fraction, schedule=schedule, positions="contiguous", sequence=seq)
+        start = int(b.positions[0]) if b.positions.numel() else 0
+        return ServedCache(
+            b.keys, b.values, b.positions, None, start + int(b.positions.shape[0]), mode, seq, "contiguous"
+        )
     if positions == "contiguous" and mode != "text":
         if model is None:
             raise EventKVError("positions='contiguous' re-rotates the served keys and needs the model: pass model=...")

@@ -342,7 +342,7 @@ class MemoryEval(DialogueData, Probe):
     per arm); a skipped slot: ``skipped`` with the reason."""
 
     name: ClassVar[str] = "memory-eval"
-    record_version: ClassVar[int] = 3
+    record_version: ClassVar[int] = 4
     smoke_options: ClassVar[dict] = {
         "data": DEMO_DATA,
         "conversations": 1,
