@@ -199,5 +199,7 @@ def test_a_memory_ranks_with_the_selector_it_is_given(tmp_path):
         assert mem.select("Where does Dana live?", k=1) == ["e3"]
     with EventMemory.open(tmp_path / "m", lm) as mem:  # not stored: the default again
         assert mem.selector.name == "bm25" and mem.select("Where does Dana live?", k=1) == ["e1"]
-    with pytest.raises(OptionError, match="selector 'nope': give one of attention, bm25, dense, hybrid, or a Selector"):
+    with pytest.raises(
+        OptionError, match="selector 'nope': give one of attention, bm25, dense, hybrid, rerank, or a Selector"
+    ):
         EventMemory.open(tmp_path / "m", lm, selector="nope")

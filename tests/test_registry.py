@@ -45,7 +45,7 @@ def test_names_are_unique_and_listed(kind):
         (BACKENDS, "--backend 'nope': use one of serial, process, ray."),
         (DIALOGUE_FORMATS, "--format 'nope': use locomo or realtalk."),
         (CARRIER_KINDS, "--kind 'nope': use one of passive, binding, directive, compute or auto."),
-        (SELECTORS, "--selector 'nope': give one of attention, bm25, dense, hybrid, or a Selector."),
+        (SELECTORS, "--selector 'nope': give one of attention, bm25, dense, hybrid, rerank, or a Selector."),
     ],
     ids=list(REGISTRIES),
 )

@@ -424,7 +424,7 @@ def test_an_unknown_selector_is_refused_listing_the_known(live, mid):
         assert all(repr(name) in r.json()["message"] for name in known)
     error = openai_error(chat_post(live, memory={"id": mid, "selector": "nope"}), 400)
     assert error["param"] == "memory.selector" and all(repr(name) in error["message"] for name in known)
-    with pytest.raises(EventKVError, match="selector 'nope'.*give one of attention, bm25, dense, hybrid"):
+    with pytest.raises(EventKVError, match="selector 'nope'.*give one of attention, bm25, dense, hybrid, rerank"):
         SELECTORS.get("nope")
 
 

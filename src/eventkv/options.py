@@ -282,6 +282,7 @@ SELECTORS: Registry = Registry(
         "dense": "eventkv.memory.dense:DenseSelector",
         "attention": "eventkv.memory.attention:AttentionSelector",
         "hybrid": "eventkv.memory.hybrid:HybridSelector",
+        "rerank": "eventkv.memory.rerank:RerankSelector",
     },
     field="selector",
     allowed=lambda names: f"give one of {', '.join(sorted(names))}, or a Selector.",
