@@ -119,6 +119,7 @@ def test_open_history_continues_a_memory_cut_short(tmp_path):
         (["--data", DEMO_DATA, "--selectors", "grep"], "--selectors grep: give selectors"),
         (["--data", DEMO_DATA, "--controls", "grep"], "--controls grep: "),
         (["--data", DEMO_DATA, "--positions", "sideways"], "--positions 'sideways'"),
+        (["--data", DEMO_DATA, "--order", "score"], "--order 'score': give log (the served turns in history order)"),
         (["--data", DEMO_DATA, "--max-tokens", "8"], "--max-tokens 8:"),
     ],
 )
@@ -411,6 +412,103 @@ def test_adversarial_question_gets_the_forced_choice(batch_arms):
     assert (max(rec["timing"]["batch"].values()) > 1) == batch_arms
     assert question_prompt("When?", 2).startswith("Question: When? Use DATE of CONVERSATION")
     assert "DATE" not in question_prompt("When?", 4)
+
+
+def test_relevance_order_serves_each_contiguous_arm_as_the_memory_query_does():
+    """order="relevance": every text and /contiguous arm answers as ``EventMemory.query`` with
+    ``order="relevance"`` on the same question, selector, budget and shaping (the same served order and
+    greedy answer), its set the recorded selection's; with session headers each header stays before its
+    turns and the best-ranked turn is served last. Arms at original positions, full and gold answer as
+    under order="log" and record no served order."""
+    from probe_fixtures import tiny_runtime
+
+    from eventkv.models.introspect import profile_for
+    from eventkv.studies.materialization.memory_eval import question_prompt
+
+    rt = tiny_runtime("llama")
+    rt.profile = profile_for(rt.model, rt.tokenizer, "tiny")  # a whole profile: the prompt is read as a message
+    opts = dict(selectors=("bm25",), budgets=(0.3,), positions="both", with_headers=True, timing=False)
+    relevance, log = _probe(order="relevance", **opts), _probe(**opts)
+    _, mem, questions = relevance._memory(rt, 0, 0)
+    qa = questions[0]
+    rec = relevance.run_item(rt, relevance.items(0, [0])[0])
+    ids = rec["selection"]["bm25@30%"]["ids"]
+    ordered = ["rows:bm25@30%/contiguous", "text:bm25@30%", "isolated:bm25@30%/contiguous"]
+    assert sorted(n for n, arm in rec["arms"].items() if "served_order" in arm) == sorted(ordered)
+    hits = mem.search(qa.question, k=None, selector="bm25", budget=0.3, with_headers=True)
+    for name in ordered:
+        mode = {"rows": "compact", "text": "text", "isolated": "isolated"}[name.partition(":")[0]]
+        ans = mem.query(
+            qa.question,
+            None,
+            None,
+            mode,
+            max_new_tokens=2,
+            selector="bm25",
+            budget=0.3,
+            with_headers=True,
+            positions="contiguous",
+            order="relevance",
+            messages=[{"role": "user", "content": question_prompt(qa.question, qa.category)}],
+        )
+        served = rec["arms"][name]["served_order"]
+        assert served == ans.served_ids and sorted(served) == sorted(ids)
+        assert rec["arms"][name]["answer"] == first_line(ans.text)
+        assert served[-1] == hits[0].id and served != ids  # the best-ranked turn last, not history order
+        for i, e in enumerate(served):
+            if e.startswith("session-"):  # a header heads its turns: the next event is of its session
+                assert served[i + 1].startswith(f"D{e.removeprefix('session-')}:")
+    mem.close()
+    plain = log.run_item(rt, log.items(0, [0])[0])
+    assert not [a for a in plain["arms"].values() if "served_order" in a]
+    for name in ("rows:bm25@30%", "isolated:bm25@30%", "full", "gold"):  # batched apart: the same answers
+        x, y = rec["arms"][name], plain["arms"][name]
+        assert (x["answer"], x["n_tokens"], x["rows"]) == (y["answer"], y["n_tokens"], y["rows"])
+
+
+def test_readout_groups_keep_relevance_plans_apart():
+    """Plans served in relevance order batch only with plans of the same selector and budget, never with
+    a plan in history order; with max_padding 1 everything else shares a batch."""
+    from eventkv.studies.materialization.memory_eval import ArmPlan
+
+    probe = _probe(max_padding=1.0)
+    plans = {
+        "a": ArmPlan(["x"], "compact", "contiguous", None, ("bm25", 0.1)),
+        "b": ArmPlan(["x"], "compact", "contiguous", None, ("dense", 0.1)),
+        "c": ArmPlan(["x"], "compact", "contiguous", None, ("bm25", 0.2)),
+        "d": ArmPlan(["x", "y"], "text", "contiguous", None, ("bm25", 0.1)),
+        "e": ArmPlan(["x"], "compact", "contiguous"),
+        "f": ArmPlan(["y"], "text", "contiguous"),
+        "g": ArmPlan([], "compact", "contiguous", None, ("bm25", 0.1)),
+    }
+    assert probe._groups(plans, {"x": 5, "y": 3}, 10, 2) == [["a", "d"], ["b"], ["c"], ["f", "e"]]
+
+
+def test_order_is_checked_and_recorded(tmp_path, monkeypatch, capsys, tiny_dir):
+    """``--order relevance`` reaches the probe: the manifest's options record it, the arm names stay those
+    of order log, and the text and /contiguous arms record the order they were served in."""
+    with pytest.raises(OptionError, match="order 'score'"):
+        MemoryEval(data=DEMO_DATA, order="score")
+    assert MemoryEval(data=DEMO_DATA).order == "log"
+    out = tmp_path / "run"
+    args = ["memory", "eval", "--data", DEMO_DATA, "--model", str(tiny_dir), *BASE, "--out", str(out)]
+    args[args.index("--conversations") + 1] = "1"
+    args += ["--order", "relevance", "--positions", "contiguous"]
+    code, out_text, err = run_cli(monkeypatch, capsys, *args)
+    assert code == 0, out_text + err
+    assert json.loads((out / "manifest.json").read_text())["identity"]["options"]["order"] == "relevance"
+    done = [x for x in _records(out) if "arms" in x]
+    names = ["rows:bm25@20%/contiguous", "text:bm25@20%", "isolated:bm25@20%/contiguous"]
+    names += [n.replace("20%", "50%") for n in names] + ["full", "gold"]
+    assert done and all(list(x["arms"]) == names for x in done)
+    for x in done:
+        for name, arm in x["arms"].items():
+            if name in ("full", "gold") or arm.get("empty"):
+                assert "served_order" not in arm
+            else:
+                ids = x["selection"][f"bm25@{name.partition('@')[2].partition('/')[0]}"]["ids"]
+                assert sorted(arm["served_order"]) == sorted(ids)
+    assert "Order relevance" in (out / "summary.md").read_text()
 
 
 def test_arm_spec_keeps_unpositioned_kinds_original():

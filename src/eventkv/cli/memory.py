@@ -45,6 +45,11 @@ def memory_eval(
     positions: str = typer.Option(
         "original", "--positions", help="original | contiguous | both (positions the served rows are read at)"
     ),
+    order: str = typer.Option(
+        "log",
+        "--order",
+        help="log | relevance (the text and contiguous arms' turns in history order, or the best-ranked last)",
+    ),
     neighbours: int = typer.Option(0, "--neighbours", help="also serve the W turns either side of each selected one"),
     with_headers: bool = typer.Option(
         False,
@@ -87,6 +92,7 @@ def memory_eval(
         budgets=tuple(parse_budget(b) for b in comma_list(budgets, "--budgets")),
         controls=comma_list(controls, "--controls") if controls.strip() else (),
         positions=positions,
+        order=order,
         neighbours=neighbours,
         with_headers=with_headers,
         k=k,

@@ -31,15 +31,20 @@ excluded) and each positions mode (``positions``: ``original``, ``contiguous`` o
 * ``full`` — every stored row; ``gold`` — the evidence turns (and their session headers) as text.
 
 A positioned arm (rows, isolated, blend) served in contiguous positions carries the suffix
-``/contiguous`` (``rows:bm25@5%/contiguous``). The question is asked as LoCoMo's ``task_eval``
-scripts ask it: a category-2 (temporal) question gets :data:`TEMPORAL_SUFFIX`; a category-5
-(adversarial) question also scores the forced choice :data:`NOT_MENTIONED` against the
-adversarial answer (full-continuation log-probs, nats).
+``/contiguous`` (``rows:bm25@5%/contiguous``). With ``order="relevance"`` the text arms and the
+``/contiguous`` arms serve their set as :meth:`EventMemory.query` with ``order="relevance"`` serves
+it (selected again by the arm's selector at its budget, each shaping unit one block at its event's
+rank, the best-ranked last before the question); ``full``, ``gold`` and arms at original positions
+keep history order, and the arm names stay the same (the run's options record the order). The
+question is asked as LoCoMo's ``task_eval`` scripts ask it: a category-2 (temporal) question gets
+:data:`TEMPORAL_SUFFIX`; a category-5 (adversarial) question also scores the forced choice
+:data:`NOT_MENTIONED` against the adversarial answer (full-continuation log-probs, nats).
 
 **Readout.** The arms' served caches are read out in batches grouped by length
 (:func:`length_groups`: sorted by rows, a cache joins a batch while padding stays at most
 ``max_padding`` of the padded batch), so the whole-history ``full`` cache does not pad every small
-one; plans that need other serving keywords (positions, recompute) are never batched together.
+one; plans that need other serving keywords (positions, recompute, the selector and budget of a set
+served in relevance order) are never batched together.
 ``batch_arms=False`` reads out each arm alone (each arm's latency its own).
 
 Metric: LoCoMo's token F1 and exact match after its answer normalization
@@ -62,11 +67,11 @@ import weakref
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, NamedTuple, Sequence
 
 import numpy as np
 
-from eventkv.errors import OptionError
+from eventkv.errors import EventKVError, OptionError
 from eventkv.options import (
     DIALOGUE_FORMATS,
     SELECTORS,
@@ -77,6 +82,7 @@ from eventkv.options import (
     is_int,
 )
 from eventkv.probes.base import Arm, Probe, Runtime, Summary, Table
+from eventkv.serve import SERVE_ORDERS
 from eventkv.studies.materialization.dialogue_data import DialogueData
 
 #: the kinds of arm; ``arm_names`` picks among them (``rows`` required)
@@ -100,7 +106,7 @@ SERVE_MODE = {
 #: the recompute schedule (``blend_schedule``) of each blend kind; None: the serve mode's default
 BLEND_SCHEDULE = {"blend": None, "blend-layerwise": "layerwise", "blend-epic": "epic"}
 #: the order selectors are listed in (others follow, by name); the fused one is the default control
-SELECTOR_ORDER = ("bm25", "dense", "attention", "hybrid")
+SELECTOR_ORDER = ("bm25", "dense", "attention", "hybrid", "rerank")
 FUSED = "hybrid"
 DEFAULT_BUDGETS = (0.025, 0.05, 0.1, 0.2)
 POSITIONS = ("original", "contiguous", "both")
@@ -193,6 +199,19 @@ def parse_arm(name: str) -> ArmSpec:
         return ArmSpec(name, kind)
     selector, _, label = rest.rpartition("@")
     return arm_spec(kind, selector, float(label.rstrip("%")) / 100, suffix or "original")
+
+
+class ArmPlan(NamedTuple):
+    """How one arm of a question is served: ``served`` (event ids in history order, or ``"all"``), the serve
+    ``mode``, ``positions``, the blend ``schedule`` (None: the default), and ``relevance``: the arm's
+    ``(selector, budget)`` when its set is served in relevance order (the memory selects it again with
+    these and lays it out by rank), None when served in history order."""
+
+    served: list[str] | str
+    mode: str
+    positions: str
+    schedule: str | None = None
+    relevance: tuple[str, float] | None = None
 
 
 def length_groups(lengths: Sequence[int], max_padding: float) -> list[list[int]]:
@@ -319,27 +338,29 @@ class _History:
 @dataclass
 class MemoryEval(DialogueData, Probe):
     """Options (all part of a run's identity): ``data`` (LoCoMo JSON path) and its ``data_digest``
-    (sha256, filled in when empty), ``conversations``, ``questions_per_conversation``,
-    ``max_tokens`` (history tokens per conversation; 0 = the whole conversation), ``selectors``
-    (names in :data:`eventkv.options.SELECTORS`; empty = every registered one), ``budgets``
-    (fractions of the history's rows, header excluded), ``controls`` (the selectors whose served
-    sets also get the text / isolated / blend arms; empty = ``"hybrid"`` when listed, else the first
-    selector), ``positions`` (``original`` | ``contiguous`` | ``both``), ``neighbours``,
-    ``with_headers``, ``k`` (at most ``k`` events ranked per served set besides the budget; None =
-    fill to the budget), ``recompute`` (the blend arm's fraction; None = the serve mode's default),
+    (sha256, filled in when empty), ``conversations``, ``questions_per_conversation``, ``max_tokens``
+    (history tokens per conversation; 0 = the whole conversation), ``selectors`` (names in
+    :data:`eventkv.options.SELECTORS`; empty = every registered one), ``budgets`` (fractions of the
+    history's rows, header excluded), ``controls`` (the selectors whose served sets also get the text /
+    isolated / blend arms; empty = ``"hybrid"`` when listed, else the first selector), ``positions``
+    (``original`` | ``contiguous`` | ``both``), ``order`` (``log`` | ``relevance``: the order the text
+    arms and the ``/contiguous`` arms serve their sets in; module docstring), ``neighbours``,
+    ``with_headers``, ``k`` (at most ``k`` events ranked per served set besides the budget; None = fill
+    to the budget), ``recompute`` (the blend arm's fraction; None = the serve mode's default),
     ``max_new_tokens``, ``arm_names`` (the arm kinds, :data:`ARM_KINDS`), ``batch_arms``,
     ``max_padding`` (:func:`length_groups`), ``timing`` (record wall-clock latencies; off, records
     depend only on the seed and index).
 
-    Record (version 3), one per question: ``index``, ``conversation``, ``slot``, ``question``,
+    Record (version 4), one per question: ``index``, ``conversation``, ``slot``, ``question``,
     ``gold``, ``category``, ``evidence``, ``history_rows`` (header excluded), ``choice`` (category 5),
     ``selection`` (per ``"<selector>@<budget>"``: ``ids``, ``rows``, ``recall`` = the fraction of the
     evidence ids served), ``arms`` (per arm name: ``answer``, ``f1``, ``em``, ``n_rows`` (the served
     cache's rows, header included), ``rows`` (header excluded), ``fraction`` (rows / history_rows),
     ``kv_bytes`` (n_rows x layers x 2 x kv_heads x head_dim x dtype bytes), ``n_tokens``, ``empty``
-    (true when the served set was empty: f1 0, nothing read out), category 5: ``abstain_margin``,
-    ``abstains``) and ``timing`` (``serve``, ``readout`` in ms and ``batch``, the readout batch's size,
-    per arm); a skipped slot: ``skipped`` with the reason."""
+    (true when the served set was empty: f1 0, nothing read out), ``served_order`` (an arm served in
+    relevance order only: the served event ids in the order their rows were laid out), category 5:
+    ``abstain_margin``, ``abstains``) and ``timing`` (``serve``, ``readout`` in ms and ``batch``, the readout
+    batch's size, per arm); a skipped slot: ``skipped`` with the reason."""
 
     name: ClassVar[str] = "memory-eval"
     record_version: ClassVar[int] = 4
@@ -360,6 +381,7 @@ class MemoryEval(DialogueData, Probe):
     budgets: tuple[float, ...] = DEFAULT_BUDGETS
     controls: tuple[str, ...] = ()
     positions: str = "original"
+    order: str = "log"
     neighbours: int = 0
     with_headers: bool = False
     k: int | None = None
@@ -415,6 +437,13 @@ class MemoryEval(DialogueData, Probe):
         )
         if self.positions not in POSITIONS:
             raise OptionError("positions", self.positions, f"give one of {', '.join(POSITIONS)}.")
+        if self.order not in SERVE_ORDERS:
+            raise OptionError(
+                "order",
+                self.order,
+                "give log (the served turns in history order) or relevance (the text and /contiguous arms' turns "
+                "in increasing selector score, the best-ranked last before the question).",
+            )
         check_int("neighbours", self.neighbours, "give a whole number of neighbouring turns >= 0.", minimum=0)
         if not isinstance(self.with_headers, bool):
             raise OptionError("with_headers", self.with_headers, "give true or false.")
@@ -449,6 +478,13 @@ class MemoryEval(DialogueData, Probe):
 
     def instruction(self) -> str:
         return HEADED_INSTRUCTION if self.with_headers else INSTRUCTION
+
+    def served_order(self, arm: ArmSpec) -> str:
+        """The order ``arm``'s served set is laid out in: :attr:`order` for a selector's set served at
+        contiguous positions (a ``/contiguous`` arm, or ``text``: re-prefilled contiguously), else ``"log"``
+        (``full``, ``gold`` and arms at original positions, whose rows keep their positions)."""
+        contiguous = arm.kind == "text" or arm.positions == "contiguous"
+        return self.order if arm.selector is not None and contiguous else "log"
 
     def grid(self) -> list[ArmSpec]:
         """Every arm of a question, in table order: per budget the rows of each selector (each
@@ -592,8 +628,7 @@ class MemoryEval(DialogueData, Probe):
         gold = [e.id for _, evs in h.sessions for e in evs if e.id in evidence or e.id in heads]
 
         specs = self.grid()
-        # name -> (served, mode, positions, blend schedule)
-        plans: dict[str, tuple[list[str] | str, str, str, str | None]] = {}
+        plans: dict[str, ArmPlan] = {}
         for a in specs:
             if a.kind == "full":
                 served: list[str] | str = "all"
@@ -602,19 +637,38 @@ class MemoryEval(DialogueData, Probe):
             else:
                 served = selection[f"{a.selector}@{budget_label(a.budget or 0)}"]["ids"]
             positions = a.positions if a.kind in POSITIONED or fits else "contiguous"
-            plans[a.name] = (served, SERVE_MODE[a.kind], positions, BLEND_SCHEDULE.get(a.kind))
+            relevance = None
+            if self.served_order(a) == "relevance":
+                positions, relevance = "contiguous", (a.selector or "", a.budget or 0.0)
+            plans[a.name] = ArmPlan(served, SERVE_MODE[a.kind], positions, BLEND_SCHEDULE.get(a.kind), relevance)
         answers, serve_ms, readout_ms, batch = {}, {}, {}, {}
         for group in self._groups(plans, n_rows, history_rows, header):
-            served0, mode0, positions, schedule = plans[group[0]]
+            first = plans[group[0]]
             kw: dict = {"candidates": candidates, "max_new_tokens": self.max_new_tokens}
-            if positions != "original":
-                kw["positions"] = positions
-            if mode0 == "blend" and self.recompute is not None:
+            if first.positions != "original":
+                kw["positions"] = first.positions
+            if first.mode == "blend" and self.recompute is not None:
                 kw["recompute"] = self.recompute
-            if schedule is not None:
-                kw["blend_schedule"] = schedule
-            outs = mem.query_batch(prompt, [(plans[a][0], plans[a][1]) for a in group], **kw)
+            if first.schedule is not None:
+                kw["blend_schedule"] = first.schedule
+            question, selects = prompt, [plans[a].served for a in group]
+            if first.relevance is not None:
+                # the memory selects the set again, as served_set did (same question, selector and shaping), so
+                # each shaping unit (a turn with its neighbours and session header) is laid out as one block at
+                # its turn's rank (relevance_order); the question selects and ranks, the prompt is read as the
+                # one user message (the same token ids as question=prompt: eventkv.memory.chat.chat_tail_ids)
+                selector, budget = first.relevance
+                kw |= {"order": "relevance", "selector": selector, "budget": budget, "k": self.k}
+                kw |= {"neighbours": self.neighbours, "with_headers": self.with_headers}
+                kw["messages"] = [{"role": "user", "content": prompt}]
+                question, selects = qa.question, [None] * len(group)
+            outs = mem.query_batch(question, [(s, plans[a].mode) for s, a in zip(selects, group)], **kw)
             for a, ans in zip(group, outs):
+                if first.relevance is not None and sorted(ans.served_ids) != sorted(plans[a].served):
+                    raise EventKVError(
+                        f"selector {first.relevance[0]!r} served another set for arm {a!r} when asked again with "
+                        "the same question: a selector must rank deterministically; run with --order log."
+                    )
                 answers[a] = ans
                 serve_ms[a] = round(ans.timings_ms["serve"], 3)
                 readout_ms[a] = round(ans.timings_ms["decode"], 3)
@@ -639,6 +693,8 @@ class MemoryEval(DialogueData, Probe):
                 "kv_bytes": ans.n_rows_served * row_bytes,
                 "n_tokens": len(ans.generation.tokens),
             }
+            if plans[a.name].relevance is not None:
+                arms[a.name]["served_order"] = list(ans.served_ids)
             if candidates:
                 margin = ans.candidates[0].logprob - ans.candidates[1].logprob
                 arms[a.name]["abstain_margin"] = round(margin, 6)
@@ -656,22 +712,23 @@ class MemoryEval(DialogueData, Probe):
             **({"timing": {"serve": serve_ms, "readout": readout_ms, "batch": batch}} if self.timing else {}),
         }
 
-    def _groups(self, plans: dict, n_rows: dict, history_rows: int, header: int) -> list[list[str]]:
+    def _groups(self, plans: dict[str, ArmPlan], n_rows: dict, history_rows: int, header: int) -> list[list[str]]:
         """The arm names in readout batches: arms with an empty served set left out; arms needing other
-        serving keywords (positions, blend's recompute and schedule) apart; within those,
-        :func:`length_groups` (``batch_arms=False``: one arm a batch)."""
+        serving keywords (positions, blend's recompute and schedule, the selector and budget of a set served
+        in relevance order) apart; within those, :func:`length_groups` (``batch_arms=False``: one arm a batch)."""
         keyed: dict[tuple, list[str]] = {}
-        for name, (served, mode, positions, schedule) in plans.items():
-            if served != "all" and not served:
+        for name, plan in plans.items():
+            if plan.served != "all" and not plan.served:
                 continue
-            keyed.setdefault((positions, mode == "blend", schedule), []).append(name)
+            keyed.setdefault((plan.positions, plan.mode == "blend", plan.schedule, plan.relevance), []).append(name)
         out = []
         for names in keyed.values():
             if not self.batch_arms:
                 out += [[n] for n in names]
                 continue
             lengths = [
-                header + (history_rows if plans[n][0] == "all" else sum(n_rows[i] for i in plans[n][0])) for n in names
+                header + (history_rows if plans[n].served == "all" else sum(n_rows[i] for i in plans[n].served))
+                for n in names
             ]
             out += [[names[i] for i in g] for g in length_groups(lengths, self.max_padding)]
         return out
@@ -1010,6 +1067,12 @@ def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = No
         "Wilcoxon p treats the questions as independent (zero differences dropped); the cluster bootstrap "
         f"resamples the {_count(n_conv, 'conversation')}. Neither corrects for the number of comparisons.",
     ]
+    if probe is not None and probe.order == "relevance":
+        notes.append(
+            "Order relevance: the text and /contiguous arms serve their turns in increasing selector score (each "
+            "turn's unit, its neighbours and session header, one block; the best-ranked last before the question); "
+            "full, gold and the arms at original positions in history order."
+        )
     empty = {a: n for a, n in data["n_empty"].items() if n}
     if empty:
         notes.append(
