@@ -10,7 +10,7 @@ from eventkv.errors import EventKVError, OptionError
 from eventkv.log import Event, EventLog, tokenize
 from eventkv.memory import EventMemory
 from eventkv.memory.attention import AttentionSelector
-from eventkv.memory.rerank import RerankSelector, pool_of, rerank_scores
+from eventkv.memory.rerank import DEFAULT_LAYERS, DEFAULT_POOLING, RerankSelector, pool_of, rerank_scores
 from eventkv.memory.select import BM25Selector, Ranked, SelectionContext
 from eventkv.prefill import prefill
 from eventkv.testing import TINY_FAMILIES, tiny_lm
@@ -93,7 +93,7 @@ def test_rerank_equals_the_two_stages_run_apart(family):
 def test_a_pool_of_every_row_is_the_second_stage_alone():
     lm, cands, ctx = setup("llama")
     got = RerankSelector(Fixed([c.id for c in cands]), pool=1.0).rank(QUESTION, cands, context=ctx)
-    want = AttentionSelector().rank(QUESTION, cands, context=ctx)
+    want = AttentionSelector(DEFAULT_LAYERS, DEFAULT_POOLING).rank(QUESTION, cands, context=ctx)
     assert [r.id for r in got] == [r.id for r in want]
 
 
