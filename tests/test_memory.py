@@ -74,7 +74,7 @@ def reference(lm: LoadedModel, mem: EventMemory, question: str = QUESTION, n: in
 def check_gate(lm: LoadedModel, mem: EventMemory, tag: str) -> float:
     """query(select='all', compact) == fresh prefill; returns max |Δlogit| over the steps."""
     tlog, ref = reference(lm, mem)
-    ans = mem.query(QUESTION, select="all", mode="compact", max_new_tokens=8, keep_logits=True)
+    ans = mem.query(QUESTION, select="all", mode="compact", max_new_tokens=8, keep_logits=True, positions="original")
     view = mem._ekv.log
     assert view.input_ids == tlog.input_ids and view.position_ids == tlog.position_ids
     assert ans.served_ids == tlog.event_ids
@@ -117,7 +117,7 @@ def test_gate_subset_served_at_original_positions(llama, tmp_path):
     lm = llama
     with EventMemory.create(tmp_path / "m", lm, namespace="t") as mem:
         mem.add(EVENTS, prefill=True)
-        ans = mem.query(QUESTION, select=["ravi", "tomas"], max_new_tokens=6, keep_logits=True)
+        ans = mem.query(QUESTION, select=["ravi", "tomas"], max_new_tokens=6, keep_logits=True, positions="original")
         tlog = tokenize(mem.event_log("all"), lm.tokenizer, lm.profile)
         ekv = prefill(lm.model, tlog)
         q = tokenize_query(lm.tokenizer, lm.profile, QUESTION)
@@ -325,7 +325,9 @@ def test_query_modes_and_candidates(llama, tmp_path):
             ans = mem.query(QUESTION, select="view", mode=mode, candidates=["Lisbon", "Porto"], max_new_tokens=3)
             assert len(ans.generation.tokens) <= 3 and [c.text for c in ans.candidates] == ["Lisbon", "Porto"]
             assert all(c.logprob < 0 for c in ans.candidates)
-        compact = mem.query(QUESTION, select="view", mode="compact", max_new_tokens=4, keep_logits=True)
+        compact = mem.query(
+            QUESTION, select="view", mode="compact", max_new_tokens=4, keep_logits=True, positions="original"
+        )
         native = mem.query(QUESTION, select="view", mode="native", max_new_tokens=4, keep_logits=True)
         assert_same_greedy(
             compact.generation.tokens,
@@ -350,7 +352,13 @@ def test_query_batch_equals_separate_queries(family, tmp_path):
         assert len(batch) == len(plans)
         for (select, mode), got in zip(plans, batch):
             ref = mem.query(
-                QUESTION, select=select, mode=mode, candidates=["Lisbon", "Porto"], max_new_tokens=6, keep_logits=True
+                QUESTION,
+                select=select,
+                mode=mode,
+                candidates=["Lisbon", "Porto"],
+                max_new_tokens=6,
+                keep_logits=True,
+                positions="original",  # the batch holds a native plan: every plan at the original positions
             )
             assert got.served_ids == ref.served_ids and got.n_rows_served == ref.n_rows_served
             assert_same_greedy(
@@ -521,11 +529,11 @@ def test_errors_name_the_value_and_the_fix(llama, tmp_path):
     mem.close()
     with EventMemory.open(tmp_path / "m", small) as m2:
         with pytest.raises(OptionError, match="max_new_tokens 32: the history and the question take"):
-            m2.query("q?", select="all")
+            m2.query("q?", select="all", positions="original")
         (added,) = m2.add("this event is far longer than the twenty positions left in the context")
         assert added.position == end and m2.stats().history_end > small.profile.max_context
         with pytest.raises(EventKVError, match='positions="contiguous"'):
-            m2.query("q?", select="all")
+            m2.query("q?", select="all", positions="original")
         assert m2.stats().rows_prefilled == 0
     mem.close()
     with pytest.raises(EventKVError, match="is closed"):

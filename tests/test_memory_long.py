@@ -176,11 +176,14 @@ def test_a_query_past_the_context_names_the_fix(lm, long_store):
     d, _ = long_store
     with EventMemory.open(d, lm) as mem:
         with pytest.raises(EventKVError, match='positions="contiguous"') as err:
-            mem.query("What does r3 hold?", select=["e4"], max_new_tokens=2)
+            mem.query("What does r3 hold?", select=["e4"], positions="original", max_new_tokens=2)
         assert f"ends at position {mem.stats().history_end}" in str(err.value)
         # the text mode re-prefills the served events at contiguous positions: it answers
         ans = mem.query("What does r3 hold?", select=["e4"], mode="text", max_new_tokens=2)
         assert ans.served_ids == ["e4"] and len(ans.generation.tokens) <= 2
+        # no positions given: the served rows are re-rotated after the header (the default), so they answer too
+        rows = mem.query("What does r3 hold?", select=["e4"], max_new_tokens=2)
+        assert rows.plan["positions"] == "contiguous" and rows.served_ids == ["e4"]
 
 
 contiguous_serving = pytest.mark.skipif(
@@ -286,7 +289,7 @@ def test_smollm2_answers_from_a_20k_token_history(tmp_path):
         print(json.dumps({"history_end": end, "rows": rows, "chunks": len(chunks), "prefill_s": round(seconds, 1)}))
         question = "What is the vault code for project Heron?"
         with pytest.raises(EventKVError, match='positions="contiguous"'):
-            mem.query(question, select=["e651"], max_new_tokens=8)
+            mem.query(question, select=["e651"], max_new_tokens=8, positions="original")
         t0 = time.perf_counter()
         ans = mem.query(question, select=["e651"], mode="text", max_new_tokens=16)
         text_s = time.perf_counter() - t0

@@ -36,7 +36,8 @@ def test_contiguous_answers_as_the_data_path_and_reports_the_served_positions(lm
     with EventMemory.create(tmp_path / "m", lm, namespace="t") as mem:
         added = mem.add(EVENTS, prefill=True)
         a = mem.query(QUESTION, select=["ravi", "mei"], positions="contiguous", max_new_tokens=5, keep_logits=True)
-        o = mem.query(QUESTION, select=["ravi", "mei"], max_new_tokens=5)
+        o = mem.query(QUESTION, select=["ravi", "mei"], positions="original", max_new_tokens=5)
+        d = mem.query(QUESTION, select=["ravi", "mei"], max_new_tokens=5, keep_logits=True)  # the default
         log = mem.event_log("all")
     h = added[0].position  # the header's length: the first event starts right after it
     n = {r.id: r.width for r in added}
@@ -46,6 +47,11 @@ def test_contiguous_answers_as_the_data_path_and_reports_the_served_positions(lm
     assert mei == ("mei", h + ravi[2], n["mei"])  # right after ravi's rows (mei has no budget: width = rows)
     assert a.n_rows_served == h + ravi[2] + mei[2]
     assert o.positions == [(r.id, r.position, r.width) for r in added if r.id in ("ravi", "mei")]
+    # no positions given: contiguous (the model's RoPE re-rotates exactly), and the answer says so
+    assert d.positions == a.positions and d.generation.tokens == a.generation.tokens
+    assert all(torch.equal(x, y) for x, y in zip(d.generation.logits, a.generation.logits))
+    assert d.plan == {"select": ["ravi", "mei"], "mode": "compact", "positions": "contiguous", "order": "log"}
+    assert o.plan["positions"] == "original" and a.plan["positions"] == "contiguous"
     # the same rows served by the data path, from a fresh prefill of the stored history
     ekv = prefill(lm.model, tokenize(log, lm.tokenizer, lm.profile))
     sc = serve(ekv, ["ravi", "mei"], "compact", lm.model, positions="contiguous")
@@ -71,7 +77,7 @@ def test_contiguous_with_no_gap_equals_original(tmp_path):
         mem.add([dataclasses.replace(e, budget=None) for e in EVENTS])
         kw = dict(select="all", max_new_tokens=4, keep_logits=True)
         a = mem.query(QUESTION, positions="contiguous", **kw)
-        o = mem.query(QUESTION, **kw)
+        o = mem.query(QUESTION, positions="original", **kw)
     assert a.generation.tokens == o.generation.tokens and a.positions == o.positions
     assert all(torch.equal(x, y) for x, y in zip(a.generation.logits, o.generation.logits))
 
@@ -102,6 +108,7 @@ def test_the_question_fits_after_the_served_rows_not_after_the_history(tmp_path)
     with EventMemory.create(tmp_path / "m", lm, namespace="t") as mem:
         mem.add(EVENTS)
         with pytest.raises(EventKVError, match="positions=.contiguous."):
-            mem.query(QUESTION, select=["mei"], max_new_tokens=2)
+            mem.query(QUESTION, select=["mei"], positions="original", max_new_tokens=2)
         a = mem.query(QUESTION, select=["mei"], positions="contiguous", max_new_tokens=2)
+        assert mem.query(QUESTION, select=["mei"], max_new_tokens=2).plan["positions"] == "contiguous"  # default
     assert a.served_ids == ["mei"] and a.positions[0][1] == header and len(a.generation.tokens) <= 2

@@ -141,15 +141,23 @@ def test_relevance_at_original_positions_is_refused(llama, tmp_path):
     with EventMemory.create(tmp_path / "m", llama, namespace="t") as mem:
         mem.add(EVENTS, prefill=True)
         for call in (
-            lambda: mem.query(QUESTION, order="relevance"),
-            lambda: mem.query(QUESTION, mode="text", order="relevance"),  # text is contiguous, but ask for it
-            lambda: mem.query_batch(QUESTION, [(None, "compact"), ("view", "text")], order="relevance"),
+            lambda: mem.query(QUESTION, positions="original", order="relevance"),
+            # text is contiguous, but ask for it
+            lambda: mem.query(QUESTION, mode="text", positions="original", order="relevance"),
+            lambda: mem.query_batch(
+                QUESTION, [(None, "compact"), ("view", "text")], positions="original", order="relevance"
+            ),
+            # no positions given with a native plan: the original positions, so relevance is refused too
+            lambda: mem.query_batch(QUESTION, [(None, "compact"), ("view", "native")], order="relevance"),
         ):
             with pytest.raises(OptionError) as e:
                 call()
             assert str(e.value) == fix
         with pytest.raises(OptionError, match=r"order 'random': use one of log, relevance\."):
             mem.query(QUESTION, positions="contiguous", order="random")
+        # no positions given: contiguous by default, where relevance order is served
+        by_default = mem.query(QUESTION, order="relevance", max_new_tokens=1)
+        assert by_default.plan["positions"] == "contiguous" and by_default.plan["order"] == "relevance"
         stored, _ = stored_rows(mem)
         log = tokenize(mem.event_log("all"), llama.tokenizer, llama.profile)
     ekv = EventKV(log, *stored_tensors(stored))
@@ -257,14 +265,36 @@ def test_order_over_http_and_in_the_client(llama, tmp_path):
             assert got.served_ids == want.served_ids == ["c", "a", "b"] and got.positions == want.positions
             assert got.generation.tokens == want.generation.tokens
             with pytest.raises(OptionError, match="use positions='contiguous' with order='relevance'"):
-                client.query(QUESTION, order="relevance")
+                client.query(QUESTION, positions="original", order="relevance")
         url = f"{live.url}/v1/memories/m/query"
         r = httpx.post(url, json={"question": QUESTION, "positions": "contiguous", "order": "random"}, timeout=60)
         assert r.status_code == 422 and r.json()["code"] == "invalid_request", r.text
         assert r.json()["message"].startswith("order 'random': input should be 'log' or 'relevance'"), r.text
-        r = httpx.post(url, json={"question": QUESTION, "order": "relevance"}, timeout=60)
+        r = httpx.post(url, json={"question": QUESTION, "positions": "original", "order": "relevance"}, timeout=60)
         assert r.status_code == 422 and r.json()["code"] == "invalid_option", r.text
         assert "use positions='contiguous' with order='relevance', or order='log'" in r.json()["message"]
         body = {"question": QUESTION, "k": 3, "positions": "contiguous", "order": "relevance", "max_new_tokens": 3}
         r = httpx.post(url, json=body, timeout=60)
         assert r.status_code == 200 and r.json()["served_ids"] == ["c", "a", "b"], r.text
+        assert r.json()["plan"] == {
+            "select": None,
+            "mode": "compact",
+            "positions": "contiguous",
+            "order": "relevance",
+            "selector": "bm25",
+            "k": 3,
+            "budget": None,
+            "budget_rows": None,
+            "neighbours": 0,
+            "with_headers": False,
+        }
+        # no positions given: the default (contiguous here), recorded in the answer's plan, the client's and the
+        # chat's; original only when asked
+        for positions, want in ((None, "contiguous"), ("original", "original")):
+            r = httpx.post(url, json={"question": QUESTION, "positions": positions, "max_new_tokens": 1}, timeout=60)
+            assert r.status_code == 200 and r.json()["plan"]["positions"] == want, r.text
+        with Client(live.url, "m") as client:
+            assert client.query(QUESTION, max_new_tokens=1).plan["positions"] == "contiguous"
+        chat = {"model": "tiny-llama", "memory": {"id": "m"}, "messages": [{"role": "user", "content": QUESTION}]}
+        r = httpx.post(f"{live.url}/v1/chat/completions", json={**chat, "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200 and r.json()["eventkv"]["plan"]["positions"] == "contiguous", r.text

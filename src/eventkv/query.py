@@ -15,7 +15,7 @@ from eventkv.models.cache_dir import cache_root
 from eventkv.options import check_chunk_size, check_max_new_tokens, check_out_dir
 from eventkv.prefill import EventKV, check_context, model_device, prefill
 from eventkv.readout import CandidateScore, Generation, answer_served
-from eventkv.serve import ALL, SERVE_MODES, PositionMode, ServeMode, check_position_mode, serve
+from eventkv.serve import ALL, SERVE_MODES, PositionMode, ServeMode, check_position_mode, default_positions, serve
 
 if TYPE_CHECKING:
     from eventkv.log import TokenizedLog
@@ -120,7 +120,9 @@ class QueryOptions(TypedDict, total=False):
         chunk_size: prefill at most this many tokens per forward (None: the whole log at once).
         store: the EventKV's directory (None: content-addressed under ``$EVENTKV_CACHE/kv/``).
         positions: ``original`` | ``contiguous``: the served rows at their own positions, or re-rotated to
-            the positions right after the header with the query right after them (:func:`eventkv.serve.serve`).
+            the positions right after the header with the query right after them (:func:`eventkv.serve.serve`);
+            None (default): :func:`eventkv.serve.default_positions` (contiguous unless the mode is ``native`` or
+            the model's RoPE cannot be re-rotated exactly); :attr:`Answer.positions` records the one used.
     """
 
     mode: ServeMode
@@ -128,7 +130,7 @@ class QueryOptions(TypedDict, total=False):
     max_new_tokens: int
     chunk_size: int | None
     store: Path | None
-    positions: PositionMode
+    positions: PositionMode | None
 
 
 QUERY_DEFAULTS: QueryOptions = {
@@ -137,7 +139,7 @@ QUERY_DEFAULTS: QueryOptions = {
     "max_new_tokens": 64,
     "chunk_size": None,
     "store": None,
-    "positions": "original",
+    "positions": None,
 }
 """The default of every :class:`QueryOptions` field."""
 
@@ -167,7 +169,8 @@ def check_query(log: EventLog, served: str | Sequence[str], question: str, **opt
     mode = opts["mode"]
     if mode not in SERVE_MODES:
         raise OptionError("mode", mode, f"use one of {', '.join(SERVE_MODES)}.")
-    check_position_mode(opts["positions"], mode)
+    if opts["positions"] is not None:
+        check_position_mode(opts["positions"], mode)
     ids = [s.strip() for s in (served.split(",") if isinstance(served, str) else served)]
     if isinstance(served, str) and served.strip() == ALL:
         ids = []
@@ -224,6 +227,8 @@ def answer(
         chunk_size=chunk_size,
         positions=positions,
     )
+    if positions is None:  # checked first: bad options are refused before the model is touched
+        positions = default_positions(lm.model, [mode])
     q = tokenize_query(lm.tokenizer, lm.profile, question)
     # contiguous: the query follows the served rows, so the readout checks the context, not the history's end
     after_history = (len(q), max_new_tokens) if positions == "original" else (0, 0)

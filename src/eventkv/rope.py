@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
@@ -29,7 +30,7 @@ from eventkv.errors import EventKVError
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["REROTATABLE_ROPE_TYPES", "rerotate", "rotary_embedding"]
+__all__ = ["REROTATABLE_ROPE_TYPES", "rerotatable", "rerotate", "rotary_embedding"]
 
 REROTATABLE_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 """transformers rope types whose frequencies do not depend on the sequence length (re-rotation is exact)."""
@@ -172,3 +173,32 @@ def rerotate(
         _, rotated = apply(k32, k32, cos, sin)
         out.append(rotated.to(k.dtype))
     return out
+
+
+_REROTATABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def rerotatable(model: PreTrainedModel) -> bool:
+    """Whether :func:`rerotate` moves this model's keys exactly: a decoder-level rotary module of a rope type in
+    :data:`REROTATABLE_ROPE_TYPES` on every layer, rotating full key heads. Answered by re-rotating one zero key
+    per layer by one position (the same checks a real re-rotation runs), once per model object.
+
+    Returns:
+        True when ``positions="contiguous"`` can serve this model; False where :func:`rerotate` raises.
+    """
+    known = _REROTATABLE.get(model)
+    if known is not None:
+        return known
+    text = model.config.get_text_config(decoder=True)
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    keys = [torch.zeros(1, kv_heads, 1, head_dim) for _ in range(int(text.num_hidden_layers))]
+    one = torch.ones(1, dtype=torch.long)
+    try:
+        rerotate(model, keys, one - 1, one)
+        ok = True
+    except EventKVError:
+        ok = False
+    _REROTATABLE[model] = ok
+    return ok

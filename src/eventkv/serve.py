@@ -72,7 +72,7 @@ from eventkv.blend import BlendSchedule, blend, check_recompute, check_schedule
 from eventkv.errors import EventKVError, OptionError
 from eventkv.log import HEADER_ID
 from eventkv.prefill import EventKV, LayerRows, cache_from_rows, cache_kv, model_device, model_forward
-from eventkv.rope import rerotate
+from eventkv.rope import rerotatable, rerotate
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -86,6 +86,11 @@ contiguous positions after the header."""
 POSITION_MODES: tuple[PositionMode, ...] = get_args(PositionMode)
 CONTIGUOUS_MODES: tuple[ServeMode, ...] = ("compact", "isolated", "blend", "text")
 """The serving modes that accept ``positions="contiguous"`` (``text`` is contiguous already)."""
+DEFAULT_POSITIONS: PositionMode = "contiguous"
+"""Where a memory serves its rows when no ``positions`` is given (``EventMemory.query``, the HTTP and chat
+surfaces, MCP, ``eventkv query``): contiguous, where the served rows answer like the same turns re-prefilled as
+text (``docs/memory.md``, "Serving positions"), unless :func:`default_positions` says the model or a plan cannot
+(then ``original``). :func:`serve` itself keeps ``original``, the studies' protocol."""
 ServeOrder = Literal["log", "relevance"]
 """The order of the served events' rows under contiguous positions: ``log`` (history order) or ``relevance``
 (increasing selector score, the most relevant event last before the question: ``EventMemory.query``)."""
@@ -178,6 +183,16 @@ def check_position_mode(positions, mode: str) -> PositionMode:
             f"positions: use positions='original', or a mode among {', '.join(CONTIGUOUS_MODES)}.",
         )
     return positions
+
+
+def default_positions(model: PreTrainedModel, modes: Sequence[str]) -> PositionMode:
+    """The positions a query without ``positions`` is served at: :data:`DEFAULT_POSITIONS` (contiguous), or
+    ``original`` when a plan's mode keeps every row in place (``native``) or the model's RoPE cannot be
+    re-rotated exactly (:func:`eventkv.rope.rerotatable`: ``dynamic`` NTK or ``longrope`` scaling, partial
+    rotary), so that the default never refuses a query the original positions can answer."""
+    if any(m not in CONTIGUOUS_MODES for m in modes) or not rerotatable(model):
+        return "original"
+    return DEFAULT_POSITIONS
 
 
 def check_order(order, positions) -> ServeOrder:

@@ -40,11 +40,13 @@ def query(
     chunk_size: Optional[int] = typer.Option(
         None, "--chunk-size", help="Prefill at most this many tokens per forward."
     ),
-    positions: str = typer.Option(
-        "original",
+    positions: Optional[str] = typer.Option(
+        None,
         "--positions",
-        help="original | contiguous: served rows at their own positions, or re-rotated right after the header "
-        "with the question right after them (compact, isolated, text).",
+        help="contiguous | original: served rows re-rotated right after the header with the question right after "
+        "them (compact, isolated, text), or at their own positions. Default: contiguous where the model's RoPE "
+        "re-rotates exactly and the mode allows it, else original.",
+        show_default=False,
     ),
 ) -> None:
     """Answer a question from the served events' KV rows (prefills the log once, then reuses it)."""
@@ -70,7 +72,7 @@ def query(
         ans = answer(lm, elog, serve, question, **options)
     console.print(
         f"[dim]{lm.profile.dtype} ({lm.profile.dtype_reason}) on {lm.profile.device} ({lm.profile.device_reason}); "
-        f"served {', '.join(ans.served)} ({mode}, {positions} positions): "
+        f"served {', '.join(ans.served)} ({mode}, {ans.positions} positions): "
         f"{ans.n_rows_served} of {ans.n_rows_total} rows; "
         f"EventKV {'reused' if ans.reused else 'prefilled'} at {ans.store}[/dim]"
     )

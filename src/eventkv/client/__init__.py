@@ -429,7 +429,7 @@ class Client:
         neighbours: int = 0,
         with_headers: bool = False,
         # serving positions and the served rows' order under contiguous positions
-        positions: PositionMode = "original",
+        positions: PositionMode | None = None,
         order: ServeOrder = "log",
         # selective recompute (mode "blend")
         recompute: float | None = None,
@@ -461,6 +461,7 @@ class Client:
             positions=[tuple(p) for p in out["positions"]],
             n_rows_served=out["n_rows_served"],
             timings_ms=out["timings_ms"],
+            plan=out.get("plan", {}),
         )
 
 

@@ -96,7 +96,8 @@ QUERY_FIELDS = {
     "mode": "how the served events are read: compact (their rows), native, isolated, text (re-prefilled) or blend",
     "candidates": "answers to score by log-probability (nats), besides the greedy answer",
     "max_new_tokens": "greedy decoding budget, in tokens",
-    "positions": "where served rows sit: 'original' (where they were computed) or 'contiguous' (after the header)",
+    "positions": "where served rows sit: 'contiguous' (after the header; the default, null, where the model allows) "
+    "or 'original' (where they were computed)",
     "order": "with positions 'contiguous': 'log' (history order) or 'relevance' (the most relevant event last)",
 }
 

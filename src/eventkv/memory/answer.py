@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping, Sequence, cast
+from typing import TYPE_CHECKING, Any, Mapping, Sequence, cast
 
 from eventkv.blend import BlendSchedule, check_recompute, check_schedule
 from eventkv.errors import EventKVError, OptionError
@@ -127,6 +127,41 @@ def question_ids(
     return q
 
 
+def query_plan(
+    select,
+    mode: str,
+    *,
+    positions: str,
+    order: str,
+    k: int | None,
+    shaping: Mapping[str, Any],
+    recompute: float | None,
+    blend_schedule: str | None,
+    default_selector: Any,
+) -> dict[str, Any]:
+    """The plan one answer was served by, as plain values (``MemoryAnswer.plan``; the HTTP, chat and MCP answers
+    carry it): ``select`` (None: the selector's choice; ``"view"``, ``"all"`` or the listed ids), ``mode``,
+    ``positions`` (resolved: never None), ``order``; for a selector's choice also ``selector`` (its name),
+    ``k``, ``budget``, ``budget_rows``, ``neighbours``, ``with_headers``; for ``blend`` ``recompute`` and
+    ``blend_schedule`` (resolved to their defaults)."""
+    plan: dict[str, Any] = {
+        "select": list(select) if isinstance(select, (list, tuple)) else select,
+        "mode": mode,
+        "positions": positions,
+        "order": order,
+    }
+    if select is None:
+        chosen = shaping.get("selector") or default_selector
+        plan["selector"] = chosen if isinstance(chosen, str) else getattr(chosen, "name", type(chosen).__name__)
+        plan["k"] = k
+        for key in ("budget", "budget_rows", "neighbours", "with_headers"):
+            plan[key] = shaping.get(key)
+    if mode == "blend":
+        plan["recompute"] = check_recompute(recompute)
+        plan["blend_schedule"] = check_schedule(blend_schedule)
+    return plan
+
+
 @dataclass
 class PreparedQuery:
     """One question on one memory, served and ready to be read out: phase one of a query
@@ -145,6 +180,7 @@ class PreparedQuery:
         version: the memory's version when it was served (``EventMemory.version``).
         decoding: how its answers are decoded (:class:`eventkv.readout.Decoding`: sampling, stop strings,
             a step callback; None: greedy).
+        plans: per plan, the plan it was served by (:func:`query_plan`); empty when not given.
     """
 
     served: list[ServedCache]
@@ -156,6 +192,7 @@ class PreparedQuery:
     timings_ms: list[dict[str, float]] = field(default_factory=list)
     version: int = 0
     decoding: Decoding | None = None
+    plans: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def batch_key(self) -> tuple:
@@ -183,6 +220,7 @@ def prepare(
     blend_schedule: BlendSchedule | None = None,
     decoding: Decoding | None = None,
     version: int = 0,
+    plans: Sequence[dict[str, Any]] = (),
 ) -> PreparedQuery:
     """Serve ``ekv``'s rows of each served set under its mode, for the question ``q``: the
     :class:`PreparedQuery` that :func:`answer_prepared` reads out.
@@ -200,6 +238,7 @@ def prepare(
             :data:`eventkv.blend.BlendSchedule`).
         decoding: how every plan's answer is decoded (:class:`eventkv.readout.Decoding`; None: greedy).
         version: the memory's version, kept in the prepared query.
+        plans: per plan, the plan it was served by (:func:`query_plan`), kept for the answers.
     """
     caches, timings = [], []
     seqs = list(sequences) if sequences is not None else [None] * len(served_ids)
@@ -230,6 +269,7 @@ def prepare(
         positions=[served_positions(ekv, sc, records) for sc in caches],
         timings_ms=timings,
         version=version,
+        plans=[dict(p) for p in plans],
     )
 
 
@@ -292,6 +332,7 @@ def _answer(p: PreparedQuery, plan: int, sc: ServedCache, o: Readout, decode_ms:
         n_rows_served=sc.n_visible,
         n_query_tokens=len(p.query_ids),
         timings_ms={**p.timings_ms[plan], "decode": decode_ms},
+        plan=dict(p.plans[plan]) if p.plans else {},
     )
 
 

@@ -118,7 +118,7 @@ class MemoryAPI(Protocol):
         neighbours: int = 0,
         with_headers: bool = False,
         # serving positions and the served rows' order under contiguous positions
-        positions: PositionMode = "original",
+        positions: PositionMode | None = None,
         order: ServeOrder = "log",
         # selective recompute (mode "blend")
         recompute: float | None = None,

@@ -48,6 +48,7 @@ from eventkv.memory.answer import (
     check_query,
     check_question,
     prepare,
+    query_plan,
     question_ids,
     served_end,
 )
@@ -82,7 +83,7 @@ from eventkv.memory.store import SCHEMA_VERSION, Store, check_identity, model_id
 from eventkv.memory.table import EventTable
 from eventkv.prefill import EventKV, check_context, model_device
 from eventkv.readout import Decoding
-from eventkv.serve import PositionMode, ServeMode, ServeOrder
+from eventkv.serve import PositionMode, ServeMode, ServeOrder, default_positions
 from eventkv.windowed import PrefillWindow, check_window, windowed_prefill
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -1117,7 +1118,7 @@ class EventMemory:
         # readout
         keep_logits: bool = False,
         # serving positions and the served rows' order under contiguous positions
-        positions: PositionMode = "original",
+        positions: PositionMode | None = None,
         order: ServeOrder = "log",
         # selective recompute (mode "blend")
         recompute: float | None = None,
@@ -1131,9 +1132,9 @@ class EventMemory:
         Pending events are prefilled first (lazy prefill) and their segment committed; when the
         store's filesystem is full the query is answered from the rows computed in memory, which
         are not kept (the events stay pending; the next query or :meth:`prefill` tries again), so a
-        full disk never fails a read. By default the served events' rows stay at their
-        original positions (not re-rotated) and the question starts at the first position after
-        the whole history (``positions="contiguous"`` moves them: see below); the answer is the
+        full disk never fails a read. By default the served events' rows are re-rotated to the
+        positions right after the header and the question follows them (``positions``, below;
+        ``"original"`` keeps the rows where they were computed); the answer is the
         greedy continuation (:func:`eventkv.readout.read_out`), and each candidate's full
         continuation is scored (nats) when candidates are given.
 
@@ -1149,13 +1150,15 @@ class EventMemory:
             budget_rows, selector, budget, neighbours, with_headers: the served set's shaping, passed
                 to :meth:`select` when ``select`` is None (ignored otherwise).
             keep_logits: keep each generated step's logits ``[vocab]`` (float32) in ``generation.logits``.
-            positions: ``"original"`` (default: the served rows at the positions they were computed at, the
-                question after the whole history) or ``"contiguous"``: the header at its positions, the served
-                rows re-rotated to the positions right after it (RoPE re-rotation, :mod:`eventkv.rope`) and the
-                question right after them, so the question's context check counts the served rows, not the
-                history (for histories past the model's context). For ``compact``, ``isolated``, ``blend`` and
-                ``text`` (already contiguous); ``native`` refuses it. ``MemoryAnswer.positions`` then reports
-                each event's first served position and its rows.
+            positions: ``"contiguous"``: the header at its positions, the served rows re-rotated to the positions
+                right after it (RoPE re-rotation, :mod:`eventkv.rope`) and the question right after them, so the
+                question's context check counts the served rows, not the history (histories past the model's
+                context are answered); or ``"original"``: the served rows at the positions they were computed at,
+                the question after the whole history (the studies' protocol). None (default):
+                :func:`eventkv.serve.default_positions`, contiguous unless a plan is ``native`` or the model's
+                RoPE cannot be re-rotated exactly; ``MemoryAnswer.plan`` records the one used. Contiguous is for
+                ``compact``, ``isolated``, ``blend`` and ``text`` (already contiguous); ``native`` refuses it.
+                ``MemoryAnswer.positions`` reports each event's first served position and its rows.
             order: ``"log"`` (default: the served rows in history order) or ``"relevance"`` (with
                 ``positions="contiguous"`` only): the served events in increasing selector score, so the most
                 relevant one is the last before the question, where a long-context reader uses it best (Liu et
@@ -1232,7 +1235,7 @@ class EventMemory:
         # readout
         keep_logits: bool = False,
         # serving positions and the served rows' order under contiguous positions
-        positions: PositionMode = "original",
+        positions: PositionMode | None = None,
         order: ServeOrder = "log",
         # selective recompute (mode "blend")
         recompute: float | None = None,
@@ -1299,7 +1302,7 @@ class EventMemory:
         neighbours: int = 0,
         with_headers: bool = False,
         keep_logits: bool = False,
-        positions: PositionMode = "original",
+        positions: PositionMode | None = None,
         order: ServeOrder = "log",
         recompute: float | None = None,
         blend_schedule: BlendSchedule | None = None,
@@ -1318,6 +1321,9 @@ class EventMemory:
         """
         self._check_open()
         check_question(question)
+        if positions is None:  # the plans are checked next, with the positions resolved
+            modes = [p[1] for p in plans if isinstance(p, tuple) and len(p) == 2]
+            positions = default_positions(self.lm.model, modes)
         plans, cands = check_query(plans, max_new_tokens, candidates, positions, recompute, blend_schedule, order)
         if decoding is not None:
             decoding.check()
@@ -1366,6 +1372,20 @@ class EventMemory:
             blend_schedule=blend_schedule,
             decoding=decoding,
             version=self.store.version,
+            plans=[
+                query_plan(
+                    select,
+                    mode,
+                    positions=positions,
+                    order=order,
+                    k=k,
+                    shaping=shaping,
+                    recompute=recompute,
+                    blend_schedule=blend_schedule,
+                    default_selector=self.selector,
+                )
+                for select, mode in plans
+            ],
         )
 
     def event_log(self, select: SelectSpec = "all"):

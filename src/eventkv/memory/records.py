@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import unicodedata
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from eventkv.errors import EventKVError, OptionError
 
@@ -355,6 +355,10 @@ class MemoryAnswer:
             conversation, for a query with ``messages``).
         timings_ms: wall time in milliseconds of ``prefill`` (lazy prefill of pending events; 0 when
             none), ``serve`` (building the served cache) and ``decode`` (generation and scoring).
+        plan: the plan the answer was served by (``select``, ``mode``, ``positions`` as resolved, ``order``;
+            for a selector's choice ``selector``, ``k``, ``budget``, ``budget_rows``, ``neighbours``,
+            ``with_headers``; for ``blend`` ``recompute`` and ``blend_schedule``):
+            :func:`eventkv.memory.answer.query_plan`.
     """
 
     text: str
@@ -365,6 +369,7 @@ class MemoryAnswer:
     n_rows_served: int = 0
     timings_ms: dict[str, float] = field(default_factory=dict)
     n_query_tokens: int = 0
+    plan: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,9 @@ class MemoryOptions(Shaping):
         None, max_length=10_000, description="null: selected from the last user message; or as /query's select"
     )
     mode: Literal["compact", "native", "isolated", "text", "blend"] = "compact"
-    positions: Literal["original", "contiguous"] = "original"
+    positions: Literal["original", "contiguous"] | None = Field(
+        None, description="null: the memory's default (contiguous where the model's RoPE re-rotates exactly)"
+    )
     order: Literal["log", "relevance"] = "log"
     remember: bool = Field(
         False, description="append the last user message and the reply as events (acknowledged once stored)"
@@ -274,10 +276,13 @@ class MemoryReport(BaseModel):
 
     memory: str | None = Field(description="the memory's id (null without a memory)")
     namespace: str | None
-    served_ids: list[str] = Field(description="the served events, in history order")
+    served_ids: list[str] = Field(description="the served events, in the order they were served")
     remembered: list[str] = Field(description="ids of the events memory.remember stored")
     version: int | None = Field(description="the memory's version after the answer")
     tokens: list[int] = Field(description="the reply's token ids")
+    plan: dict[str, Any] = Field(
+        default_factory=dict, description="the plan the served rows were read by (positions resolved); {} without one"
+    )
 
 
 class ChatCompletion(BaseModel):

@@ -4,7 +4,7 @@ so a body out of bounds is a 422 before any work is queued. Responses mirror the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
@@ -157,8 +157,9 @@ class QueryIn(Shaping):
         None, max_length=64, json_schema_extra={"uniqueItems": True}
     )
     max_new_tokens: MaxNewTokens = 32
-    # serving positions (eventkv.serve): "contiguous" re-rotates the served rows right after the header
-    positions: Literal["original", "contiguous"] = "original"
+    # serving positions (eventkv.serve): "contiguous" re-rotates the served rows right after the header;
+    # null: the memory's default (eventkv.serve.default_positions), recorded in the answer's plan
+    positions: Literal["original", "contiguous"] | None = None
     # the served rows' order under contiguous positions: "relevance" puts the most relevant event last
     order: Literal["log", "relevance"] = "log"
     # selective recompute (mode "blend")
@@ -217,6 +218,7 @@ class AnswerOut(BaseModel):
     n_rows_served: int
     timings_ms: dict[str, float]
     version: int
+    plan: dict[str, Any] = Field(default_factory=dict)
 
     @classmethod
     def from_answer(cls, answer: MemoryAnswer, version: int) -> AnswerOut:
@@ -241,6 +243,7 @@ class AnswerOut(BaseModel):
             n_rows_served=answer.n_rows_served,
             timings_ms=answer.timings_ms,
             version=version,
+            plan=answer.plan,
         )
 
 

@@ -106,6 +106,7 @@ class Outcome:
     served_ids: list[str] = field(default_factory=list)
     remembered: list[str] = field(default_factory=list)
     version: int | None = None
+    plan: dict[str, Any] = field(default_factory=dict)
 
     def usage(self) -> o.Usage:
         prompt, completion = self.memory_rows + self.new_tokens, len(self.generation.tokens)
@@ -125,6 +126,7 @@ class Outcome:
             remembered=self.remembered,
             version=self.version,
             tokens=list(self.generation.tokens),
+            plan=self.plan,
         )
 
 
@@ -185,7 +187,15 @@ def plan(body: o.ChatRequest, request: Request, state: ServiceState, jobs: Jobs,
                 turns.append(MemoryEvent(a.text, role="assistant"))
             remembered = [x.id for x in mem.add(turns)]
         return Outcome(
-            a.generation, a.n_rows_served, a.n_query_tokens, mem_opts.id, ns, a.served_ids, remembered, mem.version
+            a.generation,
+            a.n_rows_served,
+            a.n_query_tokens,
+            mem_opts.id,
+            ns,
+            a.served_ids,
+            remembered,
+            mem.version,
+            a.plan,
         )
 
     return MemoryChat(d, prepare, finish, state.lm, jobs)
