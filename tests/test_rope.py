@@ -13,7 +13,7 @@ from eventkv.errors import EventKVError, OptionError
 from eventkv.log import HEADER_ID, Event, EventLog, tokenize
 from eventkv.prefill import cache_kv, model_forward, prefill
 from eventkv.readout import query_logits
-from eventkv.rope import rerotate, rotary_embedding
+from eventkv.rope import rerotatable, rerotate, rotary_embedding
 from eventkv.serve import ServedCache, serve
 from eventkv.testing import TINY_FAMILIES, tiny_lm, tiny_model
 
@@ -139,6 +139,28 @@ def test_length_dependent_rope_is_refused_by_name(kind):
     keys = [torch.randn(1, 2, 3, 16) for _ in range(2)]
     with pytest.raises(EventKVError, match=kind):
         rerotate(model, keys, torch.arange(3), torch.arange(3) + 1)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "longrope"])
+def test_the_default_positions_fall_back_to_original_where_rope_cannot_be_re_rotated(kind, tmp_path):
+    from eventkv.memory import EventMemory
+    from eventkv.models import LoadedModel
+    from eventkv.serve import default_positions
+
+    rope = {"rope_type": kind, "rope_theta": 10000.0, "factor": 2.0}
+    if kind == "longrope":
+        rope |= {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}
+    refused = tiny_model("llama", rope_parameters=rope)
+    assert not rerotatable(refused) and default_positions(refused, ["compact"]) == "original"
+    plain = tiny_model("llama")
+    assert rerotatable(plain) and default_positions(plain, ["compact", "text"]) == "contiguous"
+    assert default_positions(plain, ["compact", "native"]) == "original"  # native keeps every row in place
+    base = tiny_lm("llama")
+    lm = LoadedModel(refused, base.tokenizer, base.profile)
+    with EventMemory.create(tmp_path / "m", lm, namespace="t") as mem:  # the default never refuses the query
+        mem.add(["register A set to ON", "register B mirrors A"])
+        ans = mem.query("What is A?", select="view", max_new_tokens=1)
+    assert ans.plan["positions"] == "original"
 
 
 def test_bad_shapes_are_refused():
