@@ -378,6 +378,83 @@ def test_rows_reach_text_at_the_smallest_budget_where_they_tie():
     assert "estimate" not in s["headline"]  # no full arm: no ratio
 
 
+def _served(rec, evidence, **ids):
+    """``rec`` with its evidence and the served ids of each ``bm25@<budget>`` (keyword ``b10``: ``bm25@10%``)."""
+    rec["evidence"] = evidence
+    rec["selection"] = {f"bm25@{k[1:]}%": {"ids": v, "rows": 10, "recall": 0.5} for k, v in ids.items()}
+    return rec
+
+
+def _turns(session, n):
+    return [f"session-{session}"] + [f"D{session}:{j}" for j in range(1, n + 1)]
+
+
+def test_precision_served_turns_and_f1_by_turns_on_hand_made_records():
+    r10, c10, r20 = "rows:bm25@10%", "rows:bm25@10%/contiguous", "rows:bm25@20%"
+    recs = [
+        # 3 turns at 10% (two session headers not counted), 1 of them evidence; 7 turns at 20%, 2 evidence
+        _served(
+            _rec("c1", 4, {r10: 0.2, c10: 0.4, r20: 0.5, "gold": 1.0}, 0),
+            ["D1:1", "D1:2"],
+            b10=["session-1", "D1:1", "D1:3", "session-2", "D2:1"],
+            b20=_turns(1, 7),
+        ),
+        # 1 turn at 10%, the evidence; 12 turns at 20%
+        _served(
+            _rec("c1", 1, {r10: 1.0, c10: 0.6, r20: 0.3, "gold": 0.5}, 1),
+            ["D2:4"],
+            b10=["session-2", "D2:4"],
+            b20=_turns(2, 12),
+        ),
+        # an empty served set at 10% (no precision, no bin); 45 turns at 20%, 3 evidence
+        _served(
+            _rec("c2", 2, {r10: 0.0, c10: 0.0, r20: 0.9, "gold": 0.0}, 2),
+            ["D3:1", "D3:2", "D3:3"],
+            b10=[],
+            b20=_turns(3, 45),
+        ),
+        # adversarial: apart from every statistic below
+        _served(_rec("c2", 5, {r10: 1.0, c10: 1.0, r20: 1.0, "gold": 1.0}, 3), ["D4:1"], b10=_turns(4, 90), b20=[]),
+    ]
+    summary = summarize_memory_eval(recs)
+    s = summary.data
+    assert s["served_turns"] == {"bm25@10%": pytest.approx(4 / 3), "bm25@20%": pytest.approx(64 / 3)}
+    p10, p20 = s["precision"]["bm25@10%"], s["precision"]["bm25@20%"]
+    assert (p10["estimate"], p10["n_items"], p10["n_clusters"]) == (pytest.approx(2 / 3), 2, 1)
+    ref = cluster_bootstrap([2 / 7, 1 / 12, 3 / 45], ["c1", "c1", "c2"])
+    assert p20["estimate"] == pytest.approx((2 / 7 + 1 / 12 + 3 / 45) / 3)
+    assert (p20["low"], p20["high"]) == (ref.low, ref.high)
+    # pooled over the three rows arms: turns 3, 3, 1, 1 | 7 | 12 | 45; the two empty sets left out
+    by = s["f1_by_turns"]
+    assert by["all"] == {
+        "1-5": {"f1": pytest.approx(0.55), "n": 4},
+        "6-10": {"f1": pytest.approx(0.5), "n": 1},
+        "11-20": {"f1": pytest.approx(0.3), "n": 1},
+        "41-80": {"f1": pytest.approx(0.9), "n": 1},
+    }
+    assert by["positions"]["original"]["1-5"] == {"f1": pytest.approx(0.6), "n": 2}
+    assert by["positions"]["contiguous"] == {"1-5": {"f1": pytest.approx(0.5), "n": 2}}
+    assert by["n_empty"] == 2
+    assert by["gold"] == {"f1": pytest.approx(0.5), "served_turns": pytest.approx(2.0), "n": 3}
+    md = summary.to_markdown()
+    # precision at 10% from one conversation's two questions: no interval, its n beside it
+    assert "| bm25 | 10% | 0.500 [0.500, 0.500] | 0.667 [n/a: one conversation] (n=2) | 1.3 | 10.0% | 3 |" in md
+    assert "| 1-5 | 0.550 | 4 |" in md and "| gold (evidence: 2.0 turns, mean) | 0.500 | 3 |" in md
+    assert "2 empty served sets left out" in md
+    assert "| 1-5 | 0.600 (2) | 0.500 (2) |" in md and "| 41-80 | 0.900 (1) |  |" in md
+
+
+def test_f1_by_turns_has_no_positions_table_with_one_mode():
+    r10 = "rows:bm25@10%"
+    recs = [_served(_rec("c1", 4, {r10: 0.25}, 0), ["D1:1"], b10=_turns(1, 81))]
+    summary = summarize_memory_eval(recs)
+    assert summary.data["f1_by_turns"]["all"] == {"81+": {"f1": 0.25, "n": 1}}
+    assert summary.data["f1_by_turns"]["gold"] is None  # no gold arm: no reference row
+    titles = [t.caption for t in summary.tables]
+    assert any(t.startswith("F1 against the number of served turns (") for t in titles)
+    assert not any("per positions mode" in t for t in titles)
+
+
 def test_cluster_bootstrap_ratio_by_hand():
     # clusters A (1 over 1) and B (0 over 1): resamples AA 1, AB 0.5, BB 0 with chances 1/4, 1/2, 1/4
     r = cluster_bootstrap_ratio([1.0, 0.0], [1.0, 1.0], ["A", "B"])

@@ -777,6 +777,31 @@ def _with_ci(b) -> str:
     return "n/a" if b is None else b.interval(single="one conversation")
 
 
+#: the bins of "F1 against the number of served turns": (fewest, most) turns, None: no upper bound
+TURN_BINS: tuple[tuple[int, int | None], ...] = ((1, 5), (6, 10), (11, 20), (21, 40), (41, 80), (81, None))
+
+
+def _served_turns(ids: Sequence[str]) -> list[str]:
+    """The turns among served event ids: every id but the session headers' (``session-N``, as
+    :func:`history_events` names them)."""
+    return [i for i in ids if not i.startswith("session-")]
+
+
+def _bin_label(low: int, high: int | None) -> str:
+    return f"{low}+" if high is None else f"{low}-{high}"
+
+
+def _f1_by_turns(pairs: Sequence[tuple[int, float]]) -> dict[str, dict]:
+    """Mean F1 and count of ``(served turns, F1)`` pairs per :data:`TURN_BINS` bin, by label
+    (``"1-5"``, ..., ``"81+"``), in bin order; a bin no pair falls in is left out, as are pairs with no turn."""
+    out = {}
+    for low, high in TURN_BINS:
+        xs = [f for n, f in pairs if n >= low and (high is None or n <= high)]
+        if xs:
+            out[_bin_label(low, high)] = {"f1": float(np.mean(xs)), "n": len(xs)}
+    return out
+
+
 def _percentiles(xs: Sequence[float]) -> tuple[float, float]:
     p50, p95 = (float(x) for x in np.percentile(xs, [50, 95]))
     return p50, p95
@@ -801,7 +826,10 @@ def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = No
     95% intervals; per category; category 5 apart), paired differences per budget (rows - text, rows -
     isolated, rows - blend for the controls, rows - full for every selector; with both positions
     modes, contiguous - original), cost per arm (rows, served fraction, KV bytes, latency p50/p95,
-    tokens) and evidence recall per selector and budget."""
+    tokens), evidence recall and precision and served turns per selector and budget (precision: the
+    evidence turns served over the turns served, session headers not counted; over the questions with a
+    turn served), and the rows arms' F1 against the number of turns served (:data:`TURN_BINS`; every rows
+    arm pooled, and per positions mode when both are present; ``gold`` for reference)."""
     from eventkv.stats import cluster_bootstrap, cluster_bootstrap_ratio, format_p, wilcoxon_d, wilson
 
     done = [r for r in records if "arms" in r]
@@ -823,6 +851,9 @@ def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = No
         "cost": {},
         "latency_ms": {},
         "recall": {},
+        "precision": {},
+        "served_turns": {},
+        "f1_by_turns": {},
         "headline": None,
         "reach_text": {},
         "n_empty": {},
@@ -944,7 +975,7 @@ def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = No
             ]
         )
 
-    # ---- evidence recall of each selector's served sets
+    # ---- evidence recall and precision of each selector's served sets
     recall_rows = []
     keys = list(dict.fromkeys(k for r in main for k in r.get("selection", {})))
     for key in keys:
@@ -953,8 +984,60 @@ def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = No
         b = cluster_bootstrap(rec, [r["conversation"] for r in got])
         frac = [r["selection"][key]["rows"] / r["history_rows"] for r in got]
         data["recall"][key] = {**b.__dict__, "fraction": float(np.mean(frac))}
+        turns = [(r, _served_turns(r["selection"][key]["ids"])) for r in got]
+        served = [(r, t) for r, t in turns if t]  # precision of an empty set is undefined: left out
+        prec = [len(set(t) & set(r["evidence"])) / len(t) for r, t in served]
+        bp = cluster_bootstrap(prec, [r["conversation"] for r, _ in served]) if prec else None
+        data["precision"][key] = bp.__dict__ if bp else None
+        data["served_turns"][key] = float(np.mean([len(t) for _, t in turns]))
         selector, _, label = key.rpartition("@")
-        recall_rows.append([selector, label, _with_ci(b), f"{100 * np.mean(frac):.1f}%", str(len(rec))])
+        recall_rows.append(
+            [
+                selector,
+                label,
+                _with_ci(b),
+                _with_ci(bp) + ("" if len(prec) == len(rec) else f" (n={len(prec)})"),
+                f"{data['served_turns'][key]:.1f}",
+                f"{100 * np.mean(frac):.1f}%",
+                str(len(rec)),
+            ]
+        )
+
+    # ---- F1 of the rows arms against the number of turns their served set held
+    by_mode: dict[str, list[tuple[int, float]]] = {}  # positions mode -> (served turns, F1) per question and arm
+    for a, s in specs.items():
+        if s.kind != "rows":
+            continue
+        key = f"{s.selector}@{budget_label(s.budget or 0)}"
+        for r in main:
+            if key in r.get("selection", {}):
+                n = len(_served_turns(r["selection"][key]["ids"]))
+                by_mode.setdefault(s.positions, []).append((n, r["arms"][a]["f1"]))
+    pooled = [p for ps in by_mode.values() for p in ps]
+    n_empty = sum(n == 0 for n, _ in pooled)
+    data["f1_by_turns"] = {
+        "all": _f1_by_turns(pooled),
+        "positions": {m: _f1_by_turns(ps) for m, ps in by_mode.items()},
+        "n_empty": n_empty,
+        "gold": None,
+    }
+    turns_rows = [[label, f"{v['f1']:.3f}", str(v["n"])] for label, v in data["f1_by_turns"]["all"].items()]
+    if turns_rows and "gold" in specs:
+        gold_turns = [len(set(r["evidence"])) for r in main]
+        gold = {"f1": float(np.mean(f1s("gold"))), "served_turns": float(np.mean(gold_turns)), "n": len(main)}
+        data["f1_by_turns"]["gold"] = gold
+        turns_rows.append(
+            [f"gold (evidence: {gold['served_turns']:.1f} turns, mean)", f"{gold['f1']:.3f}", str(len(main))]
+        )
+    modes = [m for m in ("original", "contiguous") if m in by_mode]
+    mode_rows = []
+    if len(modes) == 2:
+        per_mode = data["f1_by_turns"]["positions"]
+        for low, high in TURN_BINS:
+            label = _bin_label(low, high)
+            cells = [per_mode[m].get(label) for m in modes]
+            if any(cells):
+                mode_rows.append([label, *(f"{c['f1']:.3f} ({c['n']})" if c else "" for c in cells)])
 
     # ---- headline: the best selector's rows at the headline budget, over full; where rows reach text
     headline_rows = []
@@ -1041,10 +1124,41 @@ def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = No
     if recall_rows:
         tables.append(
             Table(
-                "Evidence recall of each selector's served set (fraction of the question's evidence turns served; "
-                "categories 1-4, cluster bootstrap 95%)",
-                ["selector", "budget", "recall [95%]", "served fraction (mean)", "n"],
+                "Evidence recall and precision of each selector's served set (recall: the fraction of the question's "
+                "evidence turns served; precision: the fraction of the served turns that are evidence, session headers "
+                "not counted, over the questions with a turn served; categories 1-4, cluster bootstrap 95%)",
+                [
+                    "selector",
+                    "budget",
+                    "recall [95%]",
+                    "precision [95%]",
+                    "served turns (mean)",
+                    "served fraction (mean)",
+                    "n",
+                ],
                 recall_rows,
+            )
+        )
+    if turns_rows:
+        tables.append(
+            Table(
+                "F1 against the number of served turns (session headers not counted): every rows arm of every "
+                "selector and budget"
+                + (" and both positions modes" if len(modes) == 2 else "")
+                + " pooled, one value per question and arm (categories 1-4)"
+                + (f"; {_count(n_empty, 'empty served set')} left out" if n_empty else "")
+                + ("; gold: the evidence turns as text, for reference" if data["f1_by_turns"]["gold"] else ""),
+                ["served turns", "F1 (mean)", "n"],
+                turns_rows,
+            )
+        )
+    if mode_rows:
+        tables.append(
+            Table(
+                "F1 against the number of served turns, per positions mode (rows arms of every selector and budget "
+                "pooled; F1 mean (n))",
+                ["served turns", *modes],
+                mode_rows,
             )
         )
     data["batched_readout"] = batched
