@@ -453,6 +453,7 @@ def test_the_memory_eval_reads_out_each_schedule_as_its_own_arm(tiny_dir, tmp_pa
     out = tmp_path / "run"
     args = ["memory", "eval", "--data", DEMO_DATA, "--model", str(tiny_dir), "--conversations", "1"]
     args += ["--questions-per-conversation", "2", "--max-tokens", "600", "--budgets", "50%", "--selectors", "bm25"]
+    args += ["--positions", "original"]
     args += ["--arms", "rows,blend,blend-layerwise,blend-epic", "--recompute", "0.3", "--max-new-tokens", "2"]
     code, text, err = run_cli(monkeypatch, capsys, *args, "--dtype", "float32", "--no-progress", "--out", str(out))
     assert code == 0, text + err

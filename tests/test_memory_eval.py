@@ -23,7 +23,17 @@ from eventkv.studies.materialization.memory_eval import (
 )
 
 BASE = ["--conversations", "2", "--questions-per-conversation", "2", "--max-tokens", "600", "--budgets", "20%,50%"]
-BASE += ["--max-new-tokens", "3", "--dtype", "float32", "--no-progress", "--selectors", "bm25"]
+BASE += [
+    "--max-new-tokens",
+    "3",
+    "--dtype",
+    "float32",
+    "--no-progress",
+    "--selectors",
+    "bm25",
+    "--positions",
+    "original",
+]
 
 
 def _records(out):
@@ -134,7 +144,7 @@ def test_whole_history_past_the_context_is_refused_in_original_positions():
 
     rt = tiny_runtime("llama")
     rt.profile = TinyProfile(max_context=300, stop_token_ids=rt.profile.stop_token_ids)
-    probe = MemoryEval(data=DEMO_DATA, conversations=1, max_tokens=0)
+    probe = MemoryEval(data=DEMO_DATA, conversations=1, max_tokens=0, positions="original")
     with pytest.raises(OptionError) as e:
         probe.check_model(rt)
     msg = e.value.for_cli()
@@ -155,7 +165,11 @@ def test_arm_grid_names_and_budgets():
     assert default.selectors[0] == "bm25" and set(default.selectors) == set(SELECTORS.names())
     assert default.controls == (("hybrid",) if "hybrid" in SELECTORS.names() else ("bm25",))
     probe = MemoryEval(
-        data=DEMO_DATA, selectors=("bm25",), budgets=(0.05, 0.1), arm_names=("rows", "text", "isolated", "full", "gold")
+        data=DEMO_DATA,
+        selectors=("bm25",),
+        budgets=(0.05, 0.1),
+        arm_names=("rows", "text", "isolated", "full", "gold"),
+        positions="original",
     )
     assert probe.selectors == ("bm25",) and probe.controls == ("bm25",) and probe.k is None
     assert [a.name for a in probe.grid()] == [
@@ -237,7 +251,7 @@ def latest_selector():
 
 def _probe(**kw):
     opts = dict(data=DEMO_DATA, conversations=1, questions_per_conversation=8, max_tokens=600, max_new_tokens=2)
-    return MemoryEval(**{**opts, **kw})
+    return MemoryEval(**{**opts, "positions": "original", **kw})
 
 
 def test_a_registered_selector_just_works(latest_selector):
@@ -567,6 +581,10 @@ def test_order_is_checked_and_recorded(tmp_path, monkeypatch, capsys, tiny_dir):
     with pytest.raises(OptionError, match="order 'score'"):
         MemoryEval(data=DEMO_DATA, order="score")
     assert MemoryEval(data=DEMO_DATA).order == "log"
+    # the rows are served at contiguous positions unless asked otherwise, as the memory serves them by default
+    default = MemoryEval(data=DEMO_DATA, selectors=("bm25",), arm_names=("rows", "text", "full", "gold"))
+    assert default.positions == "contiguous"
+    assert [a.name for a in default.grid()][:2] == ["rows:bm25@2.5%/contiguous", "text:bm25@2.5%"]
     out = tmp_path / "run"
     args = ["memory", "eval", "--data", DEMO_DATA, "--model", str(tiny_dir), *BASE, "--out", str(out)]
     args[args.index("--conversations") + 1] = "1"

@@ -43,7 +43,7 @@ def memory_eval(
         "else the first selector)",
     ),
     positions: str = typer.Option(
-        "original", "--positions", help="original | contiguous | both (positions the served rows are read at)"
+        "contiguous", "--positions", help="contiguous | original | both (positions the served rows are read at)"
     ),
     order: str = typer.Option(
         "log",

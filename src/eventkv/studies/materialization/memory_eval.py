@@ -19,7 +19,7 @@ the probe runs outside a run folder) and reopened by a restarted run
 than the session in flight.
 
 **Arms** of one question, for each budget ``b`` (a fraction of the history's rows, the header
-excluded) and each positions mode (``positions``: ``original``, ``contiguous`` or ``both``):
+excluded) and each positions mode (``positions``: ``contiguous``, the default, ``original`` or ``both``):
 
 * ``rows:<selector>@<b>`` — the selector's served set (:meth:`EventMemory.select` with ``k``,
   ``selector``, ``budget=b``, ``neighbours``, ``with_headers``), its stored rows served (compact);
@@ -343,7 +343,7 @@ class MemoryEval(DialogueData, Probe):
     :data:`eventkv.options.SELECTORS`; empty = every registered one), ``budgets`` (fractions of the
     history's rows, header excluded), ``controls`` (the selectors whose served sets also get the text /
     isolated / blend arms; empty = ``"hybrid"`` when listed, else the first selector), ``positions``
-    (``original`` | ``contiguous`` | ``both``), ``order`` (``log`` | ``relevance``: the order the text
+    (``contiguous`` (default) | ``original`` | ``both``), ``order`` (``log`` | ``relevance``: the order the text
     arms and the ``/contiguous`` arms serve their sets in; module docstring), ``neighbours``,
     ``with_headers``, ``k`` (at most ``k`` events ranked per served set besides the budget; None = fill
     to the budget), ``recompute`` (the blend arm's fraction; None = the serve mode's default),
@@ -380,7 +380,7 @@ class MemoryEval(DialogueData, Probe):
     selectors: tuple[str, ...] = ()
     budgets: tuple[float, ...] = DEFAULT_BUDGETS
     controls: tuple[str, ...] = ()
-    positions: str = "original"
+    positions: str = "contiguous"
     order: str = "log"
     neighbours: int = 0
     with_headers: bool = False
