@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING, cast
 
 import typer
 from rich.console import Console
@@ -26,6 +27,9 @@ from eventkv.cli.run import report, run_app
 from eventkv.cli.serve import serve
 from eventkv.cli.sweep import sweep
 from eventkv.errors import EventKVError, cli_message
+
+if TYPE_CHECKING:
+    from typer._click.exceptions import ClickException
 
 app = typer.Typer(
     add_completion=False,
@@ -84,10 +88,13 @@ def main() -> None:
         if value is None or not getattr(param, "opts", None):
             rich_utils.rich_format_error(exc)
             sys.exit(exc.exit_code)
+        assert param is not None  # value is None whenever param is
         msg = exc.message.rstrip(".")
         _error(f"{max(param.opts, key=len)} {value!r}: {msg[:1].lower() + msg[1:]}.")
     except typer.TyperException as exc:  # other usage errors (unknown option, missing value, no arguments)
-        rich_utils.rich_format_error(exc)
+        # typer annotates rich_format_error for its click exceptions, but it reads only format_message(), which
+        # every TyperException has, and ``ctx`` through getattr
+        rich_utils.rich_format_error(cast("ClickException", exc))
         sys.exit(getattr(exc, "exit_code", 2))
     except typer.Abort:
         Console(stderr=True).print("Aborted!")

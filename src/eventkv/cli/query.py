@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, cast
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from eventkv.cli.common import DEVICE_OPTION, DTYPE_OPTION, model_option
+
+if TYPE_CHECKING:
+    from eventkv.serve import PositionMode, ServeMode
 
 console = Console()
 
@@ -52,17 +55,18 @@ def query(
     """Answer a question from the served events' KV rows (prefills the log once, then reuses it)."""
     from eventkv.log import EventLog
     from eventkv.models import load, resolve_device, resolve_dtype
-    from eventkv.query import answer, check_query
+    from eventkv.query import QueryOptions, answer, check_query
 
     elog = EventLog.from_jsonl(log, instruction=instruction)
     cands = candidates.split(",") if candidates is not None else []
-    options = dict(
-        mode=mode,
+    # mode and positions are checked by check_query below, before anything uses them
+    options = QueryOptions(
+        mode=cast("ServeMode", mode),
         candidates=cands,
         max_new_tokens=max_new_tokens,
         chunk_size=chunk_size,
         store=store,
-        positions=positions,
+        positions=cast("PositionMode | None", positions),
     )
     check_query(elog, serve, question, **options)  # fail before the model loads
     resolve_dtype(dtype, resolve_device(device)[0])

@@ -99,13 +99,13 @@ def serve(
         if backend not in ("process", "ray"):
             raise OptionError("backend", backend, "use process or ray.")
         if backend == "process":
-            for flag, value, default in (
+            for flag, given, default in (
                 ("--ray-address", ray_address, None),
                 ("--replicas", replicas, 2),
                 ("--memories-per-replica", memories_per_replica, 16),
             ):
-                if value != default:
-                    raise OptionError(flag[2:].replace("-", "_"), value, "only --backend ray takes it.", flag=flag)
+                if given != default:
+                    raise OptionError(flag[2:].replace("-", "_"), given, "only --backend ray takes it.", flag=flag)
         elif max_open != 16:
             raise OptionError(
                 "max_open", max_open, "--backend ray keeps --memories-per-replica open per replica.", flag="--max-open"

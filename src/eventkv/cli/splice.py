@@ -10,7 +10,7 @@ exit 2.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, cast
 
 import typer
 from rich.markdown import Markdown
@@ -29,6 +29,9 @@ from eventkv.cli.common import (
 )
 from eventkv.errors import EventKVError
 
+if TYPE_CHECKING:
+    from eventkv.studies.splice.probe import SpliceProbe, SpliceReadout
+
 SPLICE_DIR = "{model}-{task}-{dtype}-seed{seed}"
 """The default ``--out`` name under ``runs/splice/`` (``{task}``: the task name, or a JSONL file's stem)."""
 
@@ -46,7 +49,7 @@ def build_probe(
     batch_size: int,
     match: str = "word",
     readout: str = "generate",
-):
+) -> SpliceProbe:
     """The SpliceProbe for the CLI options (``task`` is a built-in name or a JSONL path)."""
     from eventkv.studies.splice.engine import DEFAULT_FILLER
     from eventkv.studies.splice.probe import SpliceProbe
@@ -79,7 +82,7 @@ def build_probe(
         max_new_tokens=max_new_tokens,
         batch_size=batch_size,
         match=match,
-        readout=readout,
+        readout=cast("SpliceReadout", readout),  # checked by validate() below
     )
     probe.validate()
     return probe

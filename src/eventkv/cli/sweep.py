@@ -16,6 +16,9 @@ from rich.markup import escape
 from eventkv.cli.common import PROGRESS_OPTION, stops_resumably, user_errors
 from eventkv.options import BACKENDS
 
+# a module constant: mypy does not resolve a generator's variable inside a parameter default
+_BACKEND_HELP = " | ".join(f"{name} ({escape(BACKENDS.help(name))})" for name in BACKENDS)
+
 
 def sweep(
     plan: Path = typer.Argument(
@@ -24,7 +27,7 @@ def sweep(
     backend: str = typer.Option(
         "serial",
         "--backend",
-        help=" | ".join(f"{name} ({escape(BACKENDS.help(name))})" for name in BACKENDS),
+        help=_BACKEND_HELP,
     ),
     workers: Optional[int] = typer.Option(
         None,

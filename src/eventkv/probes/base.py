@@ -20,14 +20,17 @@ import dataclasses
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator, Literal, Sequence, get_args
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Literal, Sequence, cast, get_args
 
 import torch
 
 from eventkv.errors import EventKVError
 from eventkv.log import TokenizedLog, encode, header_text
-from eventkv.prefill import EventKV, model_device, prefill
+from eventkv.prefill import EventKV, cache_kv, model_device, prefill
 from eventkv.registry import Registry, one_of
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 #: Encodings an arm can name (Study 1, "Setting"):
 #: ``compact`` — the served events' rows from the global prefill, at their original positions;
@@ -204,7 +207,7 @@ def _prefill_header(model, header_ids: list[int], digest: str) -> EventKV:
     model_forward(model, ids, torch.arange(len(header_ids), device=dev).unsqueeze(0), cache, logits_to_keep=1)
     log = TokenizedLog.from_ids(header_ids, [("<none>", [0], None)])
     pos = torch.arange(len(header_ids), dtype=torch.long, device="cpu")  # an EventKV's positions live on the CPU
-    return EventKV(log, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], pos, digest)
+    return EventKV(log, *cache_kv(cache), pos, digest)
 
 
 class Probe:
@@ -224,7 +227,7 @@ class Probe:
 
     def options(self) -> dict:
         """Every option as a JSON-able dict (tuples become lists)."""
-        return json_ready(dataclasses.asdict(self))  # type: ignore[arg-type]
+        return json_ready(dataclasses.asdict(cast("DataclassInstance", self)))  # every subclass is a @dataclass
 
     def validate(self) -> None:
         """Raise EventKVError on an impossible option combination (names the option and the fix)."""

@@ -78,7 +78,7 @@ def environment() -> dict:
     """eventkv version and git commit, package versions, Python and platform."""
     from eventkv import __version__
 
-    versions = {}
+    versions: dict[str, str | None] = {}
     for p in PACKAGES:
         try:
             versions[p] = metadata.version(p)

@@ -50,7 +50,7 @@ class SerialBackend:
         import torch
 
         self._saved = torch.get_num_threads()
-        self._worker = Worker(self.runs, self.threads)
+        self._worker: Worker | None = Worker(self.runs, self.threads)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -61,6 +61,7 @@ class SerialBackend:
 
     def map_unordered(self, tasks: Iterable[Task]) -> Iterator[list[Result]]:
         for task in tasks:
+            assert self._worker is not None  # made by __enter__
             yield self._worker.execute(task)
 
 
@@ -96,6 +97,7 @@ def exit_with_parent() -> None:
 
 
 def _execute(task: Task) -> list[Result]:
+    assert _WORKER is not None  # made by the pool's initializer, _init_process
     return _WORKER.execute(task)
 
 
@@ -205,6 +207,7 @@ class RayBackend:
             from ray.util import ActorPool
 
             actor = ray.remote(Worker).options(num_cpus=self.threads, num_gpus=self.gpus)
+            assert self.workers is not None  # filled by _check_capacity
             self._actors = [actor.remote(tuple(self.runs), self.threads) for _ in range(self.workers)]
             self._pool = ActorPool(self._actors)
         except BaseException:

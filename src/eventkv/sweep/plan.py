@@ -91,6 +91,7 @@ class PlannedRun:
 
     @property
     def out(self) -> Path:
+        assert self.run.out is not None  # the plan sets every run's folder
         return Path(self.run.out)
 
     @property

@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import gc
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from eventkv.errors import EventKVError
 from eventkv.sweep.plan import PlannedRun
+
+if TYPE_CHECKING:
+    from eventkv.probes.base import Runtime
 
 
 @dataclass(frozen=True)
@@ -99,8 +102,8 @@ class Worker:
         torch.set_num_threads(threads)
         self.runs = tuple(runs)
         self.threads = threads
-        self._key = None
-        self._rt = None
+        self._key: tuple | None = None
+        self._rt: Runtime | None = None
         self._probes: dict[int, object] = {}
 
     def runtime(self, key: tuple):

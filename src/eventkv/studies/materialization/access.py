@@ -103,9 +103,9 @@ class Access(PairLayout, PairProbe):
         dec, src, root = rng.sample(REGISTERS, 3)
         slot = rng.randint(*self.source_slots)
         if card == "number":
-            a = rng.randrange(100, 1000)
-            b = rng.choice([x for x in range(100, 1000) if str(x)[0] != str(a)[0]])
-            a, b, dv = str(a), str(b), str(rng.randrange(100, 1000))
+            num_a = rng.randrange(100, 1000)
+            num_b = rng.choice([x for x in range(100, 1000) if str(x)[0] != str(num_a)[0]])
+            a, b, dv = str(num_a), str(num_b), str(rng.randrange(100, 1000))
             gold = [a[0], b[0]]
             what, answer, word = "value", "Answer with the 3-digit number.", "number"
             body_of = lambda reg, v: f"register {reg} set to value {v}"  # noqa: E731

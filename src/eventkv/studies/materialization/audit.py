@@ -26,12 +26,15 @@ the memory prefills history once and asks later), as a query-agnostic compressor
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence, cast
 
 import numpy as np
 
 from eventkv.errors import OptionError
 from eventkv.probes.base import Arm, Probe, Runtime, Summary, Table
+
+if TYPE_CHECKING:
+    from eventkv.studies.materialization.donor_pair import DonorPair
 
 CONDITIONS = ("full", "global", "isolated")
 
@@ -56,11 +59,12 @@ class EvictionAudit(Probe):
     n_events: int = 24
     root_slot: int = 13
     source_slots: tuple[int, int] = (8, 11)
-    _donor: object = field(default=None, repr=False, compare=False)
+    _donor: DonorPair | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.policies, self.ratios = tuple(self.policies), tuple(float(r) for r in self.ratios)
-        self.states, self.source_slots = tuple(self.states), tuple(self.source_slots)
+        # options arrive as JSON lists; validate (the DonorPair it builds) checks source_slots is a (lo, hi) pair
+        self.states, self.source_slots = tuple(self.states), cast("tuple[int, int]", tuple(self.source_slots))
         self.validate()
 
     def options(self) -> dict:
@@ -101,6 +105,7 @@ class EvictionAudit(Probe):
         ]
 
     def items(self, seed: int, indices: Sequence[int]) -> list[dict]:
+        assert self._donor is not None  # built by validate(), which __post_init__ runs
         return self._donor.items(seed, indices)  # the donor-pair probe's items, same seed, same pairs
 
     def _policy(self, name: str, index: int):
@@ -156,8 +161,8 @@ class EvictionAudit(Probe):
         for pname in self.policies:
             policy = self._policy(pname, item["index"])
             for ratio in self.ratios:
-                cell = {"source_kept_cells": [], "kept_fraction": []}
-                answers = {"global": [], "isolated": []}
+                cell: dict[str, Any] = {"source_kept_cells": [], "kept_fraction": []}
+                answers: dict[str, list[dict[str, float]]] = {"global": [], "isolated": []}
                 for (ekv, caps), iso, rows in zip(captured, isolated, src_rows):
                     masks = [keep_mask(policy, c, ratio) for c in caps]
                     cell["source_kept_cells"].append(int(sum(int(m[:, rows].sum()) for m in masks)))
@@ -205,7 +210,7 @@ class EvictionAudit(Probe):
 
 
 def _outcome(lps: Sequence[dict], a: str, b: str, outcome) -> str:
-    choice = [max(x, key=x.get) if x else None for x in lps]
+    choice = [max(x, key=x.__getitem__) if x else None for x in lps]
     return outcome(choice[0], choice[1], a, b)
 
 
@@ -252,6 +257,14 @@ def summarize_audit(records: Sequence[dict], probe: EvictionAudit | None = None)
                 },
             }
         )
+        if ds:
+            assert sign is not None and wil is not None  # both tested above whenever ds is non-empty
+            d_cell = (
+                f"{median(ds):+.3f} (n={len(ds)}); sign p {format_p(sign.p_value)}, Wilcoxon p "
+                f"{format_p(wil.p_value) if wil.p_value == wil.p_value else 'n/a'}"
+            )
+        else:
+            d_cell = "n/a (source never evicted)"
         rows.append(
             [
                 pname,
@@ -262,12 +275,7 @@ def summarize_audit(records: Sequence[dict], probe: EvictionAudit | None = None)
                 f"{np.mean(kept_share):.3f}" if kept_share else "n/a",
                 fn.describe(2),
                 f"{g_only}:{i_only}, p {format_p(mc.p_value) if mc.p_value == mc.p_value else 'n/a'}",
-                (
-                    f"{median(ds):+.3f} (n={len(ds)}); sign p {format_p(sign.p_value)}, Wilcoxon p "
-                    f"{format_p(wil.p_value) if wil.p_value == wil.p_value else 'n/a'}"
-                    if ds
-                    else "n/a (source never evicted)"
-                ),
+                d_cell,
             ]
         )
     tables = [

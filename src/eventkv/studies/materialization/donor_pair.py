@@ -193,6 +193,7 @@ class DonorPair(PairLayout, PairProbe):
         dec, src, root = rng.sample(self.registers, 3)
         slot = rng.randint(*self.source_slots)
         a, b = rng.sample(self.states, 2)
+        decoys: list[str | None]
         if self.decoy == "independent":
             d = rng.choice(self.states)
             decoys = [d, d]

@@ -73,15 +73,21 @@ def trigger_scatter(data: dict, path) -> Path:
     ax = axes[0][0]
     at: dict = {}
     for fam, marker in (("mirror", "o"), ("flag", "s")):
-        xs, ys, xe, ye = [], [], [[], []], [[], []]
+        xs: list[float] = []
+        ys: list[float] = []
+        xe: list[list[float]] = [[], []]
+        ye: list[list[float]] = [[], []]
         for phrase, per in data["constructions"].items():
             row = per.get(ro)
             if not row or row["family"] != fam or "comprehension" not in row:
                 continue
             c, w = row["comprehension"], row["write_through"]
-            xs.append(c["rate"]), ys.append(w["rate"])
-            xe[0].append(c["rate"] - c["low"]), xe[1].append(c["high"] - c["rate"])
-            ye[0].append(w["rate"] - w["low"]), ye[1].append(w["high"] - w["rate"])
+            xs.append(c["rate"])
+            ys.append(w["rate"])
+            xe[0].append(c["rate"] - c["low"])
+            xe[1].append(c["high"] - c["rate"])
+            ye[0].append(w["rate"] - w["low"])
+            ye[1].append(w["high"] - w["rate"])
             at.setdefault((round(c["rate"], 6), round(w["rate"], 6)), []).append(phrase)
         if xs:
             ax.errorbar(xs, ys, xerr=xe, yerr=ye, fmt=marker, capsize=2, alpha=0.8, label=f"{fam} family")
@@ -136,8 +142,10 @@ def access_figure(data: dict, path) -> Path:
         xs, ys, lo, hi = [], [], [], []
         for i, c in enumerate(cards):
             r = rec[f"{c}/{arm}/{ro}"]["rate"]
-            xs.append(i + (j - 0.5) * 0.35), ys.append(r["rate"])
-            lo.append(r["rate"] - r["low"]), hi.append(r["high"] - r["rate"])
+            xs.append(i + (j - 0.5) * 0.35)
+            ys.append(r["rate"])
+            lo.append(r["rate"] - r["low"])
+            hi.append(r["high"] - r["rate"])
         ax.bar(xs, ys, 0.35, yerr=[lo, hi], capsize=3, label=arm, edgecolor="black", linewidth=0.4)
     for i, c in enumerate(cards):
         ch = rec[f"{c}/kv/{ro}"]["chance"]
@@ -190,8 +198,10 @@ def arm_bars(records: Sequence[dict], arms: Sequence[str], readout: str, title: 
         xs, ys, lo, hi = [], [], [], []
         for i, a in enumerate(arms):
             p = wilson(sum(1 for r in records if r["outcomes"][a][readout] == o), n)
-            xs.append(i + (j - 0.5) * 0.35), ys.append(p.rate)
-            lo.append(p.rate - p.low), hi.append(p.high - p.rate)
+            xs.append(i + (j - 0.5) * 0.35)
+            ys.append(p.rate)
+            lo.append(p.rate - p.low)
+            hi.append(p.high - p.rate)
         ax.bar(xs, ys, 0.35, yerr=[lo, hi], capsize=2, label=o, edgecolor="black", linewidth=0.4)
     ax.set_xticks(range(len(arms)), arms, rotation=30, ha="right", fontsize=8)
     ax.set_ylim(0, 1.1)

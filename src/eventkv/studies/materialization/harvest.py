@@ -258,6 +258,7 @@ class Harvest(DialogueData, Probe):
             )
             arms = {}
             for a, g, s in zip(ARMS, gen, scored):
+                assert g.generation is not None  # asked for with generate=True
                 answer = next((x.strip() for x in g.generation.text.splitlines() if x.strip()), "")
                 margin = s.candidates[0].logprob - s.candidates[1].logprob
                 arms[a] = {

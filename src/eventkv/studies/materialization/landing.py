@@ -163,7 +163,7 @@ class Landing(PairLayout, PairProbe):
         fill = {
             i: f"register {rng.choice(others)} refreshed to {rng.randrange(100, 1000)}" for i in range(self.n_events)
         }
-        hist = {"main": [], "chain": []}
+        hist: dict[str, list[list[str]]] = {"main": [], "chain": []}
         for value in (a, b):
             body = dict(fill)
             body[self.decoy_slot] = f"register {dec} set to state {dv}"

@@ -651,6 +651,7 @@ class MemoryEval(DialogueData, Probe):
                 kw["recompute"] = self.recompute
             if first.schedule is not None:
                 kw["blend_schedule"] = first.schedule
+            selects: list[list[str] | str | None]
             question, selects = prompt, [plans[a].served for a in group]
             if first.relevance is not None:
                 # the memory selects the set again, as served_set did (same question, selector and shaping), so
@@ -663,16 +664,16 @@ class MemoryEval(DialogueData, Probe):
                 kw["messages"] = [{"role": "user", "content": prompt}]
                 question, selects = qa.question, [None] * len(group)
             outs = mem.query_batch(question, [(s, plans[a].mode) for s, a in zip(selects, group)], **kw)
-            for a, ans in zip(group, outs):
-                if first.relevance is not None and sorted(ans.served_ids) != sorted(plans[a].served):
+            for name, ans in zip(group, outs):
+                if first.relevance is not None and sorted(ans.served_ids) != sorted(plans[name].served):
                     raise EventKVError(
-                        f"selector {first.relevance[0]!r} served another set for arm {a!r} when asked again with "
+                        f"selector {first.relevance[0]!r} served another set for arm {name!r} when asked again with "
                         "the same question: a selector must rank deterministically; run with --order log."
                     )
-                answers[a] = ans
-                serve_ms[a] = round(ans.timings_ms["serve"], 3)
-                readout_ms[a] = round(ans.timings_ms["decode"], 3)
-                batch[a] = len(group)
+                answers[name] = ans
+                serve_ms[name] = round(ans.timings_ms["serve"], 3)
+                readout_ms[name] = round(ans.timings_ms["decode"], 3)
+                batch[name] = len(group)
         arms = {}
         row_bytes = self._kv_row_bytes(rt)
         for a in specs:
@@ -810,7 +811,7 @@ def _percentiles(xs: Sequence[float]) -> tuple[float, float]:
 def _arm_order(names) -> list[str]:
     """Arm names in table order: by budget (full and gold last), then rows before the control kinds."""
     kinds = {k: i for i, k in enumerate(ARM_KINDS)}
-    first = {}
+    first: dict[str, int] = {}
     for i, n in enumerate(names):
         first.setdefault(n, i)
 
@@ -919,12 +920,12 @@ def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = No
     for a, other in pairs if main else []:
         diff = [x - y for x, y in zip(f1s(a), f1s(other))]
         b = cluster_bootstrap(diff, clusters)
-        w = wilcoxon_d(diff, what=f"F1 {a} - {other}")
+        test = wilcoxon_d(diff, what=f"F1 {a} - {other}")
         better, worse = sum(x > 0 for x in diff), sum(x < 0 for x in diff)
         data["paired"][f"{a} - {other}"] = {
             **b.__dict__,
-            "wilcoxon_p": w.p_value,
-            "n_nonzero": w.counts["n"],
+            "wilcoxon_p": test.p_value,
+            "n_nonzero": test.counts["n"],
             "better": better,
             "worse": worse,
         }
@@ -936,7 +937,7 @@ def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = No
                 f"{b.estimate:+.3f}",
                 "n/a" if b.n_clusters < 2 else f"[{b.low:+.3f}, {b.high:+.3f}]",
                 f"{better}:{worse}",
-                "n/a" if w.p_value != w.p_value else format_p(w.p_value),
+                "n/a" if test.p_value != test.p_value else format_p(test.p_value),
                 str(len(diff)),
             ]
         )
@@ -1011,8 +1012,8 @@ def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = No
         key = f"{s.selector}@{budget_label(s.budget or 0)}"
         for r in main:
             if key in r.get("selection", {}):
-                n = len(_served_turns(r["selection"][key]["ids"]))
-                by_mode.setdefault(s.positions, []).append((n, r["arms"][a]["f1"]))
+                n_turns = len(_served_turns(r["selection"][key]["ids"]))
+                by_mode.setdefault(s.positions, []).append((n_turns, r["arms"][a]["f1"]))
     pooled = [p for ps in by_mode.values() for p in ps]
     n_empty = sum(n == 0 for n, _ in pooled)
     data["f1_by_turns"] = {
@@ -1048,30 +1049,37 @@ def summarize_memory_eval(records: Sequence[dict], probe: MemoryEval | None = No
         best = max(candidates, key=lambda a: (float(np.mean(f1s(a))), -arms.index(a)))
         line = [f"best rows at {budget_label(at)}", best, f"{np.mean(f1s(best)):.3f}"]
         if "full" in specs:
-            r = cluster_bootstrap_ratio(f1s(best), f1s("full"), clusters)
-            data["headline"] = {"arm": best, "budget": at, "f1": float(np.mean(f1s(best))), **r.__dict__}
+            ratio = cluster_bootstrap_ratio(f1s(best), f1s("full"), clusters)
+            data["headline"] = {"arm": best, "budget": at, "f1": float(np.mean(f1s(best))), **ratio.__dict__}
             data["headline"]["full_f1"] = float(np.mean(f1s("full")))
             line.append(f"{data['headline']['full_f1']:.3f}")
             full_zero = data["headline"]["full_f1"] == 0
-            line.append("n/a (full F1 is 0)" if full_zero else r.interval(single="one conversation"))
+            line.append("n/a (full F1 is 0)" if full_zero else ratio.interval(single="one conversation"))
         else:
             data["headline"] = {"arm": best, "budget": at, "f1": float(np.mean(f1s(best)))}
             line += ["n/a", "n/a"]
         headline_rows.append(line)
     reach_rows = []
-    for c in dict.fromkeys(s.selector for s in specs.values() if s.kind == "text" and main):
+    for sel in dict.fromkeys(s.selector for s in specs.values() if s.kind == "text" and main):
         reached = None
-        for b in budgets:
-            t_name = arm_spec("text", c, b).name
+        for bud in budgets:
+            t_name = arm_spec("text", sel, bud).name
             r_name = next(
-                (n for n in (arm_spec("rows", c, b).name, arm_spec("rows", c, b, "contiguous").name) if n in specs), ""
+                (
+                    n
+                    for n in (arm_spec("rows", sel, bud).name, arm_spec("rows", sel, bud, "contiguous").name)
+                    if n in specs
+                ),
+                "",
             )
             rows_f1 = np.mean(f1s(r_name)) if r_name else 0.0
             if r_name and t_name in specs and rows_f1 > 0 and rows_f1 >= np.mean(f1s(t_name)):  # 0 = 0 is no reach
-                reached = b
+                reached = bud
                 break
-        data["reach_text"][c] = reached
-        reach_rows.append([f"rows reach text ({c})", budget_label(reached) if reached else "at no budget", "", "", ""])
+        data["reach_text"][sel] = reached
+        reach_rows.append(
+            [f"rows reach text ({sel})", budget_label(reached) if reached else "at no budget", "", "", ""]
+        )
 
     tables = []
     if headline_rows or reach_rows:

@@ -96,7 +96,7 @@ class Patch(PairProbe):
         dv = rng.choice(STATES)
         others = [r for r in NAMES if r not in (dec, src)]
         fill = {i: f"register {rng.choice(others)} refreshed to {rng.randrange(100, 1000)}" for i in range(n)}
-        hist = {"patched": [], "rewritten": []}
+        hist: dict[str, list[list[str]]] = {"patched": [], "rewritten": []}
         for old, new in ((old_a, old_b), (old_b, old_a)):
             body = dict(fill)
             body[0] = f"register {dec} set to state {dv}"

@@ -57,10 +57,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import torch
+from transformers.cache_utils import CacheLayerMixin
 
 from eventkv.errors import EventKVError
 from eventkv.log import encode
-from eventkv.prefill import cache_from_rows, check_context, model_device, model_forward
+from eventkv.prefill import cache_from_rows, cache_kv, check_context, model_device, model_forward
 from eventkv.readout import token_logprobs
 
 ARMS = ("clean", "scaffold", "zero-kv", "zero-k", "zero-v", "mask", "mean")
@@ -321,6 +322,8 @@ def _decode(
         if len(keep_rows) < len(active):
             idx = torch.tensor(keep_rows, device=dev)
             for layer in cache.layers:
+                # every layer of the config-less cache_from_rows cache is a DynamicLayer holding rows
+                assert isinstance(layer, CacheLayerMixin) and layer.keys is not None and layer.values is not None
                 layer.keys = layer.keys.index_select(0, idx)
                 layer.values = layer.values.index_select(0, idx)
             for m in masks:
@@ -362,8 +365,7 @@ def clean_run(
     p = prompt.n_rows
     if p > 1:
         model_forward(model, ids[:, : p - 1], torch.arange(p - 1, device=dev).unsqueeze(0), cache, logits_to_keep=1)
-    keys = [layer.keys for layer in cache.layers]
-    values = [layer.values for layer in cache.layers]
+    keys, values = cache_kv(cache)
     toks, stopped, kept, cache = _decode(
         model,
         keys,
@@ -409,7 +411,8 @@ def donor_rows(model, run: CleanRun, donor_ids: Sequence[int]) -> tuple[list[tor
         cache,
         logits_to_keep=1,
     )
-    return [layer.keys[:, :, lo:hi] for layer in cache.layers], [layer.values[:, :, lo:hi] for layer in cache.layers]
+    keys, values = cache_kv(cache)
+    return [k[:, :, lo:hi] for k in keys], [v[:, :, lo:hi] for v in values]
 
 
 def _replacement(arm: str, run: CleanRun, layer: int, donors: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal, Sequence, get_args
+from typing import Any, ClassVar, Literal, Sequence, get_args
 
 from eventkv.errors import EventKVError, OptionError
 from eventkv.log import encode
@@ -198,7 +198,10 @@ class SpliceProbe(Probe):
             )
 
     def max_items(self) -> int | None:
-        return len(load_jsonl(self.task_file)) if self.task == "jsonl" else None
+        if self.task != "jsonl":
+            return None
+        assert self.task_file is not None  # validate() requires a task file for task "jsonl"
+        return len(load_jsonl(self.task_file))
 
     def check_model(self, rt) -> None:
         """The options that need the model: every cutoff within ``0 .. n_layers`` and every KV head below the
@@ -214,6 +217,7 @@ class SpliceProbe(Probe):
     def items(self, seed: int, indices: Sequence[int]) -> list[dict]:
         if self.task != "jsonl":
             return builtin_items(self.task, seed, indices)
+        assert self.task_file is not None  # validate() requires a task file for task "jsonl"
         data = load_jsonl(self.task_file)
         out = []
         for i in indices:
@@ -402,7 +406,8 @@ def summarize_splice(records: Sequence[dict], probe: SpliceProbe | None = None) 
     cutoffs = sorted({k[1] for k in table if len(k) == 3})
     steps = sorted({k[2] for k in table if len(k) == 3})
     n_layers = records[0]["n_layers"] if records else 0
-    tables, data = [], {"clean": clean.__dict__, "cells": {}}
+    tables: list[Table] = []
+    data: dict[str, Any] = {"clean": clean.__dict__, "cells": {}}
     for t in steps:
         rows = []
         for c in cutoffs:

@@ -227,7 +227,7 @@ def load_jsonl(path: str | Path) -> list[dict]:
             the schema (the message names the line, the field and the bad value), or no items.
     """
     p = Path(path)
-    items = []
+    items: list[dict] = []
     for n, _line, obj in read_jsonl(p, "task file", "'prompt' and 'answer' per line"):
         t = check_record(TaskItemSchema, obj, f"{p}:{n}", _TASK_RULES, "a task item")
         items.append(_item(len(items), t.prompt, t.answer, t.options, t.case_sensitive))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from eventkv.errors import EventKVError
 from eventkv.files import write_json_atomic
@@ -75,7 +76,7 @@ def write_contract(out: Path, model: str, summaries: dict[str, Summary], provena
             name, draw = s.figure
             draw(figs / name)
             written.append(name)
-    js = {
+    js: dict[str, Any] = {
         "model": model,
         "quick": quick,
         "pairs": {k: len(load_records(out / k)) for k in summaries},
@@ -116,8 +117,13 @@ def write_contract(out: Path, model: str, summaries: dict[str, Summary], provena
         "table.",
         "",
     ]
-    for s in summaries.values():
-        md += ["---", "", s.data.get("markdown", s.to_markdown()).replace("\n# ", "\n## ").replace("# ", "## ", 1), ""]
+    for summary in summaries.values():
+        md += [
+            "---",
+            "",
+            summary.data.get("markdown", summary.to_markdown()).replace("\n# ", "\n## ").replace("# ", "## ", 1),
+            "",
+        ]
     (out / "contract.md").write_text("\n".join(md))
     js["markdown_table"] = table.to_markdown()
     return js

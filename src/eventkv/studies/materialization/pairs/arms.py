@@ -9,7 +9,7 @@ from typing import Sequence
 
 from eventkv.errors import EventKVError
 from eventkv.log import TokenizedLog
-from eventkv.probes.base import Arm
+from eventkv.probes.base import Arm, Readout
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class PairArm:
     fixed_position: bool = False
     description: str = ""
 
-    def arm(self, readouts: Sequence[str]) -> Arm:
+    def arm(self, readouts: Sequence[Readout]) -> Arm:
         return Arm(
             self.name,
             self.served,

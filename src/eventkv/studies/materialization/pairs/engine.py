@@ -7,7 +7,7 @@ back one :class:`PairRun` per request."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Sequence, cast
 
 from eventkv.errors import EventKVError
 from eventkv.log import TokenizedLog, tokenize_query
@@ -192,7 +192,11 @@ def run_pairs(
     caches = list(caches) if caches is not None else [PrefillCache(rt, instruction) for _ in items]
     used = sorted({a.history for a in arms})
     logs, jobs = _plan_prefills(rt, items, arms, used, instruction, shared_prefix, whole)
-    ekvs = _prefill_rounds(rt, caches, jobs, [{h: [None, None] for h in used} for _ in items])
+    # the planned rounds prefill both variants of every used history: no None is left
+    ekvs = cast(
+        "list[dict[str, list[EventKV]]]",
+        _prefill_rounds(rt, caches, jobs, [{h: [None, None] for h in used} for _ in items]),
+    )
     memo = encode_isolated(rt, instruction, items, arms, logs)
     entries: list[Entry] = []
     served_rec: list[dict] = [{} for _ in items]
@@ -205,7 +209,8 @@ def run_pairs(
             )
             entries += [(i, arm.name, vs, sc) for vs, sc in caches_i]
     results = _read_out_entries(rt, items, arms, entries, readouts, max_new_tokens, answer_prefix)
-    answers = _answers(items, arms, entries, results, parses, record_stopped)
+    # every arm serves both variants of its item (one cache each, or one for both): no None is left
+    answers = cast("list[dict[str, list[dict]]]", _answers(items, arms, entries, results, parses, record_stopped))
     runs = []
     for i, item in enumerate(items):
         outcomes, d = _score(item, arms, answers[i], readouts)
@@ -359,7 +364,7 @@ def _answers(
             lps: dict[str, float] = {}
             for c in res.candidates:  # candidates that tokenize alike keep the first score
                 lps.setdefault(c.text, c.logprob)
-            out.update(logprobs=lps, choice=max(lps, key=lps.get))
+            out.update(logprobs=lps, choice=max(lps, key=lps.__getitem__))
         for v in vs:
             answers[i][name][v] = out
     return answers
@@ -373,7 +378,8 @@ def _score(
     only one candidate was scored)."""
     a, b = item["values"]
     ca, cb = item.get("gold_candidates", item["values"])
-    outcomes, d = {}, {}
+    outcomes: dict[str, dict[str, str]] = {}
+    d: dict[str, float] = {}
     for arm in arms:
         A, B = answers[arm.name]
         outcomes[arm.name] = {}

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence, cast
 
 from eventkv.errors import OptionError
 from eventkv.options import check_max_new_tokens, check_slots
-from eventkv.probes.base import Probe, Runtime
+from eventkv.probes.base import Probe, Readout, Runtime
 from eventkv.studies.materialization.pairs.arms import PairArm
 from eventkv.studies.materialization.pairs.engine import PairRequest, PairRun, run_pairs
 
@@ -173,6 +173,15 @@ class PairProbe(Probe):
     prefill_whole: ClassVar[bool] = False
     batches_items: ClassVar[bool] = True
 
+    if TYPE_CHECKING:  # declared by every subclass (a ``@dataclass``), read by the members below
+        __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+        readout: str
+        max_new_tokens: int
+        instruction: str
+        answer_prefix: str
+
+        def _item(self, seed: int, index: int) -> dict: ...
+
     def __post_init__(self) -> None:
         """Every field whose default is a tuple becomes a tuple (options arrive as JSON lists from a
         manifest or as lists from the CLI), then :meth:`validate` runs."""
@@ -189,8 +198,9 @@ class PairProbe(Probe):
         check_max_new_tokens(self.max_new_tokens)
 
     @property
-    def readouts(self) -> tuple[str, ...]:
-        return ("generate", "logits") if self.readout == "both" else (self.readout,)
+    def readouts(self) -> tuple[Readout, ...]:
+        # check_readout (every subclass's validate) admits only generate, logits or both
+        return ("generate", "logits") if self.readout == "both" else (cast(Readout, self.readout),)
 
     def pair_arms(self) -> list[PairArm]:  # pragma: no cover - every subclass defines it
         raise NotImplementedError

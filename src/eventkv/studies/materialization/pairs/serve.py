@@ -29,7 +29,9 @@ def serve_mixed(own: EventKV, other: EventKV, served: Sequence[str], swap: Seque
         EventKVError: a swapped event whose positions differ between the two prefills.
     """
     order = [HEADER_ID] + [e for e in own.log.event_ids if e in set(served)]
-    ks, vs, ps = [[] for _ in own.keys], [[] for _ in own.keys], []
+    ks: list[list[torch.Tensor]] = [[] for _ in own.keys]
+    vs: list[list[torch.Tensor]] = [[] for _ in own.keys]
+    ps: list[torch.Tensor] = []
     for e in order:
         src = other if e in swap else own
         s = src.log.span(e)
@@ -87,11 +89,21 @@ def serve_arm(
     log0 = logs[0]
     ids = served_ids(item, arm, log0)
     swap = [event_id(item["roles"][arm.history][r]) for r in arm.swap]
+    caches: list[tuple[tuple[int, ...], ServedCache]]
     if arm.encoding == "prefill":
         caches = [
             (
                 (v,),
-                ServedCache(e.keys, e.values, e.positions, None, e.log.history_end, "prefill", tuple(e.log.event_ids)),
+                ServedCache(
+                    e.keys,
+                    e.values,
+                    e.positions,
+                    None,
+                    e.log.history_end,
+                    # the arm's own mode name: the global prefill continued, which no serve() mode produces
+                    "prefill",  # type: ignore[arg-type]
+                    tuple(e.log.event_ids),
+                ),
             )
             for v, e in enumerate(pair)
         ]
