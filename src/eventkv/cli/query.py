@@ -27,7 +27,11 @@ def query(
     ),
     serve: str = typer.Option(..., "--serve", help="Served set: comma-separated event ids, or 'all'."),
     question: str = typer.Option(..., "--question", "-q", help="The question to answer from the served rows."),
-    mode: str = typer.Option("compact", "--mode", help="compact | native | isolated | text | blend (blend recomputes 15% of the served tokens)."),
+    mode: str = typer.Option(
+        "compact",
+        "--mode",
+        help="compact | native | isolated | text | blend (blend recomputes 15% of the served tokens).",
+    ),
     candidates: Optional[str] = typer.Option(
         None, "--candidates", help="Comma-separated answers to score by log-probability."
     ),
