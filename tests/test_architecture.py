@@ -1,20 +1,24 @@
-"""The package map of the README's "Architecture" section, enforced: imports flow one way
+"""The package map of docs/architecture.md, enforced: imports flow one way
 (cli -> studies and sweeps -> mcp -> probe framework, service, client -> wire -> memory, eviction -> data
 path, models, stats), no import cycle, and no module
 imports another's private name. Imports inside functions and under ``TYPE_CHECKING`` count too.
-Also runs the runnable examples in the data path's docstrings."""
+The map lists every module once, with its layer. Also runs the runnable examples in the data path's
+docstrings."""
 
 import ast
 import doctest
 import importlib
 import importlib.util
+import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+DOC = SRC.parent / "docs" / "architecture.md"
 
-#: a module may import modules of its own layer or a lower one (the README's package map)
+#: a module may import modules of its own layer or a lower one (docs/architecture.md, "The import rule")
 LAYERS = (
     ("eventkv", "eventkv.errors", "eventkv.files"),
     ("eventkv.options", "eventkv.stats"),
@@ -175,6 +179,34 @@ def test_no_private_cross_module_import():
         if name and name.startswith("_") and not name.startswith("__") and mod != m
     ]
     assert private == []
+
+
+#: a module row of docs/architecture.md: ``| `path relative to src/eventkv` | layer | job |``
+MAP_ROW = re.compile(r"^\|\s*`([^`|]*(?:\.py|/))`\s*\|([^|]*)\|", re.MULTILINE)
+
+
+def _mapped(path: str) -> str:
+    """The module a map row names: ``memory/rerank.py`` is ``eventkv.memory.rerank``; a package is its
+    ``__init__.py`` (``memory/__init__.py``, the top package's ``__init__.py``) or its folder (``memory/``)."""
+    parts = ["eventkv", *path.removesuffix(".py").strip("/").split("/")]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_package_map_lists_every_module_once():
+    """docs/architecture.md's package map (every table row whose first cell is a backticked path
+    ending in ``.py`` or ``/``): every module of src/eventkv has exactly one row, every row names a
+    module, and each row's layer column is the module's layer in ``LAYERS``."""
+    rows = [(_mapped(path), path, layer.strip()) for path, layer in MAP_ROW.findall(DOC.read_text())]
+    count = Counter(m for m, _, _ in rows)
+    wrong = [f"{MODULES[m].relative_to(SRC / 'eventkv')}: not in the map" for m in sorted(MODULES.keys() - count)]
+    wrong += [f"`{path}`: no such module" for m, path, _ in rows if m not in MODULES]
+    wrong += [f"{m}: listed {n} times" for m, n in count.items() if n > 1]
+    wrong += [
+        f"`{path}`: layer {layer!r}, but {m} is in layer {_layer(m)}"
+        for m, path, layer in rows
+        if m in MODULES and layer != str(_layer(m))
+    ]
+    assert wrong == []
 
 
 @pytest.mark.parametrize("module", ["eventkv.prefill", "eventkv.serve"])
