@@ -24,7 +24,6 @@ LAYERS = (
     ("eventkv.options", "eventkv.stats"),
     (
         "eventkv.models",
-        "eventkv.cache_dir",
         "eventkv.log",
         "eventkv.prefill",
         "eventkv.batched",

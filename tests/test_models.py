@@ -368,15 +368,6 @@ def test_check_dir_detects_size_change_and_stray_files(tmp_path):
     assert "size" in cache_dir.check_dir(tmp_path, full=False).reason
 
 
-def test_old_cache_dir_path_still_imports():
-    """``eventkv.cache_dir`` re-exports ``eventkv.models.cache_dir`` (a deprecated location kept for one release)."""
-    import eventkv.cache_dir as old
-
-    assert {"cache_root", "model_dir", "check_dir", "write_manifest", "MANIFEST_NAME", "CACHE_ENV"} <= set(old.__all__)
-    assert all(getattr(old, name) is getattr(cache_dir, name) for name in old.__all__ if name != "MANIFEST_NAME")
-    assert old.MANIFEST_NAME == cache_dir.MODEL_MANIFEST  # the constant's old name
-
-
 def test_cache_root_from_env(monkeypatch, tmp_path):
     monkeypatch.setenv(cache_dir.CACHE_ENV, str(tmp_path))
     assert cache_dir.model_dir("m") == tmp_path / "models" / "m"

@@ -18,7 +18,7 @@ from pydantic import ValidationError  # noqa: E402
 
 from eventkv.errors import OptionError  # noqa: E402
 from eventkv.service import schemas as s  # noqa: E402
-from eventkv.service.names import MAX_NAME, check_name  # noqa: E402
+from eventkv.wire import MAX_NAME, check_name  # noqa: E402
 
 ALLOWED = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 names = st.one_of(

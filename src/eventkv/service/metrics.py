@@ -13,8 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from eventkv.memory.reader import read_memory
-from eventkv.service.names import NAME
-from eventkv.wire import ERRORS
+from eventkv.wire import ERRORS, NAME
 
 if TYPE_CHECKING:
     from eventkv.service.worker import ModelWorker

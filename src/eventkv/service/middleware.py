@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 
 from eventkv.errors import OptionError
 from eventkv.service.errors import error_answer, error_response
-from eventkv.service.names import check_name
+from eventkv.wire import check_name
 
 #: where the interactive API pages' scripts and styles are served from (fastapi-offline's static files)
 DOCS_ASSETS = "/docs/assets"

@@ -19,9 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from eventkv.errors import OptionError
 from eventkv.readout import MAX_TEMPERATURE, SEED_END, SEED_MIN
-from eventkv.service.names import MAX_NAME, NAME_PATTERN
 from eventkv.service.schemas import MAX_TEXT, EventId, MaxNewTokens, Name, Shaping, json_invalid, pydantic_rule
-from eventkv.wire import MEMORY_HEADER, NotFound
+from eventkv.wire import MAX_NAME, MEMORY_HEADER, NAME_PATTERN, NotFound
 
 #: tokens generated when the request gives neither ``max_completion_tokens`` nor ``max_tokens``
 DEFAULT_MAX_TOKENS = 256
@@ -220,7 +219,7 @@ class ChatRequest(_Strict):
         """
         if header is None:
             return self.memory
-        from eventkv.service.names import check_name
+        from eventkv.wire import check_name
 
         check_name(header, MEMORY_HEADER)
         if self.memory is None:

@@ -10,7 +10,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstr
 
 from eventkv.memory.records import Added, Hit, MemoryAnswer, MemoryRecord, MemoryStats
 from eventkv.options import CARRIER_KINDS, SELECTORS
-from eventkv.service.names import MAX_NAME, NAME_PATTERN
+from eventkv.wire import MAX_NAME, NAME_PATTERN
 
 MAX_TEXT = 32_000  # characters of one event's text or one question
 MAX_EVENTS = 512  # events in one batch add

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.service.names import check_name
+from eventkv.wire import check_name
 
 
 def read_tokens(path: str | Path) -> dict[str, frozenset[str] | None]:

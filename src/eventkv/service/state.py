@@ -25,9 +25,18 @@ from eventkv.memory.reader import read_memory
 from eventkv.service import schemas as s
 from eventkv.service.errors import ClientGone, scrub
 from eventkv.service.metrics import Metrics
-from eventkv.service.names import MAX_NAME, NAME_PATTERN, check_name
 from eventkv.service.worker import MemoryQuery, ModelWorker
-from eventkv.wire import DEFAULT_NAMESPACE, NAMESPACE_HEADER, Conflict, Forbidden, Gone, NotFound
+from eventkv.wire import (
+    DEFAULT_NAMESPACE,
+    MAX_NAME,
+    NAME_PATTERN,
+    NAMESPACE_HEADER,
+    Conflict,
+    Forbidden,
+    Gone,
+    NotFound,
+    check_name,
+)
 
 CONTRACTS = ".contracts"
 

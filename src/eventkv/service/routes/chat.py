@@ -40,10 +40,9 @@ from eventkv.memory.records import MemoryEvent
 from eventkv.readout import Decoding, Generation
 from eventkv.service import openai_schemas as o
 from eventkv.service.errors import ClientGone, openai_responses, status_and_code
-from eventkv.service.names import MAX_NAME, NAME_PATTERN
 from eventkv.service.routes.queries import check_servable
 from eventkv.service.state import Jobs, ServiceState, State, Work, disconnected, get_namespace
-from eventkv.wire import DEFAULT_NAMESPACE, MEMORY_HEADER, NAMESPACE_HEADER
+from eventkv.wire import DEFAULT_NAMESPACE, MAX_NAME, MEMORY_HEADER, NAME_PATTERN, NAMESPACE_HEADER
 
 router = APIRouter()
 
