@@ -37,7 +37,7 @@ from eventkv.memory import EventMemory  # noqa: E402
 from eventkv.memory.chat import chat_prompt_ids, chat_tail_ids  # noqa: E402
 from eventkv.options import SELECTORS  # noqa: E402
 from eventkv.service.app import Settings, create_app  # noqa: E402
-from eventkv.service.routes import chat as chat_route  # noqa: E402
+from eventkv.service.openai import serving  # noqa: E402
 from eventkv.testing import tiny_lm  # noqa: E402
 
 MODEL = "tiny-llama"
@@ -181,13 +181,13 @@ def test_a_remember_queued_after_the_delete_is_refused_404(live, mid, stream):
 def test_a_delete_sent_mid_stream_waits_for_the_streams_clean_end(live, mid, monkeypatch):
     """The stream is held after its first step (the client has its first chunk) until the delete is
     queued; the stream then ends with its finish chunk and [DONE], the delete removes its turns."""
-    step, go, first = chat_route.Stream.step, threading.Event(), threading.Event()
+    step, go, first = serving.Stream.step, threading.Event(), threading.Event()
 
     def held_step(self, piece):
         step(self, piece)
         assert go.wait(120)
 
-    monkeypatch.setattr(chat_route.Stream, "step", held_step)
+    monkeypatch.setattr(serving.Stream, "step", held_step)
 
     def read():
         with httpx.stream("POST", f"{live.url}/v1/chat/completions", json=remember_body(mid, True), timeout=120) as r:

@@ -77,6 +77,43 @@ def test_every_error_is_declared_with_the_error_body(lm, tmp_path):
     assert "401" not in no_tokens["paths"]["/v1/memories"]["get"]["responses"]
 
 
+#: every operation's id, written out in its route as FastAPI generated it, and its router's tag
+OPERATIONS = {
+    "health_health_get": "health",
+    "metrics_metrics_get": "metrics",
+    "create_memory_v1_memories_post": "memories",
+    "list_memories_v1_memories_get": "memories",
+    "get_memory_v1_memories__mid__get": "memories",
+    "delete_memory_v1_memories__mid__delete": "memories",
+    "add_events_v1_memories__mid__events_post": "events",
+    "list_events_v1_memories__mid__events_get": "events",
+    "view_ids_v1_memories__mid__view_get": "events",
+    "get_event_v1_memories__mid__events__eid__get": "events",
+    "event_history_v1_memories__mid__events__eid__history_get": "events",
+    "update_event_v1_memories__mid__events__eid__update_post": "events",
+    "delete_event_v1_memories__mid__events__eid__delete_post": "events",
+    "forget_event_v1_memories__mid__events__eid__forget_post": "events",
+    "pin_event_v1_memories__mid__events__eid__pin_post": "events",
+    "prefill_v1_memories__mid__prefill_post": "operations",
+    "rebase_v1_memories__mid__rebase_post": "operations",
+    "carrier_v1_memories__mid__carriers_post": "operations",
+    "select_v1_memories__mid__select_post": "queries",
+    "search_v1_memories__mid__search_post": "queries",
+    "query_v1_memories__mid__query_post": "queries",
+    "list_models_v1_models_get": "openai",
+    "get_model_v1_models__model__get": "openai",
+    "chat_completions_v1_chat_completions_post": "openai",
+}
+
+
+def test_every_operation_keeps_its_id_and_has_its_routers_tag(lm, tmp_path):
+    """A client generated from the document names its methods by the operation ids: each is written
+    out in its route, so renaming a handler changes none; each operation carries its router's tag."""
+    doc = create_app(Settings(lm, tmp_path / "s")).openapi()
+    got = {op["operationId"]: op["tags"] for ops in doc["paths"].values() for op in ops.values()}
+    assert got == {op: [tag] for op, tag in OPERATIONS.items()}
+
+
 def test_allow_names_every_method_of_the_path(client):
     for path, allowed in [
         ("/v1/memories", "GET, POST"),

@@ -24,8 +24,9 @@ The interactive pages ``/docs`` (Swagger UI) and ``/redoc`` are served with thei
 machine without internet access; they, their assets and ``/openapi.json`` need no bearer token
 (:data:`eventkv.service.middleware.PUBLIC`).
 
-The parts: the routers, one per resource (:mod:`eventkv.service.routes`), handed the app's state,
-worker and metrics by dependency injection (:mod:`eventkv.service.state`); the middleware
+The parts: the routers, one per resource (:mod:`eventkv.service.routes`) and the OpenAI-compatible
+one (:mod:`eventkv.service.openai`), handed the app's state, worker and metrics by dependency
+injection (:mod:`eventkv.service.state`); the middleware
 (:mod:`eventkv.service.middleware`: bearer token, body size and timeout, memory id); the metrics
 (:mod:`eventkv.service.metrics`); the error table and handlers (:mod:`eventkv.service.errors`).
 """
@@ -44,14 +45,21 @@ from fastapi.openapi.utils import get_openapi
 from fastapi_offline import FastAPIOffline
 
 from eventkv.memory.store import remove_leftovers
+from eventkv.service import routes
 from eventkv.service.errors import OPENAI_UNAUTHORIZED, UNAUTHORIZED, Handlers, openai_path
 from eventkv.service.metrics import Measure, Metrics
 from eventkv.service.middleware import DOCS_ASSETS, BearerAuth, BodyLimit, MemoryIdCheck
-from eventkv.service.routes import GUARDED, OPENAI, ROUTERS
+from eventkv.service.openai.router import router as openai_router
 from eventkv.service.state import CONTRACTS, ServiceState, Settings
 from eventkv.service.worker import ModelWorker
 
 __all__ = ["Settings", "clean_leftovers", "create_app"]
+
+#: the routers behind the bearer token (when the app has tokens): the service's, then the
+#: OpenAI-compatible one, whose errors are in OpenAI's shape (:func:`eventkv.service.errors.error_answer`)
+GUARDED = (*routes.GUARDED, openai_router)
+#: every router, in the order the app includes them (the OpenAPI document lists their paths so)
+ROUTERS = (*routes.ROUTERS, openai_router)
 
 
 def clean_leftovers(root: Path) -> list[str]:
@@ -78,7 +86,7 @@ def clean_leftovers(root: Path) -> list[str]:
 def create_app(settings: Settings) -> FastAPI:
     """The service's FastAPI app over ``settings`` (the worker starts with the app and stops with
     its lifespan: queued work finishes, every memory is closed). The routers
-    (:mod:`eventkv.service.routes`) read the state, the worker and the metrics from ``app.state``
+    (:data:`ROUTERS`) read the state, the worker and the metrics from ``app.state``
     through their dependencies (:mod:`eventkv.service.state`)."""
     root = Path(settings.store)
     root.mkdir(parents=True, exist_ok=True)
@@ -113,7 +121,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(Measure, requests=metrics.requests, latency=metrics.latency)
     Handlers(root, ROUTERS).install(app)
     for router in ROUTERS:  # 401 is declared where the bearer token is asked for: every route but /health
-        unauthorized = OPENAI_UNAUTHORIZED if router in OPENAI else UNAUTHORIZED
+        unauthorized = OPENAI_UNAUTHORIZED if router is openai_router else UNAUTHORIZED
         app.include_router(router, responses=unauthorized if settings.tokens and router in GUARDED else None)
 
     served = app.state.service.served

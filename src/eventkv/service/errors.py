@@ -25,8 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 
 from eventkv.errors import EventKVError, OptionError, show_value
-from eventkv.service import openai_schemas as o
 from eventkv.service import schemas as s
+from eventkv.service.openai import protocol as o
 from eventkv.wire import ERRORS
 
 
@@ -95,7 +95,7 @@ def openai_status(status: int) -> int:
 def openai_error_response(
     status: int, code: str | None, message: str, headers: dict | None = None, param: str | None = None
 ) -> JSONResponse:
-    """An error answer in OpenAI's shape (:class:`eventkv.service.openai_schemas.OpenAIErrorOut`),
+    """An error answer in OpenAI's shape (:class:`eventkv.service.openai.protocol.OpenAIErrorOut`),
     with the status :func:`openai_status` gives and OpenAI's type for it."""
     status = openai_status(status)
     kind = {401: "authentication_error", 403: "permission_error"}.get(

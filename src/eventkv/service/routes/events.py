@@ -19,7 +19,7 @@ from eventkv.service.errors import MEMORY, QUEUED, responses
 from eventkv.service.state import Jobs, MemoryId, Namespace, ServiceState, State, Work, live, not_forgotten
 from eventkv.wire import Conflict, NotFound
 
-router = APIRouter()
+router = APIRouter(tags=["events"])
 
 #: an event id in a path: no ``/``, no NUL (``.`` and ``..`` travel percent-encoded, as the client sends them)
 EventIdPath = Annotated[
@@ -52,7 +52,13 @@ def untaken(mem, ids) -> None:
         raise Conflict(f"event id {eid!r} is taken in memory {mem.directory.name!r}: give another id, or none.")
 
 
-@router.post("/v1/memories/{mid}/events", status_code=201, response_model=s.WriteOut, responses=responses(*QUEUED))
+@router.post(
+    "/v1/memories/{mid}/events",
+    operation_id="add_events_v1_memories__mid__events_post",
+    status_code=201,
+    response_model=s.WriteOut,
+    responses=responses(*QUEUED),
+)
 async def add_events(mid: MemoryId, body: s.AddEvents, ns: Namespace, state: State, jobs: Work):
     d = state.existing(ns, mid)
     events = [MemoryEvent(e.text, e.role, e.id, tuple(e.tags), e.budget, e.kind) for e in body.events]
@@ -65,7 +71,12 @@ async def add_events(mid: MemoryId, body: s.AddEvents, ns: Namespace, state: Sta
     return await jobs.on_memory(d, verb, body.expected_version)
 
 
-@router.get("/v1/memories/{mid}/events", response_model=list[s.RecordOut], responses=responses(*MEMORY))
+@router.get(
+    "/v1/memories/{mid}/events",
+    operation_id="list_events_v1_memories__mid__events_get",
+    response_model=list[s.RecordOut],
+    responses=responses(*MEMORY),
+)
 def list_events(
     mid: MemoryId, ns: Namespace, state: State, include_superseded: bool = False, include_deleted: bool = False
 ):
@@ -73,7 +84,12 @@ def list_events(
     return table.list(include_superseded, include_deleted)
 
 
-@router.get("/v1/memories/{mid}/view", response_model=list[str], responses=responses(*MEMORY))
+@router.get(
+    "/v1/memories/{mid}/view",
+    operation_id="view_ids_v1_memories__mid__view_get",
+    response_model=list[str],
+    responses=responses(*MEMORY),
+)
 def view_ids(mid: MemoryId, ns: Namespace, state: State):
     return read_memory(state.existing(ns, mid)).table.view_ids()
 
@@ -90,12 +106,22 @@ def lookup(state: ServiceState, ns: str, mid: str, eid: str, what: Callable):
         raise NotFound(f"no event {eid!r} in memory {mid!r}.") from None
 
 
-@router.get("/v1/memories/{mid}/events/{eid}", response_model=s.RecordOut, responses=responses(*MEMORY))
+@router.get(
+    "/v1/memories/{mid}/events/{eid}",
+    operation_id="get_event_v1_memories__mid__events__eid__get",
+    response_model=s.RecordOut,
+    responses=responses(*MEMORY),
+)
 def get_event(mid: MemoryId, eid: EventIdPath, ns: Namespace, state: State):
     return lookup(state, ns, mid, eid, lambda t: t.lookup(eid))
 
 
-@router.get("/v1/memories/{mid}/events/{eid}/history", response_model=list[s.RecordOut], responses=responses(*MEMORY))
+@router.get(
+    "/v1/memories/{mid}/events/{eid}/history",
+    operation_id="event_history_v1_memories__mid__events__eid__history_get",
+    response_model=list[s.RecordOut],
+    responses=responses(*MEMORY),
+)
 def event_history(mid: MemoryId, eid: EventIdPath, ns: Namespace, state: State):
     return lookup(state, ns, mid, eid, lambda t: t.history(eid))
 
@@ -107,7 +133,13 @@ def event_write(state: ServiceState, jobs: Jobs, verb: Callable, body: s.Write, 
     return jobs.on_memory(d, verb, body.expected_version, eid)
 
 
-@router.post("/v1/memories/{mid}/events/{eid}/update", status_code=201, response_model=s.WriteOut, responses=EVENT)
+@router.post(
+    "/v1/memories/{mid}/events/{eid}/update",
+    operation_id="update_event_v1_memories__mid__events__eid__update_post",
+    status_code=201,
+    response_model=s.WriteOut,
+    responses=EVENT,
+)
 async def update_event(mid: MemoryId, eid: EventIdPath, body: s.UpdateEvent, ns: Namespace, state: State, jobs: Work):
     def verb(mem):
         live(mem, eid, "updated", root=True)
@@ -117,7 +149,12 @@ async def update_event(mid: MemoryId, eid: EventIdPath, body: s.UpdateEvent, ns:
     return await event_write(state, jobs, verb, body, ns, mid, eid)
 
 
-@router.post("/v1/memories/{mid}/events/{eid}/delete", response_model=s.WriteOut, responses=EVENT)
+@router.post(
+    "/v1/memories/{mid}/events/{eid}/delete",
+    operation_id="delete_event_v1_memories__mid__events__eid__delete_post",
+    response_model=s.WriteOut,
+    responses=EVENT,
+)
 async def delete_event(
     mid: MemoryId, eid: EventIdPath, ns: Namespace, state: State, jobs: Work, body: s.Write | None = None
 ):
@@ -129,7 +166,12 @@ async def delete_event(
     return await event_write(state, jobs, verb, body or s.Write(), ns, mid, eid)
 
 
-@router.post("/v1/memories/{mid}/events/{eid}/forget", response_model=s.WriteOut, responses=EVENT)
+@router.post(
+    "/v1/memories/{mid}/events/{eid}/forget",
+    operation_id="forget_event_v1_memories__mid__events__eid__forget_post",
+    response_model=s.WriteOut,
+    responses=EVENT,
+)
 async def forget_event(
     mid: MemoryId, eid: EventIdPath, ns: Namespace, state: State, jobs: Work, body: s.Write | None = None
 ):
@@ -142,7 +184,12 @@ async def forget_event(
     return await event_write(state, jobs, verb, body or s.Write(), ns, mid, eid)
 
 
-@router.post("/v1/memories/{mid}/events/{eid}/pin", response_model=s.WriteOut, responses=EVENT)
+@router.post(
+    "/v1/memories/{mid}/events/{eid}/pin",
+    operation_id="pin_event_v1_memories__mid__events__eid__pin_post",
+    response_model=s.WriteOut,
+    responses=EVENT,
+)
 async def pin_event(
     mid: MemoryId, eid: EventIdPath, ns: Namespace, state: State, jobs: Work, body: s.PinEvent | None = None
 ):

@@ -22,10 +22,16 @@ from eventkv.service.errors import MEMORY, QUEUED, SCOPED, responses
 from eventkv.service.state import MemoryId, Namespace, State, Work
 from eventkv.wire import NAMESPACE_HEADER, Conflict, Forbidden
 
-router = APIRouter()
+router = APIRouter(tags=["memories"])
 
 
-@router.post("/v1/memories", status_code=201, response_model=s.MemoryOut, responses=responses(*SCOPED, 409, 503, 507))
+@router.post(
+    "/v1/memories",
+    operation_id="create_memory_v1_memories_post",
+    status_code=201,
+    response_model=s.MemoryOut,
+    responses=responses(*SCOPED, 409, 503, 507),
+)
 async def create_memory(body: s.CreateMemory, ns: Namespace, state: State, jobs: Work):
     from eventkv.memory import EventMemory
 
@@ -66,7 +72,12 @@ async def create_memory(body: s.CreateMemory, ns: Namespace, state: State, jobs:
     return state.memory_out(d)
 
 
-@router.get("/v1/memories", response_model=list[s.MemoryOut | s.DamagedMemoryOut], responses=responses(*SCOPED))
+@router.get(
+    "/v1/memories",
+    operation_id="list_memories_v1_memories_get",
+    response_model=list[s.MemoryOut | s.DamagedMemoryOut],
+    responses=responses(*SCOPED),
+)
 def list_memories(ns: Namespace, state: State):
     base = state.root / ns
     dirs = sorted(p for p in base.iterdir() if not p.name.startswith(".")) if base.is_dir() else []
@@ -85,12 +96,22 @@ def list_memories(ns: Namespace, state: State):
     return out
 
 
-@router.get("/v1/memories/{mid}", response_model=s.MemoryOut, responses=responses(*MEMORY))
+@router.get(
+    "/v1/memories/{mid}",
+    operation_id="get_memory_v1_memories__mid__get",
+    response_model=s.MemoryOut,
+    responses=responses(*MEMORY),
+)
 def get_memory(mid: MemoryId, ns: Namespace, state: State):
     return state.memory_out(state.existing(ns, mid))
 
 
-@router.delete("/v1/memories/{mid}", response_model=s.WriteOut, responses=responses(*QUEUED))
+@router.delete(
+    "/v1/memories/{mid}",
+    operation_id="delete_memory_v1_memories__mid__delete",
+    response_model=s.WriteOut,
+    responses=responses(*QUEUED),
+)
 async def delete_memory(
     mid: MemoryId,
     ns: Namespace,

@@ -12,10 +12,10 @@ from eventkv.service.errors import responses
 from eventkv.service.metrics import Metrics
 from eventkv.service.state import get_metrics
 
-router = APIRouter()
+router = APIRouter(tags=["metrics"])
 
 
-@router.get("/metrics", responses=responses())
+@router.get("/metrics", operation_id="metrics_metrics_get", responses=responses())
 def metrics(request: Request, series: Annotated[Metrics, Depends(get_metrics)]):
     """Prometheus text: the server-wide series, and the per-memory series of the namespaces the
     token is granted (every namespace without a token file or with an unrestricted token)."""

@@ -10,7 +10,7 @@ from eventkv.service import schemas as s
 from eventkv.service.errors import QUEUED, responses
 from eventkv.service.state import MemoryId, Namespace, State, Work, live
 
-router = APIRouter()
+router = APIRouter(tags=["operations"])
 
 
 def rows_route(verb: str):
@@ -36,13 +36,18 @@ for _verb in ("prefill", "rebase"):
         rows_route(_verb),
         methods=["POST"],
         name=_verb,
+        operation_id=f"{_verb}_v1_memories__mid__{_verb}_post",
         response_model=s.WriteOut,
         responses=responses(*QUEUED),
     )
 
 
 @router.post(
-    "/v1/memories/{mid}/carriers", status_code=201, response_model=s.CarrierOut, responses=responses(*QUEUED, 410)
+    "/v1/memories/{mid}/carriers",
+    operation_id="carrier_v1_memories__mid__carriers_post",
+    status_code=201,
+    response_model=s.CarrierOut,
+    responses=responses(*QUEUED, 410),
 )
 async def carrier(mid: MemoryId, body: s.CarrierIn, ns: Namespace, state: State, jobs: Work):
     def verb(mem):

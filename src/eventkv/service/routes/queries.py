@@ -12,7 +12,7 @@ from eventkv.service.errors import QUEUED, responses
 from eventkv.service.state import MemoryId, Namespace, State, Work, not_forgotten
 from eventkv.wire import Conflict
 
-router = APIRouter()
+router = APIRouter(tags=["queries"])
 
 
 def served_ids(mem, ids) -> None:
@@ -35,21 +35,36 @@ def check_servable(mem, select, mid: str) -> None:
             raise Conflict(f"memory {mid!r} has no live events to serve: add some first.")
 
 
-@router.post("/v1/memories/{mid}/select", response_model=list[str], responses=responses(*QUEUED))
+@router.post(
+    "/v1/memories/{mid}/select",
+    operation_id="select_v1_memories__mid__select_post",
+    response_model=list[str],
+    responses=responses(*QUEUED),
+)
 async def select(mid: MemoryId, body: s.SelectIn, ns: Namespace, state: State, jobs: Work):
     return await jobs.on_memory(
         state.existing(ns, mid), lambda mem: mem.select(body.question, body.k, **body.shaping()), None
     )
 
 
-@router.post("/v1/memories/{mid}/search", response_model=list[s.HitOut], responses=responses(*QUEUED))
+@router.post(
+    "/v1/memories/{mid}/search",
+    operation_id="search_v1_memories__mid__search_post",
+    response_model=list[s.HitOut],
+    responses=responses(*QUEUED),
+)
 async def search(mid: MemoryId, body: s.SearchIn, ns: Namespace, state: State, jobs: Work):
     return await jobs.on_memory(
         state.existing(ns, mid), lambda mem: mem.search(body.query, body.k, **body.shaping()), None
     )
 
 
-@router.post("/v1/memories/{mid}/query", response_model=s.AnswerOut, responses=responses(*QUEUED, 410))
+@router.post(
+    "/v1/memories/{mid}/query",
+    operation_id="query_v1_memories__mid__query_post",
+    response_model=s.AnswerOut,
+    responses=responses(*QUEUED, 410),
+)
 async def query(mid: MemoryId, body: s.QueryIn, ns: Namespace, state: State, jobs: Work):
     def prepare(mem):
         check_servable(mem, body.select, mid)
