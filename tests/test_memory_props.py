@@ -84,7 +84,9 @@ def test_any_sequence_of_verbs_keeps_the_gate(ops):
                 _consistent(mem)
             if not mem._stored():
                 return
-            got = mem.query(QUESTION, select="all", max_new_tokens=1, keep_logits=True).generation.logits[0]
+            got = mem.query(
+                QUESTION, select="all", max_new_tokens=1, keep_logits=True, positions="original"
+            ).generation.logits[0]
             _consistent(mem)
             tlog = tokenize(mem.event_log("all"), LM.tokenizer, LM.profile)
             assert mem._ekv.log.input_ids == tlog.input_ids and mem._ekv.log.position_ids == tlog.position_ids

@@ -103,7 +103,22 @@ def test_max_new_tokens_past_the_context_is_named_before_anything_is_written(mon
         str(store),
     )
     tlog = tokenize(EventLog.from_jsonl(jsonl), lm.tokenizer, lm.profile)
-    used = tlog.history_end + len(tokenize_query(lm.tokenizer, lm.profile, "which?"))
+    q = len(tokenize_query(lm.tokenizer, lm.profile, "which?"))
+    used = tlog.span("<header>").n_tokens + tlog.span("a").n_tokens + q  # the default: contiguous positions
+    _one_line_exit_2(
+        code,
+        out,
+        err,
+        f"--max-new-tokens 100000: the header, the served events and the query take {used} of the "
+        f"model's 4096 positions (contiguous positions): give at most {4096 - used} new tokens.",
+    )
+    assert not store.exists()
+    # at the original positions the whole history counts
+    code, out, err = run_cli(
+        monkeypatch, capsys, "query", "--log", str(jsonl), "--serve", "a", "-q", "which?", "--max-new-tokens",
+        "100000", "--store", str(store), "--positions", "original",
+    )  # fmt: skip
+    used = tlog.history_end + q
     _one_line_exit_2(
         code,
         out,

@@ -230,8 +230,24 @@ def answer(
     if positions is None:  # checked first: bad options are refused before the model is touched
         positions = default_positions(lm.model, [mode])
     q = tokenize_query(lm.tokenizer, lm.profile, question)
-    # contiguous: the query follows the served rows, so the readout checks the context, not the history's end
+    # contiguous: the query follows the served rows, so the context counts the header and the served events,
+    # not the history's end; checked here, before anything is computed or written
     after_history = (len(q), max_new_tokens) if positions == "original" else (0, 0)
+    ctx = lm.profile.max_context
+    if positions != "original" and ctx is not None:
+        tlog = tokenize(log, lm.tokenizer, lm.profile)
+        if isinstance(served, str):
+            ids = list(tlog.event_ids) if served.strip() == ALL else [s.strip() for s in served.split(",")]
+        else:
+            ids = list(served)
+        used = tlog.span(HEADER_ID).n_tokens + sum(tlog.span(e).n_tokens for e in dict.fromkeys(ids)) + len(q)
+        if used + max_new_tokens > ctx:
+            raise OptionError(
+                "max_new_tokens",
+                max_new_tokens,
+                f"the header, the served events and the query take {used} of the model's {ctx} positions "
+                f"(contiguous positions): give at most {ctx - used} new tokens.",
+            )
     ekv, reused, store = prefill_or_load(
         lm, log, store, chunk_size, query_tokens=after_history[0], max_new_tokens=after_history[1]
     )

@@ -193,8 +193,9 @@ def rerotatable(model: PreTrainedModel) -> bool:
     heads = int(text.num_attention_heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
-    keys = [torch.zeros(1, kv_heads, 1, head_dim) for _ in range(int(text.num_hidden_layers))]
-    one = torch.ones(1, dtype=torch.long)
+    # a probe key per layer on the CPU: rerotate moves its rotation to each key's device
+    keys = [torch.zeros(1, kv_heads, 1, head_dim, device="cpu") for _ in range(int(text.num_hidden_layers))]
+    one = torch.ones(1, dtype=torch.long, device="cpu")
     try:
         rerotate(model, keys, one - 1, one)
         ok = True
