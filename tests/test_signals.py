@@ -63,6 +63,11 @@ CODES = [(signal.SIGTERM, 143), (signal.SIGINT, 130)]
 """A batch command's exit status per signal (128 + the signal's number, the shell's convention)."""
 
 
+def _default_sigint() -> None:
+    """In the child, before exec: SIGINT back to its default disposition."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Child:
     """``eventkv ARGS`` in a subprocess: ``pause`` (a path) runs it under :data:`PAUSED`; ``wire``: stdin and
     stdout are the MCP stdio transport (:meth:`send`, :meth:`reply`) and stderr is the log, else stdout and
@@ -79,6 +84,9 @@ class Child:
             stderr=subprocess.PIPE if wire else subprocess.STDOUT,
             text=True,
             env=env,
+            # a shell without job control starts background jobs with SIGINT ignored, and a child inherits that
+            # (then Python installs no KeyboardInterrupt handler): the command is tested as a terminal starts it
+            preexec_fn=_default_sigint,
         )
         self.log: list[str] = []
         self.wire: queue.Queue[str] = queue.Queue()
