@@ -53,6 +53,7 @@ def prefill_or_load(
     *,
     query_tokens: int = 0,
     max_new_tokens: int = 0,
+    served: Sequence[str] | None = None,
 ) -> tuple[EventKV, bool, Path]:
     """Tokenize and globally prefill ``log``, reusing the EventKV stored at ``store`` when it was made
     from the same tokens by the same weights in the same dtype (on any device: a stored EventKV is read
@@ -63,7 +64,8 @@ def prefill_or_load(
     *different* EventKV (another log, model or dtype) is refused, never overwritten.
 
     ``query_tokens`` and ``max_new_tokens`` (tokens a query will add) are checked against the
-    model's context *before* anything is computed or written.
+    model's context *before* anything is computed or written: after the whole history, or with ``served``
+    (the event ids a query serves at contiguous positions, or ``["all"]``) after the header and those events.
 
     Raises:
         EventKVError: history (+ query) longer than the model's context; a given ``store`` holding
@@ -73,14 +75,19 @@ def prefill_or_load(
     tlog = tokenize(log, lm.tokenizer, lm.profile)
     ctx = lm.profile.max_context
     check_context(tlog.history_end, ctx)
-    check_context(tlog.history_end + query_tokens, ctx, what="history plus query")
-    if ctx is not None and tlog.history_end + query_tokens + max_new_tokens > ctx:
-        used = tlog.history_end + query_tokens
+    if served is None:
+        check_context(tlog.history_end + query_tokens, ctx, what="history plus query")
+        used, taken = tlog.history_end + query_tokens, "the history and the query take"
+    else:  # contiguous: the query follows the header and the served events
+        ids = tlog.event_ids if list(served) == [ALL] else served
+        used = tlog.span(HEADER_ID).n_tokens + sum(tlog.span(e).n_tokens for e in dict.fromkeys(ids)) + query_tokens
+        taken = "the header, the served events and the query take"
+    if ctx is not None and used + max_new_tokens > ctx:
+        where = "" if served is None else " (contiguous positions)"
         raise OptionError(
             "max_new_tokens",
             max_new_tokens,
-            f"the history and the query take {used} of the model's "
-            f"{ctx} positions: give at most {ctx - used} new tokens.",
+            f"{taken} {used} of the model's {ctx} positions{where}: give at most {ctx - used} new tokens.",
         )
     given = store is not None
     store = Path(store) if store is not None else store_dir_for(lm, tlog)
@@ -231,25 +238,15 @@ def answer(
         positions = default_positions(lm.model, [mode])
     q = tokenize_query(lm.tokenizer, lm.profile, question)
     # contiguous: the query follows the served rows, so the context counts the header and the served events,
-    # not the history's end; checked here, before anything is computed or written
-    after_history = (len(q), max_new_tokens) if positions == "original" else (0, 0)
-    ctx = lm.profile.max_context
-    if positions != "original" and ctx is not None:
-        tlog = tokenize(log, lm.tokenizer, lm.profile)
-        if isinstance(served, str):
-            ids = list(tlog.event_ids) if served.strip() == ALL else [s.strip() for s in served.split(",")]
-        else:
-            ids = list(served)
-        used = tlog.span(HEADER_ID).n_tokens + sum(tlog.span(e).n_tokens for e in dict.fromkeys(ids)) + len(q)
-        if used + max_new_tokens > ctx:
-            raise OptionError(
-                "max_new_tokens",
-                max_new_tokens,
-                f"the header, the served events and the query take {used} of the model's {ctx} positions "
-                f"(contiguous positions): give at most {ctx - used} new tokens.",
-            )
+    # not the history's end
+    if positions == "original":
+        ids = None
+    elif isinstance(served, str):
+        ids = [ALL] if served.strip() == ALL else [s.strip() for s in served.split(",")]
+    else:
+        ids = list(served)
     ekv, reused, store = prefill_or_load(
-        lm, log, store, chunk_size, query_tokens=after_history[0], max_new_tokens=after_history[1]
+        lm, log, store, chunk_size, query_tokens=len(q), max_new_tokens=max_new_tokens, served=ids
     )
     sc = serve(ekv, served, mode, model=lm.model, positions=positions)
     p = lm.profile

@@ -30,7 +30,7 @@ import numpy as np
 
 from eventkv.errors import EventKVError, OptionError
 from eventkv.memory.attention import AttentionSelector, Pooling
-from eventkv.memory.select import ScoringSelector, SelectionContext, Selector, selector_for
+from eventkv.memory.select import ScoringSelector, SelectionContext, Selector, selector_for, within_budget
 
 if TYPE_CHECKING:  # pragma: no cover
     from eventkv.memory.records import MemoryRecord
@@ -57,15 +57,7 @@ def pool_of(order: Sequence[int], rows: Sequence[int], pool: float) -> list[int]
     Returns:
         the prefix, in ``order``'s order (empty only when ``order`` is).
     """
-    cap = int(pool * sum(rows))
-    out: list[int] = []
-    used = 0
-    for i in order:
-        if out and used + rows[i] > cap:
-            break
-        out.append(i)
-        used += rows[i]
-    return out
+    return within_budget(order, [rows[i] for i in order], int(pool * sum(rows))) or list(order[:1])
 
 
 def rerank_scores(first: Sequence[int], candidates: Sequence[int], second: np.ndarray, n: int) -> np.ndarray:
