@@ -26,14 +26,14 @@ from itertools import product
 import numpy as np
 import torch
 
-from eventkv.log import HEADER_ID, Event, EventLog, tokenize
+from eventkv.kv.log import HEADER_ID, Event, EventLog, tokenize
+from eventkv.kv.prefill import prefill
 from eventkv.memory.attention import ATTENDS, POOLINGS, attention_modules, event_scores, question_queries
 from eventkv.memory.dialogue import truncate
 from eventkv.memory.select import best_first
 from eventkv.memory.select import scores as bm25_scores
 from eventkv.models import load
 from eventkv.options import DIALOGUE_FORMATS
-from eventkv.prefill import prefill
 
 LOCOMO_DEV = "/work/shared/data/locomo/locomo10-dev.json"
 

@@ -65,10 +65,10 @@ def study_pair(rt: Runtime, probe: DonorPair, item: dict) -> float:
     """One donor pair the study's way, on eventkv's data path: per variant the header and every event
     prefilled from scratch, then greedy generation at batch 1 (up to ``probe.max_new_tokens`` tokens)
     for {decoy, root} served compactly and for every event. Returns wall seconds."""
-    from eventkv.log import TokenizedLog, tokenize_query
-    from eventkv.prefill import prefill
-    from eventkv.readout import generate
-    from eventkv.serve import serve
+    from eventkv.kv.log import TokenizedLog, tokenize_query
+    from eventkv.kv.prefill import prefill
+    from eventkv.kv.readout import generate
+    from eventkv.kv.serve import serve
 
     t = time.perf_counter()
     ids = [probe.event_id(i) for i in range(probe.n_events)]

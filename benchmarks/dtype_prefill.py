@@ -17,9 +17,9 @@ import gc
 import torch
 from serve_vs_prefill import make_log, timed
 
-from eventkv.log import tokenize
+from eventkv.kv.log import tokenize
+from eventkv.kv.prefill import prefill
 from eventkv.models import load, resolve_dtype
-from eventkv.prefill import prefill
 
 
 def main() -> None:

@@ -48,13 +48,14 @@ import transformers
 from serve_vs_prefill import make_log, reprefill_answer, served_and_query, timed
 
 from eventkv.errors import EventKVError
-from eventkv.log import tokenize
+from eventkv.kv.log import tokenize
+from eventkv.kv.prefill import prefill
+from eventkv.kv.readout import generate
+from eventkv.kv.rows import EventKV
+from eventkv.kv.serve import serve
 from eventkv.models import ALIASES, LoadedModel, profile_for, pull
 from eventkv.models.cache_dir import check_dir, model_dir
-from eventkv.prefill import EventKV, prefill
 from eventkv.probes import Runtime
-from eventkv.readout import generate
-from eventkv.serve import serve
 from eventkv.studies.materialization.donor_pair import DonorPair
 
 HERE = Path(__file__).resolve().parent

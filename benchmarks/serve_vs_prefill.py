@@ -23,11 +23,13 @@ from typing import Callable
 import torch
 from transformers import DynamicCache
 
-from eventkv.log import Event, EventLog, TokenizedLog, tokenize, tokenize_query
+from eventkv.kv.log import Event, EventLog, TokenizedLog, tokenize, tokenize_query
+from eventkv.kv.model import model_forward
+from eventkv.kv.prefill import prefill
+from eventkv.kv.readout import generate
+from eventkv.kv.rows import EventKV
+from eventkv.kv.serve import serve
 from eventkv.models import load
-from eventkv.prefill import EventKV, model_forward, prefill
-from eventkv.readout import generate
-from eventkv.serve import serve
 
 
 def make_log(tokenizer, profile, target_tokens: int, seed: int = 0) -> EventLog:

@@ -22,19 +22,7 @@ DOC = SRC.parent / "docs" / "architecture.md"
 LAYERS = (
     ("eventkv", "eventkv.errors", "eventkv.files"),
     ("eventkv.options", "eventkv.stats"),
-    (
-        "eventkv.models",
-        "eventkv.log",
-        "eventkv.prefill",
-        "eventkv.batched",
-        "eventkv.rope",
-        "eventkv.serve",
-        "eventkv.blend",
-        "eventkv.readout",
-        "eventkv.query",
-        "eventkv.windowed",
-        "eventkv.testing",
-    ),
+    ("eventkv.models", "eventkv.kv", "eventkv.testing"),
     ("eventkv.memory", "eventkv.eviction"),
     ("eventkv.wire",),
     ("eventkv.client", "eventkv.service", "eventkv.probes"),
@@ -208,7 +196,7 @@ def test_package_map_lists_every_module_once():
     assert wrong == []
 
 
-@pytest.mark.parametrize("module", ["eventkv.prefill", "eventkv.serve"])
+@pytest.mark.parametrize("module", ["eventkv.kv.prefill", "eventkv.kv.serve"])
 def test_docstring_examples_run(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0

@@ -1,5 +1,5 @@
-"""Pairs batched across items: :func:`eventkv.batched.prefill_batch` equals the
-one-at-a-time prefill, :func:`eventkv.readout.read_out` takes one query per cache, and a pair probe's
+"""Pairs batched across items: :func:`eventkv.kv.batched.prefill_batch` equals the
+one-at-a-time prefill, :func:`eventkv.kv.readout.read_out` takes one query per cache, and a pair probe's
 ``run_batch`` (``--batch-pairs N``) writes the records of ``run_item`` up to float rounding — the
 same greedy texts, answers and outcomes, candidate log-probs and d within TOL — on tiny Llama, Qwen2
 and Gemma 3 (sliding window of 16 rows, shorter than a history, so padding that moved a window
@@ -11,11 +11,11 @@ import pytest
 import torch
 from probe_fixtures import tiny_runtime
 
-from eventkv.batched import prefill_batch
 from eventkv.errors import EventKVError
-from eventkv.log import tokenize_query
-from eventkv.readout import read_out
-from eventkv.serve import serve
+from eventkv.kv.batched import prefill_batch
+from eventkv.kv.log import tokenize_query
+from eventkv.kv.readout import read_out
+from eventkv.kv.serve import serve
 from eventkv.studies.materialization.donor_pair import DonorPair
 from eventkv.studies.materialization.pairs import PrefillCache, tokenize_pair
 
@@ -204,7 +204,7 @@ def test_batch_pairs_is_refused_for_a_probe_that_does_not_batch():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_encode_alone_equals_serving_each_event_alone(family):
-    from eventkv.batched import encode_alone
+    from eventkv.kv.batched import encode_alone
 
     rt = tiny_runtime(family)
     probe = DonorPair()

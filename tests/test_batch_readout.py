@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from eventkv.errors import EventKVError
+from eventkv.kv.readout import read_out
+from eventkv.kv.serve import serve
 from eventkv.memory import EventMemory, answer_prepared
-from eventkv.readout import read_out
-from eventkv.serve import serve
 from eventkv.testing import assert_same_greedy, tiny_lm
 
 TOL = 1e-4

@@ -1,4 +1,4 @@
-"""Selective recompute (``serve(..., mode="blend")``, :mod:`eventkv.blend`; CacheBlend, arXiv 2405.16444).
+"""Selective recompute (``serve(..., mode="blend")``, :mod:`eventkv.kv.blend`; CacheBlend, arXiv 2405.16444).
 
 The gate: recomputing every served token equals a fresh prefill of header + served events at their
 original positions, and under ``positions="contiguous"`` the ``text`` mode's fresh prefill at contiguous
@@ -15,7 +15,8 @@ import torch
 from transformers import DynamicCache
 
 from eventkv import blend as blend_module
-from eventkv.blend import (
+from eventkv.errors import EventKVError, OptionError
+from eventkv.kv.blend import (
     BLEND_SCHEDULES,
     DEFAULT_RECOMPUTE,
     blend,
@@ -28,10 +29,11 @@ from eventkv.blend import (
     layer_fractions,
     n_recomputed,
 )
-from eventkv.errors import EventKVError, OptionError
-from eventkv.log import Event, EventLog, tokenize
-from eventkv.prefill import cache_from_rows, cache_kv, forward_until, model_forward, prefill
-from eventkv.serve import serve
+from eventkv.kv.log import Event, EventLog, tokenize
+from eventkv.kv.model import forward_until, model_forward
+from eventkv.kv.prefill import prefill
+from eventkv.kv.rows import cache_from_rows, cache_kv
+from eventkv.kv.serve import serve
 from eventkv.testing import TINY_FAMILIES, tiny_lm, tiny_model
 
 EVENTS = [
@@ -394,7 +396,7 @@ def test_a_memory_serves_blend_with_its_fraction(memory, monkeypatch):
     ids = ["e1", "e3"]
     seen = []
     real = blend_module.blend
-    monkeypatch.setattr("eventkv.serve.blend", lambda *a, **kw: seen.append(a[3]) or real(*a, **kw))
+    monkeypatch.setattr("eventkv.kv.serve.blend", lambda *a, **kw: seen.append(a[3]) or real(*a, **kw))
     zero, compact = memory.query_batch(
         "Where?", [(ids, "blend"), (ids, "compact")], max_new_tokens=4, keep_logits=True, recompute=0.0
     )
@@ -424,7 +426,7 @@ def test_a_memory_serves_blend_with_its_schedule(memory, monkeypatch):
     ids = ["e1", "e3"]
     seen = []
     real = blend_module.blend
-    monkeypatch.setattr("eventkv.serve.blend", lambda *a, **kw: seen.append(kw["schedule"]) or real(*a, **kw))
+    monkeypatch.setattr("eventkv.kv.serve.blend", lambda *a, **kw: seen.append(kw["schedule"]) or real(*a, **kw))
     layerwise, compact = memory.query_batch(
         "Where?", [(ids, "blend"), (ids, "compact")], max_new_tokens=2, recompute=1.0, blend_schedule="layerwise"
     )
@@ -449,7 +451,7 @@ def test_the_memory_eval_reads_out_each_schedule_as_its_own_arm(tiny_dir, tmp_pa
 
     seen = []
     real = blend_module.blend
-    monkeypatch.setattr("eventkv.serve.blend", lambda *a, **kw: seen.append(kw["schedule"]) or real(*a, **kw))
+    monkeypatch.setattr("eventkv.kv.serve.blend", lambda *a, **kw: seen.append(kw["schedule"]) or real(*a, **kw))
     out = tmp_path / "run"
     args = ["memory", "eval", "--data", DEMO_DATA, "--model", str(tiny_dir), "--conversations", "1"]
     args += ["--questions-per-conversation", "2", "--max-tokens", "600", "--budgets", "50%", "--selectors", "bm25"]

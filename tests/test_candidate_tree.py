@@ -1,5 +1,5 @@
 """Candidate scoring in the query's forward: the candidates' continuations ride along after the query as a
-prefix tree of branches (:class:`eventkv.readout.CandidateTree`, :meth:`Batch.forward_tree`), each branch
+prefix tree of branches (:class:`eventkv.kv.stacked.CandidateTree`, :meth:`Batch.forward_tree`), each branch
 seeing the served rows, the query and itself. Its scores must be those of scoring each candidate as the
 plain continuation of the query (a float64 reference), on every tiny family — Gemma 3 with a window
 shorter than the history, so that the sliding layers' window decides what a branch token sees — and the
@@ -12,11 +12,12 @@ import copy
 import pytest
 import torch
 
-import eventkv.readout as readout
-from eventkv.log import TokenizedLog
-from eventkv.prefill import cache_from_rows, prefill
-from eventkv.readout import CandidateTree, read_out
-from eventkv.serve import serve
+import eventkv.kv.readout as readout
+from eventkv.kv.log import TokenizedLog
+from eventkv.kv.prefill import prefill
+from eventkv.kv.readout import CandidateTree, read_out
+from eventkv.kv.rows import cache_from_rows
+from eventkv.kv.serve import serve
 from eventkv.testing import TINY_FAMILIES, tiny_model
 
 VOCAB = 320

@@ -10,8 +10,8 @@ from probe_fixtures import tiny_runtime
 from scipy import stats as st
 
 from eventkv.errors import EventKVError
+from eventkv.kv.serve import serve
 from eventkv.probes.base import Summary
-from eventkv.serve import serve
 from eventkv.stats import format_p, mean_effect, tost, wilson
 from eventkv.studies.materialization.access import Access, last_number, summarize_access
 from eventkv.studies.materialization.carriers import ANSWER_FREE, KINDS, Carriers, is_answer_free

@@ -44,10 +44,11 @@ import pytest
 import torch
 from test_gates import make_log  # the gates' log: 10 random events, every third with a position budget
 
-from eventkv.log import Event, EventLog, TokenizedLog, tokenize, tokenize_query
-from eventkv.prefill import EventKV, prefill
-from eventkv.readout import candidate_logprobs, generate, query_logits
-from eventkv.serve import SERVE_MODES, serve
+from eventkv.kv.log import Event, EventLog, TokenizedLog, tokenize, tokenize_query
+from eventkv.kv.prefill import prefill
+from eventkv.kv.readout import candidate_logprobs, generate, query_logits
+from eventkv.kv.rows import EventKV
+from eventkv.kv.serve import SERVE_MODES, serve
 from eventkv.testing import TINY_FAMILIES, assert_same_greedy, tiny_lm, tiny_model
 
 DEVICE = os.environ.get("EVENTKV_CUDA_TEST_DEVICE", "cuda")

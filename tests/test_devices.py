@@ -18,12 +18,13 @@ from cli_fixtures import run_cli
 import eventkv.models
 import eventkv.models.devices
 from eventkv.errors import OptionError
-from eventkv.log import Event, EventLog, tokenize
+from eventkv.kv.log import Event, EventLog, tokenize
+from eventkv.kv.prefill import prefill
+from eventkv.kv.rows import EventKV
+from eventkv.kv.serve import serve
 from eventkv.models import load, resolve_device, resolve_dtype
 from eventkv.options import check_device
-from eventkv.prefill import EventKV, prefill
 from eventkv.probes.run_options import RunOptions
-from eventkv.serve import serve
 from eventkv.testing import tiny_lm
 
 META = torch.device("meta")
@@ -242,7 +243,7 @@ def _on_meta(ekv: EventKV) -> EventKV:
 
 
 def test_serving_and_stacking_follow_the_rows_device(lm_log):
-    from eventkv.readout import stack
+    from eventkv.kv.stacked import stack
 
     lm, tlog = lm_log
     ekv = _on_meta(prefill(lm.model, tlog))
@@ -259,7 +260,7 @@ def test_serving_and_stacking_follow_the_rows_device(lm_log):
 
 
 def test_a_stored_eventkv_is_read_to_the_models_device(lm_log, tmp_path):
-    from eventkv.query import prefill_or_load
+    from eventkv.kv.query import prefill_or_load
 
     lm, tlog = lm_log
     prefill(lm.model, tlog, weights_digest="w").save(tmp_path / "kv")

@@ -7,10 +7,11 @@ from cli_fixtures import run_cli
 
 import eventkv.models
 from eventkv.errors import EventKVError
-from eventkv.log import Event, EventLog, TokenizedLog, tokenize
-from eventkv.prefill import EventKV, prefill
-from eventkv.query import answer
-from eventkv.serve import serve
+from eventkv.kv.log import Event, EventLog, TokenizedLog, tokenize
+from eventkv.kv.prefill import prefill
+from eventkv.kv.query import answer
+from eventkv.kv.rows import EventKV
+from eventkv.kv.serve import serve
 from eventkv.testing import tiny_lm
 
 

@@ -7,8 +7,8 @@ import pytest
 from cli_fixtures import run_cli
 
 from eventkv.errors import EventKVError
-from eventkv.log import Event, EventLog, tokenize
-from eventkv.prefill import prefill
+from eventkv.kv.log import Event, EventLog, tokenize
+from eventkv.kv.prefill import prefill
 
 BAD_LINES = [
     (b'{"id": "e1", "text": "caf\xe9"}', "is not UTF-8 text (byte 0xe9 at offset 54, line 2): save it as UTF-8"),

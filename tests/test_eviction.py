@@ -28,9 +28,9 @@ from eventkv.eviction import (
 )
 from eventkv.eviction.capture import capture_prefill
 from eventkv.eviction.masked import masked_attention, read_out_masked
-from eventkv.log import Event, EventLog, tokenize, tokenize_query
-from eventkv.readout import read_out
-from eventkv.serve import serve
+from eventkv.kv.log import Event, EventLog, tokenize, tokenize_query
+from eventkv.kv.readout import read_out
+from eventkv.kv.serve import serve
 from eventkv.testing import tiny_lm
 
 KV, QH, D = 2, 4, 8

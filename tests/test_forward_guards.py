@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from eventkv.errors import EventKVError
-from eventkv.log import Event, EventLog, tokenize, tokenize_query
-from eventkv.prefill import EventKV, prefill
-from eventkv.readout import candidate_logprobs, generate, read_out
-from eventkv.serve import serve
+from eventkv.kv.log import Event, EventLog, tokenize, tokenize_query
+from eventkv.kv.prefill import prefill
+from eventkv.kv.readout import candidate_logprobs, generate, read_out
+from eventkv.kv.rows import EventKV
+from eventkv.kv.serve import serve
 from eventkv.testing import tiny_lm
 
 EVENTS = [

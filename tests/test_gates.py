@@ -11,10 +11,11 @@ import random
 import pytest
 import torch
 
-from eventkv.log import TokenizedLog
-from eventkv.prefill import EventKV, prefill
-from eventkv.readout import candidate_logprobs, generate, query_logits
-from eventkv.serve import serve
+from eventkv.kv.log import TokenizedLog
+from eventkv.kv.prefill import prefill
+from eventkv.kv.readout import candidate_logprobs, generate, query_logits
+from eventkv.kv.rows import EventKV
+from eventkv.kv.serve import serve
 from eventkv.testing import TINY_FAMILIES, assert_same_greedy, tiny_model
 
 TOL = 1e-4

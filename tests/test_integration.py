@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from eventkv.log import EventLog, tokenize, tokenize_query
-from eventkv.prefill import prefill
-from eventkv.readout import candidate_logprobs, generate
-from eventkv.serve import serve
+from eventkv.kv.log import EventLog, tokenize, tokenize_query
+from eventkv.kv.prefill import prefill
+from eventkv.kv.readout import candidate_logprobs, generate
+from eventkv.kv.serve import serve
 
 pytestmark = pytest.mark.integration
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "events.jsonl"

@@ -20,7 +20,7 @@ import torch
 from eventkv.eviction import ExpectedAttention, Knorm, SnapKV, StreamingLLM, Tova, keep_mask
 from eventkv.eviction.capture import capture_prefill
 from eventkv.eviction.policies import kept_count
-from eventkv.log import TokenizedLog
+from eventkv.kv.log import TokenizedLog
 
 DATA = Path(__file__).parent / "data" / "kvpress_parity"
 FIXTURE = json.loads((DATA / "kept_rows.json").read_text())

@@ -2,7 +2,7 @@
 forget, rebase, selection and the errors. Tiny random models in float32; smollm2-135m once
 (``-m integration``).
 
-The gate: ``query(mode="compact", select="all")`` equals a fresh :func:`eventkv.prefill.prefill` of
+The gate: ``query(mode="compact", select="all")`` equals a fresh :func:`eventkv.kv.prefill.prefill` of
 the same header + events (same token ids and positions) within 1e-4 on every logit of the query and
 8 greedy steps, with the same tokens (``eventkv.testing.assert_same_greedy``, which also asserts the
 reference's top-two margin > 2e-4 at every step, so no comparison rests on a near-tie).
@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.log import tokenize, tokenize_query
+from eventkv.kv.log import tokenize, tokenize_query
+from eventkv.kv.prefill import prefill
+from eventkv.kv.readout import generate
+from eventkv.kv.serve import serve
 from eventkv.memory import EventMemory, MemoryEvent
 from eventkv.memory.store import DATABASE, MANIFEST, SEGMENTS
 from eventkv.models import LoadedModel
-from eventkv.prefill import prefill
-from eventkv.readout import generate
-from eventkv.serve import serve
 from eventkv.testing import assert_same_greedy, tiny_lm, tiny_tokenizer
 
 TOL = 1e-4
@@ -377,7 +377,7 @@ def test_query_batch_equals_separate_queries(family, tmp_path):
 def test_isolated_encodings_are_kept_while_open(llama, tmp_path):
     """mode="isolated" encodes each event alone once: a second query reuses the encoding (no new
     forward) and answers bit for bit as serve() without a memo; a forget empties the memo."""
-    from eventkv.serve import serve as plain_serve
+    from eventkv.kv.serve import serve as plain_serve
 
     forwards = []
     hook = llama.model.register_forward_pre_hook(lambda *a: forwards.append(1))

@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.log import Event, EventLog, tokenize, tokenize_query
+from eventkv.kv.log import Event, EventLog, tokenize, tokenize_query
+from eventkv.kv.prefill import prefill
+from eventkv.kv.rows import cache_from_rows
 from eventkv.memory import EventMemory
 from eventkv.memory.attention import AttentionSelector, resolve_layers
 from eventkv.memory.hybrid import K_RRF, HybridSelector
 from eventkv.memory.select import BM25Selector, Ranked, SelectionContext, within_budget
-from eventkv.prefill import cache_from_rows, prefill
 from eventkv.testing import TINY_FAMILIES, tiny_lm
 
 Candidate = collections.namedtuple("Candidate", "id text n_rows")

@@ -1,5 +1,5 @@
 """Chat in the library: a conversation read after a memory's rows (:mod:`eventkv.memory.chat`) in the
-model's chat template, the decoding options of the readout (:class:`eventkv.readout.Decoding`: seeded
+model's chat template, the decoding options of the readout (:class:`eventkv.kv.decoding.Decoding`: seeded
 sampling, stop strings, the per-step text that never splits a character), on the tiny Llama with its
 byte-level ChatML tokenizer."""
 
@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 from eventkv.errors import OptionError
-from eventkv.log import tokenize_query
+from eventkv.kv.decoding import Decoding, TextWatch
+from eventkv.kv.log import tokenize_query
 from eventkv.memory import EventMemory
 from eventkv.memory.chat import chat_prompt_ids, chat_reply, chat_tail_ids, chat_tail_text, check_messages
-from eventkv.readout import Decoding, TextWatch
 from eventkv.testing import tiny_lm
 
 QUESTION = "Where does Dana live?"

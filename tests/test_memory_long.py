@@ -1,9 +1,9 @@
 """An EventMemory whose history grows past the model's context: positions keep growing, the events
-past the prefill window are prefilled windowed (eventkv.windowed; StreamingLLM, arXiv 2309.17453),
+past the prefill window are prefilled windowed (eventkv.kv.windowed; StreamingLLM, arXiv 2309.17453),
 every stored key is rotated at its event's stored position.
 
 Tiny random models with a 256-token context, float32; the hand check rebuilds every chunk's rows
-from public pieces (the stored rows, eventkv.rope.rerotate, one model forward) and compares within
+from public pieces (the stored rows, eventkv.kv.rope.rerotate, one model forward) and compares within
 1e-5. smollm2-135m on a 20,000-token history once (``-m integration``).
 """
 
@@ -18,12 +18,14 @@ import pytest
 import torch
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.log import TokenizedLog, tokenize
+from eventkv.kv.log import TokenizedLog, tokenize
+from eventkv.kv.model import model_forward
+from eventkv.kv.prefill import prefill
+from eventkv.kv.rope import rerotate
+from eventkv.kv.rows import cache_from_rows, cache_kv
+from eventkv.kv.windowed import PrefillWindow, fits, plan_chunks, windowed_prefill
 from eventkv.memory import EventMemory
-from eventkv.prefill import cache_from_rows, cache_kv, model_forward, prefill
-from eventkv.rope import rerotate
 from eventkv.testing import tiny_lm
-from eventkv.windowed import PrefillWindow, fits, plan_chunks, windowed_prefill
 
 CONTEXT = 256
 TOL = 1e-5
@@ -188,16 +190,16 @@ def test_a_query_past_the_context_names_the_fix(lm, long_store):
 
 contiguous_serving = pytest.mark.skipif(
     "positions" not in inspect.signature(EventMemory.query).parameters,
-    reason='query(positions="contiguous") comes with eventkv.serve(positions=...)',
+    reason='query(positions="contiguous") comes with eventkv.kv.serve(positions=...)',
 )
 
 
 @contiguous_serving
 def test_a_long_history_answers_contiguous(lm, long_store):
     """Served rows of a history past the context, re-rotated to follow the header, answer as the same rows
-    served by eventkv.serve(positions="contiguous") (the readout of the served cache, greedy)."""
-    from eventkv.readout import answer_served
-    from eventkv.serve import serve
+    served by eventkv.kv.serve(positions="contiguous") (the readout of the served cache, greedy)."""
+    from eventkv.kv.readout import answer_served
+    from eventkv.kv.serve import serve
 
     d, ekv = long_store
     with EventMemory.open(d, lm) as mem:
@@ -222,7 +224,7 @@ def test_a_long_history_answers_contiguous(lm, long_store):
 
 
 def mem_question(mem, question):
-    from eventkv.log import tokenize_query
+    from eventkv.kv.log import tokenize_query
 
     return tokenize_query(mem.lm.tokenizer, mem.lm.profile, question)
 

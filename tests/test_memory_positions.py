@@ -1,5 +1,5 @@
 """EventMemory.query(..., positions="contiguous"): the served rows re-rotated to the positions right after the
-header (eventkv.serve), the question right after them; what the answer reports, and the context check that
+header (eventkv.kv.serve), the question right after them; what the answer reports, and the context check that
 counts the served rows rather than the history."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.log import tokenize, tokenize_query
+from eventkv.kv.log import tokenize, tokenize_query
+from eventkv.kv.prefill import prefill
+from eventkv.kv.readout import answer_served
+from eventkv.kv.serve import serve
 from eventkv.memory import EventMemory, MemoryEvent
 from eventkv.models import LoadedModel
-from eventkv.prefill import prefill
-from eventkv.readout import answer_served
-from eventkv.serve import serve
 from eventkv.testing import tiny_lm
 
 EVENTS = [

@@ -13,11 +13,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eventkv.log import tokenize, tokenize_query
+from eventkv.kv.log import tokenize, tokenize_query
+from eventkv.kv.prefill import prefill
+from eventkv.kv.readout import query_logits
+from eventkv.kv.serve import serve
 from eventkv.memory import EventMemory, MemoryEvent
-from eventkv.prefill import prefill
-from eventkv.readout import query_logits
-from eventkv.serve import serve
 from eventkv.testing import tiny_lm
 
 LM = tiny_lm("llama")

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.log import Event, EventLog, tokenize
+from eventkv.kv.log import Event, EventLog, tokenize
+from eventkv.kv.prefill import prefill
 from eventkv.memory import EventMemory
 from eventkv.memory.attention import AttentionSelector
 from eventkv.memory.rerank import DEFAULT_LAYERS, DEFAULT_POOLING, RerankSelector, pool_of, rerank_scores
 from eventkv.memory.select import BM25Selector, Ranked, SelectionContext
-from eventkv.prefill import prefill
 from eventkv.testing import TINY_FAMILIES, tiny_lm
 
 Candidate = collections.namedtuple("Candidate", "id text n_rows tags", defaults=((),))

@@ -9,10 +9,10 @@ import torch
 from probe_fixtures import tiny_runtime
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.log import TokenizedLog, tokenize_query
+from eventkv.kv.log import TokenizedLog, tokenize_query
+from eventkv.kv.readout import candidate_logprobs, generate, read_out
+from eventkv.kv.serve import serve
 from eventkv.probes import get_probe, load_probes
-from eventkv.readout import candidate_logprobs, generate, read_out
-from eventkv.serve import serve
 from eventkv.studies.materialization.donor_pair import DonorPair, last_state, summarize_donor_pairs
 from eventkv.studies.materialization.pairs import (
     PairLayout,

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from eventkv.errors import EventKVError
-from eventkv.log import TokenizedLog
-from eventkv.prefill import cache_from_rows, prefill
-from eventkv.readout import candidate_logprobs, generate, read_out, token_logprobs
-from eventkv.serve import serve
+from eventkv.kv.log import TokenizedLog
+from eventkv.kv.prefill import prefill
+from eventkv.kv.readout import candidate_logprobs, generate, read_out, token_logprobs
+from eventkv.kv.rows import cache_from_rows
+from eventkv.kv.serve import serve
 from eventkv.testing import tiny_model
 
 VOCAB = 49152  # SmolLM2's vocabulary size: where a float32 log-softmax drifted by 2.4e-4 nats

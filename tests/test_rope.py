@@ -1,4 +1,4 @@
-"""eventkv.rope: stored keys re-rotated to other positions equal the keys the same pre-RoPE projections give
+"""eventkv.kv.rope: stored keys re-rotated to other positions equal the keys the same pre-RoPE projections give
 there (RoPE, arXiv 2104.09864: a rotation whose angle is linear in the position), on every tiny architecture and
 under rope scaling."""
 
@@ -10,11 +10,13 @@ import torch
 from transformers import DynamicCache
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.log import HEADER_ID, Event, EventLog, tokenize
-from eventkv.prefill import cache_kv, model_forward, prefill
-from eventkv.readout import query_logits
-from eventkv.rope import rerotatable, rerotate, rotary_embedding
-from eventkv.serve import ServedCache, serve
+from eventkv.kv.log import HEADER_ID, Event, EventLog, tokenize
+from eventkv.kv.model import model_forward
+from eventkv.kv.prefill import prefill
+from eventkv.kv.readout import query_logits
+from eventkv.kv.rope import rerotatable, rerotate, rotary_embedding
+from eventkv.kv.rows import cache_kv
+from eventkv.kv.serve import ServedCache, serve
 from eventkv.testing import TINY_FAMILIES, tiny_lm, tiny_model
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024}
@@ -143,9 +145,9 @@ def test_length_dependent_rope_is_refused_by_name(kind):
 
 @pytest.mark.parametrize("kind", ["dynamic", "longrope"])
 def test_the_default_positions_fall_back_to_original_where_rope_cannot_be_re_rotated(kind, tmp_path):
+    from eventkv.kv.serve import default_positions
     from eventkv.memory import EventMemory
     from eventkv.models import LoadedModel
-    from eventkv.serve import default_positions
 
     rope = {"rope_type": kind, "rope_theta": 10000.0, "factor": 2.0}
     if kind == "longrope":
@@ -172,7 +174,7 @@ def test_bad_shapes_are_refused():
         rerotate(model, keys, torch.arange(4), torch.arange(4) + 1)
 
 
-# serving at contiguous positions (eventkv.serve, positions="contiguous")
+# serving at contiguous positions (eventkv.kv.serve, positions="contiguous")
 
 EVENTS = [
     Event("a", "register A set to ON"),

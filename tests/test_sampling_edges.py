@@ -1,5 +1,5 @@
-"""Sampling parameters at the edges of their range, in the library (:class:`eventkv.readout.Decoding`,
-:func:`eventkv.readout.sampling_probs`, :func:`eventkv.memory.chat.chat_reply`) and on the chat route
+"""Sampling parameters at the edges of their range, in the library (:class:`eventkv.kv.decoding.Decoding`,
+:func:`eventkv.kv.decoding.sampling_probs`, :func:`eventkv.memory.chat.chat_reply`) and on the chat route
 (``POST /v1/chat/completions`` of a live server: tests/service_fixtures.LiveApp).
 
 The rule under test: a temperature in [0, 1e-5) is greedy (the argmax: the tokens of temperature 0,
@@ -32,8 +32,8 @@ from hypothesis import strategies as st  # noqa: E402
 from service_fixtures import LiveApp  # noqa: E402
 
 from eventkv.errors import OptionError  # noqa: E402
+from eventkv.kv.decoding import MIN_SAMPLING_TEMPERATURE, SEED_END, SEED_MIN, Decoding, sampling_probs  # noqa: E402
 from eventkv.memory.chat import chat_reply  # noqa: E402
-from eventkv.readout import MIN_SAMPLING_TEMPERATURE, SEED_END, SEED_MIN, Decoding, sampling_probs  # noqa: E402
 from eventkv.service.app import Settings, create_app  # noqa: E402
 from eventkv.testing import tiny_lm  # noqa: E402
 

@@ -8,10 +8,10 @@ import pytest
 import safetensors.torch
 import torch
 
-import eventkv.prefill as prefill_mod
+import eventkv.kv.rows as rows_module
 from eventkv.errors import EventKVError
-from eventkv.log import TokenizedLog
-from eventkv.prefill import EVENTKV_MANIFEST, EVENTKV_TENSORS, EventKV
+from eventkv.kv.log import TokenizedLog
+from eventkv.kv.rows import EVENTKV_MANIFEST, EVENTKV_TENSORS, EventKV
 
 HEADS, DIM = 2, 4
 
@@ -118,11 +118,11 @@ def _fail_nth(n: int, real):
 # Every step of a save that can fail: writing the tensors, syncing either file, writing the manifest,
 # taking the backup link, and each of the two renames (the second one after the tensors are in place).
 FAILURES = {
-    "save_file": lambda m: m.setattr(prefill_mod, "save_file", _fail_nth(1, safetensors.torch.save_file)),
+    "save_file": lambda m: m.setattr(rows_module, "save_file", _fail_nth(1, safetensors.torch.save_file)),
     "fsync tensors": lambda m: m.setattr(os, "fsync", _fail_nth(1, os.fsync)),
     "fsync manifest": lambda m: m.setattr(os, "fsync", _fail_nth(2, os.fsync)),
-    "json.dump": lambda m: m.setattr(prefill_mod.json, "dump", _fail_nth(1, prefill_mod.json.dump)),
-    "interrupt in sha256": lambda m: m.setattr(prefill_mod, "sha256_file", _raiser(KeyboardInterrupt())),
+    "json.dump": lambda m: m.setattr(rows_module.json, "dump", _fail_nth(1, rows_module.json.dump)),
+    "interrupt in sha256": lambda m: m.setattr(rows_module, "sha256_file", _raiser(KeyboardInterrupt())),
     "rename tensors": lambda m: m.setattr(os, "replace", _fail_nth(1, os.replace)),
     "rename manifest": lambda m: m.setattr(os, "replace", _fail_nth(2, os.replace)),
 }

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.log import tokenize, tokenize_query
+from eventkv.kv.log import tokenize, tokenize_query
+from eventkv.kv.readout import answer_served
+from eventkv.kv.rope import rerotate
+from eventkv.kv.rows import EventKV
+from eventkv.kv.serve import serve
 from eventkv.memory import EventMemory, MemoryEvent
 from eventkv.memory.select import relevance_order, shape, shape_units
-from eventkv.prefill import EventKV
-from eventkv.readout import answer_served
-from eventkv.rope import rerotate
-from eventkv.serve import serve
 from eventkv.testing import tiny_lm
 
 #: BM25 ranks these b (Dana twice, Lisbon twice), then a (Dana), then c and d (no shared word): not log order

@@ -20,9 +20,9 @@ openai = pytest.importorskip("openai")
 import torch  # noqa: E402
 from service_fixtures import LiveApp, save_sharp_model  # noqa: E402
 
-from eventkv.log import tokenize_query  # noqa: E402
+from eventkv.kv.decoding import Decoding  # noqa: E402
+from eventkv.kv.log import tokenize_query  # noqa: E402
 from eventkv.memory import EventMemory  # noqa: E402
-from eventkv.readout import Decoding  # noqa: E402
 from eventkv.service.app import Settings, create_app  # noqa: E402
 from eventkv.service.server import ServerProcess  # noqa: E402
 from eventkv.testing import tiny_lm  # noqa: E402

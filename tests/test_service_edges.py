@@ -32,7 +32,7 @@ from service_fixtures import LiveApp  # noqa: E402
 
 import eventkv.models.sentence as sentence  # noqa: E402
 from eventkv.errors import EventKVError  # noqa: E402
-from eventkv.log import encode  # noqa: E402
+from eventkv.kv.log import encode  # noqa: E402
 from eventkv.memory import EventMemory  # noqa: E402
 from eventkv.memory.chat import chat_prompt_ids, chat_tail_ids  # noqa: E402
 from eventkv.options import SELECTORS  # noqa: E402

@@ -6,7 +6,7 @@ import torch
 from transformers import DynamicCache
 
 from eventkv.errors import EventKVError
-from eventkv.prefill import model_forward
+from eventkv.kv.model import model_forward
 from eventkv.studies.splice.engine import (
     ARMS,
     Splice,
@@ -253,8 +253,8 @@ def test_splice_choice_cutoff_beyond_last_layer_equals_clean_exactly(family, tok
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_splice_choice_clean_equals_candidate_logprobs_on_a_served_cache(family, tok):
-    from eventkv.readout import candidate_logprobs
-    from eventkv.serve import ServedCache
+    from eventkv.kv.readout import candidate_logprobs
+    from eventkv.kv.serve import ServedCache
 
     model, prompt = setup(family, tok)
     run = clean_run(model, prompt, max_new_tokens=0)

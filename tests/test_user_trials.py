@@ -11,10 +11,10 @@ from cli_fixtures import run_cli
 
 import eventkv.models
 from eventkv.errors import EventKVError
-from eventkv.log import Event, EventLog, tokenize, tokenize_query
-from eventkv.prefill import prefill
-from eventkv.readout import generate
-from eventkv.serve import serve
+from eventkv.kv.log import Event, EventLog, tokenize, tokenize_query
+from eventkv.kv.prefill import prefill
+from eventkv.kv.readout import generate
+from eventkv.kv.serve import serve
 from eventkv.testing import tiny_lm
 
 

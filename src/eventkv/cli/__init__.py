@@ -24,7 +24,7 @@ from eventkv.cli.memory import memory_app
 from eventkv.cli.models import models_app
 from eventkv.cli.query import query
 from eventkv.cli.run import report, run_app
-from eventkv.cli.serve import serve
+from eventkv.cli.service import serve
 from eventkv.cli.sweep import sweep
 from eventkv.errors import EventKVError, cli_message
 

@@ -12,7 +12,7 @@ from rich.table import Table
 from eventkv.cli.common import DEVICE_OPTION, DTYPE_OPTION, model_option
 
 if TYPE_CHECKING:
-    from eventkv.serve import PositionMode, ServeMode
+    from eventkv.kv.serve import PositionMode, ServeMode
 
 console = Console()
 
@@ -57,9 +57,9 @@ def query(
     ),
 ) -> None:
     """Answer a question from the served events' KV rows (prefills the log once, then reuses it)."""
-    from eventkv.log import EventLog
+    from eventkv.kv.log import EventLog
+    from eventkv.kv.query import QueryOptions, answer, check_query
     from eventkv.models import load, resolve_device, resolve_dtype
-    from eventkv.query import QueryOptions, answer, check_query
 
     elog = EventLog.from_jsonl(log, instruction=instruction)
     cands = candidates.split(",") if candidates is not None else []

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 from urllib.parse import quote
 
 from eventkv.errors import EventKVError, OptionError, OutOfSpace, PurgePending, StoreDamaged
+from eventkv.kv.serve import PositionMode, ServeMode, ServeOrder
 from eventkv.memory.api import MemoryAPI, SelectSpec
 from eventkv.memory.records import Added, CarrierResult, Hit, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
-from eventkv.serve import PositionMode, ServeMode, ServeOrder
 from eventkv.wire import (
     DEFAULT_NAMESPACE,
     ERRORS,
@@ -49,7 +49,7 @@ from eventkv.wire import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from eventkv.blend import BlendSchedule
+    from eventkv.kv.blend import BlendSchedule
     from eventkv.memory.select import Selector
 
 __all__ = [
@@ -437,7 +437,7 @@ class Client:
     ) -> MemoryAnswer:
         """As :meth:`EventMemory.query` (``keep_logits`` is library-only: logits do not travel;
         ``selector`` as in :meth:`select`)."""
-        from eventkv.readout import CandidateScore, Generation
+        from eventkv.kv.readout import CandidateScore, Generation
 
         body = {
             "question": question,

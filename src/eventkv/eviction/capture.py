@@ -17,13 +17,14 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from eventkv.eviction.policies import LayerCapture
-from eventkv.log import HEADER_ID
-from eventkv.prefill import EventKV, prefill
+from eventkv.kv.log import HEADER_ID
+from eventkv.kv.prefill import prefill
+from eventkv.kv.rows import EventKV
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from eventkv.log import TokenizedLog
+    from eventkv.kv.log import TokenizedLog
 
 CAPTURE = "eventkv_capture"
 _ACTIVE: dict[Any, Any] | None = None  # the capture in progress: layer -> {"q", "scaling"}
@@ -89,7 +90,7 @@ def _rope_of(cos: torch.Tensor, sin: torch.Tensor, positions: list[int]) -> tupl
 def capture_prefill(
     model: PreTrainedModel, log: TokenizedLog, *, window: int = 64, max_context: int | None = None
 ) -> tuple[EventKV, list[LayerCapture]]:
-    """Global prefill of ``log`` (one pass, :func:`eventkv.prefill.prefill`) plus what the eviction
+    """Global prefill of ``log`` (one pass, :func:`eventkv.kv.prefill.prefill`) plus what the eviction
     rules read, per layer.
 
     Returns:
@@ -97,7 +98,7 @@ def capture_prefill(
         float32 on CPU, the log's positions, the last ``window`` queries, scale, rope, event of each row).
 
     Raises:
-        EventKVError: as :func:`eventkv.prefill.prefill`.
+        EventKVError: as :func:`eventkv.kv.prefill.prefill`.
     """
     with _capturing(model, window) as seen:
         ekv = prefill(model, log, max_context=max_context)

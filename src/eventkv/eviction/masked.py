@@ -15,14 +15,14 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from eventkv.errors import EventKVError
-from eventkv.prefill import model_device
-from eventkv.readout import Readout, read_out
-from eventkv.serve import ServedCache, serve
+from eventkv.kv.model import model_device
+from eventkv.kv.readout import Readout, read_out
+from eventkv.kv.serve import ServedCache, serve
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from eventkv.prefill import EventKV
+    from eventkv.kv.rows import EventKV
 
 HEAD_MASKED = "eventkv_head_masked"
 _MASKS: dict[int, torch.Tensor] | None = None  # layer -> [kv_heads, rows] bool, while head_masked is active
@@ -96,10 +96,10 @@ def read_out_masked(
     **options,
 ) -> Readout:
     """Answer a query from every row of ``cache`` — an EventKV (native serving of its global
-    prefill) or a ServedCache holding every row (e.g. :func:`eventkv.serve.serve` in ``isolated``
+    prefill) or a ServedCache holding every row (e.g. :func:`eventkv.kv.serve.serve` in ``isolated``
     mode over ``"all"``), rows at their positions — with each layer's heads restricted to their kept
     rows (``masks``: per layer ``[kv_heads, rows]`` bool, as :func:`eventkv.eviction.keep_mask`
-    gives). ``options`` go to :func:`eventkv.readout.read_out`; with ``candidates`` the candidates
+    gives). ``options`` go to :func:`eventkv.kv.readout.read_out`; with ``candidates`` the candidates
     are scored, else the answer is generated.
 
     Raises:

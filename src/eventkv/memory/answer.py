@@ -1,8 +1,8 @@
 """Answering a question from served rows (Study 1, "Setting": sparse serving, then a readout): the
 checks of a query's arguments, and the query's two phases. :func:`prepare` serves the question's
-served sets (:func:`eventkv.serve.serve`) into a :class:`PreparedQuery`, which holds everything the
+served sets (:func:`eventkv.kv.serve.serve`) into a :class:`PreparedQuery`, which holds everything the
 readout needs and no reference to its memory; :func:`answer_prepared` reads several prepared
-queries out in one batched readout (:func:`eventkv.readout.read_out`: left-padded, each row at its
+queries out in one batched readout (:func:`eventkv.kv.readout.read_out`: left-padded, each row at its
 own positions, each query at its own length), so queries of different memories, from different
 clients, are answered together. The memory resolves each plan's served ids and prefills pending
 events (``EventMemory.prepare_query``).
@@ -14,16 +14,15 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Sequence, cast
 
-from eventkv.blend import BlendSchedule, check_recompute, check_schedule
 from eventkv.errors import EventKVError, OptionError
-from eventkv.log import HEADER_ID, encode, tokenize_query
-from eventkv.memory.chat import chat_tail_ids
-from eventkv.memory.records import MemoryAnswer, MemoryRecord
-from eventkv.options import check_max_new_tokens
-from eventkv.prefill import EventKV, check_context
-from eventkv.readout import Decoding, Readout
-from eventkv.readout import read_out as read_out_caches
-from eventkv.serve import (
+from eventkv.kv.blend import BlendSchedule, check_recompute, check_schedule
+from eventkv.kv.decoding import Decoding
+from eventkv.kv.log import HEADER_ID, encode, tokenize_query
+from eventkv.kv.model import check_context
+from eventkv.kv.readout import Readout
+from eventkv.kv.readout import read_out as read_out_caches
+from eventkv.kv.rows import EventKV
+from eventkv.kv.serve import (
     SERVE_MODES,
     PositionMode,
     ServedCache,
@@ -33,6 +32,9 @@ from eventkv.serve import (
     check_position_mode,
     serve,
 )
+from eventkv.memory.chat import chat_tail_ids
+from eventkv.memory.records import MemoryAnswer, MemoryRecord
+from eventkv.options import check_max_new_tokens
 
 if TYPE_CHECKING:  # pragma: no cover
     from eventkv.models.profile import LoadedModel
@@ -61,7 +63,7 @@ def check_query(
             empty or repeated candidates, an unknown ``positions`` or ``"contiguous"`` with a ``native`` plan;
             a ``recompute`` outside [0, 1], or given when no plan is ``blend``; an unknown ``blend_schedule``, or
             one given when no plan is ``blend``; an unknown ``order``, or ``"relevance"`` without
-            ``positions="contiguous"`` (:func:`eventkv.serve.check_order`).
+            ``positions="contiguous"`` (:func:`eventkv.kv.serve.check_order`).
     """
     plans = list(plans)
     if not plans:
@@ -85,7 +87,7 @@ def check_query(
 
 def served_end(header_len: int, records: Mapping[str, MemoryRecord], served_ids: Sequence[Sequence[str]]) -> int:
     """The first position after the header and the served rows of the longest served set: where the question
-    starts under ``positions="contiguous"`` (:func:`eventkv.serve.serve`) and in mode ``text``."""
+    starts under ``positions="contiguous"`` (:func:`eventkv.kv.serve.serve`) and in mode ``text``."""
     return max(header_len + sum(records[i].n_rows for i in ids) for ids in served_ids)
 
 
@@ -97,7 +99,7 @@ def question_ids(
     positions: str = "original",
     messages: Sequence[Mapping] | None = None,
 ) -> list[int]:
-    """The question's token ids (chat tail included: :func:`eventkv.log.tokenize_query`), or with
+    """The question's token ids (chat tail included: :func:`eventkv.kv.log.tokenize_query`), or with
     ``messages`` the conversation's (:func:`eventkv.memory.chat.chat_tail_ids`: the same ids for one
     user message), checked to fit after ``history_end`` (where the question starts: the whole
     history's end when the rows are served at their ``positions="original"``) with room for
@@ -178,7 +180,7 @@ class PreparedQuery:
         timings_ms: per plan, wall milliseconds of ``prefill`` (the lazy prefill, shared by the plans) and
             ``serve`` (that plan's served cache).
         version: the memory's version when it was served (``EventMemory.version``).
-        decoding: how its answers are decoded (:class:`eventkv.readout.Decoding`: sampling, stop strings,
+        decoding: how its answers are decoded (:class:`eventkv.kv.decoding.Decoding`: sampling, stop strings,
             a step callback; None: greedy).
         plans: per plan, the plan it was served by (:func:`query_plan`); empty when not given.
     """
@@ -229,14 +231,14 @@ def prepare(
         records: the memory's records by id (the served events' positions and widths).
         isolated: the memo of isolated encodings (``serve(..., isolated_memo=)``), kept by the memory.
         prefill_ms: the lazy prefill's time, reported in every answer's ``timings_ms``.
-        positions: ``original`` | ``contiguous`` (:func:`eventkv.serve.serve`); each answer's ``positions``
+        positions: ``original`` | ``contiguous`` (:func:`eventkv.kv.serve.serve`); each answer's ``positions``
             reports where its events were served.
         sequences: per plan, the served events in the order their rows are laid out under contiguous
             positions (``serve(..., sequence=)``), or None (log order); None: log order for every plan.
         recompute: the fraction of served tokens each ``blend`` plan recomputes (None: the default, 0.15).
         blend_schedule: which tokens each ``blend`` plan recomputes on which layer (None: ``once``;
-            :data:`eventkv.blend.BlendSchedule`).
-        decoding: how every plan's answer is decoded (:class:`eventkv.readout.Decoding`; None: greedy).
+            :data:`eventkv.kv.blend.BlendSchedule`).
+        decoding: how every plan's answer is decoded (:class:`eventkv.kv.decoding.Decoding`; None: greedy).
         version: the memory's version, kept in the prepared query.
         plans: per plan, the plan it was served by (:func:`query_plan`), kept for the answers.
     """
@@ -275,8 +277,8 @@ def prepare(
 
 def answer_prepared(lm: LoadedModel, prepared: Sequence[PreparedQuery]) -> list[list[MemoryAnswer]]:
     """Read prepared queries out, batched: the queries with one :attr:`PreparedQuery.batch_key` in
-    one :func:`eventkv.readout.read_out` (every plan of every query a cache of the batch, each with
-    its own question, decoding budget and :class:`eventkv.readout.Decoding`), the others in one
+    one :func:`eventkv.kv.readout.read_out` (every plan of every query a cache of the batch, each with
+    its own question, decoding budget and :class:`eventkv.kv.decoding.Decoding`), the others in one
     readout per key. Each answer equals the query read out alone within float tolerance (tested:
     greedy tokens equal, logits within 1e-4 in float32), while decoding costs about one batched pass:
     on a CPU a decode step reads the weights once whatever the batch size.
@@ -286,7 +288,7 @@ def answer_prepared(lm: LoadedModel, prepared: Sequence[PreparedQuery]) -> list[
         and ``serve`` the query's own, ``decode`` its batch's whole readout (shared).
 
     Raises:
-        EventKVError: as :func:`eventkv.readout.read_out` (e.g. history + question + a candidate past the
+        EventKVError: as :func:`eventkv.kv.readout.read_out` (e.g. history + question + a candidate past the
             model's context); one bad query fails its whole readout (read it out alone to tell).
     """
     out: list[list[MemoryAnswer]] = [[] for _ in prepared]

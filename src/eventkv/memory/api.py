@@ -28,9 +28,9 @@ from __future__ import annotations
 import builtins
 from typing import TYPE_CHECKING, Iterable, Literal, Protocol, Sequence, runtime_checkable
 
-from eventkv.blend import BlendSchedule
+from eventkv.kv.blend import BlendSchedule
+from eventkv.kv.serve import PositionMode, ServeMode, ServeOrder
 from eventkv.memory.records import Added, CarrierResult, Hit, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
-from eventkv.serve import PositionMode, ServeMode, ServeOrder
 
 if TYPE_CHECKING:  # pragma: no cover
     from eventkv.memory.select import Selector

@@ -10,7 +10,7 @@ context looked up by the current tokens' attention to their representative keys)
 What is computed, per question:
 
 1. **Query states.** One forward of the question's tokens only, tokenized as a query is
-   (:func:`eventkv.log.tokenize_query`: the question, then the chat template's tail), at the
+   (:func:`eventkv.kv.log.tokenize_query`: the question, then the chat template's tail), at the
    positions the query gets when it is answered from the stored rows (``positions="original"``):
    ``context.history_end`` onward. :func:`capture_queries` (a scoped hook on the chosen layers'
    attention modules) reads each chosen layer's query states as the model computes them: the
@@ -54,16 +54,17 @@ import numpy as np
 import torch
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.log import HEADER_ID, tokenize_query
+from eventkv.kv.log import HEADER_ID, tokenize_query
+from eventkv.kv.model import forward_until, model_device, model_forward
+from eventkv.kv.rows import cache_from_rows
 from eventkv.memory.select import ScoringSelector, SelectionContext
-from eventkv.prefill import cache_from_rows, forward_until, model_device, model_forward
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedModel
 
+    from eventkv.kv.rows import EventKV
     from eventkv.memory.records import MemoryRecord
     from eventkv.models.profile import LoadedModel
-    from eventkv.prefill import EventKV
 
 Pooling = Literal["mass", "max", "mean"]
 """How an event's rows pool to its score (module docstring, step 3)."""
@@ -148,7 +149,7 @@ def question_queries(
     lm: LoadedModel, question: str, start: int, layers: Sequence[int], rows: EventKV | None = None
 ) -> dict[int, torch.Tensor]:
     """The question's query states at ``layers``: ``{layer: [1, heads, q, head_dim]}``, ``q`` the tokens
-    of :func:`eventkv.log.tokenize_query`, at positions ``start .. start + q - 1``. With ``rows`` the
+    of :func:`eventkv.kv.log.tokenize_query`, at positions ``start .. start + q - 1``. With ``rows`` the
     question is forwarded over those stored rows (a fresh cache over them; the rows are not changed),
     else alone."""
     ids = tokenize_query(lm.tokenizer, lm.profile, question)

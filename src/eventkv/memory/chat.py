@@ -3,11 +3,11 @@ prompt for the model alone, both in the model's own chat template.
 
 A memory's rows sit inside one user turn: its header is the template's head up to the user's content
 (:attr:`eventkv.models.ModelProfile.chat_head`, plus the memory's instruction), its events follow as
-that content, and a question closes the turn (``question + chat_tail``: :func:`eventkv.log.tokenize_query`).
+that content, and a question closes the turn (``question + chat_tail``: :func:`eventkv.kv.log.tokenize_query`).
 A conversation read after the rows (:func:`chat_tail_ids`) continues the same turn: the template renders
 the conversation, the head it opens with is dropped (the memory's header stands in its place), so the
 first user message follows the rows as a question does, and a conversation of one user message gives
-exactly the ids :func:`~eventkv.log.tokenize_query` gives for its text. The contents are placed into the
+exactly the ids :func:`~eventkv.kv.log.tokenize_query` gives for its text. The contents are placed into the
 rendered template as given (the template renders placeholders, as :func:`eventkv.models.profile_for`
 does to find the head and tail), so a template's own processing of a content (a trim) applies to
 neither path. System messages cannot go where the template puts them (the header is the memory's,
@@ -35,12 +35,14 @@ import torch
 from transformers import DynamicCache
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.log import encode
+from eventkv.kv.decoding import Decoding
+from eventkv.kv.log import encode
+from eventkv.kv.model import check_context, model_device, model_forward
+from eventkv.kv.readout import Generation, answer_served
+from eventkv.kv.rows import cache_kv
+from eventkv.kv.serve import ServedCache
 from eventkv.models.introspect import PLAIN_TEXT_HEAD, PLAIN_TEXT_TAIL
 from eventkv.options import check_max_new_tokens
-from eventkv.prefill import cache_kv, check_context, model_device, model_forward
-from eventkv.readout import Decoding, Generation, answer_served
-from eventkv.serve import ServedCache
 
 if TYPE_CHECKING:  # pragma: no cover
     from eventkv.models.profile import LoadedModel
@@ -61,7 +63,7 @@ class ChatReply:
 
     Attributes:
         text: the reply (stop token excluded; cut at a stop string).
-        generation: the :class:`eventkv.readout.Generation` (tokens, finish reason).
+        generation: the :class:`eventkv.kv.readout.Generation` (tokens, finish reason).
         prompt_tokens: tokens of the rendered conversation the reply was read after.
         timings_ms: wall time in milliseconds of ``prefill`` (the prompt) and ``decode``.
     """
@@ -164,7 +166,7 @@ def _special_strings(tok) -> list[str]:
 
 class _PlainText:
     """The tokenizer, reading the strings of special tokens as plain text (transformers'
-    ``split_special_tokens``): what :func:`eventkv.log.encode` calls for a run of text holding a content."""
+    ``split_special_tokens``): what :func:`eventkv.kv.log.encode` calls for a run of text holding a content."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -175,7 +177,7 @@ class _PlainText:
 
 def _encode(lm: LoadedModel, parts: Parts) -> list[int]:
     """Token ids of the rendered conversation ``parts``, a special token's string in a content read as
-    plain text (module docstring). Without such a string: :func:`eventkv.log.encode` of the whole text.
+    plain text (module docstring). Without such a string: :func:`eventkv.kv.log.encode` of the whole text.
     With one: the template's special tokens are found in the template's pieces alone and give their
     ids; each run of text between two of them (template text and contents together) is encoded with
     ``split_special_tokens``, as the tokenizer encodes the runs between special tokens of one text."""
@@ -259,7 +261,7 @@ def _tail(lm: LoadedModel, messages) -> Parts:
 
 
 def chat_tail_ids(lm: LoadedModel, messages) -> list[int]:
-    """Token ids of :func:`chat_tail_text` (one text, encoded as :func:`eventkv.log.tokenize_query`
+    """Token ids of :func:`chat_tail_text` (one text, encoded as :func:`eventkv.kv.log.tokenize_query`
     encodes a question with its tail; a special token's string in a content as plain text: module
     docstring). Raises as :func:`chat_tail_text`."""
     return _encode(lm, _tail(lm, messages))
@@ -286,7 +288,7 @@ def chat_prompt_ids(lm: LoadedModel, messages) -> list[int]:
 def chat_reply(lm: LoadedModel, messages, *, max_new_tokens: int = 256, decoding: Decoding | None = None) -> ChatReply:
     """The model's reply to a conversation, without a memory: the prompt (:func:`chat_prompt_ids`)
     is prefilled but for its last token, and the reply is read out after that token
-    (:func:`eventkv.readout.answer_served`: the same decoding, sampling, stop strings and step
+    (:func:`eventkv.kv.readout.answer_served`: the same decoding, sampling, stop strings and step
     callback as a memory's query).
 
     Raises:

@@ -8,10 +8,10 @@ past the model's context), next to the header; an update is appended as a served
 p-token patch over an L-token history) instead of rewriting history (O(L²)); every event keeps its
 text, the fallback for what served rows cannot carry.
 
-The internal view is the data path's own types: a :class:`eventkv.log.TokenizedLog` of the header
-and every stored event (each tokenized alone, as :func:`eventkv.log.tokenize` does; budgets
-honoured) and an :class:`eventkv.prefill.EventKV` of their rows in row order, so
-:func:`eventkv.serve.serve` and :mod:`eventkv.readout` do the serving and answering. The store on
+The internal view is the data path's own types: a :class:`eventkv.kv.log.TokenizedLog` of the header
+and every stored event (each tokenized alone, as :func:`eventkv.kv.log.tokenize` does; budgets
+honoured) and an :class:`eventkv.kv.rows.EventKV` of their rows in row order, so
+:func:`eventkv.kv.serve.serve` and :mod:`eventkv.kv.readout` do the serving and answering. The store on
 disk is :mod:`eventkv.memory.store`.
 
 Example (a tiny random model; a real one comes from :func:`eventkv.models.load`):
@@ -39,9 +39,14 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence, cast
 
 import numpy as np
 
-from eventkv.blend import BlendSchedule
 from eventkv.errors import EventKVError, OptionError, OutOfSpace, PurgePending, StoreDamaged
-from eventkv.log import HEADER_ID, Event, TokenizedLog, encode, header_text
+from eventkv.kv.blend import BlendSchedule
+from eventkv.kv.decoding import Decoding
+from eventkv.kv.log import HEADER_ID, Event, TokenizedLog, encode, header_text
+from eventkv.kv.model import check_context, model_device
+from eventkv.kv.rows import EventKV
+from eventkv.kv.serve import PositionMode, ServeMode, ServeOrder, default_positions
+from eventkv.kv.windowed import PrefillWindow, check_window, windowed_prefill
 from eventkv.memory.answer import (
     PreparedQuery,
     answer_prepared,
@@ -81,10 +86,6 @@ from eventkv.memory.select import (
 from eventkv.memory.sql import EventRow, Writes
 from eventkv.memory.store import SCHEMA_VERSION, Store, check_identity, model_identity, now
 from eventkv.memory.table import EventTable
-from eventkv.prefill import EventKV, check_context, model_device
-from eventkv.readout import Decoding
-from eventkv.serve import PositionMode, ServeMode, ServeOrder, default_positions
-from eventkv.windowed import PrefillWindow, check_window, windowed_prefill
 
 if TYPE_CHECKING:  # pragma: no cover
     from eventkv.models.profile import LoadedModel
@@ -109,7 +110,7 @@ class EventMemory:
         self.lm = lm
         #: ranks the view's events for :meth:`select` (:class:`eventkv.memory.select.Selector`)
         self.selector = selector_for(selector)
-        #: how events past the model's context are prefilled (:class:`eventkv.windowed.PrefillWindow`)
+        #: how events past the model's context are prefilled (:class:`eventkv.kv.windowed.PrefillWindow`)
         self.window = check_window(window, lm.profile.max_context)
         self.header_ids: list[int] = list(store.manifest["header_ids"])
         self._closed = False
@@ -139,7 +140,7 @@ class EventMemory:
             contract: optional path of the model's ``contract.json`` (kept in the manifest for carriers).
             selector: what :meth:`select` ranks events with: a :class:`eventkv.memory.select.Selector`
                 or its name (``"bm25"``, the default); not stored (give it again to :meth:`open`).
-            window: how events past the model's context are prefilled (:class:`eventkv.windowed.PrefillWindow`;
+            window: how events past the model's context are prefilled (:class:`eventkv.kv.windowed.PrefillWindow`;
                 default ``PrefillWindow.for_context(max_context)``: the whole context, chunks of a quarter of
                 it); not stored (give it again to :meth:`open`; rows already computed are kept as they are).
 
@@ -418,7 +419,7 @@ class EventMemory:
 
     def _compute(self, log: TokenizedLog, prefix: EventKV | None) -> EventKV:
         """The rows of ``log``, continuing from ``prefix`` (its rows are reused, not recomputed): one causal
-        pass while the history fits :attr:`window`, windowed past it (:func:`eventkv.windowed.windowed_prefill`)."""
+        pass while the history fits :attr:`window`, windowed past it (:func:`eventkv.kv.windowed.windowed_prefill`)."""
         lm = self.lm
         return windowed_prefill(lm.model, log, self.window, prefix=prefix, weights_digest=lm.profile.weights_digest)
 
@@ -509,8 +510,8 @@ class EventMemory:
 
     def prefill(self) -> int:
         """Compute the rows of every event not yet prefilled, continuing from the stored rows
-        (:func:`eventkv.prefill.prefill` with ``prefix=`` the stored EventKV: O(pL + p²) attention for
-        p new tokens over L stored ones; past :attr:`window`, :func:`eventkv.windowed.windowed_prefill`:
+        (:func:`eventkv.kv.prefill.prefill` with ``prefix=`` the stored EventKV: O(pL + p²) attention for
+        p new tokens over L stored ones; past :attr:`window`, :func:`eventkv.kv.windowed.windowed_prefill`:
         each chunk attends to the header and the window's recent rows only), and store them as one new
         segment file.
 
@@ -860,7 +861,7 @@ class EventMemory:
         events ranked by a selector (a patched event is ranked and served as its latest patch), the
         best ``k`` served each as one unit with its neighbours and group headers, within a row budget,
         every pinned event included; in history order. The header is always served by
-        :func:`eventkv.serve.serve` besides. The fill is :func:`eventkv.memory.select.shape`.
+        :func:`eventkv.kv.serve.serve` besides. The fill is :func:`eventkv.memory.select.shape`.
 
         Args:
             k: at most this many ranked events are chosen (a pinned one ranked among them counts);
@@ -1135,27 +1136,27 @@ class EventMemory:
         full disk never fails a read. By default the served events' rows are re-rotated to the
         positions right after the header and the question follows them (``positions``, below;
         ``"original"`` keeps the rows where they were computed); the answer is the
-        greedy continuation (:func:`eventkv.readout.read_out`), and each candidate's full
+        greedy continuation (:func:`eventkv.kv.readout.read_out`), and each candidate's full
         continuation is scored (nats) when candidates are given.
 
         Args:
             select: None = :meth:`select` (BM25 top-``k`` + patches + pins); ``"view"`` = :meth:`view_ids`;
                 ``"all"`` = every stored event, deleted ones included (their rows are part of the stored
                 history): with ``mode="compact"`` this equals a fresh prefill of header + events; or a list of ids.
-            mode: ``compact`` | ``native`` | ``isolated`` | ``text`` | ``blend`` (:mod:`eventkv.serve`).
+            mode: ``compact`` | ``native`` | ``isolated`` | ``text`` | ``blend`` (:mod:`eventkv.kv.serve`).
                 ``isolated`` encodes each served event alone once and keeps that encoding while the memory
                 is open (at most one copy of each event's rows), as a chunked-encoding store would.
                 ``blend`` re-prefills the ``recompute`` fraction of the served tokens whose rows deviate
-                most once the served events see only each other (:mod:`eventkv.blend`, CacheBlend).
+                most once the served events see only each other (:mod:`eventkv.kv.blend`, CacheBlend).
             budget_rows, selector, budget, neighbours, with_headers: the served set's shaping, passed
                 to :meth:`select` when ``select`` is None (ignored otherwise).
             keep_logits: keep each generated step's logits ``[vocab]`` (float32) in ``generation.logits``.
             positions: ``"contiguous"``: the header at its positions, the served rows re-rotated to the positions
-                right after it (RoPE re-rotation, :mod:`eventkv.rope`) and the question right after them, so the
+                right after it (RoPE re-rotation, :mod:`eventkv.kv.rope`) and the question right after them, so the
                 question's context check counts the served rows, not the history (histories past the model's
                 context are answered); or ``"original"``: the served rows at the positions they were computed at,
                 the question after the whole history (the studies' protocol). None (default):
-                :func:`eventkv.serve.default_positions`, contiguous unless a plan is ``native`` or the model's
+                :func:`eventkv.kv.serve.default_positions`, contiguous unless a plan is ``native`` or the model's
                 RoPE cannot be re-rotated exactly; ``MemoryAnswer.plan`` records the one used. Contiguous is for
                 ``compact``, ``isolated``, ``blend`` and ``text`` (already contiguous); ``native`` refuses it.
                 ``MemoryAnswer.positions`` reports each event's first served position and its rows.
@@ -1170,15 +1171,15 @@ class EventMemory:
                 their contents stay those of the prefill. ``served_ids`` and ``positions`` list the events in
                 the order served. Opt-in; not measured on LoCoMo yet.
             recompute: mode ``blend`` only: the fraction of served event tokens recomputed, in [0, 1];
-                None = 0.15 (:data:`eventkv.blend.DEFAULT_RECOMPUTE`).
+                None = 0.15 (:data:`eventkv.kv.blend.DEFAULT_RECOMPUTE`).
             blend_schedule: mode ``blend`` only: which tokens are recomputed on which layer, ``once`` (None: the
                 default), ``layerwise`` (CacheBlend's gradual filtering) or ``epic`` (the first tokens of each
-                served event) (:data:`eventkv.blend.BlendSchedule`).
+                served event) (:data:`eventkv.kv.blend.BlendSchedule`).
             messages: a chat conversation read after the served rows in place of the question
                 (:func:`eventkv.memory.chat.chat_tail_ids`: the model's chat template continues the
                 header's user turn; one user message ``q`` reads exactly as ``question=q``). The
                 ``question`` still selects the served events: give the last user message's text.
-            decoding: how the answer is decoded (:class:`eventkv.readout.Decoding`: seeded sampling,
+            decoding: how the answer is decoded (:class:`eventkv.kv.decoding.Decoding`: seeded sampling,
                 stop strings, a per-step text callback); None: greedy.
 
         Returns:
@@ -1196,7 +1197,7 @@ class EventMemory:
                 event within the budget), pinned events over the budget, history (served rows, under
                 ``"contiguous"``) + question beyond the model's context (a history longer than the context
                 is answered with ``positions="contiguous"``: the message says so), a rope type that cannot
-                be re-rotated (``"contiguous"``: :func:`eventkv.rope.rerotate`).
+                be re-rotated (``"contiguous"``: :func:`eventkv.kv.rope.rerotate`).
         """
         return self.query_batch(
             question,
@@ -1247,7 +1248,7 @@ class EventMemory:
         """Answer one question under several serving plans in one batched readout: e.g. the same
         selection served as rows and re-prefilled as text, side by side. Each plan is a
         ``(select, mode)`` pair as in :meth:`query`; the served caches are read out together
-        (:func:`eventkv.readout.read_out`: left-padded, each row at its own positions), so the
+        (:func:`eventkv.kv.readout.read_out`: left-padded, each row at its own positions), so the
         answers equal separate :meth:`query` calls within float tolerance (tested: greedy tokens
         equal, logits within 1e-4 in float32) while decoding costs about one batched pass instead of
         one pass per plan — decode on a CPU reads the weights once per step whatever the batch size.
@@ -1389,9 +1390,9 @@ class EventMemory:
         )
 
     def event_log(self, select: SelectSpec = "all"):
-        """The stored events as an :class:`eventkv.log.EventLog` (header instruction included), e.g. for
+        """The stored events as an :class:`eventkv.kv.log.EventLog` (header instruction included), e.g. for
         a fresh prefill to compare against. ``select``: ``"all"`` (stored history) or ``"view"``."""
-        from eventkv.log import EventLog
+        from eventkv.kv.log import EventLog
 
         self._check_open()
         recs = self._stored() if select == "all" else [cur for _, cur in self._units()]

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from eventkv.errors import EventKVError, OptionError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from eventkv.readout import CandidateScore, Generation
+    from eventkv.kv.readout import CandidateScore, Generation
 
 #: what an event row of the store is: an event added by ``add``, a patch appended by ``update``,
 #: or a programmed carrier (an answer-free event written on purpose)
@@ -168,7 +168,7 @@ class MemoryEvent:
 
     Attributes:
         text: the event's text, exactly as it enters the prompt (non-blank).
-        role: optional speaker label; the event is rendered ``"{role}: {text}"`` (as :class:`eventkv.log.Event`).
+        role: optional speaker label; the event is rendered ``"{role}: {text}"`` (as :class:`eventkv.kv.log.Event`).
         id: optional unique name (no commas, no surrounding spaces); ``None`` = the memory names it
             ``e{seq}``. Kept in its :func:`canonical_event_id` form (NFC; look-alike and invisible
             characters, and ids that look like nothing, refused when the event is made).
@@ -344,7 +344,7 @@ class MemoryAnswer:
 
     Attributes:
         text: the greedy answer (decoded, stop token excluded).
-        generation: the full :class:`eventkv.readout.Generation` (tokens, stopped, logits if kept).
+        generation: the full :class:`eventkv.kv.readout.Generation` (tokens, stopped, logits if kept).
         candidates: candidate scores (log-probabilities in nats), when candidates were given.
         served_ids: the served events in the order they were served: history order, or under
             ``order="relevance"`` the order of their rows (the most relevant last); the header is always

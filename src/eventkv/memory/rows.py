@@ -1,10 +1,10 @@
 """The in-memory K/V rows of a memory's stored history: loaded from the store's segment files,
 replaced after each commit, sliced for a new segment file, cut where ``forget`` removes an event.
 
-Rows are the data path's :class:`eventkv.prefill.EventKV` (per layer ``[1, kv_heads, rows,
+Rows are the data path's :class:`eventkv.kv.rows.EventKV` (per layer ``[1, kv_heads, rows,
 head_dim]`` keys and values, ``[rows]`` RoPE position ids), one row per token of the header and of
 every prefilled event, in history order (row ``i`` of the history is row ``i`` here). No SQL and no
-model here: the caller computes rows (:func:`eventkv.prefill.prefill`) and commits them.
+model here: the caller computes rows (:func:`eventkv.kv.prefill.prefill`) and commits them.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Callable, Sequence
 import torch
 
 from eventkv.errors import StoreDamaged
-from eventkv.log import TokenizedLog
+from eventkv.kv.log import TokenizedLog
+from eventkv.kv.rows import EventKV
 from eventkv.memory.records import MemoryRecord
-from eventkv.prefill import EventKV
 
 #: reads one segment row's file: per layer keys and values ``[kv_heads, rows, head_dim]``, positions ``[rows]``
 ReadSegment = Callable[..., tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]]
@@ -48,7 +48,7 @@ class ForgetCut:
 
 class RowCache:
     """A memory's rows in memory (:attr:`ekv`, None before the first prefill) and the isolated
-    encodings of served events (:attr:`isolated`, the memo :func:`eventkv.serve.serve` keeps for
+    encodings of served events (:attr:`isolated`, the memo :func:`eventkv.kv.serve.serve` keeps for
     ``mode="isolated"``; keyed by id, position and tokens, emptied whenever rows are relaid out)."""
 
     def __init__(self) -> None:

@@ -40,9 +40,9 @@ from eventkv.errors import EventKVError, OptionError
 from eventkv.options import SELECTORS, check_int, check_optional_int
 
 if TYPE_CHECKING:  # pragma: no cover
+    from eventkv.kv.rows import EventKV
     from eventkv.memory.records import MemoryRecord
     from eventkv.models.profile import LoadedModel
-    from eventkv.prefill import EventKV
 
 #: bm25s's scoring variant and parameters used by :func:`rank` (see the module docstring)
 METHOD, K1, B = "lucene", 1.5, 0.75
@@ -354,7 +354,7 @@ class SelectionContext:
 
     Attributes:
         lm: the memory's model (tokenizer, profile, weights).
-        rows: returns the stored history's rows (:class:`eventkv.prefill.EventKV`, header first, every
+        rows: returns the stored history's rows (:class:`eventkv.kv.rows.EventKV`, header first, every
             candidate event prefilled: pending events are prefilled and committed on the first call).
         embeddings: ``embeddings(events, model_name)`` returns ``[len(events), dim]`` float32 unit
             vectors of the events' texts under a sentence-embedding model, read from the store

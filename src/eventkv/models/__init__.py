@@ -2,7 +2,7 @@
 
 Modules, in import order (each imports only those above it):
 
-- `profile`: `ModelProfile` and `LoadedModel`, plain data types (no model code; `eventkv.log` uses them);
+- `profile`: `ModelProfile` and `LoadedModel`, plain data types (no model code; `eventkv.kv.log` uses them);
 - `introspect`: `profile_for` reads a profile from a model's config and tokenizer (layer types, chat
   scaffold and its seams, stop tokens) — the one place model-specific facts are read;
 - `dtypes`: `resolve_dtype` / `native_bf16` (``dtype="auto"``);

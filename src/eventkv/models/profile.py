@@ -1,6 +1,6 @@
 """What eventkv knows about a model: `ModelProfile`, and `LoadedModel` (model + tokenizer + profile).
 
-Plain data types with no model code: `eventkv.log` and the probes import them for their
+Plain data types with no model code: `eventkv.kv.log` and the probes import them for their
 signatures without loading anything. The profile is read by `eventkv.models.introspect.profile_for`.
 """
 

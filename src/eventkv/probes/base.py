@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Literal, Sequence, ca
 import torch
 
 from eventkv.errors import EventKVError
-from eventkv.log import TokenizedLog, encode, header_text
-from eventkv.prefill import EventKV, cache_kv, model_device, prefill
+from eventkv.kv.log import TokenizedLog, encode, header_text
+from eventkv.kv.model import model_device
+from eventkv.kv.prefill import prefill
+from eventkv.kv.rows import EventKV, cache_kv
 from eventkv.registry import Registry, one_of
 
 if TYPE_CHECKING:
@@ -194,10 +196,10 @@ class Runtime:
 def _prefill_header(model, header_ids: list[int], digest: str) -> EventKV:
     """An EventKV of the header rows only (positions 0..h-1), usable as ``prefix=``. Its log
     carries a one-token placeholder event that holds no rows (only ``log.input_ids[:h]`` and the
-    positions are compared by :func:`eventkv.prefill.prefill`)."""
+    positions are compared by :func:`eventkv.kv.prefill.prefill`)."""
     from transformers import DynamicCache
 
-    from eventkv.prefill import model_forward
+    from eventkv.kv.model import model_forward
 
     if not header_ids:
         raise EventKVError("the header tokenizes to nothing: give the model a chat template or an instruction.")

@@ -157,8 +157,8 @@ class QueryIn(Shaping):
         None, max_length=64, json_schema_extra={"uniqueItems": True}
     )
     max_new_tokens: MaxNewTokens = 32
-    # serving positions (eventkv.serve): "contiguous" re-rotates the served rows right after the header;
-    # null: the memory's default (eventkv.serve.default_positions), recorded in the answer's plan
+    # serving positions (eventkv.kv.serve): "contiguous" re-rotates the served rows right after the header;
+    # null: the memory's default (eventkv.kv.serve.default_positions), recorded in the answer's plan
     positions: Literal["original", "contiguous"] | None = None
     # the served rows' order under contiguous positions: "relevance" puts the most relevant event last
     order: Literal["log", "relevance"] = "log"

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from eventkv.errors import OptionError
-from eventkv.readout import MAX_TEMPERATURE, SEED_END, SEED_MIN
+from eventkv.kv.decoding import MAX_TEMPERATURE, SEED_END, SEED_MIN
 from eventkv.service.schemas import MAX_TEXT, EventId, MaxNewTokens, Name, Shaping, json_invalid, pydantic_rule
 from eventkv.wire import MAX_NAME, MEMORY_HEADER, NAME_PATTERN, NotFound
 

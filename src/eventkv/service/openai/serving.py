@@ -12,7 +12,7 @@ a chat whose memory is deleted while it waits is refused 404 when its turn comes
 (:meth:`eventkv.service.worker.ModelWorker.deleted`).
 Without a memory: the served model alone over its chat template (:func:`eventkv.memory.chat.chat_reply`).
 
-Streaming: the worker's decode loop hands each step's text (:attr:`eventkv.readout.Decoding.on_step`,
+Streaming: the worker's decode loop hands each step's text (:attr:`eventkv.kv.decoding.Decoding.on_step`,
 whole characters only) to the response through an asyncio queue (:class:`Stream`); the stream opens once
 the first step has run, so a request the memory or the model refuses still gets its 4xx; the finish chunk
 comes after the job's end (and so after a ``remember``'s events are stored). A client that leaves
@@ -34,10 +34,11 @@ from fastapi.sse import format_sse_event
 from pydantic import BaseModel
 
 from eventkv.errors import EventKVError
+from eventkv.kv.decoding import Decoding
+from eventkv.kv.readout import Generation
 from eventkv.memory.answer import answer_prepared
 from eventkv.memory.chat import chat_reply, last_user_text
 from eventkv.memory.records import MemoryEvent
-from eventkv.readout import Decoding, Generation
 from eventkv.service.errors import ClientGone, status_and_code
 from eventkv.service.openai import protocol as o
 from eventkv.service.routes.queries import check_servable

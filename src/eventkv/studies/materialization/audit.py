@@ -118,8 +118,8 @@ class EvictionAudit(Probe):
         from eventkv.eviction.capture import capture_prefill
         from eventkv.eviction.masked import read_out_masked
         from eventkv.eviction.policies import keep_mask
-        from eventkv.log import tokenize_query
-        from eventkv.serve import serve
+        from eventkv.kv.log import tokenize_query
+        from eventkv.kv.serve import serve
         from eventkv.studies.materialization.donor_pair import INSTRUCTION
         from eventkv.studies.materialization.pairs import donor_d, event_id, outcome, tokenize_pair
 

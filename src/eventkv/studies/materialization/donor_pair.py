@@ -27,7 +27,7 @@ Arms, all answered from one global prefill per variant (see :meth:`DonorPair.arm
 * ``text-all`` — every event: the comprehension arm. It is the global prefill itself continued
   by the query, i.e. the history as text with the log's token rows and position ids (the
   source's budget leaves a gap of a few unused positions; no other difference from plain text).
-* ``kv-all`` — every event served through :func:`eventkv.serve.serve` (compact). It is the same
+* ``kv-all`` — every event served through :func:`eventkv.kv.serve.serve` (compact). It is the same
   computation as ``text-all`` (no second prefill, no second readout): the probe checks, per
   variant, that the served rows, their positions and the query position are bitwise those of
   the prefill that ``text-all`` reads, records the result, and the summary reports it. (That the
@@ -60,9 +60,9 @@ from typing import ClassVar, Sequence
 import torch
 
 from eventkv.errors import EventKVError, OptionError
+from eventkv.kv.serve import serve
 from eventkv.options import check_choices
 from eventkv.probes.base import Arm, Runtime, Summary, Table, register
-from eventkv.serve import serve
 from eventkv.stats import format_p, median, require_finite, sign_test, sign_test_d, wilcoxon_d, wilson
 from eventkv.studies.materialization.contract_rows import (
     GRADED,
@@ -330,7 +330,7 @@ class DonorPair(PairLayout, PairProbe):
 
 
 def _serves_the_prefill(ekv) -> bool:
-    """The ``kv-all`` check: every event served through :func:`eventkv.serve.serve` (compact) gives
+    """The ``kv-all`` check: every event served through :func:`eventkv.kv.serve.serve` (compact) gives
     bitwise the prefill's rows (keys/values ``[1, kv_heads, rows, head_dim]`` per layer), its
     positions and its query position, so ``kv-all``'s readouts are ``text-all``'s."""
     s = serve(ekv, "all", "compact")

@@ -177,12 +177,12 @@ class Harvest(DialogueData, Probe):
         return [{"index": i, "conversation": i} for i in indices]  # one item = one conversation (its questions)
 
     def run_item(self, rt: Runtime, item: dict) -> dict:
-        from eventkv.log import Event, EventLog, encode, tokenize, tokenize_query
+        from eventkv.kv.log import Event, EventLog, encode, tokenize, tokenize_query
+        from eventkv.kv.prefill import prefill
+        from eventkv.kv.readout import read_out
+        from eventkv.kv.serve import ServedCache, serve
         from eventkv.memory.dialogue import truncate
         from eventkv.memory.metrics import token_f1
-        from eventkv.prefill import prefill
-        from eventkv.readout import read_out
-        from eventkv.serve import ServedCache, serve
 
         whole = self.conversations()[item["conversation"]]
         conv = truncate(whole, rt.tokenizer, self.max_tokens)

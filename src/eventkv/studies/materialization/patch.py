@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import ClassVar, Sequence
 
-from eventkv.log import TokenizedLog
+from eventkv.kv.log import TokenizedLog
 from eventkv.options import check_int, check_ints
 from eventkv.probes.base import Runtime, Summary, Table, register
 from eventkv.stats import wilson

@@ -60,9 +60,10 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from eventkv.errors import EventKVError
-from eventkv.log import encode
-from eventkv.prefill import cache_from_rows, cache_kv, check_context, model_device, model_forward
-from eventkv.readout import token_logprobs
+from eventkv.kv.log import encode
+from eventkv.kv.model import check_context, model_device, model_forward
+from eventkv.kv.readout import token_logprobs
+from eventkv.kv.rows import cache_from_rows, cache_kv
 
 ARMS = ("clean", "scaffold", "zero-kv", "zero-k", "zero-v", "mask", "mean")
 TAILS = ("clean", "spliced")
@@ -107,7 +108,7 @@ class SplicePrompt:
     @classmethod
     def from_text(cls, tokenizer, profile, content: str) -> "SplicePrompt":
         """``profile.chat_head + content + profile.chat_tail``, each piece tokenized on its own
-        (without special tokens, `eventkv.log.encode`); the span is ``content``. The pieces' ids equal
+        (without special tokens, `eventkv.kv.log.encode`); the span is ``content``. The pieces' ids equal
         the whole text's at both seams (`eventkv.models.scaffold_seams`; tested for every profile)."""
         return cls(
             tuple(encode(tokenizer, profile.chat_head)),
@@ -618,7 +619,7 @@ def splice_choice(
 ) -> list[list[float]]:
     """Forced-choice readout over the spliced cache: for each splice, the log-probability (nats,
     the sum over its tokens) of each option's full continuation right after the prompt, scored
-    over the spliced rows — the candidate-logit readout of :func:`eventkv.readout.candidate_logprobs`,
+    over the spliced rows — the candidate-logit readout of :func:`eventkv.kv.readout.candidate_logprobs`,
     on a splice instead of a served cache. A splice with no layers (cutoff = number of layers)
     gives the clean scores.
 

@@ -48,7 +48,7 @@ from typing import Callable, Sequence
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 from eventkv.errors import EventKVError
-from eventkv.log import check_record, read_jsonl
+from eventkv.kv.log import check_record, read_jsonl
 
 STRIP = ".,;:!?\"'`*()[]"
 MATCHERS = ("exact", "word")

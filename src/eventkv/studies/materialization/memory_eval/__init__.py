@@ -27,7 +27,7 @@ excluded) and each positions mode (``positions``: ``contiguous``, the default, `
 * ``isolated:<control>@<b>`` — the same set, each event encoded alone (chunk-wise precomputed KV);
 * ``blend:<control>@<b>`` — the same set's rows with a fraction recomputed (serve mode ``blend``,
   ``recompute``), when ``arm_names`` includes ``blend``; ``blend-layerwise`` and ``blend-epic`` the same
-  under the ``layerwise`` and ``epic`` recompute schedules (``blend_schedule``, :mod:`eventkv.blend`);
+  under the ``layerwise`` and ``epic`` recompute schedules (``blend_schedule``, :mod:`eventkv.kv.blend`);
 * ``full`` — every stored row; ``gold`` — the evidence turns (and their session headers) as text.
 
 A positioned arm (rows, isolated, blend) served in contiguous positions carries the suffix

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Sequence
 
 from eventkv.errors import EventKVError, OptionError
+from eventkv.kv.serve import SERVE_ORDERS
 from eventkv.options import (
     DIALOGUE_FORMATS,
     SELECTORS,
@@ -23,7 +24,6 @@ from eventkv.options import (
     is_int,
 )
 from eventkv.probes.base import Arm, Probe, Runtime, Summary
-from eventkv.serve import SERVE_ORDERS
 from eventkv.studies.materialization.dialogue_data import DialogueData
 from eventkv.studies.materialization.memory_eval.arms import (
     ARM_KINDS,
@@ -279,7 +279,7 @@ class MemoryEval(DialogueData, Probe):
         """Conversation ``c`` as the memory holds it (truncated; its events by session; tokens with the
         header), tokenized once per probe."""
         if c not in self._histories:
-            from eventkv.log import Event, encode
+            from eventkv.kv.log import Event, encode
             from eventkv.memory.dialogue import truncate
 
             conv = self._conversations()[c]

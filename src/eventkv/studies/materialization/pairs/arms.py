@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from eventkv.errors import EventKVError
-from eventkv.log import TokenizedLog
+from eventkv.kv.log import TokenizedLog
 from eventkv.probes.base import Arm, Readout
 
 

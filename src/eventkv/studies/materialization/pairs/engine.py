@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from typing import Callable, Sequence, cast
 
 from eventkv.errors import EventKVError
-from eventkv.log import TokenizedLog, tokenize_query
-from eventkv.prefill import EventKV
+from eventkv.kv.log import TokenizedLog, tokenize_query
+from eventkv.kv.readout import read_out
+from eventkv.kv.rows import EventKV
+from eventkv.kv.serve import ServedCache
 from eventkv.probes.base import Runtime
-from eventkv.readout import read_out
-from eventkv.serve import ServedCache
 from eventkv.studies.materialization.pairs.arms import PairArm, events_read
 from eventkv.studies.materialization.pairs.prefill import PrefillCache, leading_log, shared_log, tokenize_pair
 from eventkv.studies.materialization.pairs.scoring import donor_d, outcome
@@ -160,11 +160,11 @@ def run_pairs(
     whole: bool = False,
 ) -> list[PairRun]:
     """:func:`run_pair` on several items at once: the
-    items' prefills run in rounds, each round of every item in one :func:`eventkv.batched.prefill_batch`
+    items' prefills run in rounds, each round of every item in one :func:`eventkv.kv.batched.prefill_batch`
     forward (the shared events; both variants' leads, which continue them — with ``shared_prefix``,
     else variant A's lead and then B's, which continues A's rows; then the rest of each history when
     an arm reads everything); every event an isolated arm serves is encoded alone in one
-    :func:`eventkv.batched.encode_alone` forward; and the served caches of every item are read out
+    :func:`eventkv.kv.batched.encode_alone` forward; and the served caches of every item are read out
     together, one :func:`read_out` per question and query length (caches are left-padded, each with
     its own positions; no padding goes between a cache's rows and its query). :func:`run_pair` is
     this function on one item; with more, the records equal one item's at a time up to float
@@ -264,9 +264,9 @@ def _prefill_rounds(
     ekvs: list[dict[str, list[EventKV | None]]],
 ) -> list[dict[str, list[EventKV | None]]]:
     """Run the planned prefills round by round, each round of every item in one
-    :func:`eventkv.batched.prefill_batch` forward (a prefill an item's cache already holds is
+    :func:`eventkv.kv.batched.prefill_batch` forward (a prefill an item's cache already holds is
     reused); fills and returns ``ekvs`` (per item and history, the variants' latest EventKVs)."""
-    from eventkv.batched import prefill_batch
+    from eventkv.kv.batched import prefill_batch
 
     for r in range(max(len(j) for j in jobs)):
         todo: list[tuple[int, str, TokenizedLog, EventKV]] = []

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from eventkv.errors import EventKVError
-from eventkv.log import TokenizedLog
-from eventkv.prefill import EventKV
+from eventkv.kv.log import TokenizedLog
+from eventkv.kv.rows import EventKV
 from eventkv.probes.base import Runtime
 from eventkv.studies.materialization.pairs.arms import event_id
 

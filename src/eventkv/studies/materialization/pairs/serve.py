@@ -11,10 +11,10 @@ from typing import Sequence
 import torch
 
 from eventkv.errors import EventKVError
-from eventkv.log import HEADER_ID, TokenizedLog
-from eventkv.prefill import EventKV
+from eventkv.kv.log import HEADER_ID, TokenizedLog
+from eventkv.kv.rows import EventKV
+from eventkv.kv.serve import ServedCache, serve
 from eventkv.probes.base import Runtime
-from eventkv.serve import ServedCache, serve
 from eventkv.studies.materialization.pairs.arms import PairArm, event_id, served_ids
 
 
@@ -56,9 +56,9 @@ def encode_isolated(
     rt: Runtime, instruction: str, items: Sequence[dict], arms: Sequence[PairArm], logs: list[dict]
 ) -> dict[tuple, tuple]:
     """Every event an isolated arm serves, over all items and variants, encoded alone after the
-    header in one forward (:func:`eventkv.batched.encode_alone`), as an ``isolated_memo`` for
-    :func:`eventkv.serve.serve` (keyed by event id, first position and token ids)."""
-    from eventkv.batched import encode_alone
+    header in one forward (:func:`eventkv.kv.batched.encode_alone`), as an ``isolated_memo`` for
+    :func:`eventkv.kv.serve.serve` (keyed by event id, first position and token ids)."""
+    from eventkv.kv.batched import encode_alone
 
     wanted: dict[tuple, tuple[list[int], int]] = {}
     for i, item in enumerate(items):

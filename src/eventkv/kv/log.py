@@ -214,7 +214,7 @@ class EventLog:
         for ev in self.events:
             if not isinstance(ev, Event):
                 raise EventKVError(
-                    f"{_short(ev)} is not an Event: build each event with eventkv.log.Event(id=..., text=...)."
+                    f"{_short(ev)} is not an Event: build each event with eventkv.kv.log.Event(id=..., text=...)."
                 )
             if ev.id == HEADER_ID:
                 raise EventKVError(f"event id {HEADER_ID!r} is reserved for the header: rename that event.")

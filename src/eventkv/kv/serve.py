@@ -20,7 +20,7 @@ Modes:
 * ``blend`` — selective recompute (CacheBlend, Yao et al. 2024, arXiv 2405.16444): the compact
   rows, with the ``recompute`` fraction (default 0.15) of served event tokens whose K/V deviate most
   on an early layer, once the served events see only each other, re-prefilled through every layer
-  at their original positions; the rest reused (:mod:`eventkv.blend`). ``blend_schedule`` picks
+  at their original positions; the rest reused (:mod:`eventkv.kv.blend`). ``blend_schedule`` picks
   which tokens are recomputed on which layer: ``once`` (the default: the above), ``layerwise``
   (CacheBlend's gradual filtering, a set narrowing layer by layer) or ``epic`` (the first tokens of
   each served event, EPIC's LegoLink). ``recompute=0`` is ``compact``; ``recompute=1`` equals a
@@ -36,7 +36,7 @@ Positions (``positions=``):
   project's protocol: what the rows saw and where they sit are exactly as in the global prefill.
 * ``contiguous`` — an opt-in departure from that protocol, for histories longer than the model's
   context: the header keeps its positions ``0 .. h-1`` and the served rows (in log order) are
-  re-rotated to ``h, h+1, ...`` (:func:`eventkv.rope.rerotate`: RoPE is a rotation whose angle is
+  re-rotated to ``h, h+1, ...`` (:func:`eventkv.kv.rope.rerotate`: RoPE is a rotation whose angle is
   linear in the position, Su et al. 2021, arXiv 2104.09864, so moving a key costs one rotation
   and no forward; exact up to float rounding); the query starts right after the served rows. The
   served cache then spans ``rows`` positions, not the history's length, so a history past the
@@ -68,11 +68,12 @@ from typing import TYPE_CHECKING, Literal, MutableMapping, Sequence, get_args
 import torch
 from transformers import DynamicCache
 
-from eventkv.blend import BlendSchedule, blend, check_recompute, check_schedule
 from eventkv.errors import EventKVError, OptionError
-from eventkv.log import HEADER_ID
-from eventkv.prefill import EventKV, LayerRows, cache_from_rows, cache_kv, model_device, model_forward
-from eventkv.rope import rerotatable, rerotate
+from eventkv.kv.blend import BlendSchedule, blend, check_recompute, check_schedule
+from eventkv.kv.log import HEADER_ID
+from eventkv.kv.model import model_device, model_forward
+from eventkv.kv.rope import rerotatable, rerotate
+from eventkv.kv.rows import EventKV, LayerRows, cache_from_rows, cache_kv
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -188,7 +189,7 @@ def check_position_mode(positions, mode: str) -> PositionMode:
 def default_positions(model: PreTrainedModel, modes: Sequence[str]) -> PositionMode:
     """The positions a query without ``positions`` is served at: :data:`DEFAULT_POSITIONS` (contiguous), or
     ``original`` when a plan's mode keeps every row in place (``native``) or the model's RoPE cannot be
-    re-rotated exactly (:func:`eventkv.rope.rerotatable`: ``dynamic`` NTK or ``longrope`` scaling, partial
+    re-rotated exactly (:func:`eventkv.kv.rope.rerotatable`: ``dynamic`` NTK or ``longrope`` scaling, partial
     rotary), so that the default never refuses a query the original positions can answer."""
     if any(m not in CONTIGUOUS_MODES for m in modes) or not rerotatable(model):
         return "original"
@@ -260,7 +261,7 @@ def reordered(served: ServedCache, header_rows: int, widths: Sequence[int], sequ
 
 def to_contiguous(model: PreTrainedModel, served: ServedCache, header_rows: int) -> ServedCache:
     """``served`` (compact layout, header rows first) with its rows after the header re-rotated to the positions
-    right after the header's (:func:`eventkv.rope.rerotate`) and the query placed right after them.
+    right after the header's (:func:`eventkv.kv.rope.rerotate`) and the query placed right after them.
 
     Args:
         header_rows: the header's rows at the front of ``served`` (they keep their positions).
@@ -321,9 +322,9 @@ def serve(
             laid out after the header, the last right before the query (see the module docstring, "Order");
             ``text`` re-prefills them in that order. None: log order.
         recompute: mode ``blend`` only: the fraction of served event tokens recomputed, in [0, 1]
-            (None: :data:`eventkv.blend.DEFAULT_RECOMPUTE`, 0.15).
+            (None: :data:`eventkv.kv.blend.DEFAULT_RECOMPUTE`, 0.15).
         blend_schedule: mode ``blend`` only: which tokens are recomputed on which layer, ``once`` | ``layerwise`` |
-            ``epic`` (:data:`eventkv.blend.BlendSchedule`; None: ``once``).
+            ``epic`` (:data:`eventkv.kv.blend.BlendSchedule`; None: ``once``).
 
     Returns:
         ServedCache with header + served rows (compact/isolated/text/blend) or all rows (native); its
@@ -331,18 +332,18 @@ def serve(
 
     Raises:
         EventKVError: unknown mode, empty served set, unknown event id, or a missing model; a rope type
-            :func:`eventkv.rope.rerotate` cannot re-rotate exactly (``contiguous``); a ``sequence`` that does not
+            :func:`eventkv.kv.rope.rerotate` cannot re-rotate exactly (``contiguous``); a ``sequence`` that does not
             list the served events once each.
         OptionError: an unknown ``positions``, or ``contiguous`` with ``native``; a ``sequence`` with
             ``positions="original"``; ``recompute`` outside
             [0, 1], or given with a mode other than ``blend``; an unknown ``blend_schedule``, or one given with a
             mode other than ``blend``.
 
-    Example (``ekv`` prefilled as in :func:`eventkv.prefill.prefill`'s example):
+    Example (``ekv`` prefilled as in :func:`eventkv.kv.prefill.prefill`'s example):
 
         >>> from eventkv.testing import tiny_lm
-        >>> from eventkv.log import Event, EventLog, tokenize
-        >>> from eventkv.prefill import prefill
+        >>> from eventkv.kv.log import Event, EventLog, tokenize
+        >>> from eventkv.kv.prefill import prefill
         >>> lm = tiny_lm("llama")
         >>> events = [Event("a", "register A set to ON"), Event("b", "register B mirrors A")]
         >>> ekv = prefill(lm.model, tokenize(EventLog(events), lm.tokenizer, lm.profile))

@@ -1,12 +1,12 @@
 """Windowed prefill: the rows of a history longer than the model's context.
 
-A history whose positions fit the window is prefilled in one causal pass (:func:`eventkv.prefill.prefill`).
+A history whose positions fit the window is prefilled in one causal pass (:func:`eventkv.kv.prefill.prefill`).
 Past the window, the events are prefilled in **chunks**, each one causal forward over a context of the
 **header rows** (the attention sinks) plus the **most recent rows** that fit, placed right after the header:
 the StreamingLLM idea (Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks",
 arXiv 2309.17453, sections 3.2 and 4: keep the first tokens and a rolling window of recent ones, positions
 assigned within the cache) applied to prefill. The recent rows' keys are re-rotated
-(:func:`eventkv.rope.rerotate`) from their whole-history positions to positions that follow the header;
+(:func:`eventkv.kv.rope.rerotate`) from their whole-history positions to positions that follow the header;
 the chunk's tokens are computed at the positions that continue them; its new keys are re-rotated back to
 the chunk's whole-history positions before they are kept. So every kept key is rotated at its row's
 position in the whole history, windowed or not: one invariant for every row.
@@ -31,10 +31,12 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.log import TokenizedLog
+from eventkv.kv.log import TokenizedLog
+from eventkv.kv.model import model_device, model_forward
+from eventkv.kv.prefill import prefill
+from eventkv.kv.rope import rerotate
+from eventkv.kv.rows import EventKV, cache_from_rows, cache_kv
 from eventkv.options import is_int
-from eventkv.prefill import EventKV, cache_from_rows, cache_kv, model_device, model_forward, prefill
-from eventkv.rope import rerotate
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -186,7 +188,7 @@ def windowed_prefill(
     """The rows of ``log`` (header + events at their whole-history positions), windowed past
     ``window.size`` (the module docstring; StreamingLLM, arXiv 2309.17453).
 
-    A log whose history ends within ``window.size`` gives exactly :func:`eventkv.prefill.prefill`'s
+    A log whose history ends within ``window.size`` gives exactly :func:`eventkv.kv.prefill.prefill`'s
     rows (the same call). Past it, each :class:`Chunk` of :func:`plan_chunks` is one forward.
 
     Args:
@@ -203,7 +205,7 @@ def windowed_prefill(
 
     Raises:
         EventKVError: an event wider than the window minus the header; a prefix that is not a prefix of
-            the log; a RoPE :func:`eventkv.rope.rerotate` cannot re-rotate.
+            the log; a RoPE :func:`eventkv.kv.rope.rerotate` cannot re-rotate.
     """
     chunks = plan_chunks(log, window)
     if not chunks:

@@ -34,22 +34,21 @@ reaches real rows before it would reach the pad).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence, cast
+from typing import TYPE_CHECKING, Any, Literal, Sequence, cast
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.log import encode
+from eventkv.kv.log import encode
+from eventkv.kv.model import check_context, takes_4d_masks
+from eventkv.kv.serve import ServedCache
 from eventkv.models.kernels import linear_kernel_of
-from eventkv.prefill import attention_masks, cache_kv, check_context, model_forward, takes_4d_masks
-from eventkv.serve import ServedCache
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from eventkv.kv.decoding import GREEDY, Decoding, Sampler, TextWatch
+from eventkv.kv.stacked import Batch, CandidateTree, merge, stack
 
 
 @dataclass
@@ -69,193 +68,6 @@ class Generation:
     def finish_reason(self) -> Literal["stop", "length"]:
         """``"stop"`` when a stop token or a stop string ended it, ``"length"`` when max_new_tokens did."""
         return "stop" if self.stopped or self.stop_string is not None else "length"
-
-
-#: the smallest temperature that samples: below it decoding is greedy. softmax(logits / T) tends to the
-#: argmax as T -> 0, and at T = 1e-5 a logit gap of 1e-3 already weighs the runner-up exp(-100) ~ 4e-44
-#: times the top token, so the threshold changes an answer only where the top logits tie. The value is
-#: vLLM's convention (vllm/sampling_params.py, ``_SAMPLING_EPS = 1e-5``: a temperature under it is greedy).
-MIN_SAMPLING_TEMPERATURE = 1e-5
-#: the largest temperature a :class:`Decoding` accepts (OpenAI's range, [0, 2])
-MAX_TEMPERATURE = 2.0
-#: the seeds a :class:`Decoding` accepts, ``[SEED_MIN, SEED_END)``: every signed and every unsigned 64-bit
-#: integer, what ``torch.Generator.manual_seed`` takes (a negative seed ``s`` seeds ``s + 2**64``)
-SEED_MIN, SEED_END = -(2**63), 2**64
-
-
-@dataclass(frozen=True)
-class Decoding:
-    """How one sequence is decoded, when not greedily or not silently.
-
-    Attributes:
-        temperature: a number in [0, 2]. Below :data:`MIN_SAMPLING_TEMPERATURE` (1e-5; 0, the default,
-            included): greedy, the argmax, the limit of ``softmax(logits / temperature)`` as the
-            temperature goes to 0 (the same tokens as 0, whatever the seed). From 1e-5: each token is
-            drawn from ``softmax(logits / temperature)``, restricted to the top-p nucleus
-            (:func:`sampling_probs`: float64 on the CPU, finite at every temperature).
-        top_p: the nucleus (Holtzman et al. 2020, arXiv 1904.09751, Sec. 3.1): the smallest set of
-            most probable tokens whose probabilities sum to at least ``top_p``, a number in (0, 1].
-            1 (the default): every token; the nucleus always holds the most probable token, so as
-            ``top_p`` goes to 0 it holds that token alone (the draw is the argmax, up to ties).
-            Only with sampling.
-        seed: seeds the sequence's own ``torch.Generator`` (CPU), so a sampled answer is reproducible
-            whatever else shares its batch: a whole number in [-2**63, 2**64) (:data:`SEED_MIN`,
-            :data:`SEED_END`: a signed or unsigned 64-bit integer; ``s`` and ``s + 2**64`` are the
-            same seed); None: a fresh random seed.
-        stop: stop strings: decoding ends once the decoded text contains one; the text is cut where
-            the earliest one begins (``Generation.stop_string`` says which).
-        on_step: called (on the decoding thread) once per decode step with the text that step adds:
-            the decoded text grows by whole characters only (a token ending inside a multi-byte
-            character adds nothing until the character is complete), and text that could begin a
-            stop string is held back until it cannot; the empty string when a step adds nothing. The
-            pieces concatenate to ``Generation.text``. The first call comes at the first step, right
-            after the query's forward. An exception it raises ends the readout (the caller's way to
-            abandon a generation nobody reads).
-
-    Raises (:meth:`check`):
-        OptionError: a temperature that is not a number in [0, 2] (NaN and infinities included), a
-            top_p that is not a number in (0, 1], a seed that is not an int (a bool is not one) or lies
-            outside [-2**63, 2**64), an empty stop string.
-    """
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    on_step: Callable[[str], None] | None = None
-
-    def check(self) -> "Decoding":
-        """This decoding, checked (see the class docstring); returns itself."""
-        t = self.temperature
-        if not _number(t) or not 0 <= t <= MAX_TEMPERATURE:
-            raise OptionError("temperature", t, "give a number in [0, 2] (0, or anything below 1e-5: greedy decoding).")
-        p = self.top_p
-        if not _number(p) or not 0 < p <= 1:
-            raise OptionError("top_p", p, "give a number in (0, 1] (1: sample from every token).")
-        s = self.seed
-        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not SEED_MIN <= s < SEED_END):
-            raise OptionError(
-                "seed", s, "give a whole number in [-2**63, 2**64) (a 64-bit seed), or None for a random seed."
-            )
-        if isinstance(self.stop, str) or any(not isinstance(x, str) or not x for x in self.stop):
-            raise OptionError("stop", self.stop, "give a tuple of non-empty stop strings.")
-        return self
-
-    @property
-    def samples(self) -> bool:
-        """Whether tokens are drawn (temperature >= :data:`MIN_SAMPLING_TEMPERATURE`) rather than taken
-        greedily."""
-        return self.temperature >= MIN_SAMPLING_TEMPERATURE
-
-    @property
-    def watches_text(self) -> bool:
-        """Whether decoding reads the text at every step (stop strings or a step callback)."""
-        return bool(self.stop) or self.on_step is not None
-
-
-#: how a sequence is decoded when no :class:`Decoding` is given: greedily, silently
-GREEDY = Decoding()
-
-
-def _number(x: object) -> bool:
-    """Whether ``x`` is an int or a finite float (a bool is not a number here; an int of any size is,
-    where ``math.isfinite`` would raise OverflowError)."""
-    if isinstance(x, bool):
-        return False
-    return isinstance(x, int) or (isinstance(x, float) and math.isfinite(x))
-
-
-def sampling_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``softmax(logits / temperature)`` ``[vocab]``, float64 on the CPU: the distribution a sampled
-    decode step draws from before the top-p nucleus (:class:`Decoding`), for ``logits`` ``[vocab]`` of
-    any device and float dtype and any ``temperature`` >= :data:`MIN_SAMPLING_TEMPERATURE`.
-
-    The logits are shifted by their maximum before the division: every exponent is then <= 0 and the
-    largest exactly 0, so no temperature overflows (``logits / T`` alone does: float32 logits of
-    magnitude 10 over a subnormal temperature are infinite, and their softmax is NaN); every
-    probability is finite and >= 0, they sum to 1 (within float64 rounding), and the most probable
-    token's is at least ``1 / vocab``. A NaN logit counts as ``-inf``; a ``+inf`` logit is the maximum
-    (the tokens at ``+inf`` then share all the probability).
-
-    Raises:
-        OptionError: a temperature below :data:`MIN_SAMPLING_TEMPERATURE` (greedy: nothing is drawn)
-            or not a finite number.
-    """
-    if not _number(temperature) or not temperature >= MIN_SAMPLING_TEMPERATURE:
-        raise OptionError("temperature", temperature, "give a finite number >= 1e-5 to sample (below it: greedy).")
-    x = logits.detach().to("cpu", torch.float64)
-    x = torch.where(torch.isnan(x), -math.inf, x)
-    top = x.max()
-    # the top tokens' exponent is set to 0, not computed: inf - inf would be NaN when the top is +-inf
-    z = torch.where(x == top, 0.0, (x - top) / temperature)
-    return torch.softmax(z, dim=-1)
-
-
-class _Sampler:
-    """One sequence's draws: a CPU ``torch.Generator`` seeded once (:attr:`Decoding.seed`)."""
-
-    def __init__(self, decoding: Decoding) -> None:
-        self.decoding = decoding
-        self.generator = torch.Generator(device="cpu")
-        if decoding.seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(decoding.seed % 2**64)  # [-2**63, 2**64) (checked): a negative seed wraps
-
-    def draw(self, logits: torch.Tensor) -> int:
-        """A token id drawn from ``logits`` ``[vocab]`` (any device, any float dtype) under the
-        temperature (:func:`sampling_probs`) and the top-p nucleus; computed in float64 on the CPU (the
-        same draw whatever device computed the logits, up to the logits' own rounding)."""
-        d = self.decoding
-        probs = sampling_probs(logits, d.temperature)
-        if d.top_p < 1:
-            sorted_p, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_p, dim=0) - sorted_p < d.top_p  # the first token is always kept
-            sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
-            return int(order[torch.multinomial(sorted_p, 1, generator=self.generator)])
-        return int(torch.multinomial(probs, 1, generator=self.generator))
-
-
-class TextWatch:
-    """The decoded text of one growing generation, for stop strings and streaming
-    (:attr:`Decoding.stop`, :attr:`Decoding.on_step`).
-
-    Each :meth:`step` decodes every token so far (``tokenizer.decode(..., skip_special_tokens=True)``:
-    the text :func:`read_out` answers with) and finds the earliest stop string in it. What it hands
-    out (:meth:`step`, :meth:`rest`) is the text without a trailing replacement character U+FFFD (a
-    token that ends inside a multi-byte UTF-8 character decodes to one until the character is
-    complete) and without a tail that could still become a stop string; what was handed out is
-    never taken back, so the pieces concatenate to the final text.
-    """
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, stop: Sequence[str]) -> None:
-        if tokenizer is None:
-            raise EventKVError("stop strings and step callbacks need the tokenizer: pass tokenizer=... to read_out.")
-        self.tokenizer, self.stops = tokenizer, tuple(stop)
-        self.text, self.sent = "", 0
-        self.stop: str | None = None
-
-    def step(self, tokens: Sequence[int]) -> str:
-        """The text the latest token adds (possibly empty), after decoding ``tokens``; sets
-        :attr:`stop` (and cuts :attr:`text`) when a stop string appears."""
-        self.text = cast(str, self.tokenizer.decode(list(tokens), skip_special_tokens=True))
-        found = [(i, s) for s in self.stops if (i := self.text.find(s)) >= 0]
-        if found:
-            at, self.stop = min(found)
-            self.text = self.text[:at]
-            return self.rest()
-        safe = self.text.rstrip("\ufffd")
-        held = max((n for s in self.stops for n in range(1, len(s)) if safe.endswith(s[:n])), default=0)
-        return self._hand_out(len(safe) - held)
-
-    def rest(self) -> str:
-        """What is left to hand out of the final text (at the end of the generation)."""
-        return self._hand_out(len(self.text))
-
-    def _hand_out(self, end: int) -> str:
-        piece = self.text[self.sent : end] if end > self.sent else ""
-        self.sent += len(piece)
-        return piece
 
 
 @dataclass
@@ -291,226 +103,6 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tenso
     """
     lp = torch.log_softmax(logits.double(), dim=-1)
     return lp.gather(-1, token_ids.to(lp.device).unsqueeze(-1)).squeeze(-1)
-
-
-class GrowingLayer(DynamicLayer):
-    """A cache layer over a preallocated buffer ``[batch, kv_heads, capacity, head_dim]``: new rows
-    are written in place (no ``torch.cat`` of the whole cache per decode step); ``keys`` and
-    ``values`` are views of the filled rows. The buffer doubles when full."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
-        super().__init__()
-        b, h, n, d = keys.shape
-        cap = max(capacity, n)
-        self._k = keys.new_empty(b, h, cap, d)
-        self._v = values.new_empty(b, h, cap, values.shape[3])
-        self._k[:, :, :n] = keys
-        self._v[:, :, :n] = values
-        self.n = n
-        self.device = keys.device
-        self.is_initialized = True
-        self._views()
-
-    @classmethod
-    def over(cls, keys: torch.Tensor, values: torch.Tensor, n: int) -> "GrowingLayer":
-        """A layer over the preallocated buffers ``keys`` / ``values`` ``[batch, kv_heads, capacity,
-        head_dim]`` (not copied) whose first ``n`` rows are filled."""
-        layer = cls.__new__(cls)
-        DynamicLayer.__init__(layer)
-        layer._k, layer._v, layer.n, layer.device, layer.is_initialized = keys, values, n, keys.device, True
-        layer._views()
-        return layer
-
-    def _views(self) -> None:
-        self.keys = self._k[:, :, : self.n]
-        self.values = self._v[:, :, : self.n]
-
-    def drop(self, n: int) -> None:
-        """Forget the last ``n`` rows (their buffer slots are written again by the next update)."""
-        self.n -= n
-        self._views()
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        q = key_states.shape[-2]
-        if self.n + q > self._k.shape[2]:
-            cap = 2 * (self.n + q)
-            k, v = (
-                self._k.new_empty(*self._k.shape[:2], cap, self._k.shape[3]),
-                self._v.new_empty(*self._v.shape[:2], cap, self._v.shape[3]),
-            )
-            k[:, :, : self.n], v[:, :, : self.n] = self._k[:, :, : self.n], self._v[:, :, : self.n]
-            self._k, self._v = k, v
-        self._k[:, :, self.n : self.n + q] = key_states
-        self._v[:, :, self.n : self.n + q] = value_states
-        self.n += q
-        self._views()
-        return self.keys, self.values
-
-
-def growing_cache(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], capacity: int) -> DynamicCache:
-    """A ``DynamicCache`` whose layers are :class:`GrowingLayer` s holding these rows (copied)."""
-    cache = DynamicCache()  # config-less: no layers until given
-    cache.layers.extend(GrowingLayer(k, v, capacity) for k, v in zip(keys, values))
-    return cache
-
-
-@dataclass
-class Batch:
-    """Several served caches stacked on the batch axis.
-
-    cache: a DynamicCache of GrowingLayers, per layer ``[batch, kv_heads, rows, head_dim]``
-    (left-padded with zero rows); mask: ``[batch, rows]`` bool, False on pad rows and on rows a
-    native cache hides; next_position: ``[batch]`` int64, each sequence's first query position.
-    All three live on the rows' device (the model's), so a decode step copies nothing to or from it.
-    """
-
-    cache: DynamicCache
-    mask: torch.Tensor
-    next_position: torch.Tensor
-
-    @property
-    def size(self) -> int:
-        return int(self.mask.shape[0])
-
-    def select(self, idx: Sequence[int], capacity: int) -> "Batch":
-        """A copy of the sub-batch at ``idx`` (indices may repeat) with room for ``capacity`` rows."""
-        i = torch.tensor(list(idx), dtype=torch.long, device=self.mask.device)
-        keys, values = cache_kv(self.cache)
-        cache = growing_cache([k.index_select(0, i) for k in keys], [v.index_select(0, i) for v in values], capacity)
-        return Batch(cache, self.mask.index_select(0, i), self.next_position.index_select(0, i))
-
-    def forward(self, model: PreTrainedModel, ids: torch.Tensor, offset: int, logits_to_keep: int = 0) -> torch.Tensor:
-        """Append ``ids [batch, q]`` (at positions ``next_position + offset + arange(q)``) to this
-        batch's rows; returns logits ``[batch, q or logits_to_keep, vocab]``."""
-        dev = self.mask.device
-        b, q = ids.shape
-        pos = self.next_position.unsqueeze(1) + offset + torch.arange(q, device=dev).unsqueeze(0)
-        self.mask = torch.cat([self.mask, torch.ones(b, q, dtype=torch.bool, device=dev)], dim=1)
-        return model_forward(model, ids, pos, self.cache, self.mask, logits_to_keep=logits_to_keep)
-
-    def forward_tree(self, model: PreTrainedModel, ids: torch.Tensor, tree: "CandidateTree") -> torch.Tensor:
-        """Append the query ``ids [batch, q]`` (at ``next_position + arange(q)``) to this batch's rows and,
-        in the same forward, the candidate branches of ``tree`` after it (node ``j`` at ``next_position +
-        q + depth[j]``, seeing the rows, the whole query and its own branch up to itself). The branch rows
-        are dropped again afterwards: the batch then holds its rows and the query, as :meth:`forward`
-        leaves it. A sliding-window layer counts each branch token's distance as the separate branch
-        forward would (query rows, then its branch).
-
-        Returns:
-            logits ``[batch, 1 + n_nodes, vocab]``: the query's last token's, then each node's.
-        """
-        dev = self.mask.device
-        b, q = ids.shape
-        rows, n = int(self.mask.shape[1]), len(tree.tokens)
-        depth = torch.tensor(tree.depths, dtype=torch.long, device=dev)
-        nodes = torch.tensor(tree.tokens, dtype=torch.long, device=dev).expand(b, n)
-        pos = self.next_position.unsqueeze(1) + torch.cat([torch.arange(q, device=dev), q + depth]).unsqueeze(0)
-        new = torch.zeros(q + n, q + n, dtype=torch.bool, device=dev)
-        new[:q, :q] = torch.ones(q, q, dtype=torch.bool, device=dev).tril()
-        new[q:, :q] = True
-        new[q:, q:] = torch.tensor(tree.ancestors, dtype=torch.bool, device=dev)
-        visible = torch.cat([self.mask.unsqueeze(1).expand(b, q + n, rows), new.expand(b, -1, -1)], dim=2)
-        rank = torch.cat([torch.arange(rows + q, device=dev), rows + q + depth])  # rows as unbatched
-        masks = attention_masks(model, visible, rank[rows:].unsqueeze(1) - rank.unsqueeze(0))
-        logits = model_forward(model, torch.cat([ids, nodes], dim=1), pos, self.cache, masks, logits_to_keep=n + 1)
-        for layer in self.cache.layers:  # drop the branch rows: generation continues after the query
-            cast(GrowingLayer, layer).drop(n)
-        self.mask = torch.cat([self.mask, torch.ones(b, q, dtype=torch.bool, device=dev)], dim=1)
-        return logits
-
-
-@dataclass(frozen=True)
-class CandidateTree:
-    """The candidates' continuations as a prefix tree of input tokens (what :meth:`Batch.forward_tree`
-    feeds after the query): every distinct prefix ``seq[:j + 1]`` (``j < len(seq) - 1``) of the
-    sequences ``answer prefix + candidate`` is one node, so candidates sharing an answer prefix (or
-    leading tokens) share its rows.
-
-    Attributes:
-        tokens: each node's token id.
-        depths: each node's offset after the query (0 = right after it).
-        ancestors: ``[n][n]`` bools, True where node ``j`` is node ``i`` or on its branch.
-        node_of: the node of each prefix (a tuple of token ids).
-    """
-
-    tokens: list[int]
-    depths: list[int]
-    ancestors: list[list[bool]]
-    node_of: dict[tuple[int, ...], int]
-
-    @classmethod
-    def of(cls, seqs: Sequence[Sequence[int]]) -> "CandidateTree":
-        tokens: list[int] = []
-        depths: list[int] = []
-        branch: list[set[int]] = []
-        node_of: dict[tuple[int, ...], int] = {}
-        for s in seqs:
-            for j in range(len(s) - 1):
-                key = tuple(s[: j + 1])
-                if key in node_of:
-                    continue
-                node_of[key] = len(tokens)
-                up = branch[node_of[key[:-1]]] if j else set()
-                branch.append(up | {len(tokens)})
-                tokens.append(int(s[j]))
-                depths.append(j)
-        ancestors = [[j in branch[i] for j in range(len(tokens))] for i in range(len(tokens))]
-        return cls(tokens, depths, ancestors, node_of)
-
-
-def stack(served: Sequence[ServedCache], extra: int = 0) -> Batch:
-    """Left-pad the served caches to a common row count and stack them (``[batch, ...]``), with
-    room for ``extra`` more rows."""
-    if not served:
-        raise EventKVError("nothing to read out: give at least one served cache.")
-    n = max(s.n_rows for s in served)
-    dev = served[0].keys[0].device
-    layers = []
-    for layer in range(len(served[0].keys)):
-        k0, v0 = served[0].keys[layer], served[0].values[layer]
-        k = k0.new_zeros(len(served), k0.shape[1], n + extra, k0.shape[3])
-        v = v0.new_zeros(len(served), v0.shape[1], n + extra, v0.shape[3])
-        for i, s in enumerate(served):
-            r = s.n_rows
-            k[i, :, n - r : n] = s.keys[layer][0]
-            v[i, :, n - r : n] = s.values[layer][0]
-        layers.append(GrowingLayer.over(k, v, n))
-    cache = DynamicCache()
-    cache.layers.extend(layers)  # config-less: no layers until given
-    mask = torch.zeros(len(served), n, dtype=torch.bool, device=dev)
-    for i, s in enumerate(served):
-        mask[i, n - s.n_rows :] = True if s.visible is None else s.visible.to(dev)
-    nxt = torch.tensor([s.next_position for s in served], dtype=torch.long, device=dev)
-    return Batch(cache, mask, nxt)
-
-
-def merge(parts: Sequence[tuple[Batch, int, int]], extra: int) -> Batch:
-    """Sequences of several batches (of any row counts) as one batch: ``parts`` are ``(batch, index
-    in it, shift)``; each sequence's rows are left-padded with masked zero rows to the longest one's
-    count (so its own rows stay contiguous at the end, as :func:`stack` leaves them) and its next
-    position moves by ``shift`` (the query rows it was given since). Room for ``extra`` more rows;
-    indices may repeat. The rows are copied: the batches are left as they were."""
-    n = max(int(b.mask.shape[1]) for b, _, _ in parts)
-    dev = parts[0][0].mask.device
-    rows = {id(b): cache_kv(b.cache) for b, _, _ in parts}  # per batch: per layer keys, values
-    layers = []
-    for layer in range(len(parts[0][0].cache.layers)):
-        k0, v0 = rows[id(parts[0][0])][0][layer], rows[id(parts[0][0])][1][layer]
-        k = k0.new_zeros(len(parts), k0.shape[1], n + extra, k0.shape[3])
-        v = v0.new_zeros(len(parts), v0.shape[1], n + extra, v0.shape[3])
-        for r, (b, i, _) in enumerate(parts):
-            kb, vb = rows[id(b)][0][layer], rows[id(b)][1][layer]
-            m = kb.shape[2]
-            k[r, :, n - m : n] = kb[i]
-            v[r, :, n - m : n] = vb[i]
-        layers.append(GrowingLayer.over(k, v, n))
-    cache = DynamicCache()  # config-less: no layers until given
-    cache.layers.extend(layers)
-    mask = torch.zeros(len(parts), n, dtype=torch.bool, device=dev)
-    for r, (b, i, _) in enumerate(parts):
-        mask[r, n - b.mask.shape[1] :] = b.mask[i]
-    nxt = torch.stack([b.next_position[i] + shift for b, i, shift in parts])
-    return Batch(cache, mask, nxt)
 
 
 @torch.inference_mode()
@@ -786,7 +378,7 @@ def _generate(
     decodings = list(decodings or [GREEDY] * len(owners))
     gens = [Generation(tokens=[]) for _ in owners]
     done = [m <= 0 or i is None for m, i in zip(max_new, owners)]
-    samplers = [_Sampler(d) if d.samples and i is not None else None for d, i in zip(decodings, owners)]
+    samplers = [Sampler(d) if d.samples and i is not None else None for d, i in zip(decodings, owners)]
     watches = [
         TextWatch(tokenizer, d.stop) if d.watches_text and i is not None else None for d, i in zip(decodings, owners)
     ]
@@ -944,7 +536,7 @@ def answer_served(
     """A question answered from one or more served caches, as ``eventkv query`` and the memory do:
     per cache the greedy answer (or as ``decoding`` says: :func:`read_out`) and, when ``candidates``
     are given, each candidate's log-probability (nats; candidates tokenized alone with
-    :func:`eventkv.log.encode`) — all caches in one batched :func:`read_out` (left-padded, each row
+    :func:`eventkv.kv.log.encode`) — all caches in one batched :func:`read_out` (left-padded, each row
     at its own positions; a batch of one is :func:`generate` plus :func:`candidate_logprobs`).
 
     Returns:

@@ -1,6 +1,6 @@
 """Batched prefill: several tokenized logs, each continuing its own prefix, in one forward pass.
 
-The data path's :func:`eventkv.prefill.prefill` computes one log at a time; on a GPU a batch of
+The data path's :func:`eventkv.kv.prefill.prefill` computes one log at a time; on a GPU a batch of
 one leaves most of the device idle. :func:`prefill_batch` computes the rows of several logs at once
 Row ``i`` of the batch is laid out as
 
@@ -11,7 +11,7 @@ pad; the right pad needs no mask, since causal attention keeps every real token 
 tokens after it. Every real token is fed at its own log's position id. Padding lies outside every
 real token's span of rows (before a row's prefix or after its last token), so the distances
 counted in cache rows — what a sliding-window layer's window is measured in — are those of the
-unbatched prefill, and each log's rows equal :func:`~eventkv.prefill.prefill`'s up to float
+unbatched prefill, and each log's rows equal :func:`~eventkv.kv.prefill.prefill`'s up to float
 rounding (the matmuls run at another shape; ``tests/test_batch_pairs.py`` states the tolerance).
 """
 
@@ -22,8 +22,10 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from eventkv.errors import EventKVError
-from eventkv.log import HEADER_ID, TokenizedLog
-from eventkv.prefill import EventKV, cache_from_rows, cache_kv, check_context, model_device, model_forward, prefill
+from eventkv.kv.log import HEADER_ID, TokenizedLog
+from eventkv.kv.model import check_context, model_device, model_forward
+from eventkv.kv.prefill import prefill
+from eventkv.kv.rows import EventKV, cache_from_rows, cache_kv
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -46,9 +48,9 @@ def prefill_batch(
         model: a Hugging Face causal LM (eval mode).
         jobs: ``(log, prefix)`` pairs: ``prefix`` is an EventKV whose rows are the first rows of
             ``log`` (same token ids and positions), or None to prefill from the first row. One job
-            is passed to :func:`~eventkv.prefill.prefill` unchanged (bitwise the unbatched rows); a
+            is passed to :func:`~eventkv.kv.prefill.prefill` unchanged (bitwise the unbatched rows); a
             job whose prefix already holds every row of its log computes nothing (its EventKV is the
-            prefix's rows under ``log``, as :func:`~eventkv.prefill.prefill` returns it).
+            prefix's rows under ``log``, as :func:`~eventkv.kv.prefill.prefill` returns it).
         max_context: the model's context in tokens; a longer history raises.
         weights_digest: recorded in each EventKV.
 
@@ -155,7 +157,7 @@ def encode_alone(
 
     Row ``i`` of the batch is the header's rows followed by event ``i``'s tokens at positions
     ``pos_start, pos_start + 1, ...``, right-padded to the longest event (causal attention keeps the
-    pad out of every real token's view). The rows equal :func:`eventkv.serve.serve`'s one-at-a-time
+    pad out of every real token's view). The rows equal :func:`eventkv.kv.serve.serve`'s one-at-a-time
     ``isolated`` encoding up to float rounding.
 
     Args:
@@ -164,7 +166,7 @@ def encode_alone(
         events: ``(token ids, first position)`` per event.
 
     Returns:
-        per event, in the form :func:`eventkv.serve.serve`'s ``isolated_memo`` holds: keys and values
+        per event, in the form :func:`eventkv.kv.serve.serve`'s ``isolated_memo`` holds: keys and values
         per layer ``[1, kv_heads, n_tokens, head_dim]``, and positions ``[n_tokens]`` (int64, CPU).
 
     Raises:

@@ -75,7 +75,7 @@ come from where the recompute runs: at the original positions, across the gaps l
 
 **Positions** (``positions=``): every step above runs at the rows' original positions by default. Under
 ``contiguous`` the served rows are laid out after the header (in log order, or in ``sequence``), their stored
-keys re-rotated to the positions right after the header (:func:`eventkv.rope.rerotate`) before step 1, and
+keys re-rotated to the positions right after the header (:func:`eventkv.kv.rope.rerotate`) before step 1, and
 steps 1 and 3 run at those positions: CacheBlend's placement of reused chunks, so that ``recompute=1`` is a
 fresh prefill of header + served events at contiguous positions (the ``text`` serving mode; tested like the
 original-positions end). The default stays ``once`` until a LoCoMo measurement shows a schedule
@@ -92,18 +92,10 @@ import torch
 from transformers import DynamicCache
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.log import HEADER_ID
-from eventkv.prefill import (
-    EventKV,
-    LayerRows,
-    attention_masks,
-    cache_from_rows,
-    cache_kv,
-    forward_until,
-    model_device,
-    model_forward,
-)
-from eventkv.rope import rerotate
+from eventkv.kv.log import HEADER_ID
+from eventkv.kv.model import attention_masks, forward_until, model_device, model_forward
+from eventkv.kv.rope import rerotate
+from eventkv.kv.rows import EventKV, LayerRows, cache_from_rows, cache_kv
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -211,7 +203,7 @@ def causal_masks(
     model: PreTrainedModel, key_order: torch.Tensor, query_order: torch.Tensor
 ) -> torch.Tensor | dict[str, torch.Tensor]:
     """The 4D additive attention mask(s) of a forward whose keys are not in position order
-    (:func:`eventkv.prefill.attention_masks`).
+    (:func:`eventkv.kv.model.attention_masks`).
 
     Args:
         key_order: ``[kv]`` int64, each key's rank in the served cache (cache rows, then the new tokens).
@@ -318,7 +310,7 @@ def kv_deviation(
     """Each served event token's K/V deviation on ``select_layer`` (step 1 of the module docstring).
 
     Args:
-        served: event ids in log order (as :func:`eventkv.serve.resolve_served` returns them).
+        served: event ids in log order (as :func:`eventkv.kv.serve.resolve_served` returns them).
         positions: where the served tokens are run and their stored rows compared: ``original`` (the positions they
             were prefilled at) or ``contiguous`` (right after the header, the stored keys re-rotated there).
         sequence: ``contiguous`` only: the served events in serving order (None: log order).
@@ -449,7 +441,7 @@ def blend(
     docstring's steps; CacheBlend, arXiv 2405.16444, §4; schedule ``epic``: EPIC, arXiv 2410.15332, §4).
 
     Args:
-        served: event ids in log order (as :func:`eventkv.serve.resolve_served` returns them).
+        served: event ids in log order (as :func:`eventkv.kv.serve.resolve_served` returns them).
         recompute: fraction of the served event tokens recomputed, in [0, 1] (0: the stored rows, no forward;
             1: every token, no deviation forward); for ``layerwise``, the fraction on the last layer.
         select_layer: the decoder layer whose deviation chooses the tokens (``once``, ``layerwise``).

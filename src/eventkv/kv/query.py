@@ -10,15 +10,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence, TypedDict, Unpack
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.log import HEADER_ID, EventLog, tokenize, tokenize_query
+from eventkv.kv.log import HEADER_ID, EventLog, tokenize, tokenize_query
+from eventkv.kv.model import check_context, model_device
+from eventkv.kv.prefill import prefill
+from eventkv.kv.readout import CandidateScore, Generation, answer_served
+from eventkv.kv.rows import EventKV
+from eventkv.kv.serve import ALL, SERVE_MODES, PositionMode, ServeMode, check_position_mode, default_positions, serve
 from eventkv.models.cache_dir import cache_root
 from eventkv.options import check_chunk_size, check_max_new_tokens, check_out_dir
-from eventkv.prefill import EventKV, check_context, model_device, prefill
-from eventkv.readout import CandidateScore, Generation, answer_served
-from eventkv.serve import ALL, SERVE_MODES, PositionMode, ServeMode, check_position_mode, default_positions, serve
 
 if TYPE_CHECKING:
-    from eventkv.log import TokenizedLog
+    from eventkv.kv.log import TokenizedLog
     from eventkv.models import LoadedModel
 
 
@@ -121,14 +123,14 @@ class QueryOptions(TypedDict, total=False):
     :data:`QUERY_DEFAULTS`.
 
     Attributes:
-        mode: compact | native | isolated | text (:data:`eventkv.serve.SERVE_MODES`).
+        mode: compact | native | isolated | text (:data:`eventkv.kv.serve.SERVE_MODES`).
         candidates: answer strings to score (full continuations, log-probabilities in nats).
         max_new_tokens: greedy generation length limit (tokens, >= 1).
         chunk_size: prefill at most this many tokens per forward (None: the whole log at once).
         store: the EventKV's directory (None: content-addressed under ``$EVENTKV_CACHE/kv/``).
         positions: ``original`` | ``contiguous``: the served rows at their own positions, or re-rotated to
-            the positions right after the header with the query right after them (:func:`eventkv.serve.serve`);
-            None (default): :func:`eventkv.serve.default_positions` (contiguous unless the mode is ``native`` or
+            the positions right after the header with the query right after them (:func:`eventkv.kv.serve.serve`);
+            None (default): :func:`eventkv.kv.serve.default_positions` (contiguous unless the mode is ``native`` or
             the model's RoPE cannot be re-rotated exactly); :attr:`Answer.positions` records the one used.
     """
 
