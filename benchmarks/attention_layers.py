@@ -1,7 +1,7 @@
 """Which layers and pooling the attention selector should score with: evidence-turn recall per layer.
 
 On the LoCoMo development split (each conversation truncated to its first ``--tokens`` tokens of
-turns by :func:`eventkv.memory.dialogue.truncate`; one event per turn, ``turn.event_text()``; the
+turns by :func:`eventkv.studies.materialization.dialogue.truncate`; one event per turn, ``turn.event_text()``; the
 questions whose evidence lies inside the kept turns), the history is prefilled once per conversation
 and every question is scored by :mod:`eventkv.memory.attention` at every layer, for each pooling
 (``mass``, ``max``, ``mean``), with the header in or out of the softmax, and with the question
@@ -29,11 +29,11 @@ import torch
 from eventkv.kv.log import HEADER_ID, Event, EventLog, tokenize
 from eventkv.kv.prefill import prefill
 from eventkv.memory.attention import ATTENDS, POOLINGS, attention_modules, event_scores, question_queries
-from eventkv.memory.dialogue import truncate
 from eventkv.memory.select import best_first
 from eventkv.memory.select import scores as bm25_scores
 from eventkv.models import load
 from eventkv.options import DIALOGUE_FORMATS
+from eventkv.studies.materialization.dialogue import truncate
 
 LOCOMO_DEV = "/work/shared/data/locomo/locomo10-dev.json"
 

@@ -33,9 +33,9 @@ from eventkv.kv.log import Event, EventLog, tokenize, tokenize_query
 from eventkv.kv.model import model_forward
 from eventkv.kv.prefill import prefill
 from eventkv.kv.serve import ServedCache, serve
-from eventkv.memory.dialogue import truncate
 from eventkv.models import load
 from eventkv.options import DIALOGUE_FORMATS
+from eventkv.studies.materialization.dialogue import truncate
 
 LOCOMO = "/work/shared/data/locomo/locomo10-dev.json"
 ARMS = ("compact", "blend", "blend 1.0", "text")

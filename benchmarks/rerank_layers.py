@@ -33,10 +33,10 @@ import numpy as np
 import torch
 
 from eventkv.memory.attention import POOLINGS, attention_modules, event_scores, question_queries
-from eventkv.memory.dialogue import load_locomo, truncate
 from eventkv.memory.rerank import pool_of, rerank_scores
 from eventkv.memory.select import HEADER_TAG, fraction_of, group_headers, selector_for, shape_units
 from eventkv.models import load
+from eventkv.studies.materialization.dialogue import load_locomo, truncate
 from eventkv.studies.materialization.memory_eval import HEADED_INSTRUCTION, INSTRUCTION, history_events, open_history
 
 LOCOMO_DEV = "/work/shared/data/locomo/locomo10-dev.json"

@@ -13,7 +13,7 @@ import pytest
 import scipy.stats
 from cli_fixtures import run_cli
 
-from eventkv.memory.dialogue import QA, Conversation, Turn
+from eventkv.studies.materialization.dialogue import QA, Conversation, Turn
 from eventkv.studies.materialization.harvest import carriers, hard_negative, summarize_harvest
 
 TURNS = [

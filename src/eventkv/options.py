@@ -252,12 +252,15 @@ BACKENDS: Registry = Registry(
 
 DIALOGUE_FORMATS: Registry = Registry(
     "dialogue format",
-    {"locomo": "eventkv.memory.dialogue:load_locomo", "realtalk": "eventkv.memory.dialogue:load_realtalk"},
+    {
+        "locomo": "eventkv.studies.materialization.dialogue:load_locomo",
+        "realtalk": "eventkv.studies.materialization.dialogue:load_realtalk",
+    },
     field="data_format",
     flag="--format",
     allowed=lambda names: f"use {' or '.join(names)}.",
 )
-"""What ``--format`` accepts: the loaders of :mod:`eventkv.memory.dialogue`, by dataset (a path ->
+"""What ``--format`` accepts: the loaders of :mod:`eventkv.studies.materialization.dialogue`, by dataset (a path ->
 list of conversations)."""
 
 CARRIER_KINDS: Registry = Registry(

@@ -25,8 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 
 from eventkv.errors import EventKVError, OptionError, show_value
-from eventkv.service import schemas as s
-from eventkv.service.openai import protocol as o
+from eventkv.service import schemas
+from eventkv.service.openai import protocol
 from eventkv.wire import ERRORS
 
 
@@ -101,7 +101,7 @@ def openai_error_response(
     kind = {401: "authentication_error", 403: "permission_error"}.get(
         status, "server_error" if status >= 500 else "invalid_request_error"
     )
-    body = o.OpenAIErrorOut(error=o.OpenAIError(message=message, type=kind, param=param, code=code))
+    body = protocol.OpenAIErrorOut(error=protocol.OpenAIError(message=message, type=kind, param=param, code=code))
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
@@ -128,7 +128,7 @@ def status_and_code(exc: EventKVError) -> tuple[int, str]:
 def declared(status: int) -> dict[str, Any]:
     """The OpenAPI ``responses`` entry of an error ``status``: the error body, what it means, and
     the headers it carries (503: Retry-After; 401: WWW-Authenticate)."""
-    out: dict = {"model": s.ErrorOut, "description": STATUS_TEXT[status]}
+    out: dict = {"model": schemas.ErrorOut, "description": STATUS_TEXT[status]}
     if status == 503:
         out["headers"] = {"Retry-After": {"schema": {"type": "string"}, "description": "seconds"}}
     if status == 401:
@@ -146,7 +146,7 @@ def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 def openai_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """:func:`responses` of an OpenAI-compatible route: OpenAI's error body, 400 for 422."""
     return {
-        status: {**declared(status), "model": o.OpenAIErrorOut}
+        status: {**declared(status), "model": protocol.OpenAIErrorOut}
         for status in sorted({408, 413, *(openai_status(x) for x in statuses)})
     }
 
@@ -154,14 +154,14 @@ def openai_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 #: the responses the bearer-token middleware adds to a route it guards
 UNAUTHORIZED: dict[int | str, dict[str, Any]] = {401: declared(401)}
 #: the same, on an OpenAI-compatible route
-OPENAI_UNAUTHORIZED: dict[int | str, dict[str, Any]] = {401: {**declared(401), "model": o.OpenAIErrorOut}}
+OPENAI_UNAUTHORIZED: dict[int | str, dict[str, Any]] = {401: {**declared(401), "model": protocol.OpenAIErrorOut}}
 
 
 def validation_message(errors: Sequence[Any], hint: str = "see /docs for the request schemas") -> str:
     """The message of a request outside its schema, from pydantic's ``errors`` (``ValidationError.errors()``,
     the first five): the library's wording, ``field value: what is allowed`` (as an
     :class:`~eventkv.errors.OptionError`), with pydantic's rule as the fix, then ``(hint)``."""
-    if errors and (not_json := s.json_invalid(errors[0])) is not None:
+    if errors and (not_json := schemas.json_invalid(errors[0])) is not None:
         return f"{not_json} ({hint})."
     parts = []
     for e in list(errors)[:5]:
@@ -169,7 +169,7 @@ def validation_message(errors: Sequence[Any], hint: str = "see /docs for the req
         given = e.get("input")
         shown = "" if e.get("type") == "missing" or isinstance(given, dict) else f" {show_value(given)}"
         shown = shown if len(shown) <= 60 else shown[:56] + " ..."
-        parts.append(f"{loc}{shown}: {s.pydantic_rule(e)}")
+        parts.append(f"{loc}{shown}: {schemas.pydantic_rule(e)}")
     return "; ".join(parts) + f" ({hint})."
 
 
@@ -198,7 +198,7 @@ class Handlers:
 
     async def invalid(self, request: Request, exc: RequestValidationError) -> JSONResponse:
         if openai_path(request.url.path):
-            message, param, code = o.invalid(list(exc.errors()))
+            message, param, code = protocol.invalid(list(exc.errors()))
             return openai_error_response(400, code, message, param=param)
         return error_response(422, "invalid_request", validation_message(exc.errors()))
 
@@ -206,7 +206,7 @@ class Handlers:
         status, code = status_and_code(exc)
         headers = {"Retry-After": "1"} if status == 503 else None
         if openai_path(request.url.path):
-            param = o.PARAMS.get(exc.field, exc.field) or None if isinstance(exc, OptionError) else None
+            param = protocol.PARAMS.get(exc.field, exc.field) or None if isinstance(exc, OptionError) else None
             code = getattr(exc, "openai_code", code)
             return openai_error_response(status, code, scrub(str(exc), self.root), headers, param)
         return error_response(status, code, scrub(str(exc), self.root), headers)

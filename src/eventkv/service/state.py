@@ -22,7 +22,7 @@ from fastapi import Path as PathParam
 
 from eventkv.errors import EventKVError, StoreDamaged
 from eventkv.memory.reader import read_memory
-from eventkv.service import schemas as s
+from eventkv.service import schemas
 from eventkv.service.errors import ClientGone, scrub
 from eventkv.service.metrics import Metrics
 from eventkv.service.worker import MemoryQuery, ModelWorker
@@ -113,7 +113,7 @@ class ServiceState:
         """``message`` without the server's paths (:func:`eventkv.service.errors.scrub`)."""
         return scrub(message, self.root)
 
-    def memory_out(self, d: Path) -> s.MemoryOut:
+    def memory_out(self, d: Path) -> schemas.MemoryOut:
         """The committed state of the memory in ``d``, read without the worker.
 
         Raises:
@@ -121,7 +121,7 @@ class ServiceState:
         """
         snap = read_memory(d)
         m = snap.manifest
-        return s.MemoryOut(
+        return schemas.MemoryOut(
             id=d.name,
             namespace=snap.namespace,
             model=m["model"],

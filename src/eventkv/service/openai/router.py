@@ -18,8 +18,7 @@ from fastapi import APIRouter, Header, Request
 from fastapi.sse import EventSourceResponse
 
 from eventkv.service.errors import openai_responses
-from eventkv.service.openai import protocol as o
-from eventkv.service.openai import serving
+from eventkv.service.openai import protocol, serving
 from eventkv.service.state import State, Work
 from eventkv.wire import DEFAULT_NAMESPACE, MAX_NAME, MEMORY_HEADER, NAME_PATTERN, NAMESPACE_HEADER
 
@@ -38,7 +37,7 @@ MemoryHeader = Annotated[
     Header(
         alias=MEMORY_HEADER,
         description="attach this memory (by id) with the default options; the body's memory wins",
-        json_schema_extra=o.MEMORY_HEADER_SCHEMA,
+        json_schema_extra=protocol.MEMORY_HEADER_SCHEMA,
     ),
 ]
 
@@ -46,7 +45,10 @@ STREAM = {"content": {"text/event-stream": {"schema": {"type": "string"}}}}
 
 
 @router.get(
-    "/v1/models", operation_id="list_models_v1_models_get", response_model=o.ModelList, responses=openai_responses()
+    "/v1/models",
+    operation_id="list_models_v1_models_get",
+    response_model=protocol.ModelList,
+    responses=openai_responses(),
 )
 def list_models(state: State):
     return serving.model_list(state)
@@ -55,7 +57,7 @@ def list_models(state: State):
 @router.get(
     "/v1/models/{model:path}",
     operation_id="get_model_v1_models__model__get",
-    response_model=o.ModelCard,
+    response_model=protocol.ModelCard,
     responses=openai_responses(404),
 )
 def get_model(model: str, state: State):
@@ -65,11 +67,11 @@ def get_model(model: str, state: State):
 @router.post(
     "/v1/chat/completions",
     operation_id="chat_completions_v1_chat_completions_post",
-    response_model=o.ChatCompletion,
+    response_model=protocol.ChatCompletion,
     responses={200: STREAM, **openai_responses(400, 403, 404, 409, 410, 503, 507)},
 )
 async def chat_completions(
-    body: o.ChatRequest,
+    body: protocol.ChatRequest,
     request: Request,
     state: State,
     jobs: Work,
@@ -79,6 +81,6 @@ async def chat_completions(
     """OpenAI's Chat Completions, answered from a memory's served rows (``memory``) or by the served
     model alone; ``stream: true`` answers server-sent events (``data: {chunk}`` ... ``data: [DONE]``)."""
     answer = await serving.chat_completion(body, request, state, jobs, namespace, memory)
-    if isinstance(answer, o.ChatCompletion):
+    if isinstance(answer, protocol.ChatCompletion):
         return answer
     return EventSourceResponse(answer, headers={"Cache-Control": "no-cache"})

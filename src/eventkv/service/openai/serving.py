@@ -40,7 +40,7 @@ from eventkv.memory.answer import answer_prepared
 from eventkv.memory.chat import chat_reply, last_user_text
 from eventkv.memory.records import MemoryEvent
 from eventkv.service.errors import ClientGone, status_and_code
-from eventkv.service.openai import protocol as o
+from eventkv.service.openai import protocol
 from eventkv.service.routes.queries import check_servable
 from eventkv.service.state import Jobs, ServiceState, disconnected, get_namespace
 
@@ -56,24 +56,24 @@ def served(state: ServiceState) -> str:
 def check_model(state: ServiceState, model: str) -> None:
     """Raises ModelNotFound unless ``model`` is the served model."""
     if model != served(state):
-        raise o.ModelNotFound(
+        raise protocol.ModelNotFound(
             f"model {model!r} is not served here: this server serves {served(state)!r} (GET /v1/models)."
         )
 
 
-def model_list(state: ServiceState) -> o.ModelList:
+def model_list(state: ServiceState) -> protocol.ModelList:
     """``GET /v1/models``: the one served model, in OpenAI's list shape."""
-    return o.ModelList(data=[o.ModelCard(id=served(state), created=STARTED)])
+    return protocol.ModelList(data=[protocol.ModelCard(id=served(state), created=STARTED)])
 
 
-def model_card(state: ServiceState, model: str) -> o.ModelCard:
+def model_card(state: ServiceState, model: str) -> protocol.ModelCard:
     """``GET /v1/models/{model}``: the served model's card.
 
     Raises:
         ModelNotFound: ``model`` is not the served model.
     """
     check_model(state, model)
-    return o.ModelCard(id=served(state), created=STARTED)
+    return protocol.ModelCard(id=served(state), created=STARTED)
 
 
 @dataclass
@@ -90,9 +90,9 @@ class Outcome:
     version: int | None = None
     plan: dict[str, Any] = field(default_factory=dict)
 
-    def usage(self) -> o.Usage:
+    def usage(self) -> protocol.Usage:
         prompt, completion = self.memory_rows + self.new_tokens, len(self.generation.tokens)
-        return o.Usage(
+        return protocol.Usage(
             prompt_tokens=prompt,
             completion_tokens=completion,
             total_tokens=prompt + completion,
@@ -100,8 +100,8 @@ class Outcome:
             new_tokens=self.new_tokens,
         )
 
-    def report(self) -> o.MemoryReport:
-        return o.MemoryReport(
+    def report(self) -> protocol.MemoryReport:
+        return protocol.MemoryReport(
             memory=self.memory,
             namespace=self.namespace,
             served_ids=self.served_ids,
@@ -116,8 +116,8 @@ Job = Callable[[Callable[[str], None] | None], Outcome]
 
 
 async def chat_completion(
-    body: o.ChatRequest, request: Request, state: ServiceState, jobs: Jobs, namespace: str, header: str | None
-) -> o.ChatCompletion | AsyncIterator[bytes]:
+    body: protocol.ChatRequest, request: Request, state: ServiceState, jobs: Jobs, namespace: str, header: str | None
+) -> protocol.ChatCompletion | AsyncIterator[bytes]:
     """``POST /v1/chat/completions``: the answer (:class:`~eventkv.service.openai.protocol.ChatCompletion`),
     or, with ``stream: true``, the server-sent events of a stream whose first decode step has run
     (:meth:`Stream.events`). ``namespace`` and ``header`` are the request's namespace and memory headers.
@@ -132,13 +132,13 @@ async def chat_completion(
     name, cid, created = served(state), f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if not body.stream:
         out: Outcome = await (job.batched() if isinstance(job, MemoryChat) else jobs.run(lambda: job(None)))
-        return o.ChatCompletion(
+        return protocol.ChatCompletion(
             id=cid,
             created=created,
             model=name,
             choices=[
-                o.Choice(
-                    message=o.AssistantMessage(content=out.generation.text),
+                protocol.Choice(
+                    message=protocol.AssistantMessage(content=out.generation.text),
                     finish_reason=out.generation.finish_reason,
                 )
             ],
@@ -150,7 +150,7 @@ async def chat_completion(
     return stream.events(cid, created, name, include_usage)
 
 
-def plan(body: o.ChatRequest, request: Request, state: ServiceState, jobs: Jobs, namespace: str, header) -> Job:
+def plan(body: protocol.ChatRequest, request: Request, state: ServiceState, jobs: Jobs, namespace: str, header) -> Job:
     """The chat's job (run on the worker, given the step callback or None), after the checks that need
     no model: the conversation, the memory's namespace and existence.
 
@@ -312,7 +312,7 @@ class Stream:
         """The server-sent events of the answer (:class:`eventkv.service.openai.protocol.ChatCompletionChunk`)."""
         assert self.result is not None
 
-        def chunk(delta: o.Delta | None, finish: str | None = None, **extra: BaseModel) -> bytes:
+        def chunk(delta: protocol.Delta | None, finish: str | None = None, **extra: BaseModel) -> bytes:
             # OpenAI's chunk: a delta holds only what it adds; "usage" is null but in the last chunk, and
             # present only with stream_options.include_usage
             data: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
@@ -334,16 +334,16 @@ class Stream:
             return format_sse_event(data_str=json.dumps(data, ensure_ascii=False, separators=(",", ":")))
 
         try:
-            yield chunk(o.Delta(role="assistant", content=""))
+            yield chunk(protocol.Delta(role="assistant", content=""))
             async for piece in self.pieces_until_done():
                 if piece:
-                    yield chunk(o.Delta(content=piece))
+                    yield chunk(protocol.Delta(content=piece))
             try:
                 out: Outcome = self.result.result()
             except Exception as exc:  # after the stream opened: OpenAI's error event, and no [DONE]
                 yield format_sse_event(data_str=json.dumps(stream_error(exc, self.scrub), ensure_ascii=False))
                 return
-            yield chunk(o.Delta(), out.generation.finish_reason, eventkv=out.report())
+            yield chunk(protocol.Delta(), out.generation.finish_reason, eventkv=out.report())
             if include_usage:
                 yield chunk(None, usage=out.usage())
             yield format_sse_event(data_str="[DONE]")

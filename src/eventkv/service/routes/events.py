@@ -14,7 +14,7 @@ from fastapi import Path as PathParam
 from eventkv.errors import EventKVError, OptionError, StoreDamaged
 from eventkv.memory.reader import read_memory
 from eventkv.memory.records import MemoryEvent
-from eventkv.service import schemas as s
+from eventkv.service import schemas
 from eventkv.service.errors import MEMORY, QUEUED, responses
 from eventkv.service.state import Jobs, MemoryId, Namespace, ServiceState, State, Work, live, not_forgotten
 from eventkv.wire import Conflict, NotFound
@@ -23,7 +23,7 @@ router = APIRouter(tags=["events"])
 
 #: an event id in a path: no ``/``, no NUL (``.`` and ``..`` travel percent-encoded, as the client sends them)
 EventIdPath = Annotated[
-    str, PathParam(min_length=1, max_length=s.MAX_ID, pattern=r"^[^/\x00]+$", description="an event id")
+    str, PathParam(min_length=1, max_length=schemas.MAX_ID, pattern=r"^[^/\x00]+$", description="an event id")
 ]
 
 EVENT = responses(*QUEUED, 410)
@@ -35,8 +35,8 @@ def check_event_id(eid: str) -> str:
     Raises:
         OptionError: longer than :data:`eventkv.service.schemas.MAX_ID` characters, or a NUL in it.
     """
-    if len(eid) > s.MAX_ID or "\x00" in eid:
-        raise OptionError("event id", eid[:80], f"give an event id of at most {s.MAX_ID} characters, no NUL.")
+    if len(eid) > schemas.MAX_ID or "\x00" in eid:
+        raise OptionError("event id", eid[:80], f"give an event id of at most {schemas.MAX_ID} characters, no NUL.")
     return eid
 
 
@@ -56,17 +56,17 @@ def untaken(mem, ids) -> None:
     "/v1/memories/{mid}/events",
     operation_id="add_events_v1_memories__mid__events_post",
     status_code=201,
-    response_model=s.WriteOut,
+    response_model=schemas.WriteOut,
     responses=responses(*QUEUED),
 )
-async def add_events(mid: MemoryId, body: s.AddEvents, ns: Namespace, state: State, jobs: Work):
+async def add_events(mid: MemoryId, body: schemas.AddEvents, ns: Namespace, state: State, jobs: Work):
     d = state.existing(ns, mid)
     events = [MemoryEvent(e.text, e.role, e.id, tuple(e.tags), e.budget, e.kind) for e in body.events]
 
     def verb(mem):
         untaken(mem, [e.id for e in events if e.id is not None])
         added = mem.add(events, prefill=body.prefill)
-        return s.WriteOut(version=mem.version, added=added)
+        return schemas.WriteOut(version=mem.version, added=added)
 
     return await jobs.on_memory(d, verb, body.expected_version)
 
@@ -74,7 +74,7 @@ async def add_events(mid: MemoryId, body: s.AddEvents, ns: Namespace, state: Sta
 @router.get(
     "/v1/memories/{mid}/events",
     operation_id="list_events_v1_memories__mid__events_get",
-    response_model=list[s.RecordOut],
+    response_model=list[schemas.RecordOut],
     responses=responses(*MEMORY),
 )
 def list_events(
@@ -109,7 +109,7 @@ def lookup(state: ServiceState, ns: str, mid: str, eid: str, what: Callable):
 @router.get(
     "/v1/memories/{mid}/events/{eid}",
     operation_id="get_event_v1_memories__mid__events__eid__get",
-    response_model=s.RecordOut,
+    response_model=schemas.RecordOut,
     responses=responses(*MEMORY),
 )
 def get_event(mid: MemoryId, eid: EventIdPath, ns: Namespace, state: State):
@@ -119,14 +119,14 @@ def get_event(mid: MemoryId, eid: EventIdPath, ns: Namespace, state: State):
 @router.get(
     "/v1/memories/{mid}/events/{eid}/history",
     operation_id="event_history_v1_memories__mid__events__eid__history_get",
-    response_model=list[s.RecordOut],
+    response_model=list[schemas.RecordOut],
     responses=responses(*MEMORY),
 )
 def event_history(mid: MemoryId, eid: EventIdPath, ns: Namespace, state: State):
     return lookup(state, ns, mid, eid, lambda t: t.history(eid))
 
 
-def event_write(state: ServiceState, jobs: Jobs, verb: Callable, body: s.Write, ns: str, mid: str, eid: str):
+def event_write(state: ServiceState, jobs: Jobs, verb: Callable, body: schemas.Write, ns: str, mid: str, eid: str):
     """An awaitable of ``verb(memory)`` on the worker, after the version check and event ``eid``'s."""
     d = state.existing(ns, mid)
     check_event_id(eid)
@@ -137,14 +137,16 @@ def event_write(state: ServiceState, jobs: Jobs, verb: Callable, body: s.Write, 
     "/v1/memories/{mid}/events/{eid}/update",
     operation_id="update_event_v1_memories__mid__events__eid__update_post",
     status_code=201,
-    response_model=s.WriteOut,
+    response_model=schemas.WriteOut,
     responses=EVENT,
 )
-async def update_event(mid: MemoryId, eid: EventIdPath, body: s.UpdateEvent, ns: Namespace, state: State, jobs: Work):
+async def update_event(
+    mid: MemoryId, eid: EventIdPath, body: schemas.UpdateEvent, ns: Namespace, state: State, jobs: Work
+):
     def verb(mem):
         live(mem, eid, "updated", root=True)
         a = mem.update(eid, body.text, prefill=body.prefill)
-        return s.WriteOut(version=mem.version, added=[a])
+        return schemas.WriteOut(version=mem.version, added=[a])
 
     return await event_write(state, jobs, verb, body, ns, mid, eid)
 
@@ -152,53 +154,53 @@ async def update_event(mid: MemoryId, eid: EventIdPath, body: s.UpdateEvent, ns:
 @router.post(
     "/v1/memories/{mid}/events/{eid}/delete",
     operation_id="delete_event_v1_memories__mid__events__eid__delete_post",
-    response_model=s.WriteOut,
+    response_model=schemas.WriteOut,
     responses=EVENT,
 )
 async def delete_event(
-    mid: MemoryId, eid: EventIdPath, ns: Namespace, state: State, jobs: Work, body: s.Write | None = None
+    mid: MemoryId, eid: EventIdPath, ns: Namespace, state: State, jobs: Work, body: schemas.Write | None = None
 ):
     def verb(mem):
         live(mem, eid, "deleted again")
         mem.delete(eid)
-        return s.WriteOut(version=mem.version)
+        return schemas.WriteOut(version=mem.version)
 
-    return await event_write(state, jobs, verb, body or s.Write(), ns, mid, eid)
+    return await event_write(state, jobs, verb, body or schemas.Write(), ns, mid, eid)
 
 
 @router.post(
     "/v1/memories/{mid}/events/{eid}/forget",
     operation_id="forget_event_v1_memories__mid__events__eid__forget_post",
-    response_model=s.WriteOut,
+    response_model=schemas.WriteOut,
     responses=EVENT,
 )
 async def forget_event(
-    mid: MemoryId, eid: EventIdPath, ns: Namespace, state: State, jobs: Work, body: s.Write | None = None
+    mid: MemoryId, eid: EventIdPath, ns: Namespace, state: State, jobs: Work, body: schemas.Write | None = None
 ):
     def verb(mem):
         if not mem.store.purge_pending:  # forgetting again completes a pending purge (see purge_pending)
             not_forgotten(mem, eid, "forgotten again")
         rows = mem.forget(eid)
-        return s.WriteOut(version=mem.version, rows=rows)
+        return schemas.WriteOut(version=mem.version, rows=rows)
 
-    return await event_write(state, jobs, verb, body or s.Write(), ns, mid, eid)
+    return await event_write(state, jobs, verb, body or schemas.Write(), ns, mid, eid)
 
 
 @router.post(
     "/v1/memories/{mid}/events/{eid}/pin",
     operation_id="pin_event_v1_memories__mid__events__eid__pin_post",
-    response_model=s.WriteOut,
+    response_model=schemas.WriteOut,
     responses=EVENT,
 )
 async def pin_event(
-    mid: MemoryId, eid: EventIdPath, ns: Namespace, state: State, jobs: Work, body: s.PinEvent | None = None
+    mid: MemoryId, eid: EventIdPath, ns: Namespace, state: State, jobs: Work, body: schemas.PinEvent | None = None
 ):
-    body = body or s.PinEvent()
+    body = body or schemas.PinEvent()
 
     def verb(mem):
         if body.pinned:
             live(mem, eid, "pinned", root=True)
         mem.pin(eid, body.pinned)
-        return s.WriteOut(version=mem.version)
+        return schemas.WriteOut(version=mem.version)
 
     return await event_write(state, jobs, verb, body, ns, mid, eid)

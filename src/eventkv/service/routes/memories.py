@@ -17,7 +17,7 @@ from fastapi import APIRouter, Query
 from eventkv.errors import EventKVError, OptionError, StoreDamaged
 from eventkv.files import out_of_space, write_json_atomic
 from eventkv.memory.store import Store, remove_leftovers
-from eventkv.service import schemas as s
+from eventkv.service import schemas
 from eventkv.service.errors import MEMORY, QUEUED, SCOPED, responses
 from eventkv.service.state import MemoryId, Namespace, State, Work
 from eventkv.wire import NAMESPACE_HEADER, Conflict, Forbidden
@@ -29,10 +29,10 @@ router = APIRouter(tags=["memories"])
     "/v1/memories",
     operation_id="create_memory_v1_memories_post",
     status_code=201,
-    response_model=s.MemoryOut,
+    response_model=schemas.MemoryOut,
     responses=responses(*SCOPED, 409, 503, 507),
 )
-async def create_memory(body: s.CreateMemory, ns: Namespace, state: State, jobs: Work):
+async def create_memory(body: schemas.CreateMemory, ns: Namespace, state: State, jobs: Work):
     from eventkv.memory import EventMemory
 
     if body.namespace is not None and body.namespace != ns:
@@ -75,20 +75,20 @@ async def create_memory(body: s.CreateMemory, ns: Namespace, state: State, jobs:
 @router.get(
     "/v1/memories",
     operation_id="list_memories_v1_memories_get",
-    response_model=list[s.MemoryOut | s.DamagedMemoryOut],
+    response_model=list[schemas.MemoryOut | schemas.DamagedMemoryOut],
     responses=responses(*SCOPED),
 )
 def list_memories(ns: Namespace, state: State):
     base = state.root / ns
     dirs = sorted(p for p in base.iterdir() if not p.name.startswith(".")) if base.is_dir() else []
-    out: list[s.MemoryOut | s.DamagedMemoryOut] = []
+    out: list[schemas.MemoryOut | schemas.DamagedMemoryOut] = []
     for d in dirs:
         if not (d / "manifest.json").is_file():
             continue
         try:
             out.append(state.memory_out(d))
         except StoreDamaged as exc:  # that memory alone: the others are listed as usual
-            out.append(s.DamagedMemoryOut(id=d.name, namespace=ns, damaged=state.scrub(str(exc))))
+            out.append(schemas.DamagedMemoryOut(id=d.name, namespace=ns, damaged=state.scrub(str(exc))))
         except EventKVError:
             if (d / "manifest.json").is_file():
                 raise
@@ -99,7 +99,7 @@ def list_memories(ns: Namespace, state: State):
 @router.get(
     "/v1/memories/{mid}",
     operation_id="get_memory_v1_memories__mid__get",
-    response_model=s.MemoryOut,
+    response_model=schemas.MemoryOut,
     responses=responses(*MEMORY),
 )
 def get_memory(mid: MemoryId, ns: Namespace, state: State):
@@ -109,7 +109,7 @@ def get_memory(mid: MemoryId, ns: Namespace, state: State):
 @router.delete(
     "/v1/memories/{mid}",
     operation_id="delete_memory_v1_memories__mid__delete",
-    response_model=s.WriteOut,
+    response_model=schemas.WriteOut,
     responses=responses(*QUEUED),
 )
 async def delete_memory(
@@ -145,4 +145,4 @@ async def delete_memory(
         shutil.rmtree(trash, ignore_errors=True)
         state.contract(ns, mid).unlink(missing_ok=True)
 
-    return s.WriteOut(version=await jobs.run(job))
+    return schemas.WriteOut(version=await jobs.run(job))

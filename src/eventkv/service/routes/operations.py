@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from eventkv.service import schemas as s
+from eventkv.service import schemas
 from eventkv.service.errors import QUEUED, responses
 from eventkv.service.state import MemoryId, Namespace, State, Work, live
 
@@ -18,12 +18,12 @@ def rows_route(verb: str):
     with the memory's version and the rows it computed. (No docstring on the endpoint: the OpenAPI
     document shows none for these routes.)"""
 
-    async def endpoint(mid: MemoryId, ns: Namespace, state: State, jobs: Work, body: s.Write | None = None):
-        body = body or s.Write()
+    async def endpoint(mid: MemoryId, ns: Namespace, state: State, jobs: Work, body: schemas.Write | None = None):
+        body = body or schemas.Write()
 
         def run(mem):
             rows = getattr(mem, verb)()
-            return s.WriteOut(version=mem.version, rows=rows)
+            return schemas.WriteOut(version=mem.version, rows=rows)
 
         return await jobs.on_memory(state.existing(ns, mid), run, body.expected_version)
 
@@ -37,7 +37,7 @@ for _verb in ("prefill", "rebase"):
         methods=["POST"],
         name=_verb,
         operation_id=f"{_verb}_v1_memories__mid__{_verb}_post",
-        response_model=s.WriteOut,
+        response_model=schemas.WriteOut,
         responses=responses(*QUEUED),
     )
 
@@ -46,15 +46,15 @@ for _verb in ("prefill", "rebase"):
     "/v1/memories/{mid}/carriers",
     operation_id="carrier_v1_memories__mid__carriers_post",
     status_code=201,
-    response_model=s.CarrierOut,
+    response_model=schemas.CarrierOut,
     responses=responses(*QUEUED, 410),
 )
-async def carrier(mid: MemoryId, body: s.CarrierIn, ns: Namespace, state: State, jobs: Work):
+async def carrier(mid: MemoryId, body: schemas.CarrierIn, ns: Namespace, state: State, jobs: Work):
     def verb(mem):
         for sid in body.sources:
             live(mem, sid, "a carrier's source", root=True)
         r = mem.carrier(body.sources, body.subject, body.kind, prefill=body.prefill)
-        return s.CarrierOut(
+        return schemas.CarrierOut(
             kind=r.kind,
             added=r.added,
             pinned=list(r.pinned),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from eventkv.service import schemas as s
+from eventkv.service import schemas
 from eventkv.service.errors import QUEUED, responses
 from eventkv.service.state import MemoryId, Namespace, State, Work, not_forgotten
 from eventkv.wire import Conflict
@@ -41,7 +41,7 @@ def check_servable(mem, select, mid: str) -> None:
     response_model=list[str],
     responses=responses(*QUEUED),
 )
-async def select(mid: MemoryId, body: s.SelectIn, ns: Namespace, state: State, jobs: Work):
+async def select(mid: MemoryId, body: schemas.SelectIn, ns: Namespace, state: State, jobs: Work):
     return await jobs.on_memory(
         state.existing(ns, mid), lambda mem: mem.select(body.question, body.k, **body.shaping()), None
     )
@@ -50,10 +50,10 @@ async def select(mid: MemoryId, body: s.SelectIn, ns: Namespace, state: State, j
 @router.post(
     "/v1/memories/{mid}/search",
     operation_id="search_v1_memories__mid__search_post",
-    response_model=list[s.HitOut],
+    response_model=list[schemas.HitOut],
     responses=responses(*QUEUED),
 )
-async def search(mid: MemoryId, body: s.SearchIn, ns: Namespace, state: State, jobs: Work):
+async def search(mid: MemoryId, body: schemas.SearchIn, ns: Namespace, state: State, jobs: Work):
     return await jobs.on_memory(
         state.existing(ns, mid), lambda mem: mem.search(body.query, body.k, **body.shaping()), None
     )
@@ -62,10 +62,10 @@ async def search(mid: MemoryId, body: s.SearchIn, ns: Namespace, state: State, j
 @router.post(
     "/v1/memories/{mid}/query",
     operation_id="query_v1_memories__mid__query_post",
-    response_model=s.AnswerOut,
+    response_model=schemas.AnswerOut,
     responses=responses(*QUEUED, 410),
 )
-async def query(mid: MemoryId, body: s.QueryIn, ns: Namespace, state: State, jobs: Work):
+async def query(mid: MemoryId, body: schemas.QueryIn, ns: Namespace, state: State, jobs: Work):
     def prepare(mem):
         check_servable(mem, body.select, mid)
         return mem.prepare_query(
@@ -82,6 +82,6 @@ async def query(mid: MemoryId, body: s.QueryIn, ns: Namespace, state: State, job
         )
 
     def finish(mem, prepared, answers):
-        return s.AnswerOut.from_answer(answers[0], version=prepared.version)
+        return schemas.AnswerOut.from_answer(answers[0], version=prepared.version)
 
     return await jobs.query(state.existing(ns, mid), prepare, finish)

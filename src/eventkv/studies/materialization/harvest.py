@@ -65,7 +65,7 @@ def carriers(conv, qa, rare_sessions: int = 2) -> tuple[list[dict], int]:
     Returns:
         ``(candidates, evidence_session)``; each candidate ``{"id", "index", "shared", "strong", "rarity"}``.
     """
-    from eventkv.memory.metrics import normalize_answer
+    from eventkv.studies.materialization.answer_metric import normalize_answer
 
     turns = conv.turns
     index = {t.id: i for i, t in enumerate(turns)}
@@ -98,7 +98,7 @@ def carriers(conv, qa, rare_sessions: int = 2) -> tuple[list[dict], int]:
 def hard_negative(conv, k: int) -> str | None:
     """The gold answer of the nearest other question (by index; the earlier one on a tie) whose
     normalized answer is non-empty and differs from question ``k``'s."""
-    from eventkv.memory.metrics import normalize_answer
+    from eventkv.studies.materialization.answer_metric import normalize_answer
 
     gold = normalize_answer(conv.questions[k].answer)
     n = len(conv.questions)
@@ -181,8 +181,8 @@ class Harvest(DialogueData, Probe):
         from eventkv.kv.prefill import prefill
         from eventkv.kv.readout import read_out
         from eventkv.kv.serve import ServedCache, serve
-        from eventkv.memory.dialogue import truncate
-        from eventkv.memory.metrics import token_f1
+        from eventkv.studies.materialization.answer_metric import token_f1
+        from eventkv.studies.materialization.dialogue import truncate
 
         whole = self.conversations()[item["conversation"]]
         conv = truncate(whole, rt.tokenizer, self.max_tokens)

@@ -4,12 +4,12 @@ of the history's rows does the memory answer like the whole history, and is serv
 better than re-prefilling the retrieved turns as text?
 
 **History.** Each conversation, whole (``max_tokens=0``) or truncated to its first ``max_tokens``
-tokens of turns (:func:`eventkv.memory.dialogue.truncate`: each turn counted as its dated event;
+tokens of turns (:func:`eventkv.studies.materialization.dialogue.truncate`: each turn counted as its dated event;
 only the questions whose evidence lies inside are kept), becomes one
 :class:`~eventkv.memory.EventMemory`, prefilled once, session by session (each session's events are
 one ``add(..., prefill=True)``). Events: one per turn, ``"[session 3, 1:56 pm on 8 May, 2023]
 Caroline: text"``; with ``with_headers``, one header event per session (tagged ``"header"``, text
-:func:`eventkv.memory.dialogue.session_header_text`, carrying the session's date) before its turns,
+:func:`eventkv.studies.materialization.dialogue.session_header_text`, carrying the session's date) before its turns,
 which are then rendered without the date (``"[session 3] Caroline: text"``), and selection serves
 every served turn's session header (``select(..., with_headers=True)``).
 
@@ -48,7 +48,7 @@ served in relevance order) are never batched together.
 ``batch_arms=False`` reads out each arm alone (each arm's latency its own).
 
 Metric: LoCoMo's token F1 and exact match after its answer normalization
-(:mod:`eventkv.memory.metrics`), by the data's integer category 1-4; category 5 apart. Statistics
+(:mod:`eventkv.studies.materialization.answer_metric`), by the data's integer category 1-4; category 5 apart. Statistics
 (:func:`summarize_memory_eval`): see ``docs/memory.md`` for the tables.
 
 Item ``i`` is question slot ``i % Q`` of conversation ``i // Q`` (``Q`` questions per

@@ -62,7 +62,7 @@ def history_events(conv, with_headers: bool) -> list:
     ``with_headers`` a header event (id ``session-N``, tag ``"header"``) before each session's turns,
     which are then undated. Returns ``[(session, [MemoryEvent, ...]), ...]`` in history order."""
     from eventkv.memory import MemoryEvent
-    from eventkv.memory.dialogue import session_header_text
+    from eventkv.studies.materialization.dialogue import session_header_text
 
     sessions: list[tuple[int, list]] = []
     for t in conv.turns:

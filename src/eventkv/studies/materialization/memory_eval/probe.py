@@ -280,7 +280,7 @@ class MemoryEval(DialogueData, Probe):
         header), tokenized once per probe."""
         if c not in self._histories:
             from eventkv.kv.log import Event, encode
-            from eventkv.memory.dialogue import truncate
+            from eventkv.studies.materialization.dialogue import truncate
 
             conv = self._conversations()[c]
             conv = truncate(conv, rt.tokenizer, self.max_tokens or sys.maxsize)  # 0: every turn
@@ -327,7 +327,7 @@ class MemoryEval(DialogueData, Probe):
         return self._row_bytes
 
     def run_item(self, rt: Runtime, item: dict) -> dict:
-        from eventkv.memory.metrics import score_answer
+        from eventkv.studies.materialization.answer_metric import score_answer
 
         h, mem, questions = self._memory(rt, item["conversation"], item["seed"])
         rec = {"index": item["index"], "conversation": h.conv.id, "slot": item["slot"]}

@@ -437,8 +437,8 @@ def summarize_memory_eval(records: Sequence[dict], probe: _Ordered | None = None
         "as its stored rows; text / isolated / blend: the same set re-prefilled as text / each event encoded alone / "
         "rows with a fraction recomputed; /contiguous: served at contiguous positions; full: every stored row; "
         "gold: the evidence turns as text.",
-        "F1 and EM: LoCoMo's token F1 after its answer normalization (eventkv.memory.metrics), by the data's "
-        "integer category.",
+        "F1 and EM: LoCoMo's token F1 after its answer normalization "
+        "(eventkv.studies.materialization.answer_metric), by the data's integer category.",
         "Category 5 (adversarial): 'answer abstains' scores the generated answer by LoCoMo's keyword rule; "
         "'chooses' is LoCoMo's forced choice between 'Not mentioned in the conversation' and the adversarial "
         "answer, by log-probability. Both apart from the F1 of categories 1-4.",

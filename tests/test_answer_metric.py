@@ -1,4 +1,4 @@
-"""LoCoMo's answer metric (eventkv.memory.metrics): normalization, token F1 (Porter-stemmed), the
+"""LoCoMo's answer metric (eventkv.studies.materialization.answer_metric): normalization, token F1 (Porter-stemmed), the
 per-category rules and exact match, each against values computed by hand in the comments; and the
 cluster bootstrap the memory eval reports its intervals with (eventkv.stats.cluster_bootstrap)."""
 
@@ -10,7 +10,8 @@ import pytest
 from scipy import stats as st
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.memory.metrics import (
+from eventkv.stats import cluster_bootstrap
+from eventkv.studies.materialization.answer_metric import (
     AnswerScore,
     abstains,
     answer_tokens,
@@ -20,7 +21,6 @@ from eventkv.memory.metrics import (
     score_answer,
     token_f1,
 )
-from eventkv.stats import cluster_bootstrap
 
 #: LoCoMo's token F1 stems with NLTK's Porter stemmer
 needs_nltk = pytest.mark.skipif(importlib.util.find_spec("nltk") is None, reason="nltk is not installed")

@@ -1,5 +1,6 @@
-"""Dialogue loaders (eventkv.memory.dialogue): LoCoMo and REALTALK read from small synthetic files in each
-format (tests/data, invented text), evidence parsing, truncation by tokens, and clear errors on bad files.
+"""Dialogue loaders (eventkv.studies.materialization.dialogue): LoCoMo and REALTALK read from small
+synthetic files in each format (tests/data, invented text), evidence parsing, truncation by tokens,
+and clear errors on bad files.
 The real LoCoMo dev split is read from ../shared (never copied here); that test skips when it is absent."""
 
 import json
@@ -9,7 +10,15 @@ from pathlib import Path
 import pytest
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.memory.dialogue import QA, Turn, load_locomo, load_realtalk, parse_evidence, truncate, turn_tokens
+from eventkv.studies.materialization.dialogue import (
+    QA,
+    Turn,
+    load_locomo,
+    load_realtalk,
+    parse_evidence,
+    truncate,
+    turn_tokens,
+)
 from eventkv.testing import tiny_tokenizer
 
 DATA = Path(__file__).parent / "data"
