@@ -32,21 +32,17 @@ Example (a tiny random model; a real one comes from :func:`eventkv.models.load`)
 from __future__ import annotations
 
 import builtins
-import contextlib
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence, cast
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence, cast
 
-import numpy as np
-
-from eventkv.errors import EventKVError, OptionError, OutOfSpace, PurgePending, StoreDamaged
+from eventkv.errors import EventKVError, OptionError
 from eventkv.kv.blend import BlendSchedule
 from eventkv.kv.decoding import Decoding
-from eventkv.kv.log import HEADER_ID, Event, TokenizedLog, encode, header_text
-from eventkv.kv.model import check_context, model_device
-from eventkv.kv.rows import EventKV
+from eventkv.kv.log import Event, encode, header_text
+from eventkv.kv.model import check_context
 from eventkv.kv.serve import PositionMode, ServeMode, ServeOrder, default_positions
-from eventkv.kv.windowed import PrefillWindow, check_window, windowed_prefill
+from eventkv.kv.windowed import PrefillWindow, check_window
 from eventkv.memory.answer import (
     PreparedQuery,
     answer_prepared,
@@ -58,10 +54,8 @@ from eventkv.memory.answer import (
     served_end,
 )
 from eventkv.memory.api import MemoryAPI, SelectSpec
-from eventkv.memory.integrity import damaged
 from eventkv.memory.records import (
     Added,
-    CarrierResult,
     Hit,
     MemoryAnswer,
     MemoryEvent,
@@ -69,11 +63,9 @@ from eventkv.memory.records import (
     MemoryStats,
     shows,
 )
-from eventkv.memory.rows import RowCache, contiguous, tail
 from eventkv.memory.select import (
     HEADER_TAG,
     Ranked,
-    SelectionContext,
     Selector,
     available,
     check_shaping,
@@ -83,18 +75,14 @@ from eventkv.memory.select import (
     selector_for,
     shape_units,
 )
-from eventkv.memory.sql import EventRow, Writes
-from eventkv.memory.store import SCHEMA_VERSION, Store, check_identity, model_identity, now
-from eventkv.memory.table import EventTable
+from eventkv.memory.store import SCHEMA_VERSION, Store, check_identity, model_identity
+from eventkv.memory.upkeep import MemoryUpkeep
 
 if TYPE_CHECKING:  # pragma: no cover
     from eventkv.models.profile import LoadedModel
 
-#: seconds rebase waits for readers before leaving its purge to close / open
-REBASE_PURGE_S = 1.0
 
-
-class EventMemory:
+class EventMemory(MemoryUpkeep):
     """A sparse event-KV memory over one store directory and one model (Study 1, "Setting" and the
     closing engineering conclusion). Build it with :meth:`create` or :meth:`open`; see the module
     docstring for an example and ``docs/memory.md`` for the guarantees. Implements
@@ -102,22 +90,6 @@ class EventMemory:
 
     Not thread-safe: one writer (one process, one thread) per store directory at a time.
     """
-
-    def __init__(
-        self, store: Store, lm: LoadedModel, selector: Selector | str = "bm25", window: PrefillWindow | None = None
-    ) -> None:
-        self.store = store
-        self.lm = lm
-        #: ranks the view's events for :meth:`select` (:class:`eventkv.memory.select.Selector`)
-        self.selector = selector_for(selector)
-        #: how events past the model's context are prefilled (:class:`eventkv.kv.windowed.PrefillWindow`)
-        self.window = check_window(window, lm.profile.max_context)
-        self.header_ids: list[int] = list(store.manifest["header_ids"])
-        self._closed = False
-        self._recs: list[MemoryRecord] = []
-        self._tokens: dict[str, list[int]] = {}
-        self._rows = RowCache()
-        self._reload()
 
     # ================================================================== create / open / close
     @classmethod
@@ -217,253 +189,11 @@ class EventMemory:
             raise
         return mem
 
-    def close(self) -> None:
-        """Close the database connection (idempotent). Every acknowledged write is already on disk; a
-        purge a reader blocked (:class:`eventkv.errors.PurgePending`) is tried once more first (at
-        most 1 s), else the next open completes it."""
-        if not self._closed:
-            self.store.close()
-            self._closed = True
-
-    def __enter__(self) -> "EventMemory":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    @property
-    def directory(self) -> Path:
-        return self.store.directory
-
-    @property
-    def namespace(self) -> str:
-        return self.store.manifest["namespace"]
-
-    @property
-    def version(self) -> int:
-        """The store's write counter: bumped by every committed write that changes the events (add,
-        update, delete, forget, pin, carrier, rebase) — not by a prefill, which only computes rows, so
-        a query (which prefills pending events) never moves it; what an HTTP client sends as
-        ``expected_version``."""
-        self._check_open()
-        return self.store.version
-
     # ================================================================== internal state
-    def _check_open(self) -> None:
-        """Every verb starts here: refuse a closed memory; when another connection committed to the
-        database since the last read (an ``sqlite3`` shell, a process without the writer lock), read
-        the events again, so a change made behind the memory's back is checked before it is used."""
-        if self._closed:
-            raise EventKVError(f"the memory {str(self.store.directory)!r} is closed: open it again.")
-        if self.store.data_version() != self._data_version:
-            self._reload()
-
-    def _reload(self) -> None:
-        """Read every event row and check it (:meth:`EventTable.from_rows`: checksums, JSON fields,
-        layout); raises StoreDamaged naming the event and the damaged field (and again at every verb
-        until the store reads whole)."""
-        seen = self.store.data_version()
-        rows = self.store.event_rows()
-        self._table = EventTable.from_rows(rows, len(self.header_ids), self.store.directory)
-        self._recs = self._table.records
-        self._by_id = self._table.by_id
-        self._tokens = self._table.tokens
-        self._data_version = seen
-
-    def _stored(self) -> list[MemoryRecord]:
-        """Every event with rows in the history (deleted included, forgotten excluded), in history order."""
-        return self._table.stored()
-
-    def _log(self, recs: Sequence[MemoryRecord]) -> TokenizedLog:
-        return TokenizedLog(
-            list(self.header_ids), [r.id for r in recs], [self._tokens[r.id] for r in recs], [r.budget for r in recs]
-        )
-
-    def _history_end(self) -> int:
-        return self._table.history_end()
-
-    def _n_rows(self) -> int:
-        return self._table.n_rows()
-
-    @property
-    def _ekv(self) -> EventKV | None:
-        """The in-memory rows of the stored history (:class:`eventkv.memory.rows.RowCache`)."""
-        return self._rows.ekv
-
-    @property
-    def _isolated(self) -> dict[tuple, tuple]:
-        """The isolated encodings of served events (``serve(..., isolated_memo=)``)."""
-        return self._rows.isolated
-
-    def _load_rows(self) -> None:
-        """Read every segment (row order), check the rows line up with the prefilled events, and keep
-        them as the in-memory EventKV."""
-        prefilled = [r for r in self._stored() if r.prefilled]
-        self._rows.load(
-            self.store.segment_rows(),
-            self.store.read_segment,
-            self.lm.profile.num_layers,
-            self._log(prefilled) if prefilled else None,
-            model_device(self.lm.model),  # segments are read on the CPU; the rows go to the model once
-            self.lm.profile.weights_digest,
-            self._corrupt,
-        )
-
-    def _corrupt(self, what: str) -> StoreDamaged:
-        return damaged(self.store.directory, what)
-
-    def _lookup(self, event_id: str) -> MemoryRecord:
-        return self._table.lookup(event_id)
-
-    def _root(self, rec: MemoryRecord) -> MemoryRecord:
-        return self._table.root(rec)
-
-    def _units(self) -> list[tuple[MemoryRecord, MemoryRecord]]:
-        """The current view as ``(root event, served record)`` pairs (:meth:`EventTable.units`)."""
-        return self._table.units()
 
     # ================================================================== writes
-    def _append(self, items: list[dict], prefill: bool = False) -> list[Added]:
-        """Validate, tokenize and insert events in one transaction; nothing is written if any is bad.
-        With ``prefill``, the rows of every pending event and of the new ones are computed first and
-        their segment committed in the same transaction (:meth:`_commit`): all or nothing.
-
-        ``items``: dicts with text, role, id (or None), tags, budget, kind, supersedes.
-        """
-        self._check_open()
-        taken = {r.id for r in self._recs}
-        seq = (self._recs[-1].seq if self._recs else 0) + 1
-        pos, row = self._history_end(), self._n_rows()
-        rows, added = [], []
-        for it in items:
-            eid = it["id"]
-            if eid is None:
-                eid, n = f"e{seq}", 1
-                while eid in taken:
-                    eid, n = f"e{seq}-{n}", n + 1
-            if not isinstance(eid, str) or eid in taken:
-                if any(r.id == eid and r.forgotten for r in self._recs):
-                    where = "a forgotten event of this memory had it (forgotten ids stay reserved)"
-                elif any(r.id == eid for r in self._recs):
-                    where = "an event of this memory already has it"
-                else:
-                    where = "it is given twice in this call"
-                raise EventKVError(
-                    f"duplicate event id {eid!r}: {where}; give another id (or leave id out and the memory names it)."
-                )
-            if it.get("kind") != "patch" and "~" in eid:
-                raise EventKVError(
-                    f"event id {eid!r}: '~' is reserved for patch ids (id~n, made by update): give an id without '~'."
-                )
-            if eid == HEADER_ID:
-                raise EventKVError(f"event id {HEADER_ID!r} is reserved for the header: give another id.")
-            ev = Event(eid, it["text"], it["role"], it["budget"])  # the log's schema: raises EventKVError
-            toks = encode(self.lm.tokenizer, ev.render())
-            if not toks:
-                raise EventKVError(f"event {eid!r} tokenizes to no tokens: give it some text.")
-            width = len(toks) if ev.budget is None else ev.budget
-            if width < len(toks):
-                raise EventKVError(
-                    f"event {eid!r} has {len(toks)} tokens but a position budget of {ev.budget}: raise its budget "
-                    f"to at least {len(toks)} or leave it out."
-                )
-            widest = self.window.max_event(len(self.header_ids))
-            if width > widest:
-                raise EventKVError(
-                    f"event {eid!r} takes {width} positions but the prefill window ({self.window.size} positions, "
-                    f"{len(self.header_ids)} of them the header) holds at most {widest}: split it into shorter events."
-                )
-            taken.add(eid)
-            rows.append(
-                EventRow(
-                    seq=seq,
-                    id=eid,
-                    kind=it["kind"],
-                    text=ev.text,
-                    role=ev.role,
-                    tags=tuple(it["tags"]),
-                    budget=ev.budget,
-                    token_ids=toks,
-                    position=pos,
-                    width=width,
-                    row_start=row,
-                    created=now(),
-                    supersedes=it.get("supersedes"),
-                )
-            )
-            added.append(Added(eid, pos, width))
-            seq, pos, row = seq + 1, pos + width, row + len(toks)
-        store_vectors = self._vectors_at_add([r.id for r in rows], [r.text for r in rows])
-
-        def insert(tx: Writes) -> None:
-            tx.insert_events(rows)
-            store_vectors(tx)
-
-        new_rows = None
-        if prefill:
-            stored = self._stored()
-            log = TokenizedLog(
-                list(self.header_ids),
-                [r.id for r in stored] + [r.id for r in rows],
-                [self._tokens[r.id] for r in stored] + [list(r.token_ids) for r in rows],
-                [r.budget for r in stored] + [r.budget for r in rows],
-            )
-            pending = [r.seq for r in stored if not r.prefilled] + [r.seq for r in rows]
-            new_rows = (self._compute(log, self._ekv), self._n_prefilled(), pending)
-        self._commit(insert, new_rows)
-        return added
 
     # ================================================================== the one commit path
-    def _n_prefilled(self) -> int:
-        return self._rows.n_rows
-
-    def _compute(self, log: TokenizedLog, prefix: EventKV | None) -> EventKV:
-        """The rows of ``log``, continuing from ``prefix`` (its rows are reused, not recomputed): one causal
-        pass while the history fits :attr:`window`, windowed past it (:func:`eventkv.kv.windowed.windowed_prefill`)."""
-        lm = self.lm
-        return windowed_prefill(lm.model, log, self.window, prefix=prefix, weights_digest=lm.profile.weights_digest)
-
-    def _commit(
-        self,
-        write: Callable[[Writes], None] | None,
-        rows: tuple[EventKV | None, int, Sequence[int]] | None = None,
-        *,
-        bump: bool = True,
-        drop_files: Sequence[str] = (),
-    ) -> None:
-        """Every write of EventMemory goes through here, all or nothing:
-
-        1. with ``rows = (ekv, start, seqs)``: rows ``start:`` of ``ekv`` are written as one new
-           segment file, fsynced (:meth:`Store.write_segment`), before anything is committed;
-        2. one transaction: ``write(tx)`` (:class:`eventkv.memory.sql.Writes`), the segment's row,
-           the events ``seqs`` pointed at the segment, the version bumped (unless ``bump`` is False);
-        3. only after the commit: the in-memory rows become ``ekv``, the event table is reloaded from
-           the database, and ``drop_files`` (segments the transaction unlinked from every row) are
-           removed.
-
-        On any failure in 1-2 (``OutOfSpace`` for a full filesystem) the transaction is rolled back,
-        the new segment file removed and the in-memory state left as it was: the store on disk and
-        the open memory both equal the state before the call.
-        """
-        seg = None
-        ekv = rows[0] if rows is not None else self._ekv
-        if rows is not None and ekv is not None and ekv.n_rows > rows[1]:
-            _, start, seqs = rows
-            seg = self.store.write_segment(self.store.next_segment_id(), *tail(ekv, start))
-        try:
-            with self.store.transaction(bump=bump) as tx:
-                if write is not None:
-                    write(tx)
-                if seg is not None:
-                    tx.add_segment(seg, start, seqs)
-        except BaseException:
-            if seg is not None:
-                self.store.remove_files([seg["file"]])
-            raise
-        if rows is not None:
-            self._rows.ekv = ekv
-        self._reload()
-        self.store.remove_files([f for f in drop_files if seg is None or f != seg["file"]])
 
     def add(
         self, events: Iterable[MemoryEvent | dict | str] | MemoryEvent | dict | str, *, prefill: bool = False
@@ -502,11 +232,7 @@ class EventMemory:
         evs = [MemoryEvent.coerce(e) for e in events]
         if not evs:
             raise OptionError("events", [], "give at least one event to add.")
-        items = [
-            {"id": e.id, "text": e.text, "role": e.role, "tags": e.tags, "budget": e.budget, "kind": e.kind}
-            for e in evs
-        ]
-        return self._append(items, prefill=prefill)
+        return self._add(evs, prefill)
 
     def prefill(self) -> int:
         """Compute the rows of every event not yet prefilled, continuing from the stored rows
@@ -523,25 +249,6 @@ class EventMemory:
         """
         self._check_open()
         return self._prefill()
-
-    def _pending(self) -> tuple[EventKV | None, int, list[int]]:
-        """``(ekv, start, seqs)``: the rows of the whole stored history (the stored ones reused, the
-        pending events' computed), the first computed row, and the pending events' seqs (empty:
-        nothing pending, ``ekv`` is the stored rows)."""
-        stored = self._stored()
-        pending = [r.seq for r in stored if not r.prefilled]
-        if not pending:
-            return self._ekv, self._n_prefilled(), []
-        return self._compute(self._log(stored), self._ekv), self._n_prefilled(), pending
-
-    def _prefill(self) -> int:
-        ekv, start, seqs = self._pending()
-        if not seqs:
-            return 0
-        assert ekv is not None  # events were pending, so _pending computed their rows
-        # rows only: the events are unchanged, so the version (what expected_version compares) stays
-        self._commit(None, (ekv, start, seqs), bump=False)
-        return ekv.n_rows - start
 
     def update(self, event_id: str, text: str, *, prefill: bool = False) -> Added:
         """Append a **patch** event superseding ``event_id`` (Study 1, "Patch": an update is a served
@@ -596,210 +303,6 @@ class EventMemory:
         """
         self._check_open()
         self._pin([event_id], pinned)
-
-    def _pin(self, event_ids: Sequence[str], pinned: bool) -> None:
-        """Pin (or release) several events in one transaction: all of them, or none."""
-        roots = [self._root(self._lookup(e)) for e in event_ids]
-        for root in roots:
-            if pinned and not root.live:
-                raise EventKVError(
-                    f"event {root.id!r} is {'forgotten' if root.forgotten else 'deleted'}: it cannot be pinned."
-                )
-        self._commit(lambda tx: tx.set_pinned([r.seq for r in roots], pinned))
-
-    def carrier(
-        self, sources: Sequence[str], subject: str, kind: str = "auto", *, prefill: bool = False
-    ) -> CarrierResult:
-        """Append an answer-free **carrier** event about ``subject`` after its source events (Study 1,
-        "Programmed carriers"): its rows, computed with the sources in view, may carry their state once
-        the sources are no longer served. The text names the subject and the sources' ids, never a value
-        (:func:`eventkv.memory.carriers.carrier_text`).
-
-        ``kind="auto"`` reads the model's contract (the ``contract=`` given to :meth:`create`) and
-        writes the kind with the largest donor shift significantly above 0 on this checkpoint
-        (:func:`eventkv.memory.carriers.choose_kind`); when none qualifies, or no contract was given,
-        it writes **no** carrier and pins the sources instead, so their text is served with every
-        query (the study's fallback), and says so in the result (every source in one transaction).
-        An explicit kind is always written.
-
-        Args:
-            sources: ids of the events the carrier is about (each must be live).
-            subject: what the carrier is about, e.g. ``"the user's home city"``.
-            kind: ``auto`` | ``passive`` | ``binding`` | ``directive`` | ``compute``.
-            prefill: compute the carrier's rows now (as :meth:`add`).
-
-        Raises:
-            OptionError: an unknown kind, an empty subject, no sources.
-            EventKVError: an unknown, deleted or forgotten source; a contract that cannot be read or
-                was measured on other weights.
-        """
-        from eventkv.memory.carriers import plan_carrier
-
-        self._check_open()
-        ids = list(sources) if not isinstance(sources, str) else [sources]
-        if not ids:
-            raise OptionError("sources", ids, "give the ids of the events the carrier is about.")
-        for sid in ids:
-            rec = self._root(self._lookup(sid))
-            if not rec.live:
-                raise EventKVError(
-                    f"source {sid!r} is {'forgotten' if rec.forgotten else 'deleted'}: a carrier needs live sources."
-                )
-        plan = plan_carrier(
-            kind,
-            subject,
-            ids,
-            self.store.manifest.get("contract"),
-            self.lm.profile.weights_digest,
-            self.lm.profile.name,
-        )
-        if plan.kind is None:
-            self._pin(ids, True)  # every source or none
-            return CarrierResult(None, None, tuple(ids), plan.reason)
-        assert plan.text is not None  # a plan with a kind has its carrier's text
-        added = self.add([MemoryEvent(plan.text, kind="carrier", tags=("carrier", plan.kind))], prefill=prefill)[0]
-        return CarrierResult(plan.kind, added, (), plan.reason)
-
-    def forget(self, event_id: str, *, purge_wait_s: float = 10.0) -> int:
-        """The privacy path: remove an event's text and rows **and re-prefill every later event**.
-
-        Why later events too: every row after the event was computed with the event in view, so it
-        can carry the event's content (the study's materialization: Study 1, "Access" and
-        "Programmed carriers"); dropping the event's own rows would leave that state behind. Cost:
-        the rows from the event on are recomputed, O(L_after · L) attention — O(L²) for an event
-        near the start of an L-token history, against O(pL + p²) for an update.
-
-        Forgetting an event forgets its patches too (forgetting a patch forgets that patch only).
-        The event's database row is kept as a ``forgotten`` marker holding only its id, kind and
-        creation time (text, role, tags, token ids, positions and rows are erased), so the id cannot
-        be reused; later events move down to contiguous positions. All or nothing: the later rows
-        are recomputed and written as a new segment file (with the rows before the event that
-        shared a segment with it) *before* one transaction commits the markers, the new layout and
-        the new segment; the old segment files are unlinked after the commit. Then the purge: the
-        WAL is checkpointed into the database (whose freed bytes ``secure_delete`` zeroed) and
-        truncated, so the text is in no file of the store directory when this returns.
-
-        Args:
-            purge_wait_s: how long the purge waits (seconds) for other connections' read snapshots,
-                which keep the old pages alive, to end.
-
-        Returns:
-            rows recomputed (the later events that had rows; 0 when the event had none, and when a
-            second call completes a pending purge).
-
-        Raises:
-            EventKVError: unknown id, or an event already forgotten (and purged).
-            PurgePending: the event is forgotten, but a reader held its snapshot past
-                ``purge_wait_s`` (or the filesystem was too full to checkpoint), so its bytes are still
-                in ``memory.sqlite-wal``; call ``forget`` on the id again, or close the memory, to
-                complete the purge.
-            OutOfSpace: the filesystem is full before the commit: nothing was forgotten.
-        """
-        self._check_open()
-        rec = self._lookup(event_id)
-        if rec.forgotten:
-            if self.store.purge_pending:
-                self._purge(event_id, purge_wait_s)
-                return 0
-            raise EventKVError(f"event {event_id!r} is already forgotten.")
-        targets = [rec] + [r for r in self._recs if rec.kind != "patch" and r.supersedes == rec.id and not r.forgotten]
-        gone = {r.seq for r in targets}
-        first = min(gone)
-        remaining = [r for r in self._stored() if r.seq not in gone]
-        before = [r for r in remaining if r.seq < first]
-        rows, drop_files, recomputed = None, [], 0
-        if any(r.prefilled for r in targets):
-            cut = self._rows.cut_for_forget(self.store.segment_rows(), before, remaining, first, self._log)
-            new, drop_files = cut.kept, cut.drop_files
-            if cut.later:  # the later events up to the last one that had rows, at their new positions
-                new = self._compute(self._log(list(before) + cut.later), cut.kept)
-                recomputed = new.n_rows - cut.keep
-            # the new segment holds rows start: — the kept rows that shared a dropped segment, then the later ones
-            rows = (new, cut.start, cut.seqs)
-
-        def write(tx: Writes) -> None:
-            for f in drop_files:
-                tx.drop_segment(f)
-            tx.forget_events(gone)
-            for seq, pos, row in contiguous(remaining, len(self.header_ids)):  # later events move down
-                tx.move_event(seq, pos, row)
-            tx.mark_purge()
-
-        self._commit(write, rows, drop_files=drop_files)
-        self._rows.relaid_out()
-        self._purge(event_id, purge_wait_s)
-        return recomputed
-
-    def _purge(self, event_id: str, wait_s: float) -> None:
-        try:
-            self.store.purge(wait_s)
-        except PurgePending as exc:
-            raise PurgePending(
-                f"event {event_id!r} is forgotten (its text, token ids and rows are in no committed state; it is "
-                f"never served or returned), but its bytes are not erased yet. {exc}"
-            ) from None
-
-    def rebase(self) -> int:
-        """Re-prefill the current view as a new history: the live events in history order, each with
-        its latest patch's text folded in (keeping its id, role, tags, pin, and budget when the new
-        text fits it), at contiguous positions. Tombstoned events, patches and their rows are dropped
-        (forgotten markers stay). The new rows are written to a new segment and committed with the
-        new event table in one transaction (all or nothing); the old segment files are removed after
-        the commit, and the dropped text is purged from the WAL as :meth:`forget` does (if a reader
-        blocks it for ``REBASE_PURGE_S``, it completes at close or the next open).
-
-        Returns:
-            rows computed (the whole new history, header included).
-
-        Raises:
-            OutOfSpace: the filesystem is full: nothing was changed.
-        """
-        self._check_open()
-        units = sorted(self._units(), key=lambda u: u[0].seq)
-        rows, events = [], []
-        pos = row = len(self.header_ids)
-        for root, cur in units:
-            assert cur.text is not None  # units are live events; only a forgotten one has no text
-            ev = Event(root.id, cur.text, root.role)
-            toks = encode(self.lm.tokenizer, ev.render())
-            budget = root.budget if root.budget is not None and root.budget >= len(toks) else None
-            width = budget or len(toks)
-            rows.append(
-                EventRow(
-                    seq=root.seq,
-                    id=root.id,
-                    kind=root.kind,
-                    text=cur.text,
-                    role=root.role,
-                    tags=root.tags,
-                    budget=budget,
-                    token_ids=toks,
-                    position=pos,
-                    width=width,
-                    row_start=row,
-                    created=root.created,
-                    pinned=root.pinned,
-                )
-            )
-            events.append((root.id, toks, budget))
-            pos, row = pos + width, row + len(toks)
-        old_files = [s["file"] for s in self.store.segment_rows()]
-        ekv = None
-        if events:
-            ekv = self._compute(TokenizedLog.from_ids(self.header_ids, events), None)
-
-        store_vectors = self._vectors_at_add([r.id for r in rows], [r.text for r in rows])
-
-        def write(tx: Writes) -> None:
-            tx.replace_history(rows)
-            store_vectors(tx)
-            tx.mark_purge()  # the dropped events' text
-
-        self._commit(write, (ekv, 0, [r.seq for r in rows]), drop_files=old_files)
-        self._rows.relaid_out()
-        with contextlib.suppress(PurgePending):  # not the privacy path: a blocked purge completes at close or open
-            self.store.purge(REBASE_PURGE_S)
-        return ekv.n_rows if ekv is not None else 0
 
     # ================================================================== reads
     def get(self, event_id: str) -> MemoryRecord:
@@ -984,71 +487,7 @@ class EventMemory:
         )
         return units, ranking, sorted({j for _, members in taken for j in members}), taken
 
-    def _selection_context(self) -> SelectionContext:
-        """What a selector may read (:class:`eventkv.memory.select.SelectionContext`); the rows are
-        prefilled only when a selector asks for them."""
-        return SelectionContext(
-            lm=self.lm, rows=self._rows_prefilled, embeddings=self._embeddings, history_end=self._history_end()
-        )
-
     # ------------------------------------------------------------------ sentence embeddings (eventkv.memory.dense)
-    def _embed(self, texts: Sequence[str], model: str) -> np.ndarray:
-        """``[len(texts), dim]`` float32 unit vectors under ``model``, on the memory's selector's
-        ``embedding_device`` when it is that selector's model, else on the CPU."""
-        from eventkv.memory.dense import embed
-
-        own = getattr(self.selector, "embedding_model", None) == model
-        return embed(texts, model, getattr(self.selector, "embedding_device", "cpu") if own else "cpu")
-
-    def _vectors_at_add(self, ids: Sequence[str], texts: Sequence[str]) -> Callable[[Writes], None]:
-        """The write that stores new events' vectors in their add's transaction, computed now: under
-        the memory's selector's ``embedding_model`` (None or absent: nothing to store)."""
-        model = getattr(self.selector, "embedding_model", None)
-        if not model or not ids:
-            return lambda tx: None
-        with available(getattr(self.selector, "name", type(self.selector).__name__)):
-            vectors = self._embed(texts, model)
-        return lambda tx: tx.insert_embeddings(model, ids, vectors)
-
-    def _embeddings(self, events: Sequence[MemoryRecord], model: str) -> np.ndarray:
-        """``SelectionContext.embeddings``: the events' stored vectors under ``model``, ``[len(events),
-        dim]`` float32 unit rows; an event without one is embedded now and its vector stored (on a full
-        disk it is used unstored, and computed again next time)."""
-        ids = [e.id for e in events]
-        vectors = self.store.embeddings(model, ids)
-        missing = [e for e in events if e.id not in vectors]
-        if missing:
-            computed = self._embed([cast(str, e.text) for e in missing], model)
-            vectors.update(zip([e.id for e in missing], computed))
-            known = [(e.id, v) for e, v in zip(missing, computed) if e.id in self._by_id]
-            if known:
-                with contextlib.suppress(OutOfSpace):
-                    self._commit(
-                        lambda tx: tx.insert_embeddings(model, [i for i, _ in known], np.stack([v for _, v in known])),
-                        bump=False,
-                    )
-        if not ids:
-            return np.zeros((0, 0), dtype=np.float32)
-        return np.stack([vectors[i] for i in ids])
-
-    def _lazy_prefill(self) -> EventKV | None:
-        """The stored history's rows with every pending event prefilled and committed (a read's lazy
-        prefill); on a full disk the rows computed here are returned unkept and the events stay pending
-        (the next query or :meth:`prefill` retries), so a full disk never fails a read. None: no events."""
-        ekv, start, seqs = self._pending()
-        if seqs:
-            try:
-                self._commit(None, (ekv, start, seqs), bump=False)
-            except OutOfSpace:
-                pass  # used from memory; the next query or prefill() retries the commit
-        return ekv
-
-    def _rows_prefilled(self) -> EventKV:
-        """:meth:`_lazy_prefill`'s rows, for a selector that reads them (``SelectionContext.rows``)."""
-        ekv = self._lazy_prefill()
-        if ekv is None:
-            raise EventKVError("the memory has no stored events: add some before selecting by rows.")
-        return ekv
 
     def _served_ids(self, question: str, select: SelectSpec, k: int | None, shaping: dict) -> builtins.list[str]:
         """The ids a plan serves; ``shaping``: :meth:`select`'s keywords (budget_rows, selector, budget,
