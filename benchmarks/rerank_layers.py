@@ -100,11 +100,11 @@ def main() -> None:
         mem = open_history(root / f"c{c}", lm, instruction, sessions)
         questions = list(conv.questions)
         random.Random(f"memory-eval:0:{c}").shuffle(questions)
-        events = [cur for _, cur in mem._units()]
+        events = [cur for _, cur in mem.selection().table.units()]
         rows = [e.n_rows for e in events]
         headers = group_headers([HEADER_TAG in e.tags for e in events]) if args.with_headers else None
         is_turn = [HEADER_TAG not in e.tags for e in events]
-        context = mem._selection_context()
+        context = mem.selection().context()
         ekv = context.rows()
         modules = attention_modules(lm.model)
         first_sel = selector_for(args.first)

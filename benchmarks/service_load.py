@@ -212,10 +212,11 @@ def batch_costs(args, lm, store: Path, questions: list[str], event_ids: list[str
     BM25, the served cache, the question's ids), its readout alone and in batches of 2, 4 and
     ``--max-batch``, and what an add and an update cost, the commit and the lazy prefill that the
     memory's next query pays for it. Medians, milliseconds."""
-    from eventkv.memory import answer_prepared
+    from eventkv.memory import MemoryQuery, QueryOptions, answer_prepared
 
-    plan = [(None, "compact")]
-    opts = dict(k=args.k, max_new_tokens=args.new_tokens)
+    def query(question: str) -> MemoryQuery:
+        return MemoryQuery(question, options=QueryOptions(k=args.k), max_new_tokens=args.new_tokens)
+
     out: dict[str, list[float]] = defaultdict(list)
     with EventMemory.open(store, lm) as mem:
 
@@ -223,7 +224,7 @@ def batch_costs(args, lm, store: Path, questions: list[str], event_ids: list[str
             ps = []
             for q in qs:
                 t0 = time.perf_counter()
-                ps.append(mem.prepare_query(q, plan, **opts))
+                ps.append(mem.prepare_query(query(q)))
                 out["prepare"].append(1e3 * (time.perf_counter() - t0))
             return ps
 
@@ -245,7 +246,7 @@ def batch_costs(args, lm, store: Path, questions: list[str], event_ids: list[str
                     mem.update(event_ids[i % len(event_ids)], f"update {i} by client 0.")
                 out[op].append(1e3 * (time.perf_counter() - t0))
                 t0 = time.perf_counter()
-                mem.prepare_query(questions[0], plan, **opts)
+                mem.prepare_query(query(questions[0]))
                 out[f"{op} lazy prefill"].append(1e3 * (time.perf_counter() - t0) - prepare_ms)
     return {key: statistics.median(xs) for key, xs in out.items()}
 

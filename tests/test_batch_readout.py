@@ -12,7 +12,7 @@ import torch
 from eventkv.errors import EventKVError
 from eventkv.kv.readout import read_out
 from eventkv.kv.serve import serve
-from eventkv.memory import EventMemory, answer_prepared
+from eventkv.memory import EventMemory, MemoryQuery, answer_prepared
 from eventkv.testing import assert_same_greedy, tiny_lm
 
 TOL = 1e-4
@@ -56,7 +56,7 @@ def memories(request, tmp_path_factory):
 
 def prepared(mems, queries, **kw):
     return [
-        mems[m].prepare_query(question, [plan], max_new_tokens=n, keep_logits=True, **kw)
+        mems[m].prepare_query(MemoryQuery.build(question, plans=[plan], max_new_tokens=n, keep_logits=True, **kw))
         for m, question, plan, n in queries
     ]
 

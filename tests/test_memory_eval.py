@@ -66,6 +66,8 @@ def test_eval_runs_resumes_and_reports(tiny_dir, tmp_path, monkeypatch, capsys):
         assert set(x["timing"]) == {"serve", "readout", "batch"} and set(x["timing"]["serve"]) == read
         assert all(1 <= x["arms"][a]["n_tokens"] <= 3 for a in read) and {"full", "gold"} <= read
         assert all(x["arms"][a]["rows"] == 0 and x["arms"][a]["f1"] == 0.0 for a in set(x["arms"]) - read)
+        # --positions original: every arm that serves rows says so (the memory's own default is contiguous)
+        assert {x["arms"][a]["positions"] for a in read if not a.startswith("text:")} == {"original"}
     assert (out / "summary.md").read_text().startswith("# memory-eval")
     assert sorted(p.name for p in (out / "memories").iterdir()) == ["c0", "c1"]
     assert run_cli(monkeypatch, capsys, *args)[0] == 0  # resume: nothing recomputed
@@ -550,6 +552,8 @@ def test_relevance_order_serves_each_contiguous_arm_as_the_memory_query_does():
             if e.startswith("session-"):  # a header heads its turns: the next event is of its session
                 assert served[i + 1].startswith(f"D{e.removeprefix('session-')}:")
     mem.close()
+    assert {rec["arms"][n]["positions"] for n in rec["arms"] if n.endswith("/contiguous")} == {"contiguous"}
+    assert rec["arms"]["rows:bm25@30%"]["positions"] == rec["arms"]["full"]["positions"] == "original"
     plain = log.run_item(rt, log.items(0, [0])[0])
     assert not [a for a in plain["arms"].values() if "served_order" in a]
     for name in ("rows:bm25@30%", "isolated:bm25@30%", "full", "gold"):  # batched apart: the same answers

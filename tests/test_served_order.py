@@ -14,7 +14,7 @@ from eventkv.kv.readout import answer_served
 from eventkv.kv.rope import rerotate
 from eventkv.kv.rows import EventKV
 from eventkv.kv.serve import serve
-from eventkv.memory import EventMemory, MemoryEvent
+from eventkv.memory import EventMemory, MemoryEvent, MemoryQuery, QueryOptions
 from eventkv.memory.select import relevance_order, shape, shape_units
 from eventkv.testing import tiny_lm
 
@@ -45,7 +45,7 @@ def llama():
 def stored_rows(mem: EventMemory):
     """The memory's stored rows at their original positions: every event served compact (header first,
     then each stored event's rows in history order), and each event's ``(first row, rows)``."""
-    p = mem.prepare_query(QUESTION, [("all", "compact")], max_new_tokens=1)
+    p = mem.prepare_query(MemoryQuery(QUESTION, select="all", max_new_tokens=1))
     rows = {r.id: (r.row_start, r.n_rows) for r in mem.list()}
     return p.served[0], rows
 
@@ -59,9 +59,8 @@ def test_relevance_serves_each_events_rows_in_increasing_score(lm, tmp_path):
     with EventMemory.create(tmp_path / "m", lm, namespace="t") as mem:
         mem.add(EVENTS, prefill=True)
         hits = mem.search(QUESTION, k=3)
-        p = mem.prepare_query(
-            QUESTION, [(None, "compact")], k=3, positions="contiguous", order="relevance", max_new_tokens=1
-        )
+        options = QueryOptions(k=3, positions="contiguous", order="relevance")
+        p = mem.prepare_query(MemoryQuery(QUESTION, options=options, max_new_tokens=1))
         stored, rows = stored_rows(mem)
         h = len(mem.header_ids)
     assert [x.id for x in hits] == ["b", "a", "c"] and hits[0].score > hits[1].score > hits[2].score

@@ -12,13 +12,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from concurrent.futures import Future
 
 import pytest
 import torch
 
 from eventkv.errors import EventKVError
-from eventkv.memory import EventMemory
-from eventkv.service.worker import MemoryQuery, ModelWorker
+from eventkv.memory import EventMemory, MemoryQuery
+from eventkv.service.worker import ModelWorker, QueryJob
 from eventkv.testing import assert_same_greedy, tiny_lm
 
 TOL = 1e-4
@@ -47,6 +48,41 @@ def dirs(lm, tmp_path):
     return out
 
 
+#: a queued query's log and name (by the query's id), for the phases the worker runs on the memory
+LOGS: dict[int, tuple[list, str]] = {}
+
+
+@pytest.fixture(autouse=True)
+def phases(monkeypatch):
+    """Log each queued query's two phases, ``EventMemory.prepare_query`` and ``finish_query`` (what the worker
+    calls), in its :class:`Held`'s log."""
+    prepare, finish = EventMemory.prepare_query, EventMemory.finish_query
+
+    def logged(phase, call):
+        def run(mem, query, *rest):
+            log, name = LOGS.get(id(query), ([], ""))
+            log.append((phase, name))
+            return call(mem, query, *rest)
+
+        return run
+
+    monkeypatch.setattr(EventMemory, "prepare_query", logged("prepare", prepare))
+    monkeypatch.setattr(EventMemory, "finish_query", logged("finish", finish))
+
+
+class Queued:
+    """A queued query's future (cancel, done, ...), whose result is the query's one answer."""
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+
+    def result(self, timeout: float | None = None):
+        return self.future.result(timeout).answers[0]
+
+    def __getattr__(self, name: str):
+        return getattr(self.future, name)
+
+
 class Held:
     """A worker (``max_batch`` 4) held by a job until :meth:`release`; ``log`` records each query's
     phases and each write, in the order the worker ran them."""
@@ -62,20 +98,12 @@ class Held:
         self._release.set()
         self._blocker.result(60)
 
-    def query(self, d, name: str, question: str = "Where does Dana live?", n: int = 2, **kw):
+    def query(self, d, name: str, question: str = "Where does Dana live?", n: int = 2, **kw) -> Queued:
         """Queue a query on the memory of ``d`` (served set: the view), logged as ``name``."""
-
         select = kw.pop("select", "view")
-
-        def prepare(mem):
-            self.log.append(("prepare", name))
-            return mem.prepare_query(question, [(select, "compact")], max_new_tokens=n, **kw)
-
-        def finish(mem, prepared, answers):
-            self.log.append(("finish", name))
-            return answers[0]
-
-        return self.worker.submit_query(MemoryQuery(d, prepare, finish))
+        query = MemoryQuery.build(question, plans=[(select, "compact")], max_new_tokens=n, **kw)
+        LOGS[id(query)] = (self.log, name)
+        return Queued(self.worker.submit_query(QueryJob(d, query)))
 
     def write(self, d, name: str, text: str):
         def job():

@@ -45,6 +45,22 @@ class StoreLocked(EventKVError):
     """
 
 
+class NotFound(EventKVError):
+    """An unknown memory, event or route: a memory asked for an event id it never had (the service
+    answers HTTP 404 ``not_found``)."""
+
+
+class Conflict(EventKVError):
+    """A request the memory's state refuses: nothing to serve (no live events), a write whose
+    ``expected_version`` is behind the memory, a memory id or event id already taken (the service
+    answers HTTP 409 ``conflict``)."""
+
+
+class Gone(EventKVError):
+    """The event was deleted or forgotten and the verb needs a live one, e.g. a forgotten event in an
+    explicit served set, which has no rows (the service answers HTTP 410 ``gone``)."""
+
+
 class OptionError(EventKVError):
     """A bad option value. ``str()`` names the library field (``max_new_tokens 0: generate at
     least 1 token.``); :meth:`for_cli` names the command-line flag instead (``--max-new-tokens 0:

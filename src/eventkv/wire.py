@@ -11,7 +11,17 @@ from __future__ import annotations
 
 import re
 
-from eventkv.errors import EventKVError, OptionError, OutOfSpace, PurgePending, StoreDamaged, StoreLocked
+from eventkv.errors import (
+    Conflict,
+    EventKVError,
+    Gone,
+    NotFound,
+    OptionError,
+    OutOfSpace,
+    PurgePending,
+    StoreDamaged,
+    StoreLocked,
+)
 
 #: the request header that scopes a request to one namespace
 NAMESPACE_HEADER = "X-EventKV-Namespace"
@@ -90,19 +100,6 @@ class Unauthorized(EventKVError):
 class Forbidden(EventKVError):
     """The token is not granted the request's namespace, or a body names another namespace than the
     request's (HTTP 403 ``forbidden``)."""
-
-
-class NotFound(EventKVError):
-    """An unknown memory, event or route (HTTP 404 ``not_found``)."""
-
-
-class Conflict(EventKVError):
-    """A write whose ``expected_version`` is behind the memory, a memory id or event id already taken
-    (HTTP 409 ``conflict``)."""
-
-
-class Gone(EventKVError):
-    """The event was deleted or forgotten and the verb needs a live one (HTTP 410 ``gone``)."""
 
 
 class InvalidRequest(OptionError):

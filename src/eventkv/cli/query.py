@@ -58,13 +58,13 @@ def query(
 ) -> None:
     """Answer a question from the served events' KV rows (prefills the log once, then reuses it)."""
     from eventkv.kv.log import EventLog
-    from eventkv.kv.query import QueryOptions, answer, check_query
+    from eventkv.kv.query import AnswerOptions, answer, check_query
     from eventkv.models import load, resolve_device, resolve_dtype
 
     elog = EventLog.from_jsonl(log, instruction=instruction)
     cands = candidates.split(",") if candidates is not None else []
     # mode and positions are checked by check_query below, before anything uses them
-    options = QueryOptions(
+    options = AnswerOptions(
         mode=cast("ServeMode", mode),
         candidates=cands,
         max_new_tokens=max_new_tokens,

@@ -22,21 +22,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 from urllib.parse import quote
 
-from eventkv.errors import EventKVError, OptionError, OutOfSpace, PurgePending, StoreDamaged
+from eventkv.errors import Conflict, EventKVError, Gone, NotFound, OutOfSpace, PurgePending, StoreDamaged
 from eventkv.kv.serve import PositionMode, ServeMode, ServeOrder
 from eventkv.memory.api import MemoryAPI, SelectSpec
+from eventkv.memory.query import SHAPING, QueryOptions
 from eventkv.memory.records import Added, CarrierResult, Hit, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
 from eventkv.wire import (
     DEFAULT_NAMESPACE,
     ERRORS,
     NAMESPACE_HEADER,
-    Conflict,
     Forbidden,
-    Gone,
     InternalError,
     InvalidRequest,
     MethodNotAllowed,
-    NotFound,
     QueueFull,
     Refused,
     RequestTimeout,
@@ -91,19 +89,6 @@ def _record(d: dict) -> MemoryRecord:
 
 def _added(d: dict) -> Added:
     return Added(d["id"], d["position"], d["width"])
-
-
-def _shaping(budget_rows, selector, budget, neighbours, with_headers) -> dict:
-    """The selection keywords of a select or query body (the selector by name)."""
-    if selector is not None and not isinstance(selector, str):
-        raise OptionError("selector", selector, "give a registered selector's name: a Selector object cannot travel.")
-    return {
-        "budget_rows": budget_rows,
-        "selector": selector,
-        "budget": budget,
-        "neighbours": neighbours,
-        "with_headers": with_headers,
-    }
 
 
 class Client:
@@ -390,8 +375,15 @@ class Client:
         Raises:
             OptionError: ``selector`` is not a name (a Selector object cannot travel).
         """
-        shaping = _shaping(budget_rows, selector, budget, neighbours, with_headers)
-        return self._call("POST", f"{self._base}/select", {"question": question, "k": k, **shaping})
+        options = QueryOptions(
+            k=k,
+            budget_rows=budget_rows,
+            selector=selector,
+            budget=budget,
+            neighbours=neighbours,
+            with_headers=with_headers,
+        )
+        return self._call("POST", f"{self._base}/select", {"question": question, **options.body("k", *SHAPING)})
 
     def search(
         self,
@@ -409,8 +401,15 @@ class Client:
         Raises:
             OptionError: ``selector`` is not a name (a Selector object cannot travel).
         """
-        shaping = _shaping(budget_rows, selector, budget, neighbours, with_headers)
-        out = self._call("POST", f"{self._base}/search", {"query": query, "k": k, **shaping})
+        options = QueryOptions(
+            k=k,
+            budget_rows=budget_rows,
+            selector=selector,
+            budget=budget,
+            neighbours=neighbours,
+            with_headers=with_headers,
+        )
+        out = self._call("POST", f"{self._base}/search", {"query": query, **options.body("k", *SHAPING)})
         return [Hit(**{**h, "tags": tuple(h["tags"])}) for h in out]
 
     def query(
@@ -439,18 +438,25 @@ class Client:
         ``selector`` as in :meth:`select`)."""
         from eventkv.kv.readout import CandidateScore, Generation
 
+        options = QueryOptions(
+            k=k,
+            budget_rows=budget_rows,
+            selector=selector,
+            budget=budget,
+            neighbours=neighbours,
+            with_headers=with_headers,
+            mode=mode,
+            positions=positions,
+            order=order,
+            recompute=recompute,
+            blend_schedule=blend_schedule,
+        )
         body = {
             "question": question,
             "select": select if select is None or isinstance(select, str) else list(select),
-            "k": k,
-            "mode": mode,
             "candidates": list(candidates) if candidates else None,
             "max_new_tokens": max_new_tokens,
-            **_shaping(budget_rows, selector, budget, neighbours, with_headers),
-            "positions": positions,
-            "order": order,
-            "recompute": recompute,
-            "blend_schedule": blend_schedule,
+            **options.body(),
         }
         out = self._call("POST", f"{self._base}/query", body)
         return MemoryAnswer(

@@ -118,9 +118,9 @@ def prefill_or_load(
     return ekv, False, store
 
 
-class QueryOptions(TypedDict, total=False):
+class AnswerOptions(TypedDict, total=False):
     """The options of a query (:func:`answer`, :func:`check_query`); one left out takes its default in
-    :data:`QUERY_DEFAULTS`.
+    :data:`ANSWER_DEFAULTS`.
 
     Attributes:
         mode: compact | native | isolated | text (:data:`eventkv.kv.serve.SERVE_MODES`).
@@ -142,7 +142,7 @@ class QueryOptions(TypedDict, total=False):
     positions: PositionMode | None
 
 
-QUERY_DEFAULTS: QueryOptions = {
+ANSWER_DEFAULTS: AnswerOptions = {
     "mode": "compact",
     "candidates": (),
     "max_new_tokens": 64,
@@ -150,22 +150,22 @@ QUERY_DEFAULTS: QueryOptions = {
     "store": None,
     "positions": None,
 }
-"""The default of every :class:`QueryOptions` field."""
+"""The default of every :class:`AnswerOptions` field."""
 
 
-def _query_options(function: str, options: QueryOptions) -> QueryOptions:
+def _answer_options(function: str, options: AnswerOptions) -> AnswerOptions:
     """``options`` with the defaults of those left out.
 
     Raises:
-        TypeError: a name that is no :class:`QueryOptions` field (as Python does for an unknown keyword).
+        TypeError: a name that is no :class:`AnswerOptions` field (as Python does for an unknown keyword).
     """
-    unknown = sorted(options.keys() - QueryOptions.__annotations__.keys())
+    unknown = sorted(options.keys() - AnswerOptions.__annotations__.keys())
     if unknown:
         raise TypeError(f"{function}() got an unexpected keyword argument {unknown[0]!r}")
-    return {**QUERY_DEFAULTS, **options}
+    return {**ANSWER_DEFAULTS, **options}
 
 
-def check_query(log: EventLog, served: str | Sequence[str], question: str, **options: Unpack[QueryOptions]) -> None:
+def check_query(log: EventLog, served: str | Sequence[str], question: str, **options: Unpack[AnswerOptions]) -> None:
     """Check a query's options against ``log`` before any model work (the CLI calls it before the model loads).
 
     Raises:
@@ -174,7 +174,7 @@ def check_query(log: EventLog, served: str | Sequence[str], question: str, **opt
             ``store`` that is a file, an unknown ``positions`` or ``contiguous`` with ``native``.
         EventKVError: a served event id that is not in the log.
     """
-    opts = _query_options("check_query", options)
+    opts = _answer_options("check_query", options)
     mode = opts["mode"]
     if mode not in SERVE_MODES:
         raise OptionError("mode", mode, f"use one of {', '.join(SERVE_MODES)}.")
@@ -210,20 +210,20 @@ def check_query(log: EventLog, served: str | Sequence[str], question: str, **opt
 
 
 def answer(
-    lm: LoadedModel, log: EventLog, served: str | Sequence[str], question: str, **options: Unpack[QueryOptions]
+    lm: LoadedModel, log: EventLog, served: str | Sequence[str], question: str, **options: Unpack[AnswerOptions]
 ) -> Answer:
     """Answer ``question`` from the rows of the served events of ``log`` (Study 1, "Setting").
 
     Args:
         lm: a ``LoadedModel`` (``eventkv.models.load``).
         served: event ids or ``"all"``.
-        options: :class:`QueryOptions` (mode, candidates, max_new_tokens, chunk_size, store, positions).
+        options: :class:`AnswerOptions` (mode, candidates, max_new_tokens, chunk_size, store, positions).
 
     Raises:
         EventKVError: unknown event id, empty served set, bad mode or another bad option (see
             :func:`check_query`), history beyond the context.
     """
-    opts = _query_options("answer", options)
+    opts = _answer_options("answer", options)
     mode, candidates, max_new_tokens = opts["mode"], opts["candidates"], opts["max_new_tokens"]
     store, chunk_size, positions = opts["store"], opts["chunk_size"], opts["positions"]
     check_query(

@@ -11,11 +11,11 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
 
-from eventkv.errors import EventKVError
+from eventkv.errors import Conflict, EventKVError, NotFound
 from eventkv.memory.store import remove_leftovers
 from eventkv.service.errors import scrub
 from eventkv.service.worker import ModelWorker
-from eventkv.wire import DEFAULT_NAMESPACE, Conflict, NotFound, ServiceError, check_name
+from eventkv.wire import DEFAULT_NAMESPACE, ServiceError, check_name
 
 if TYPE_CHECKING:  # pragma: no cover
     from eventkv.client import Client

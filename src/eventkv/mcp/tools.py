@@ -18,13 +18,12 @@ from typing import Any, Callable
 from mcp_types import ToolAnnotations
 from pydantic import BaseModel, ConfigDict, Field
 
+from eventkv.errors import Conflict
 from eventkv.memory.api import MemoryAPI
 from eventkv.memory.records import Hit, MemoryEvent, MemoryRecord
-from eventkv.service import schemas as s
+from eventkv.service import schemas
 from eventkv.service.routes.events import untaken
-from eventkv.service.routes.queries import served_ids
 from eventkv.service.state import live, not_forgotten
-from eventkv.wire import Conflict
 
 __all__ = ["TOOLS", "MemoryTool"]
 
@@ -59,11 +58,11 @@ class _Scoped(BaseModel):
     # as the service's bodies: strict types, unknown fields refused
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_described({}))
 
-    memory_id: s.Name | None = Field(default=None, description=MEMORY_ID)
+    memory_id: schemas.Name | None = Field(default=None, description=MEMORY_ID)
 
 
 class _OnEvent(_Scoped):
-    event_id: s.EventId = Field(description="the event's id (as add_memory or search_memory gave it)")
+    event_id: schemas.EventId = Field(description="the event's id (as add_memory or search_memory gave it)")
 
 
 EVENT_FIELDS = {
@@ -77,16 +76,16 @@ EVENT_FIELDS = {
 }
 
 
-class AddMemory(_Scoped, s.EventIn):
+class AddMemory(_Scoped, schemas.EventIn):
     """Store one event (a turn, a fact); the memory is created when it does not exist yet."""
 
     model_config = ConfigDict(json_schema_extra=_described(EVENT_FIELDS))
 
     prefill: bool = False
-    expected_version: s.Version | None = None
+    expected_version: schemas.Version | None = None
 
 
-class SearchMemory(_Scoped, s.SearchIn):
+class SearchMemory(_Scoped, schemas.SearchIn):
     """The events a query is served, ranked."""
 
 
@@ -102,13 +101,13 @@ QUERY_FIELDS = {
 }
 
 
-class QueryMemory(_Scoped, s.QueryIn):
+class QueryMemory(_Scoped, schemas.QueryIn):
     """An answer from the memory's served rows."""
 
     model_config = ConfigDict(json_schema_extra=_described(QUERY_FIELDS))
 
 
-class UpdateMemory(_OnEvent, s.UpdateEvent):
+class UpdateMemory(_OnEvent, schemas.UpdateEvent):
     """Append a patch to an event (its history is kept)."""
 
     model_config = ConfigDict(
@@ -122,11 +121,11 @@ class MemoryHistory(_OnEvent):
     """An event and its patches."""
 
 
-class DeleteMemory(_OnEvent, s.Write):
+class DeleteMemory(_OnEvent, schemas.Write):
     """Tombstone an event."""
 
 
-class ForgetMemory(_OnEvent, s.Write):
+class ForgetMemory(_OnEvent, schemas.Write):
     """Purge an event's text and rows."""
 
 
@@ -144,7 +143,7 @@ class Hits(BaseModel):
     results: list[Hit] = Field(description="the served events, best first (score never increases)")
 
 
-class Answer(s.AnswerOut):
+class Answer(schemas.AnswerOut):
     memory_id: str
 
 
@@ -179,29 +178,16 @@ def add(mem: MemoryAPI, a: AddMemory, mid: str) -> Written:
 
 
 def search(mem: MemoryAPI, a: SearchMemory, mid: str) -> Hits:
-    return Hits(memory_id=mid, results=mem.search(a.query, a.k, **a.shaping()))
+    return Hits(memory_id=mid, results=mem.search(a.query, a.k, **a.options().shaping()))
 
 
 def query(mem: MemoryAPI, a: QueryMemory, mid: str) -> Answer:
-    if _checks(mem):
-        served_ids(mem, a.select)
-        if a.select in (None, "view", "all") and not mem.view_ids():
-            if a.select != "all" or not mem.list(include_superseded=True, include_deleted=True):
-                raise Conflict(f"memory {mid!r} has no live events to serve: add some first.")
+    # the memory refuses an unknown or forgotten event and nothing to serve (NotFound, Gone, Conflict)
+    q = a.query()
     answer = mem.query(
-        a.question,
-        select=a.select,
-        k=a.k,
-        mode=a.mode,
-        candidates=a.candidates,
-        max_new_tokens=a.max_new_tokens,
-        **a.shaping(),
-        positions=a.positions,
-        order=a.order,
-        recompute=a.recompute,
-        blend_schedule=a.blend_schedule,
+        q.question, q.select, candidates=q.candidates, max_new_tokens=q.max_new_tokens, **q.options.keywords()
     )
-    return Answer(**s.AnswerOut.from_answer(answer, mem.version).model_dump(), memory_id=mid)
+    return Answer(**schemas.AnswerOut.from_answer(answer, mem.version).model_dump(), memory_id=mid)
 
 
 def update(mem: MemoryAPI, a: UpdateMemory, mid: str) -> Written:

@@ -6,6 +6,7 @@ materialize locally, serve sparsely"). See ``docs/memory.md``.
 
 from eventkv.memory.answer import PreparedQuery, answer_prepared
 from eventkv.memory.memory import EventMemory
+from eventkv.memory.query import MemoryQuery, QueryOptions
 from eventkv.memory.records import Added, CarrierResult, Hit, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
 
 __all__ = [
@@ -15,8 +16,10 @@ __all__ = [
     "Hit",
     "MemoryAnswer",
     "MemoryEvent",
+    "MemoryQuery",
     "MemoryRecord",
     "MemoryStats",
     "PreparedQuery",
+    "QueryOptions",
     "answer_prepared",
 ]

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Sequence, cast
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.kv.blend import BlendSchedule, check_recompute, check_schedule
+from eventkv.kv.blend import BlendSchedule
 from eventkv.kv.decoding import Decoding
 from eventkv.kv.log import HEADER_ID, encode, tokenize_query
 from eventkv.kv.model import check_context
@@ -27,12 +27,10 @@ from eventkv.kv.serve import (
     PositionMode,
     ServedCache,
     ServeMode,
-    ServeOrder,
-    check_order,
-    check_position_mode,
     serve,
 )
 from eventkv.memory.chat import chat_tail_ids
+from eventkv.memory.query import QueryOptions
 from eventkv.memory.records import MemoryAnswer, MemoryRecord
 from eventkv.options import check_max_new_tokens
 
@@ -40,30 +38,16 @@ if TYPE_CHECKING:  # pragma: no cover
     from eventkv.models.profile import LoadedModel
 
 
-def check_question(question) -> None:
-    """Raises:
-    OptionError: ``question`` is not a non-empty string."""
-    if not isinstance(question, str) or not question.strip():
-        raise OptionError("question", question, "give a non-empty question.")
-
-
 def check_query(
-    plans: Sequence,
-    max_new_tokens: int,
-    candidates: Sequence[str] | None,
-    positions: PositionMode = "original",
-    recompute: float | None = None,
-    blend_schedule: BlendSchedule | None = None,
-    order: ServeOrder = "log",
+    plans: Sequence, max_new_tokens: int, candidates: Sequence[str] | None, options: QueryOptions
 ) -> tuple[list, list[str]]:
-    """The plans (``(select, mode)`` pairs) and candidates of a query, checked: ``(plans, candidates)``.
+    """The plans (``(select, mode)`` pairs) and candidates of a query, checked with its serving options
+    (``options.positions`` resolved): ``(plans, candidates)``.
 
     Raises:
-        OptionError: no plan, a plan that is not a pair or names an unknown mode, ``max_new_tokens`` < 1,
-            empty or repeated candidates, an unknown ``positions`` or ``"contiguous"`` with a ``native`` plan;
-            a ``recompute`` outside [0, 1], or given when no plan is ``blend``; an unknown ``blend_schedule``, or
-            one given when no plan is ``blend``; an unknown ``order``, or ``"relevance"`` without
-            ``positions="contiguous"`` (:func:`eventkv.kv.serve.check_order`).
+        OptionError: no plan, a plan that is not a pair or names an unknown mode, a bad serving option
+            (:meth:`eventkv.memory.query.QueryOptions.check_serving`), ``max_new_tokens`` < 1, empty or
+            repeated candidates.
     """
     plans = list(plans)
     if not plans:
@@ -73,11 +57,7 @@ def check_query(
             raise OptionError("plans", plan, f"give (select, mode) pairs with mode one of {', '.join(SERVE_MODES)}.")
         if plan[1] not in SERVE_MODES:
             raise OptionError("mode", plan[1], f"use one of {', '.join(SERVE_MODES)}.")
-        check_position_mode(positions, plan[1])
-    check_order(order, positions)
-    modes = [plan[1] for plan in plans]
-    check_recompute(recompute, "blend" if "blend" in modes else modes[0])
-    check_schedule(blend_schedule, "blend" if "blend" in modes else modes[0])
+    options.check_serving([plan[1] for plan in plans])
     check_max_new_tokens(max_new_tokens)
     cands = list(candidates or [])
     if any(not isinstance(c, str) or not c.strip() for c in cands) or len(set(cands)) != len(cands):
@@ -129,41 +109,6 @@ def question_ids(
     return q
 
 
-def query_plan(
-    select,
-    mode: str,
-    *,
-    positions: str,
-    order: str,
-    k: int | None,
-    shaping: Mapping[str, Any],
-    recompute: float | None,
-    blend_schedule: str | None,
-    default_selector: Any,
-) -> dict[str, Any]:
-    """The plan one answer was served by, as plain values (``MemoryAnswer.plan``; the HTTP, chat and MCP answers
-    carry it): ``select`` (None: the selector's choice; ``"view"``, ``"all"`` or the listed ids), ``mode``,
-    ``positions`` (resolved: never None), ``order``; for a selector's choice also ``selector`` (its name),
-    ``k``, ``budget``, ``budget_rows``, ``neighbours``, ``with_headers``; for ``blend`` ``recompute`` and
-    ``blend_schedule`` (resolved to their defaults)."""
-    plan: dict[str, Any] = {
-        "select": list(select) if isinstance(select, (list, tuple)) else select,
-        "mode": mode,
-        "positions": positions,
-        "order": order,
-    }
-    if select is None:
-        chosen = shaping.get("selector") or default_selector
-        plan["selector"] = chosen if isinstance(chosen, str) else getattr(chosen, "name", type(chosen).__name__)
-        plan["k"] = k
-        for key in ("budget", "budget_rows", "neighbours", "with_headers"):
-            plan[key] = shaping.get(key)
-    if mode == "blend":
-        plan["recompute"] = check_recompute(recompute)
-        plan["blend_schedule"] = check_schedule(blend_schedule)
-    return plan
-
-
 @dataclass
 class PreparedQuery:
     """One question on one memory, served and ready to be read out: phase one of a query
@@ -182,7 +127,8 @@ class PreparedQuery:
         version: the memory's version when it was served (``EventMemory.version``).
         decoding: how its answers are decoded (:class:`eventkv.kv.decoding.Decoding`: sampling, stop strings,
             a step callback; None: greedy).
-        plans: per plan, the plan it was served by (:func:`query_plan`); empty when not given.
+        plans: per plan, the plan it was served by (:meth:`eventkv.memory.query.QueryOptions.plan`); empty when
+            not given.
     """
 
     served: list[ServedCache]
@@ -240,7 +186,8 @@ def prepare(
             :data:`eventkv.kv.blend.BlendSchedule`).
         decoding: how every plan's answer is decoded (:class:`eventkv.kv.decoding.Decoding`; None: greedy).
         version: the memory's version, kept in the prepared query.
-        plans: per plan, the plan it was served by (:func:`query_plan`), kept for the answers.
+        plans: per plan, the plan it was served by (:meth:`eventkv.memory.query.QueryOptions.plan`), kept for
+            the answers.
     """
     caches, timings = [], []
     seqs = list(sequences) if sequences is not None else [None] * len(served_ids)

@@ -18,7 +18,8 @@ One parameter takes less over HTTP: ``selector=`` of ``select``, ``search`` and 
 only on the client (a :class:`eventkv.memory.select.Selector` object does not travel).
 
 Beyond the protocol, the library has ``directory``, ``namespace`` (the store's tenant),
-``query_batch``, ``prepare_query`` (a query's first phase, for batched readouts) and ``event_log``;
+``query_batch``, a typed query's ``ask``, ``prepare_query`` and ``finish_query`` (the phases a batched
+readout runs apart: :class:`eventkv.memory.query.MemoryQuery`), ``selection`` and ``event_log``;
 the client has ``destroy``, ``memory_id`` and ``namespace`` (the request scope). Creating and
 opening differ too (a directory and a model, or a URL).
 """

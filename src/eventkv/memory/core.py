@@ -6,6 +6,7 @@ which every write goes all or nothing (a new segment fsynced before the transact
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Self, Sequence, cast
@@ -17,8 +18,9 @@ from eventkv.kv.log import HEADER_ID, Event, TokenizedLog, encode
 from eventkv.kv.model import model_device
 from eventkv.kv.rows import EventKV
 from eventkv.kv.windowed import PrefillWindow, check_window, windowed_prefill
+from eventkv.memory.api import SelectSpec
 from eventkv.memory.integrity import damaged
-from eventkv.memory.records import Added, MemoryEvent, MemoryRecord
+from eventkv.memory.records import Added, MemoryEvent, MemoryRecord, MemoryStats
 from eventkv.memory.rows import RowCache, tail
 from eventkv.memory.select import SelectionContext, Selector, available, selector_for
 from eventkv.memory.sql import EventRow, Writes
@@ -397,3 +399,60 @@ class MemoryCore:
         if ekv is None:
             raise EventKVError("the memory has no stored events: add some before selecting by rows.")
         return ekv
+
+    # ================================================================== reads
+    def get(self, event_id: str) -> MemoryRecord:
+        """The stored record of one event (a forgotten event: its marker, ``text=None``).
+
+        Raises:
+            EventKVError: unknown id.
+        """
+        self._check_open()
+        return self._lookup(event_id)
+
+    def history(self, event_id: str) -> list[MemoryRecord]:
+        """The event and its patches (deleted ones included, flagged), oldest first. Given a patch's
+        id, the history of the event it supersedes.
+
+        Raises:
+            EventKVError: unknown id.
+        """
+        self._check_open()
+        return self._table.history(event_id)
+
+    def list(self, include_superseded: bool = False, include_deleted: bool = False) -> list[MemoryRecord]:
+        """Records in history order. Default: the view (:meth:`view_ids`): live events, each superseded
+        one replaced by its latest patch. ``include_superseded``: also superseded events and older
+        patches; ``include_deleted``: also tombstoned ones (and the patches of a deleted event).
+        Forgotten markers are never listed (see :meth:`get`)."""
+        self._check_open()
+        return self._table.list(include_superseded, include_deleted)
+
+    def view_ids(self) -> builtins.list[str]:
+        """The default served set, in history order: live events (not deleted or forgotten), each
+        superseded event replaced by its latest live patch; pinned events are live events, so included."""
+        self._check_open()
+        return self._table.view_ids()
+
+    def stats(self) -> MemoryStats:
+        """Counts and sizes (see :class:`MemoryStats`); ``bytes_on_disk`` sums every file of the store."""
+        self._check_open()
+        return self._table.stats(
+            rows_prefilled=self._rows.n_rows,
+            segments=len(self.store.segment_rows()),
+            bytes_on_disk=self.store.bytes_on_disk(),
+            version=self.store.version,
+        )
+
+    def event_log(self, select: SelectSpec = "all"):
+        """The stored events as an :class:`eventkv.kv.log.EventLog` (header instruction included), e.g. for
+        a fresh prefill to compare against. ``select``: ``"all"`` (stored history) or ``"view"``."""
+        from eventkv.kv.log import EventLog
+
+        self._check_open()
+        recs = self._stored() if select == "all" else [cur for _, cur in self._units()]
+        return EventLog(
+            # stored and live events alike have their text (only a forgotten one has none)
+            [Event(r.id, cast(str, r.text), r.role, r.budget) for r in recs],
+            instruction=self.store.manifest["instruction"],
+        )

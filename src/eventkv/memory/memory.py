@@ -34,12 +34,12 @@ from __future__ import annotations
 import builtins
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Mapping, Sequence, cast
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, cast
 
 from eventkv.errors import EventKVError, OptionError
 from eventkv.kv.blend import BlendSchedule
 from eventkv.kv.decoding import Decoding
-from eventkv.kv.log import Event, encode, header_text
+from eventkv.kv.log import encode, header_text
 from eventkv.kv.model import check_context
 from eventkv.kv.serve import PositionMode, ServeMode, ServeOrder, default_positions
 from eventkv.kv.windowed import PrefillWindow, check_window
@@ -47,33 +47,22 @@ from eventkv.memory.answer import (
     PreparedQuery,
     answer_prepared,
     check_query,
-    check_question,
     prepare,
-    query_plan,
     question_ids,
     served_end,
 )
 from eventkv.memory.api import MemoryAPI, SelectSpec
+from eventkv.memory.query import MemoryQuery, Plan, QueryOptions, Selection, check_question
 from eventkv.memory.records import (
     Added,
     Hit,
     MemoryAnswer,
     MemoryEvent,
-    MemoryRecord,
-    MemoryStats,
     shows,
 )
 from eventkv.memory.select import (
-    HEADER_TAG,
-    Ranked,
     Selector,
-    available,
-    check_shaping,
-    fraction_of,
-    group_headers,
-    relevance_order,
     selector_for,
-    shape_units,
 )
 from eventkv.memory.store import SCHEMA_VERSION, Store, check_identity, model_identity
 from eventkv.memory.upkeep import MemoryUpkeep
@@ -304,51 +293,13 @@ class EventMemory(MemoryUpkeep):
         self._check_open()
         self._pin([event_id], pinned)
 
-    # ================================================================== reads
-    def get(self, event_id: str) -> MemoryRecord:
-        """The stored record of one event (a forgotten event: its marker, ``text=None``).
-
-        Raises:
-            EventKVError: unknown id.
-        """
-        self._check_open()
-        return self._lookup(event_id)
-
-    def history(self, event_id: str) -> list[MemoryRecord]:
-        """The event and its patches (deleted ones included, flagged), oldest first. Given a patch's
-        id, the history of the event it supersedes.
-
-        Raises:
-            EventKVError: unknown id.
-        """
-        self._check_open()
-        return self._table.history(event_id)
-
-    def list(self, include_superseded: bool = False, include_deleted: bool = False) -> list[MemoryRecord]:
-        """Records in history order. Default: the view (:meth:`view_ids`): live events, each superseded
-        one replaced by its latest patch. ``include_superseded``: also superseded events and older
-        patches; ``include_deleted``: also tombstoned ones (and the patches of a deleted event).
-        Forgotten markers are never listed (see :meth:`get`)."""
-        self._check_open()
-        return self._table.list(include_superseded, include_deleted)
-
-    def view_ids(self) -> builtins.list[str]:
-        """The default served set, in history order: live events (not deleted or forgotten), each
-        superseded event replaced by its latest live patch; pinned events are live events, so included."""
-        self._check_open()
-        return self._table.view_ids()
-
-    def stats(self) -> MemoryStats:
-        """Counts and sizes (see :class:`MemoryStats`); ``bytes_on_disk`` sums every file of the store."""
-        self._check_open()
-        return self._table.stats(
-            rows_prefilled=self._rows.n_rows,
-            segments=len(self.store.segment_rows()),
-            bytes_on_disk=self.store.bytes_on_disk(),
-            version=self.store.version,
-        )
-
     # ================================================================== selection and answers
+    def selection(self) -> Selection:
+        """What chooses served sets over the current view (:class:`eventkv.memory.query.Selection`), with the
+        memory's selector and a :class:`eventkv.memory.select.SelectionContext` built on demand."""
+        self._check_open()
+        return Selection(self._table, self.selector, self._selection_context)
+
     def select(
         self,
         question: str,
@@ -360,39 +311,32 @@ class EventMemory(MemoryUpkeep):
         neighbours: int = 0,
         with_headers: bool = False,
     ) -> builtins.list[str]:
-        """The served set for a question (``docs/memory.md``, "Selection and shaping"): the view's
-        events ranked by a selector (a patched event is ranked and served as its latest patch), the
-        best ``k`` served each as one unit with its neighbours and group headers, within a row budget,
-        every pinned event included; in history order. The header is always served by
-        :func:`eventkv.kv.serve.serve` besides. The fill is :func:`eventkv.memory.select.shape`.
+        """The served set for a question (``docs/memory.md``, "Selection and shaping"): the view's events
+        ranked by a selector (a patched event ranked and served as its latest patch), the best ``k`` served
+        each as one unit with its neighbours and group headers, within a row budget, every pinned event
+        included; in history order. The header is always served by :func:`eventkv.kv.serve.serve` besides.
 
         Args:
-            k: at most this many ranked events are chosen (a pinned one ranked among them counts);
-                None: as many as the budget holds (needs ``budget_rows`` or ``budget``).
-            budget_rows: rows (tokens, header excluded) the served events may take in all, their
-                neighbours, headers and the pinned events included; never exceeded.
-            selector: what ranks the events for this call, a :class:`eventkv.memory.select.Selector`
-                or a registered name (:data:`eventkv.options.SELECTORS`); None: the memory's own
-                (:attr:`selector`, from :meth:`create` / :meth:`open`).
-            budget: the budget as a fraction in (0, 1] of the view's rows (the rows of
-                :meth:`view_ids`' events, header excluded): ``floor(budget * rows)`` rows, at least 1
-                (the fraction as written: 0.29 of 100 rows is 29). Not with ``budget_rows``.
-            neighbours: w >= 0: the events ``+-w`` around each chosen event in the view (history
-                order) are served with it.
-            with_headers: serve the group header of every served event: an event tagged ``"header"``
-                (``MemoryEvent(tags=("header",))``) heads the events after it until the next header.
+            k, budget_rows, selector, budget, neighbours, with_headers: the shaping options, as
+                :class:`eventkv.memory.query.QueryOptions` documents them (``selector`` None: :attr:`selector`).
 
         Returns:
             event ids (empty when the memory has no live events, or no event fits the budget).
 
         Raises:
-            OptionError: ``k`` not a whole number >= 1 (or None without a budget); ``budget_rows`` not
-                a whole number >= 1; ``budget`` not in (0, 1]; both budgets; ``neighbours`` not a whole
-                number >= 0; ``with_headers`` not a bool; an unknown selector; a blank question.
+            OptionError: a bad shaping option (:meth:`QueryOptions.check_shaping`), an unknown selector, a
+                blank question.
             EventKVError: the pinned events alone need more rows than the budget.
         """
-        units, _, kept, _ = self._choose(question, k, budget_rows, selector, budget, neighbours, with_headers)
-        return [units[i][1].id for i in kept]
+        options = QueryOptions(
+            k=k,
+            budget_rows=budget_rows,
+            selector=selector,
+            budget=budget,
+            neighbours=neighbours,
+            with_headers=with_headers,
+        )
+        return self.selection().select(question, options)
 
     def search(
         self,
@@ -405,140 +349,30 @@ class EventMemory(MemoryUpkeep):
         neighbours: int = 0,
         with_headers: bool = False,
     ) -> builtins.list[Hit]:
-        """The events :meth:`select` would serve for ``query``, ranked, with their texts and scores:
-        the search verb of an agent that composes its own prompt from the events (mem0's ``search``).
+        """The events :meth:`select` would serve for ``query``, ranked, with their texts and scores: the
+        search verb of an agent that composes its own prompt from the events (mem0's ``search``).
 
-        The same served set as ``select(query, k, budget_rows, ...)`` (the same shaping: pins,
-        neighbours, group headers, a row budget), each event once, ordered by its rank in the
-        selector's ranking of the whole view (best first: the score never increases down the list;
-        an event served only as a neighbour, a header or a pin comes at its own rank). Every view
-        event is ranked (the selector is called with ``k=None``), so each hit has its score.
-
-        Args:
-            query: the question or search text (not blank).
-            k, budget_rows, selector, budget, neighbours, with_headers: as :meth:`select`.
+        The same served set as ``select(query, k, budget_rows, ...)``, each event once, ordered by its rank in
+        the selector's ranking of the whole view (best first; an event served only as a neighbour, a header
+        or a pin comes at its own rank). Every view event is ranked, so each hit has its score.
 
         Returns:
-            :class:`eventkv.memory.records.Hit` per served event (id, text, score, rank, role, tags,
-            pinned), best first; empty when the memory has no live events or none fits the budget.
+            :class:`eventkv.memory.records.Hit` per served event (id, text, score, rank, role, tags, pinned),
+            best first; empty when the memory has no live events or none fits the budget.
 
         Raises:
-            OptionError, EventKVError: as :meth:`select`; EventKVError when the selector leaves a served
-                event out of its ranking (a :class:`eventkv.memory.select.Selector` ranks every event
-                when ``k`` is None).
+            OptionError, EventKVError: as :meth:`select`; EventKVError when the selector leaves a served event
+                out of its ranking.
         """
-        units, ranking, kept, _ = self._choose(query, k, budget_rows, selector, budget, neighbours, with_headers, True)
-        place = {r.id: (n, r.score) for n, r in enumerate(ranking, start=1)}
-        hits = []
-        for root, cur in (units[i] for i in kept):
-            if cur.id not in place:
-                raise EventKVError(
-                    f"the selector left event {cur.id!r} out of its ranking: a selector ranks every event "
-                    "when k is None (eventkv.memory.select.Selector)."
-                )
-            n, score = place[cur.id]
-            hits.append(Hit(cur.id, cast(str, cur.text), float(score), n, cur.role, cur.tags, root.pinned))
-        return sorted(hits, key=lambda h: h.rank)
-
-    def _choose(
-        self,
-        question: str,
-        k: int | None,
-        budget_rows: int | None,
-        selector: Selector | str | None,
-        budget: float | None,
-        neighbours: int,
-        with_headers: bool,
-        rank_all: bool = False,
-    ) -> tuple[
-        builtins.list[tuple[MemoryRecord, MemoryRecord]],
-        builtins.list[Ranked],
-        builtins.list[int],
-        builtins.list[tuple[int, builtins.list[int]]],
-    ]:
-        """The view as ``(root, served record)`` units, the selector's ranking of their served records
-        (``rank_all``: every one, else the top ``k`` when no budget may skip units), the indices of
-        the units served (:func:`eventkv.memory.select.shape`), ascending, and the same indices as the
-        shaping units that served them (:func:`eventkv.memory.select.shape_units`). Checks as :meth:`select`."""
-        self._check_open()
-        chosen = self.selector if selector is None else selector_for(selector)
-        check_shaping(k, budget_rows, budget, neighbours, with_headers)
-        check_question(question)
-        units = self._units()
-        if not units:
-            return [], [], [], []
-        served = [cur for _, cur in units]
-        rows = [r.n_rows for r in served]
-        index = {r.id: i for i, r in enumerate(served)}
-        # a budget may skip units: rank every event
-        ask = k if budget_rows is None and budget is None and not rank_all else None
-        with available(getattr(chosen, "name", type(chosen).__name__)):  # a missing library or model: refused
-            ranking = chosen.rank(question, served, k=ask, context=self._selection_context())
-        if budget is not None:
-            budget_rows = fraction_of(budget, sum(rows))
-        taken = shape_units(
-            [index[r.id] for r in ranking],
-            rows,
+        options = QueryOptions(
             k=k,
-            budget=budget_rows,
-            pinned=[i for i, (root, _) in enumerate(units) if root.pinned],
+            budget_rows=budget_rows,
+            selector=selector,
+            budget=budget,
             neighbours=neighbours,
-            headers=group_headers([HEADER_TAG in r.tags for r in served]) if with_headers else None,
+            with_headers=with_headers,
         )
-        return units, ranking, sorted({j for _, members in taken for j in members}), taken
-
-    # ------------------------------------------------------------------ sentence embeddings (eventkv.memory.dense)
-
-    def _served_ids(self, question: str, select: SelectSpec, k: int | None, shaping: dict) -> builtins.list[str]:
-        """The ids a plan serves; ``shaping``: :meth:`select`'s keywords (budget_rows, selector, budget,
-        neighbours, with_headers), used when ``select`` is None."""
-        if select is None:
-            return self.select(question, k, **shaping)
-        if isinstance(select, str):
-            if select == "all":
-                return [r.id for r in self._stored()]
-            if select == "view":
-                return self.view_ids()
-            raise OptionError("select", select, "give None (BM25 selection), 'all', 'view', or a list of event ids.")
-        ids, out = list(select), []
-        for i in ids:
-            if not isinstance(i, str):
-                raise OptionError("select", ids, "give event ids as strings.")
-            rec = self._lookup(i)
-            if rec.forgotten:
-                raise EventKVError(
-                    f"event {i!r} is forgotten: it has no rows to serve; leave it out of the served set."
-                )
-            out.append(rec.id)  # the stored spelling (an NFD id given for an NFC one)
-        return out
-
-    def _served_in_order(
-        self, question: str, select: SelectSpec, k: int | None, shaping: dict, order: ServeOrder
-    ) -> tuple[builtins.list[str], builtins.list[str] | None]:
-        """The ids a plan serves (:meth:`_served_ids`) and, under ``order="relevance"``, the same ids in the
-        order their rows are served (:func:`eventkv.memory.select.relevance_order`: the shaping units in
-        increasing rank under the selector's ranking of the view, the best-ranked last); None under ``"log"``.
-        An explicitly listed event is a unit of its own; one outside the view (a replaced or deleted event,
-        which the selector does not rank) goes first."""
-        if order == "log":
-            return self._served_ids(question, select, k, shaping), None
-        if select is None:
-            units, ranking, kept, taken = self._choose(question, k, **shaping, rank_all=True)
-            where = {cur.id: i for i, (_, cur) in enumerate(units)}
-            rank = {where[r.id]: n for n, r in enumerate(ranking) if r.id in where}
-            return [units[i][1].id for i in kept], [units[i][1].id for i in relevance_order(taken, rank)]
-        ids = self._served_ids(question, select, k, shaping)
-        chosen = self.selector if shaping["selector"] is None else selector_for(shaping["selector"])
-        view = [cur for _, cur in self._units()]
-        ranking = []
-        if view:
-            with available(getattr(chosen, "name", type(chosen).__name__)):
-                ranking = chosen.rank(question, view, k=None, context=self._selection_context())
-        seq = {r.id: r.seq for r in self._recs}
-        logged = sorted(dict.fromkeys(ids), key=lambda i: seq[i])  # history order, each once (as served)
-        place = {i: n for n, i in enumerate(logged)}
-        rank = {place[r.id]: n for n, r in enumerate(ranking) if r.id in place}
-        return ids, [logged[i] for i in relevance_order([(n, [n]) for n in range(len(logged))], rank)]
+        return self.selection().search(query, options)
 
     def query(
         self,
@@ -549,247 +383,131 @@ class EventMemory(MemoryUpkeep):
         candidates: Sequence[str] | None = None,
         max_new_tokens: int = 32,
         *,
-        # selection: passed to select() when select is None
         budget_rows: int | None = None,
         selector: Selector | str | None = None,
         budget: float | None = None,
         neighbours: int = 0,
         with_headers: bool = False,
-        # readout
         keep_logits: bool = False,
-        # serving positions and the served rows' order under contiguous positions
         positions: PositionMode | None = None,
         order: ServeOrder = "log",
-        # selective recompute (mode "blend")
         recompute: float | None = None,
         blend_schedule: BlendSchedule | None = None,
-        # a conversation read in place of the question, and how the answer is decoded
         messages: Sequence[Mapping] | None = None,
         decoding: Decoding | None = None,
     ) -> MemoryAnswer:
-        """Answer a question from served rows (Study 1, "Setting": sparse serving, then a readout).
+        """Answer a question from the served rows (Study 1, "Setting": sparse serving, then a readout).
 
-        Pending events are prefilled first (lazy prefill) and their segment committed; when the
-        store's filesystem is full the query is answered from the rows computed in memory, which
-        are not kept (the events stay pending; the next query or :meth:`prefill` tries again), so a
-        full disk never fails a read. By default the served events' rows are re-rotated to the
-        positions right after the header and the question follows them (``positions``, below;
-        ``"original"`` keeps the rows where they were computed); the answer is the
-        greedy continuation (:func:`eventkv.kv.readout.read_out`), and each candidate's full
-        continuation is scored (nats) when candidates are given.
+        The served set's rows are served next to the header (:func:`eventkv.kv.serve.serve`, lazily
+        prefilling pending events first) and the question is read after them; the answer is the greedy
+        continuation (:func:`eventkv.kv.readout.read_out`), and each candidate's full continuation is scored
+        (nats) when candidates are given. One :class:`eventkv.memory.query.MemoryQuery` answered by :meth:`ask`.
 
         Args:
-            select: None = :meth:`select` (BM25 top-``k`` + patches + pins); ``"view"`` = :meth:`view_ids`;
-                ``"all"`` = every stored event, deleted ones included (their rows are part of the stored
-                history): with ``mode="compact"`` this equals a fresh prefill of header + events; or a list of ids.
+            select: None = :meth:`select`'s choice; ``"view"`` = :meth:`view_ids`; ``"all"`` = every stored
+                event, deleted ones included (with ``mode="compact"`` this equals a fresh prefill of header +
+                events); or a list of ids.
             mode: ``compact`` | ``native`` | ``isolated`` | ``text`` | ``blend`` (:mod:`eventkv.kv.serve`).
-                ``isolated`` encodes each served event alone once and keeps that encoding while the memory
-                is open (at most one copy of each event's rows), as a chunked-encoding store would.
-                ``blend`` re-prefills the ``recompute`` fraction of the served tokens whose rows deviate
+                ``isolated`` encodes each served event alone once and keeps that encoding while the memory is
+                open; ``blend`` re-prefills the ``recompute`` fraction of the served tokens whose rows deviate
                 most once the served events see only each other (:mod:`eventkv.kv.blend`, CacheBlend).
-            budget_rows, selector, budget, neighbours, with_headers: the served set's shaping, passed
-                to :meth:`select` when ``select`` is None (ignored otherwise).
-            keep_logits: keep each generated step's logits ``[vocab]`` (float32) in ``generation.logits``.
-            positions: ``"contiguous"``: the header at its positions, the served rows re-rotated to the positions
-                right after it (RoPE re-rotation, :mod:`eventkv.kv.rope`) and the question right after them, so the
-                question's context check counts the served rows, not the history (histories past the model's
-                context are answered); or ``"original"``: the served rows at the positions they were computed at,
-                the question after the whole history (the studies' protocol). None (default):
-                :func:`eventkv.kv.serve.default_positions`, contiguous unless a plan is ``native`` or the model's
-                RoPE cannot be re-rotated exactly; ``MemoryAnswer.plan`` records the one used. Contiguous is for
-                ``compact``, ``isolated``, ``blend`` and ``text`` (already contiguous); ``native`` refuses it.
-                ``MemoryAnswer.positions`` reports each event's first served position and its rows.
-            order: ``"log"`` (default: the served rows in history order) or ``"relevance"`` (with
-                ``positions="contiguous"`` only): the served events in increasing selector score, so the most
-                relevant one is the last before the question, where a long-context reader uses it best (Liu et
-                al. 2023, "Lost in the Middle", arXiv 2307.03172, sections 2-3). Each shaping unit (an event with
-                its neighbours and group headers) stays one block in history order, placed at its event's rank;
-                a pin sits at its own rank; ties follow the selector's ranking (history order for BM25); an
-                event the selector does not rank (a replaced or deleted event listed explicitly) goes first
-                (:func:`eventkv.memory.select.relevance_order`). The rows are re-rotated to their new positions;
-                their contents stay those of the prefill. ``served_ids`` and ``positions`` list the events in
-                the order served. Opt-in; not measured on LoCoMo yet.
-            recompute: mode ``blend`` only: the fraction of served event tokens recomputed, in [0, 1];
-                None = 0.15 (:data:`eventkv.kv.blend.DEFAULT_RECOMPUTE`).
-            blend_schedule: mode ``blend`` only: which tokens are recomputed on which layer, ``once`` (None: the
-                default), ``layerwise`` (CacheBlend's gradual filtering) or ``epic`` (the first tokens of each
-                served event) (:data:`eventkv.kv.blend.BlendSchedule`).
-            messages: a chat conversation read after the served rows in place of the question
-                (:func:`eventkv.memory.chat.chat_tail_ids`: the model's chat template continues the
-                header's user turn; one user message ``q`` reads exactly as ``question=q``). The
-                ``question`` still selects the served events: give the last user message's text.
-            decoding: how the answer is decoded (:class:`eventkv.kv.decoding.Decoding`: seeded sampling,
-                stop strings, a per-step text callback); None: greedy.
+            k, budget_rows, selector, budget, neighbours, with_headers, positions, order, recompute,
+                blend_schedule: :class:`eventkv.memory.query.QueryOptions` (the shaping applies when
+                ``select`` is None; ``positions`` None: contiguous where exact, recorded in the answer's plan).
+            candidates, max_new_tokens, keep_logits, messages, decoding: as
+                :class:`eventkv.memory.query.MemoryQuery` documents them.
 
         Returns:
-            :class:`MemoryAnswer` (text, generation, candidates, served ids, their positions, rows
-            served, tokens read after them, timings in ms).
+            :class:`MemoryAnswer` (text, generation, candidates, served ids, their positions, rows served,
+            tokens read after them, timings in ms, the plan it was served by).
 
         Raises:
-            OptionError: a blank question, unknown mode or select, ``max_new_tokens`` < 1 or past the
-                context, empty or repeated candidates, a bad shaping keyword (as :meth:`select`), an
-                unknown ``positions`` or ``"contiguous"`` with ``native``, an unknown ``order`` or
-                ``"relevance"`` without ``positions="contiguous"``, ``recompute`` outside [0, 1] or
-                with a mode other than ``blend``, an unknown ``blend_schedule`` or one with a mode other than
-                ``blend``.
-            EventKVError: an unknown or forgotten id, nothing to serve (an empty memory or selection, no
-                event within the budget), pinned events over the budget, history (served rows, under
-                ``"contiguous"``) + question beyond the model's context (a history longer than the context
-                is answered with ``positions="contiguous"``: the message says so), a rope type that cannot
-                be re-rotated (``"contiguous"``: :func:`eventkv.kv.rope.rerotate`).
+            OptionError: a blank question, unknown mode or select, ``max_new_tokens`` < 1 or past the context,
+                empty or repeated candidates, a bad shaping or serving option (:class:`QueryOptions`).
+            NotFound, Gone: an explicit id unknown, or forgotten. Conflict: nothing to serve (no live events).
+            EventKVError: no event within the budget, pinned events over the budget, history (served rows,
+                under ``"contiguous"``) + question beyond the model's context (the message names
+                ``positions="contiguous"`` where it answers), a rope type that cannot be re-rotated.
         """
-        return self.query_batch(
-            question,
-            [(select, mode)],
-            k=k,
-            candidates=candidates,
-            max_new_tokens=max_new_tokens,
-            budget_rows=budget_rows,
-            selector=selector,
-            budget=budget,
-            neighbours=neighbours,
-            with_headers=with_headers,
-            keep_logits=keep_logits,
-            positions=positions,
-            order=order,
-            recompute=recompute,
-            blend_schedule=blend_schedule,
-            messages=messages,
-            decoding=decoding,
-        )[0]
-
-    def query_batch(
-        self,
-        question: str,
-        plans: Sequence[tuple[SelectSpec, ServeMode]],
-        *,
-        k: int | None = 8,
-        candidates: Sequence[str] | None = None,
-        max_new_tokens: int = 32,
-        # selection: passed to select() for a plan whose select is None
-        budget_rows: int | None = None,
-        selector: Selector | str | None = None,
-        budget: float | None = None,
-        neighbours: int = 0,
-        with_headers: bool = False,
-        # readout
-        keep_logits: bool = False,
-        # serving positions and the served rows' order under contiguous positions
-        positions: PositionMode | None = None,
-        order: ServeOrder = "log",
-        # selective recompute (mode "blend")
-        recompute: float | None = None,
-        blend_schedule: BlendSchedule | None = None,
-        # a conversation read in place of the question, and how the answers are decoded
-        messages: Sequence[Mapping] | None = None,
-        decoding: Decoding | None = None,
-    ) -> builtins.list[MemoryAnswer]:
-        """Answer one question under several serving plans in one batched readout: e.g. the same
-        selection served as rows and re-prefilled as text, side by side. Each plan is a
-        ``(select, mode)`` pair as in :meth:`query`; the served caches are read out together
-        (:func:`eventkv.kv.readout.read_out`: left-padded, each row at its own positions), so the
-        answers equal separate :meth:`query` calls within float tolerance (tested: greedy tokens
-        equal, logits within 1e-4 in float32) while decoding costs about one batched pass instead of
-        one pass per plan — decode on a CPU reads the weights once per step whatever the batch size.
-
-        ``positions`` and ``order`` apply to every plan (as in :meth:`query`); under ``"contiguous"`` the
-        question's context check counts the largest plan's header and served rows.
-
-        Returns:
-            one :class:`MemoryAnswer` per plan, in order. ``timings_ms``: ``prefill`` (lazy prefill,
-            shared), ``serve`` (this plan's served cache), ``decode`` (the whole batch's readout, shared).
-            ``recompute`` applies to every ``blend`` plan (and is refused when no plan is ``blend``).
-
-        The keywords are :meth:`query`'s, shared by every plan (``decoding``: each plan samples from its
-        own generator, seeded alike).
-
-        Raises:
-            OptionError / EventKVError: as :meth:`query`, for any plan; no plan given; a ``decoding``
-                with a step callback and several plans (whose pieces would interleave).
-        """
-        prepared = self.prepare_query(
-            question,
-            plans,
-            k=k,
-            candidates=candidates,
-            max_new_tokens=max_new_tokens,
-            budget_rows=budget_rows,
-            selector=selector,
-            budget=budget,
-            neighbours=neighbours,
-            with_headers=with_headers,
-            keep_logits=keep_logits,
-            positions=positions,
-            order=order,
-            recompute=recompute,
-            blend_schedule=blend_schedule,
-            messages=messages,
-            decoding=decoding,
+        options = QueryOptions(
+            k,
+            budget_rows,
+            selector,
+            budget,
+            neighbours,
+            with_headers,
+            mode,
+            positions,
+            order,
+            recompute,
+            blend_schedule,
         )
-        return answer_prepared(self.lm, [prepared])[0]
+        q = MemoryQuery(question, None, select, options, candidates, max_new_tokens, keep_logits, messages, decoding)
+        return self.ask(q)[0]
 
-    def prepare_query(
-        self,
-        question: str,
-        plans: Sequence[tuple[SelectSpec, ServeMode]],
-        *,
-        k: int | None = 8,
-        candidates: Sequence[str] | None = None,
-        max_new_tokens: int = 32,
-        budget_rows: int | None = None,
-        selector: Selector | str | None = None,
-        budget: float | None = None,
-        neighbours: int = 0,
-        with_headers: bool = False,
-        keep_logits: bool = False,
-        positions: PositionMode | None = None,
-        order: ServeOrder = "log",
-        recompute: float | None = None,
-        blend_schedule: BlendSchedule | None = None,
-        messages: Sequence[Mapping] | None = None,
-        decoding: Decoding | None = None,
-    ) -> PreparedQuery:
-        """The first phase of :meth:`query_batch` (same arguments): the checks, the served ids of
-        every plan, the lazy prefill and the served caches, as a
-        :class:`eventkv.memory.answer.PreparedQuery` that holds no reference to this memory.
-        :func:`eventkv.memory.answer.answer_prepared` reads it out, alone or batched with the
-        prepared queries of other memories (what ``eventkv serve`` does with concurrent queries);
-        ``answer_prepared(lm, [mem.prepare_query(q, plans, ...)])[0]`` is ``mem.query_batch(q, plans, ...)``.
+    def query_batch(self, question: str, plans: Sequence[Plan], **keywords: Any) -> builtins.list[MemoryAnswer]:
+        """Answer one question under several serving plans in one batched readout: e.g. the same selection
+        served as rows and re-prefilled as text, side by side. Each plan is a ``(select, mode)`` pair as in
+        :meth:`query`, whose keywords (but ``select`` and ``mode``) apply to every plan; the served caches are
+        read out together (left-padded, each row at its own positions), so the answers equal separate
+        :meth:`query` calls within float tolerance (tested: greedy tokens equal, logits within 1e-4 in float32)
+        at about the cost of one pass (decode on a CPU reads the weights once per step whatever the batch).
+
+        Returns:
+            one :class:`MemoryAnswer` per plan, in order. ``timings_ms``: ``prefill`` (lazy prefill, shared),
+            ``serve`` (this plan's served cache), ``decode`` (the whole batch's readout, shared).
 
         Raises:
-            OptionError / EventKVError: as :meth:`query_batch`.
+            OptionError / EventKVError: as :meth:`query`, for any plan; no plan given; a ``decoding`` with a
+                step callback and several plans; a keyword :meth:`query` does not take (TypeError).
+        """
+        return self.ask(MemoryQuery.build(question, plans=plans, **keywords))
+
+    def ask(self, query: MemoryQuery) -> builtins.list[MemoryAnswer]:
+        """Answer ``query`` (:class:`eventkv.memory.query.MemoryQuery`): :meth:`prepare_query`, one batched
+        readout (:func:`eventkv.memory.answer.answer_prepared`), then :meth:`finish_query`.
+
+        Returns:
+            one :class:`MemoryAnswer` per plan. Raises: as :meth:`query`.
+        """
+        prepared = self.prepare_query(query)
+        answers = answer_prepared(self.lm, [prepared])[0]
+        self.finish_query(query, answers)
+        return answers
+
+    def prepare_query(self, query: MemoryQuery) -> PreparedQuery:
+        """The first phase of :meth:`ask`: the checks, the served ids of every plan, the lazy prefill and the
+        served caches, as a :class:`eventkv.memory.answer.PreparedQuery` that holds no reference to this memory.
+        :func:`eventkv.memory.answer.answer_prepared` reads it out, alone or batched with the prepared queries
+        of other memories (what ``eventkv serve`` does with concurrent queries).
+
+        Raises:
+            OptionError / EventKVError: as :meth:`query`.
         """
         self._check_open()
+        question, options = query.question, query.options
         check_question(question)
-        if positions is None:  # the plans are checked next, with the positions resolved
+        plans = query.plan_list()
+        if options.positions is None:  # the plans are checked next, with the positions resolved
             modes = [p[1] for p in plans if isinstance(p, tuple) and len(p) == 2]
-            positions = default_positions(self.lm.model, modes)
-        plans, cands = check_query(plans, max_new_tokens, candidates, positions, recompute, blend_schedule, order)
+            options = options.with_(positions=default_positions(self.lm.model, modes))
+        plans, cands = check_query(plans, query.max_new_tokens, query.candidates, options)
+        decoding = query.decoding
         if decoding is not None:
             decoding.check()
             if decoding.on_step is not None and len(plans) > 1:
                 raise OptionError("decoding", "a step callback", f"stream one plan at a time (got {len(plans)} plans).")
-        shaping = dict(
-            budget_rows=budget_rows, selector=selector, budget=budget, neighbours=neighbours, with_headers=with_headers
-        )
+        selection = Selection(self._table, self.selector, self._selection_context)
         served_ids, sequences = [], []
         for select, _ in plans:
-            ids, sequence = self._served_in_order(question, select, k, shaping, order)
-            sequences.append(sequence)
-            if not ids:
-                raise EventKVError(
-                    "nothing to serve: the memory has no live events; add some first"
-                    if not self._units()
-                    else f"the served set is empty (select={select!r}): no event fits the budget "
-                    f"(budget_rows={budget_rows!r}, budget={budget!r}): give a larger one"
-                    if select is None
-                    else f"the served set is empty (select={select!r}): give event ids, 'view' or 'all'."
-                )
+            ids, sequence = selection.served(question, select, options)
             served_ids.append(ids)
+            sequences.append(sequence)
         records = {r.id: r for r in self._recs}
-        where = "contiguous" if all(mode == "text" for _, mode in plans) else positions  # text re-prefills contiguously
+        positions = cast(PositionMode, options.positions)  # resolved above
+        where = "contiguous" if all(mode == "text" for _, mode in plans) else positions  # text: contiguous
         end = self._history_end() if where == "original" else served_end(len(self.header_ids), records, served_ids)
-        q = question_ids(self.lm, question, end, max_new_tokens, where, messages)
+        q = question_ids(self.lm, question, end, query.max_new_tokens, where, query.messages)
         t0 = time.perf_counter()
         ekv = self._lazy_prefill()
         prefill_ms = 1e3 * (time.perf_counter() - t0)
@@ -803,43 +521,32 @@ class EventMemory(MemoryUpkeep):
             records=records,
             isolated=self._rows.isolated,
             prefill_ms=prefill_ms,
-            max_new_tokens=max_new_tokens,
+            max_new_tokens=query.max_new_tokens,
             candidates=cands,
-            keep_logits=keep_logits,
+            keep_logits=query.keep_logits,
             positions=positions,
             sequences=sequences,
-            recompute=recompute,
-            blend_schedule=blend_schedule,
+            recompute=options.recompute,
+            blend_schedule=options.blend_schedule,
             decoding=decoding,
             version=self.store.version,
-            plans=[
-                query_plan(
-                    select,
-                    mode,
-                    positions=positions,
-                    order=order,
-                    k=k,
-                    shaping=shaping,
-                    recompute=recompute,
-                    blend_schedule=blend_schedule,
-                    default_selector=self.selector,
-                )
-                for select, mode in plans
-            ],
+            plans=[options.plan(select, mode, self.selector) for select, mode in plans],
         )
 
-    def event_log(self, select: SelectSpec = "all"):
-        """The stored events as an :class:`eventkv.kv.log.EventLog` (header instruction included), e.g. for
-        a fresh prefill to compare against. ``select``: ``"all"`` (stored history) or ``"view"``."""
-        from eventkv.kv.log import EventLog
+    def finish_query(self, query: MemoryQuery, answers: Sequence[MemoryAnswer]) -> builtins.list[str]:
+        """The last phase of :meth:`ask`, after the readout: with ``query.remember``, store the question (role
+        ``user``) and the first answer (role ``assistant``, unless blank) as events in one add (both or
+        neither). Returns the ids stored (empty without ``remember``).
 
-        self._check_open()
-        recs = self._stored() if select == "all" else [cur for _, cur in self._units()]
-        return EventLog(
-            # stored and live events alike have their text (only a forgotten one has none)
-            [Event(r.id, cast(str, r.text), r.role, r.budget) for r in recs],
-            instruction=self.store.manifest["instruction"],
-        )
+        Raises:
+            OutOfSpace: the filesystem is full: nothing was stored (as :meth:`add`).
+        """
+        if not query.remember:
+            return []
+        turns = [MemoryEvent(query.question, role="user")]
+        if answers and answers[0].text.strip():
+            turns.append(MemoryEvent(answers[0].text, role="assistant"))
+        return [a.id for a in self.add(turns)]
 
 
 if TYPE_CHECKING:  # mypy checks EventMemory against the protocol it implements

@@ -10,7 +10,7 @@ import sqlite3
 from pathlib import Path
 from typing import Sequence
 
-from eventkv.errors import EventKVError
+from eventkv.errors import NotFound
 from eventkv.memory.integrity import check_event_row, check_layout
 from eventkv.memory.records import MemoryRecord, MemoryStats, canonical_event_id
 
@@ -92,7 +92,7 @@ class EventTable:
         of one id finds it.
 
         Raises:
-            EventKVError: unknown id (the message lists some known ids).
+            NotFound: unknown id (the message lists some known ids).
             OptionError: an id no event can have (invisible or look-alike characters, or an id that
                 looks like nothing: see :func:`eventkv.memory.records.canonical_event_id`).
         """
@@ -103,7 +103,7 @@ class EventTable:
             return rec
         known = [r.id for r in self.records if not r.forgotten]
         shown = ", ".join(known[:8]) + (" ..." if len(known) > 8 else "") if known else "none"
-        raise EventKVError(f"unknown event id {event_id!r}: this memory's events are {shown} (see list()).")
+        raise NotFound(f"unknown event id {event_id!r}: this memory's events are {shown} (see list()).")
 
     def root(self, rec: MemoryRecord) -> MemoryRecord:
         """The event a patch supersedes; any other record itself."""
@@ -135,7 +135,7 @@ class EventTable:
         """The event and its patches, oldest first (see :meth:`eventkv.memory.EventMemory.history`).
 
         Raises:
-            EventKVError: unknown id.
+            NotFound: unknown id.
         """
         root = self.root(self.lookup(event_id))
         return [root] + [r for r in self.records if r.kind == "patch" and r.supersedes == root.id and not r.forgotten]

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
+from eventkv.memory.query import MemoryQuery, QueryOptions
 from eventkv.memory.records import Added, Hit, MemoryAnswer, MemoryRecord, MemoryStats
 from eventkv.options import CARRIER_KINDS, SELECTORS
 from eventkv.wire import MAX_NAME, NAME_PATTERN
@@ -128,15 +129,18 @@ class Shaping(_Body):
     neighbours: Neighbours = Field(0, description="events served on each side of every chosen one")
     with_headers: bool = Field(False, description="serve the group header (tag 'header') of every served event")
 
-    def shaping(self) -> dict:
-        """The keywords ``select`` takes besides ``k``."""
-        return {
-            "budget_rows": self.budget_rows,
-            "selector": self.selector,
-            "budget": self.budget,
-            "neighbours": self.neighbours,
-            "with_headers": self.with_headers,
-        }
+    def options(self, **serving: Any) -> QueryOptions:
+        """The body's shaping, with ``serving`` (mode, positions, order, ...), as the memory's one options
+        type (:class:`eventkv.memory.query.QueryOptions`)."""
+        return QueryOptions(
+            k=self.k,
+            budget_rows=self.budget_rows,
+            selector=self.selector,
+            budget=self.budget,
+            neighbours=self.neighbours,
+            with_headers=self.with_headers,
+            **serving,
+        )
 
 
 class SelectIn(Shaping):
@@ -171,6 +175,23 @@ class QueryIn(Shaping):
         description="mode 'blend': which tokens are recomputed on which layer: once (None: the default), layerwise "
         "(CacheBlend's gradual filtering) or epic (the first tokens of each served event)",
     )
+
+    def query(self) -> MemoryQuery:
+        """The body as the memory's query (:class:`eventkv.memory.query.MemoryQuery`)."""
+        serving = dict(
+            mode=self.mode,
+            positions=self.positions,
+            order=self.order,
+            recompute=self.recompute,
+            blend_schedule=self.blend_schedule,
+        )
+        return MemoryQuery(
+            self.question,
+            select=self.select,
+            options=self.options(**serving),
+            candidates=self.candidates,
+            max_new_tokens=self.max_new_tokens,
+        )
 
 
 # ---------------------------------------------------------------------- responses

@@ -20,23 +20,14 @@ from typing import Annotated, Any, Callable
 from fastapi import Depends, Header, Request
 from fastapi import Path as PathParam
 
-from eventkv.errors import EventKVError, StoreDamaged
+from eventkv.errors import Conflict, EventKVError, Gone, NotFound, StoreDamaged
+from eventkv.memory.query import MemoryQuery
 from eventkv.memory.reader import read_memory
 from eventkv.service import schemas
 from eventkv.service.errors import ClientGone, scrub
 from eventkv.service.metrics import Metrics
-from eventkv.service.worker import MemoryQuery, ModelWorker
-from eventkv.wire import (
-    DEFAULT_NAMESPACE,
-    MAX_NAME,
-    NAME_PATTERN,
-    NAMESPACE_HEADER,
-    Conflict,
-    Forbidden,
-    Gone,
-    NotFound,
-    check_name,
-)
+from eventkv.service.worker import Answered, ModelWorker, QueryJob
+from eventkv.wire import DEFAULT_NAMESPACE, MAX_NAME, NAME_PATTERN, NAMESPACE_HEADER, Forbidden, check_name
 
 CONTRACTS = ".contracts"
 
@@ -179,7 +170,7 @@ async def disconnected(request: Request) -> None:
 class Jobs:
     """One request's way onto the model worker: :meth:`run` a job there, :meth:`on_memory` a verb
     on an open memory after its version and event checks, or :meth:`query` a query on a memory,
-    batched with the queries of other requests (:class:`eventkv.service.worker.MemoryQuery`)."""
+    batched with the queries of other requests (:class:`eventkv.service.worker.QueryJob`)."""
 
     def __init__(self, request: Request, worker: ModelWorker | None) -> None:
         self.request, self.worker = request, worker
@@ -198,17 +189,16 @@ class Jobs:
         assert self.worker is not None  # the app's lifespan starts the worker before a request is served
         return await self._wait(self.worker.submit(job, directory))
 
-    async def query(self, d: Path, prepare: Callable[[Any], Any], finish: Callable[[Any, Any, list], Any]) -> Any:
-        """``finish``'s result for the query on the memory of ``d`` (:class:`MemoryQuery`: ``prepare(memory)``
-        gives the :class:`eventkv.memory.PreparedQuery`, ``finish(memory, prepared, answers)`` the result),
-        answered in a batch with the other queued queries. The wait watches the connection as :meth:`run`'s.
+    async def query(self, d: Path, query: MemoryQuery) -> Answered:
+        """The answers to ``query`` on the memory of ``d`` (:class:`eventkv.service.worker.QueryJob`), read out
+        in a batch with the other queued queries. The wait watches the connection as :meth:`run`'s.
 
         Raises:
-            QueueFull, ShuttingDown: as :meth:`ModelWorker.submit`; whatever a phase raises.
+            QueueFull, ShuttingDown: as :meth:`ModelWorker.submit`; whatever the memory raised for the query.
             ClientGone: the client disconnected first.
         """
         assert self.worker is not None  # the app's lifespan starts the worker before a request is served
-        return await self._wait(self.worker.submit_query(MemoryQuery(d, prepare, finish)))
+        return await self._wait(self.worker.submit_query(QueryJob(d, query)))
 
     async def _wait(self, future: Future) -> Any:
         result = asyncio.wrap_future(future)

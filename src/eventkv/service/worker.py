@@ -4,7 +4,7 @@ is refused at once (the caller answers 503 with Retry-After) instead of piling u
 be cancelled until it starts (its client went away) and then leaves the queue at once; stopping
 rejects new jobs, finishes the queued ones and closes every memory.
 
-Queries are batched: a :class:`MemoryQuery` (a query on a memory, in two phases) queued behind
+Queries are batched: a :class:`QueryJob` (a query on a memory, in two phases) queued behind
 others is taken with them, up to ``max_batch`` at a time, and they are answered in one batched
 readout (:func:`eventkv.memory.answer.answer_prepared`). Which queries a batch takes:
 
@@ -32,55 +32,73 @@ from collections import Counter, OrderedDict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Callable
 
-from eventkv.wire import NotFound, QueueFull, ShuttingDown
+from eventkv.errors import NotFound
+from eventkv.wire import QueueFull, ShuttingDown
 
 if TYPE_CHECKING:
-    from eventkv.memory import EventMemory, MemoryAnswer, PreparedQuery
+    from eventkv.memory import EventMemory, MemoryAnswer, MemoryQuery, PreparedQuery
     from eventkv.models.profile import LoadedModel
 
-T = TypeVar("T")
 #: each open and close of a memory is logged here at INFO, as ``memory NS/ID opened|closing at UNIX_TIME``,
 #: the time taken while the store's writer lock is held (so one store's intervals never overlap across
 #: processes: the Ray Serve backend's tests read them from the replicas' logs)
 LOG = logging.getLogger("eventkv.service.memories")
 
-__all__ = ["MemoryQuery", "ModelWorker", "QueueFull", "ShuttingDown"]
+__all__ = ["Answered", "ModelWorker", "QueryJob", "QueueFull", "ShuttingDown"]
 
 
 @dataclass(frozen=True, eq=False)
-class MemoryQuery(Generic[T]):
-    """A query on a memory: the unit :class:`ModelWorker` batches. Both phases run on the worker
-    thread with the memory of ``directory`` open.
+class QueryJob:
+    """A query on a memory: the unit :class:`ModelWorker` batches. On the worker thread, with the memory
+    of ``directory`` open: ``EventMemory.prepare_query(query)`` (what it raises is this job's answer, and
+    the other queries of the batch go on), one batched readout with the other prepared queries
+    (:func:`eventkv.memory.answer.answer_prepared`), then ``EventMemory.finish_query(query, answers)``
+    (a ``remember``'s events stored before the next job). Its future holds an :class:`Answered`.
 
-    Attributes:
-        directory: the memory's store directory.
-        prepare: ``prepare(memory)`` checks the request and serves it: a
-            :class:`eventkv.memory.answer.PreparedQuery` (``EventMemory.prepare_query``); what it
-            raises is the caller's answer, and the other queries of the batch go on.
-        finish: ``finish(memory, prepared, answers)``: the caller's result from the answers, one
-            :class:`eventkv.memory.MemoryAnswer` per plan of ``prepared`` (which also holds the memory's
-            version when it was served); it may write to the memory (it runs after the whole batch's
-            readout, before the next job).
+    Example (on the worker thread, ``mem.query("Where?")`` would give the same answer)::
 
-    Example (on the worker thread, ``mem.query`` would give the same answer)::
-
-        MemoryQuery(d, lambda mem: mem.prepare_query("Where?", [(None, "compact")]), lambda mem, p, a: a[0].text)
+        QueryJob(d, MemoryQuery("Where?"))
     """
 
     directory: Path
-    prepare: Callable[[EventMemory], PreparedQuery]
-    finish: Callable[[EventMemory, PreparedQuery, list[MemoryAnswer]], T]
+    query: MemoryQuery
+
+
+@dataclass
+class Answered:
+    """A :class:`QueryJob`'s result: one answer per plan, the memory's version when it was served, the ids
+    a ``remember`` stored, and the version after them."""
+
+    answers: list[MemoryAnswer]
+    version: int
+    remembered: list[str]
+    version_after: int
+
+
+def finish(mem: EventMemory, query: MemoryQuery, prepared: PreparedQuery, answers: list[MemoryAnswer]) -> Answered:
+    """(worker thread) the query's last phase, ``mem.finish_query`` (a ``remember``'s events stored), as
+    an :class:`Answered`."""
+    remembered = mem.finish_query(query, answers)
+    return Answered(answers, prepared.version, remembered, mem.version)
+
+
+def answer_alone(lm: LoadedModel, mem: EventMemory, query: MemoryQuery) -> Answered:
+    """(worker thread) ``query`` on ``mem`` read out alone (a streamed chat: its steps are not batched)."""
+    from eventkv.memory import answer_prepared
+
+    prepared = mem.prepare_query(query)
+    return finish(mem, query, prepared, answer_prepared(lm, [prepared])[0])
 
 
 @dataclass(eq=False)
 class _Item:
-    """A queued job: a plain ``job()`` or a :class:`MemoryQuery`; ``directory`` is the memory it works on
+    """A queued job: a plain ``job()`` or a :class:`QueryJob`; ``directory`` is the memory it works on
     (None: no memory in particular, a barrier for all), ``deletions`` how many times that memory had
     been deleted when the job was queued (:meth:`ModelWorker.deleted`)."""
 
-    job: Callable[[], Any] | MemoryQuery
+    job: Callable[[], Any] | QueryJob
     future: Future
     directory: Path | None
     deletions: int = 0
@@ -128,7 +146,7 @@ class ModelWorker:
         with self._ready:
             return len(self._queue)
 
-    def submit(self, job: Callable[[], T], directory: Path | None = None) -> Future:
+    def submit(self, job: Callable[[], Any], directory: Path | None = None) -> Future:
         """Queue ``job`` (run on the worker thread); its result or exception arrives in the future.
         ``future.cancel()`` before the job starts removes it from the queue: it never runs.
         ``directory``: the memory the job works on (queries on it queued later wait for it); None:
@@ -140,9 +158,9 @@ class ModelWorker:
         """
         return self._enqueue(_Item(job, Future(), directory))
 
-    def submit_query(self, query: MemoryQuery[T]) -> Future:
+    def submit_query(self, query: QueryJob) -> Future:
         """Queue ``query``, to be answered in a batch with the queries queued with it (see the module
-        docstring for which); its future holds ``finish``'s result or what a phase raised, and can be
+        docstring for which); its future holds an :class:`Answered` or what a phase raised, and can be
         cancelled until the query starts, as with :meth:`submit`.
 
         Raises:
@@ -194,7 +212,7 @@ class ModelWorker:
         query and the queued queries after it, oldest first, up to ``max_batch``, passing over the
         jobs that are not queries but never a query on a memory one of them works on."""
         head = self._queue.popleft()
-        if not isinstance(head.job, MemoryQuery) or self.max_batch <= 1:
+        if not isinstance(head.job, QueryJob) or self.max_batch <= 1:
             return [head]
         batch, barred = [head], set()
         for item in list(self._queue):
@@ -202,7 +220,7 @@ class ModelWorker:
                 break
             if item.directory is None:  # a job on no memory in particular: nothing after it goes first
                 break
-            if isinstance(item.job, MemoryQuery) and item.directory not in barred:
+            if isinstance(item.job, QueryJob) and item.directory not in barred:
                 batch.append(item)
                 self._queue.remove(item)
             else:  # a write (or a query held behind one) keeps later queries on its memory behind it
@@ -227,7 +245,7 @@ class ModelWorker:
                 else:
                     items.append(item)
             self.started += len(items)
-            if len(items) == 1 and not isinstance(items[0].job, MemoryQuery):
+            if len(items) == 1 and not isinstance(items[0].job, QueryJob):
                 self._run_one(items[0])
             elif items:
                 self._answer(items)
@@ -237,7 +255,7 @@ class ModelWorker:
 
     @staticmethod
     def _run_one(item: _Item) -> None:
-        assert not isinstance(item.job, MemoryQuery)
+        assert not isinstance(item.job, QueryJob)
         try:
             item.future.set_result(item.job())
         except BaseException as exc:  # handed to the caller, who maps it to an HTTP answer
@@ -247,12 +265,12 @@ class ModelWorker:
         """Answer a batch of queries: each prepared on its memory, all read out together, each finished."""
         from eventkv.memory import answer_prepared
 
-        ready: list[tuple[_Item, MemoryQuery, PreparedQuery]] = []
+        ready: list[tuple[_Item, QueryJob, PreparedQuery]] = []
         for item in items:
-            query, d = item.job, item.directory
-            assert isinstance(query, MemoryQuery) and d is not None
+            job, d = item.job, item.directory
+            assert isinstance(job, QueryJob) and d is not None
             try:
-                ready.append((item, query, query.prepare(self.memory(d))))
+                ready.append((item, job, self.memory(d).prepare_query(job.query)))
             except BaseException as exc:  # this query's answer; the others go on
                 item.future.set_exception(exc)
         self.batches[len(items)] += 1
@@ -262,10 +280,10 @@ class ModelWorker:
             answers = answer_prepared(self.lm, [p for _, _, p in ready])
         except BaseException:
             answers = None  # one query failed the batch's readout: each is read out alone, for its own answer
-        for k, (item, query, p) in enumerate(ready):
+        for k, (item, job, p) in enumerate(ready):
             try:
                 got = answers[k] if answers is not None else answer_prepared(self.lm, [p])[0]
-                item.future.set_result(query.finish(self.memory(query.directory), p, got))
+                item.future.set_result(finish(self.memory(job.directory), job.query, p, got))
             except BaseException as exc:
                 item.future.set_exception(exc)
 

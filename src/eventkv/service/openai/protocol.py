@@ -17,10 +17,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from eventkv.errors import OptionError
-from eventkv.kv.decoding import MAX_TEMPERATURE, SEED_END, SEED_MIN
+from eventkv.errors import NotFound, OptionError
+from eventkv.kv.decoding import MAX_TEMPERATURE, SEED_END, SEED_MIN, Decoding
+from eventkv.memory.query import MemoryQuery
 from eventkv.service.schemas import MAX_TEXT, EventId, MaxNewTokens, Name, Shaping, json_invalid, pydantic_rule
-from eventkv.wire import MAX_NAME, MEMORY_HEADER, NAME_PATTERN, NotFound
+from eventkv.wire import MAX_NAME, MEMORY_HEADER, NAME_PATTERN
 
 #: tokens generated when the request gives neither ``max_completion_tokens`` nor ``max_tokens``
 DEFAULT_MAX_TOKENS = 256
@@ -132,6 +133,20 @@ class MemoryOptions(Shaping):
         if "k" not in self.model_fields_set and (self.budget is not None or self.budget_rows is not None):
             return None
         return self.k
+
+    def query(self, question: str, messages: list[dict], max_new_tokens: int, decoding: Decoding) -> MemoryQuery:
+        """The chat as the memory's query (:class:`eventkv.memory.query.MemoryQuery`): ``question`` (the last
+        user message's text) selects, the conversation ``messages`` is read after the served rows."""
+        options = self.options(mode=self.mode, positions=self.positions, order=self.order).with_(k=self.top_k())
+        return MemoryQuery(
+            question,
+            select=self.select,
+            options=options,
+            max_new_tokens=max_new_tokens,
+            messages=messages,
+            decoding=decoding,
+            remember=self.remember,
+        )
 
 
 class ChatRequest(_Strict):

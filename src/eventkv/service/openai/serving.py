@@ -26,8 +26,9 @@ import json
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, cast
 
 from fastapi import Request
 from fastapi.sse import format_sse_event
@@ -36,13 +37,12 @@ from pydantic import BaseModel
 from eventkv.errors import EventKVError
 from eventkv.kv.decoding import Decoding
 from eventkv.kv.readout import Generation
-from eventkv.memory.answer import answer_prepared
 from eventkv.memory.chat import chat_reply, last_user_text
-from eventkv.memory.records import MemoryEvent
+from eventkv.memory.query import MemoryQuery
 from eventkv.service.errors import ClientGone, status_and_code
 from eventkv.service.openai import protocol
-from eventkv.service.routes.queries import check_servable
 from eventkv.service.state import Jobs, ServiceState, disconnected, get_namespace
+from eventkv.service.worker import Answered, answer_alone
 
 #: when this server started (the model card's ``created``, seconds since the epoch)
 STARTED = int(time.time())
@@ -161,7 +161,7 @@ def plan(body: protocol.ChatRequest, request: Request, state: ServiceState, jobs
     messages = body.chat_messages()
     question = last_user_text(messages)
     options = body.attached(header)
-    settings = dict(
+    decoding = Decoding(
         temperature=body.temperature or 0.0,
         top_p=1.0 if body.top_p is None else body.top_p,
         seed=body.seed,
@@ -171,76 +171,53 @@ def plan(body: protocol.ChatRequest, request: Request, state: ServiceState, jobs
     if options is None:
 
         def alone(on_step):
-            reply = chat_reply(
-                state.lm, messages, max_new_tokens=max_new, decoding=Decoding(**settings, on_step=on_step)
-            )
+            reply = chat_reply(state.lm, messages, max_new_tokens=max_new, decoding=replace(decoding, on_step=on_step))
             return Outcome(reply.generation, 0, reply.prompt_tokens)
 
         return alone
-    mem_opts = options
     ns = get_namespace(request, namespace)
-    d = state.existing(ns, mem_opts.id)
-
-    def prepare(mem, on_step):
-        check_servable(mem, mem_opts.select, mem_opts.id)
-        return mem.prepare_query(
-            question,
-            [(mem_opts.select, mem_opts.mode)],
-            k=mem_opts.top_k(),
-            max_new_tokens=max_new,
-            **mem_opts.shaping(),
-            positions=mem_opts.positions,
-            order=mem_opts.order,
-            messages=messages,
-            decoding=Decoding(**settings, on_step=on_step),
-        )
-
-    def finish(mem, prepared, answers):
-        a = answers[0]
-        remembered = []
-        if mem_opts.remember:  # one add, one transaction: both turns or neither; acknowledged by the answer
-            turns = [MemoryEvent(question, role="user")]
-            if a.text.strip():
-                turns.append(MemoryEvent(a.text, role="assistant"))
-            remembered = [x.id for x in mem.add(turns)]
-        return Outcome(
-            a.generation,
-            a.n_rows_served,
-            a.n_query_tokens,
-            mem_opts.id,
-            ns,
-            a.served_ids,
-            remembered,
-            mem.version,
-            a.plan,
-        )
-
-    return MemoryChat(d, prepare, finish, state.lm, jobs)
+    d = state.existing(ns, options.id)
+    return MemoryChat(d, options.query(question, messages, max_new, decoding), state.lm, jobs, ns, options.id)
 
 
 @dataclass
 class MemoryChat:
-    """A chat on the memory of ``d`` as a query in two phases (``prepare(memory, on_step)`` gives the
-    :class:`eventkv.memory.PreparedQuery`, ``finish(memory, prepared, answers)`` stores a ``remember``'s
-    turns and gives the :class:`Outcome`): a non-streamed chat is answered in one batched readout with
-    the other queued queries (:meth:`eventkv.service.state.Jobs.query`); called with a step callback,
-    it runs as one job, read out alone (a streamed answer is not batched)."""
+    """A chat on the memory of ``d`` as one typed query (:class:`eventkv.memory.MemoryQuery`, ``remember``
+    included): not streamed, it is answered in one batched readout with the other queued queries
+    (:meth:`eventkv.service.state.Jobs.query`); called with a step callback (streamed), it runs as one job,
+    read out alone (a streamed answer is not batched)."""
 
-    d: Any
-    prepare: Callable[[Any, Callable[[str], None] | None], Any]
-    finish: Callable[[Any, Any, list], Outcome]
+    d: Path
+    query: MemoryQuery
     lm: Any
     jobs: Jobs
+    namespace: str
+    memory_id: str
+
+    def outcome(self, answered: Answered) -> Outcome:
+        """The chat's :class:`Outcome` from its query's answers."""
+        a = answered.answers[0]
+        return Outcome(
+            a.generation,
+            a.n_rows_served,
+            a.n_query_tokens,
+            self.memory_id,
+            self.namespace,
+            a.served_ids,
+            answered.remembered,
+            answered.version_after,
+            a.plan,
+        )
 
     def __call__(self, on_step: Callable[[str], None] | None) -> Outcome:
-        """(worker thread) the chat read out alone."""
+        """(worker thread) the chat read out alone, each step's text handed to ``on_step``."""
         mem = self.jobs.open_checked(self.d, None)
-        prepared = self.prepare(mem, on_step)
-        return self.finish(mem, prepared, answer_prepared(self.lm, [prepared])[0])
+        decoding = replace(cast(Decoding, self.query.decoding), on_step=on_step)
+        return self.outcome(answer_alone(self.lm, mem, replace(self.query, decoding=decoding)))
 
-    def batched(self) -> Any:
-        """An awaitable of the :class:`Outcome`, the chat's query batched on the worker."""
-        return self.jobs.query(self.d, lambda mem: self.prepare(mem, None), self.finish)
+    async def batched(self) -> Outcome:
+        """The :class:`Outcome`, the chat's query batched on the worker."""
+        return self.outcome(await self.jobs.query(self.d, self.query))
 
 
 class Stream:

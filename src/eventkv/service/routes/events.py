@@ -11,13 +11,12 @@ from typing import Annotated, Callable
 from fastapi import APIRouter
 from fastapi import Path as PathParam
 
-from eventkv.errors import EventKVError, OptionError, StoreDamaged
+from eventkv.errors import Conflict, EventKVError, NotFound, OptionError, StoreDamaged
 from eventkv.memory.reader import read_memory
 from eventkv.memory.records import MemoryEvent
 from eventkv.service import schemas
 from eventkv.service.errors import MEMORY, QUEUED, responses
 from eventkv.service.state import Jobs, MemoryId, Namespace, ServiceState, State, Work, live, not_forgotten
-from eventkv.wire import Conflict, NotFound
 
 router = APIRouter(tags=["events"])
 

@@ -14,13 +14,13 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from eventkv.errors import EventKVError, OptionError, StoreDamaged
+from eventkv.errors import Conflict, EventKVError, OptionError, StoreDamaged
 from eventkv.files import out_of_space, write_json_atomic
 from eventkv.memory.store import Store, remove_leftovers
 from eventkv.service import schemas
 from eventkv.service.errors import MEMORY, QUEUED, SCOPED, responses
 from eventkv.service.state import MemoryId, Namespace, State, Work
-from eventkv.wire import NAMESPACE_HEADER, Conflict, Forbidden
+from eventkv.wire import NAMESPACE_HEADER, Forbidden
 
 router = APIRouter(tags=["memories"])
 

@@ -11,6 +11,8 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from eventkv.memory.query import QueryOptions
+
 CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop", 5: "adversarial"}
 INSTRUCTION = (
     "The events below are the turns of a conversation, in order, each with its session date and speaker. "
@@ -48,13 +50,14 @@ def served_set(
     with_headers: bool = False,
 ) -> list[str]:
     """The served set (event ids, history order) of one selector at one budget (a fraction of the
-    view's rows): ``mem.select(question, k=k, selector=selector, budget=budget, neighbours=neighbours,
-    with_headers=with_headers)`` (:meth:`eventkv.memory.EventMemory.select`: never over the budget).
+    view's rows), as :meth:`eventkv.memory.EventMemory.select` chooses it under these
+    :class:`eventkv.memory.QueryOptions` (never over the budget).
 
     Raises:
         OptionError: an unknown selector or a bad shaping value.
     """
-    return mem.select(question, k=k, selector=selector, budget=budget, neighbours=neighbours, with_headers=with_headers)
+    options = QueryOptions(k=k, selector=selector, budget=budget, neighbours=neighbours, with_headers=with_headers)
+    return mem.selection().select(question, options)
 
 
 def history_events(conv, with_headers: bool) -> list:

@@ -10,10 +10,11 @@ import tempfile
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Sequence, cast
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.kv.serve import SERVE_ORDERS
+from eventkv.kv.serve import SERVE_ORDERS, PositionMode, ServeMode
+from eventkv.memory.query import MemoryQuery, QueryOptions
 from eventkv.options import (
     DIALOGUE_FORMATS,
     SELECTORS,
@@ -88,14 +89,15 @@ class MemoryEval(DialogueData, Probe):
     ``selection`` (per ``"<selector>@<budget>"``: ``ids``, ``rows``, ``recall`` = the fraction of the
     evidence ids served), ``arms`` (per arm name: ``answer``, ``f1``, ``em``, ``n_rows`` (the served
     cache's rows, header included), ``rows`` (header excluded), ``fraction`` (rows / history_rows),
-    ``kv_bytes`` (n_rows x layers x 2 x kv_heads x head_dim x dtype bytes), ``n_tokens``, ``empty``
+    ``kv_bytes`` (n_rows x layers x 2 x kv_heads x head_dim x dtype bytes), ``n_tokens``, ``positions``
+    (where the rows were served, ``original`` or ``contiguous``, as the answer's plan records it), ``empty``
     (true when the served set was empty: f1 0, nothing read out), ``served_order`` (an arm served in
     relevance order only: the served event ids in the order their rows were laid out), category 5:
     ``abstain_margin``, ``abstains``) and ``timing`` (``serve``, ``readout`` in ms and ``batch``, the readout
     batch's size, per arm); a skipped slot: ``skipped`` with the reason."""
 
     name: ClassVar[str] = "memory-eval"
-    record_version: ClassVar[int] = 4
+    record_version: ClassVar[int] = 5
     smoke_options: ClassVar[dict] = {
         "data": DEMO_DATA,
         "conversations": 1,
@@ -376,26 +378,33 @@ class MemoryEval(DialogueData, Probe):
         answers, serve_ms, readout_ms, batch = {}, {}, {}, {}
         for group in self._groups(plans, n_rows, history_rows, header):
             first = plans[group[0]]
-            kw: dict = {"candidates": candidates, "max_new_tokens": self.max_new_tokens}
-            if first.positions != "original":
-                kw["positions"] = first.positions
+            # the arm's positions, always given: the memory's default is not the arm's
+            options = QueryOptions(positions=cast(PositionMode, first.positions))
             if first.mode == "blend" and self.recompute is not None:
-                kw["recompute"] = self.recompute
+                options = options.with_(recompute=self.recompute)
             if first.schedule is not None:
-                kw["blend_schedule"] = first.schedule
+                options = options.with_(blend_schedule=first.schedule)
             selects: list[list[str] | str | None]
-            question, selects = prompt, [plans[a].served for a in group]
+            question, selects, messages = prompt, [plans[a].served for a in group], None
             if first.relevance is not None:
                 # the memory selects the set again, as served_set did (same question, selector and shaping), so
                 # each shaping unit (a turn with its neighbours and session header) is laid out as one block at
                 # its turn's rank (relevance_order); the question selects and ranks, the prompt is read as the
                 # one user message (the same token ids as question=prompt: eventkv.memory.chat.chat_tail_ids)
                 selector, budget = first.relevance
-                kw |= {"order": "relevance", "selector": selector, "budget": budget, "k": self.k}
-                kw |= {"neighbours": self.neighbours, "with_headers": self.with_headers}
-                kw["messages"] = [{"role": "user", "content": prompt}]
+                options = options.with_(order="relevance", selector=selector, budget=budget, k=self.k)
+                options = options.with_(neighbours=self.neighbours, with_headers=self.with_headers)
+                messages = [{"role": "user", "content": prompt}]
                 question, selects = qa.question, [None] * len(group)
-            outs = mem.query_batch(question, [(s, plans[a].mode) for s, a in zip(selects, group)], **kw)
+            query = MemoryQuery(
+                question,
+                plans=[(s, cast(ServeMode, plans[a].mode)) for s, a in zip(selects, group)],
+                options=options,
+                candidates=candidates,
+                max_new_tokens=self.max_new_tokens,
+                messages=messages,
+            )
+            outs = mem.ask(query)
             for name, ans in zip(group, outs):
                 if first.relevance is not None and sorted(ans.served_ids) != sorted(plans[name].served):
                     raise EventKVError(
@@ -425,6 +434,7 @@ class MemoryEval(DialogueData, Probe):
                 "fraction": round((ans.n_rows_served - header) / history_rows, 6),
                 "kv_bytes": ans.n_rows_served * row_bytes,
                 "n_tokens": len(ans.generation.tokens),
+                "positions": ans.plan["positions"],
             }
             if plans[a.name].relevance is not None:
                 arms[a.name]["served_order"] = list(ans.served_ids)
