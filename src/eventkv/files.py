@@ -145,3 +145,15 @@ def data_digest(path: str | Path, recorded: str = "") -> str:
             "use a new --out for the new data."
         )
     return digest
+
+
+def directory_bytes(directory: Path) -> int:
+    """Bytes of every file under ``directory`` (files removed while counting are skipped)."""
+    total = 0
+    for f in directory.rglob("*"):
+        try:
+            if f.is_file():
+                total += f.stat().st_size
+        except FileNotFoundError:  # a temporary file of a concurrent write
+            pass
+    return total

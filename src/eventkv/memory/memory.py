@@ -52,6 +52,7 @@ from eventkv.memory.answer import (
     served_end,
 )
 from eventkv.memory.api import MemoryAPI, SelectSpec
+from eventkv.memory.identity import check_identity, model_identity
 from eventkv.memory.query import MemoryQuery, Plan, QueryOptions, Selection, check_question
 from eventkv.memory.records import (
     Added,
@@ -64,7 +65,7 @@ from eventkv.memory.select import (
     Selector,
     selector_for,
 )
-from eventkv.memory.store import SCHEMA_VERSION, Store, check_identity, model_identity
+from eventkv.memory.store import SCHEMA_VERSION, Store
 from eventkv.memory.upkeep import MemoryUpkeep
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -6,12 +6,16 @@ sees the last committed state, checked as the writer checks it (a damaged store 
 
 from __future__ import annotations
 
+import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
-from eventkv.memory.integrity import check_manifest, damaged
+from eventkv.errors import EventKVError
+from eventkv.files import directory_bytes
+from eventkv.memory import sql
+from eventkv.memory.integrity import check_manifest, damaged, guard
 from eventkv.memory.records import MemoryStats
-from eventkv.memory.store import Store, check_segment_files, check_segment_row, directory_bytes, read_committed
+from eventkv.memory.store import DATABASE, Store, check_segment_files, check_segment_row
 from eventkv.memory.table import EventTable
 
 
@@ -60,3 +64,29 @@ def read_memory(directory: str | Path) -> MemorySnapshot:
         rows_prefilled=table.rows_prefilled(), segments=len(segments), bytes_on_disk=directory_bytes(d), version=version
     )
     return MemorySnapshot(manifest, table, version, stats)
+
+
+def read_committed(d: Path) -> tuple[bool, list, list, str | None, int]:
+    """The last committed state of the store in ``d`` through a read-only connection (no writer lock;
+    WAL lets it run while the writer commits): ``(sealed, event rows, segment rows, the manifest's
+    recorded checksum, version)``, read in one read transaction (:func:`eventkv.memory.sql.snapshot`).
+
+    Raises:
+        StoreDamaged: the database's bytes are damaged.
+        EventKVError: a database that cannot be opened or read now.
+    """
+    try:
+        with guard(d, "its database does not open"):
+            conn = sqlite3.connect(f"{(d / DATABASE).resolve().as_uri()}?mode=ro", uri=True, isolation_level=None)
+    except sqlite3.Error as exc:
+        raise EventKVError(f"the database of the memory in {str(d)!r} cannot be opened ({exc}).") from None
+    try:
+        conn.row_factory = sqlite3.Row
+        with guard(d):
+            return sql.snapshot(d, conn)
+    except sqlite3.Error as exc:
+        raise EventKVError(
+            f"the database of the memory in {str(d)!r} is not readable now ({exc}): try again."
+        ) from None
+    finally:
+        conn.close()

@@ -48,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import errno
-import hashlib
 import json
 import os
 import re
@@ -64,12 +63,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eventkv.errors import EventKVError, OutOfSpace, PurgePending, StoreLocked
-from eventkv.files import fsync_path, out_of_space, sha256_file, write_json_atomic
+from eventkv.files import directory_bytes, fsync_path, out_of_space, sha256_file, write_json_atomic
 from eventkv.memory import sql
 from eventkv.memory.integrity import MANIFEST_CHECKSUM, check_manifest, damaged, guard, manifest_checksum
 
 if TYPE_CHECKING:  # pragma: no cover
-    from eventkv.models.profile import LoadedModel
+    pass
 
 SCHEMA_VERSION = 3
 #: schema versions this eventkv opens (1 and 2: upgraded on open, see the module docstring)
@@ -116,67 +115,6 @@ SEGMENT_FILE = re.compile(rf"{SEGMENTS}/[0-9]{{6,}}\.safetensors")
 def now() -> str:
     """The current UTC time, ISO 8601 with microseconds."""
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="microseconds")
-
-
-def tokenizer_digest(tokenizer) -> str:
-    """sha256 (hex) of a tokenizer's serialized form: the fast tokenizer's JSON
-    (``backend_tokenizer.to_str()``), else the files ``save_pretrained`` writes (sorted by name)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        return hashlib.sha256(backend.to_str().encode()).hexdigest()
-    h = hashlib.sha256()
-    with tempfile.TemporaryDirectory() as d:
-        tokenizer.save_pretrained(d)
-        for f in sorted(Path(d).iterdir()):
-            h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
-    return h.hexdigest()
-
-
-def chat_template_digest(tokenizer) -> str:
-    """sha256 (hex) of the tokenizer's chat template, or ``"none"`` when it has none."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not template:
-        return "none"
-    if not isinstance(template, str):  # a dict of named templates
-        template = json.dumps(template, sort_keys=True)
-    return hashlib.sha256(template.encode()).hexdigest()
-
-
-def model_identity(lm: LoadedModel) -> dict[str, str]:
-    """What a store's rows depend on: weights, tokenizer, chat template, dtype (manifest fields)."""
-    return {
-        "weights_digest": lm.profile.weights_digest,
-        "tokenizer_digest": tokenizer_digest(lm.tokenizer),
-        "chat_template_digest": chat_template_digest(lm.tokenizer),
-        "dtype": lm.profile.dtype,
-    }
-
-
-IDENTITY_NAMES = {
-    "weights_digest": "weights",
-    "tokenizer_digest": "tokenizer",
-    "chat_template_digest": "chat template",
-    "dtype": "dtype",
-}
-
-
-def check_identity(directory: Path, manifest: dict, lm: LoadedModel) -> None:
-    """Refuse a store whose rows were made by other weights, tokenizer, chat template or dtype.
-
-    Raises:
-        EventKVError: naming the field, the stored and the given value, and the fix.
-    """
-    given = model_identity(lm)
-    for key, what in IDENTITY_NAMES.items():
-        stored = manifest.get(key)
-        if stored != given[key]:
-            raise EventKVError(
-                f"the memory in {str(directory)!r} was made with {what} {str(stored)[:16]!r} (model "
-                f"{manifest.get('model')!r}, {manifest.get('dtype')}) but the model given has {what} "
-                f"{str(given[key])[:16]!r} ({lm.profile.name!r}, {lm.profile.dtype}): its stored KV rows would be "
-                f"stale. Open it with the model it was made with, or create a new memory for this model and add "
-                f"the events again."
-            )
 
 
 class Store:
@@ -660,32 +598,6 @@ class Store:
         return directory_bytes(self.directory)
 
 
-def read_committed(d: Path) -> tuple[bool, list, list, str | None, int]:
-    """The last committed state of the store in ``d`` through a read-only connection (no writer lock;
-    WAL lets it run while the writer commits): ``(sealed, event rows, segment rows, the manifest's
-    recorded checksum, version)``, read in one read transaction (:func:`eventkv.memory.sql.snapshot`).
-
-    Raises:
-        StoreDamaged: the database's bytes are damaged.
-        EventKVError: a database that cannot be opened or read now.
-    """
-    try:
-        with guard(d, "its database does not open"):
-            conn = sqlite3.connect(f"{(d / DATABASE).resolve().as_uri()}?mode=ro", uri=True, isolation_level=None)
-    except sqlite3.Error as exc:
-        raise EventKVError(f"the database of the memory in {str(d)!r} cannot be opened ({exc}).") from None
-    try:
-        conn.row_factory = sqlite3.Row
-        with guard(d):
-            return sql.snapshot(d, conn)
-    except sqlite3.Error as exc:
-        raise EventKVError(
-            f"the database of the memory in {str(d)!r} is not readable now ({exc}): try again."
-        ) from None
-    finally:
-        conn.close()
-
-
 def check_segment_row(directory: Path, row) -> None:
     """One ``segments`` row's fields: of their SQL types, and a file name inside ``segments/``.
 
@@ -764,15 +676,3 @@ def remove_leftovers(parent: str | Path, name: str | None = None) -> list[str]:
         with contextlib.suppress(OSError):
             fsync_path(parent)
     return removed
-
-
-def directory_bytes(directory: Path) -> int:
-    """Bytes of every file under ``directory`` (files removed while counting are skipped)."""
-    total = 0
-    for f in directory.rglob("*"):
-        try:
-            if f.is_file():
-                total += f.stat().st_size
-        except FileNotFoundError:  # a temporary file of a concurrent write
-            pass
-    return total

@@ -98,7 +98,7 @@ def open_history(directory: Path, lm, instruction: str, sessions: list) -> Any:
     import json
 
     from eventkv.memory import EventMemory
-    from eventkv.memory.store import model_identity
+    from eventkv.memory.identity import model_identity
 
     key = str(directory.resolve())
     if key in _OPEN:
