@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from eventkv import blend as blend_module
 from eventkv.errors import EventKVError, OptionError
+from eventkv.kv import blend as blend_module
 from eventkv.kv.blend import (
     BLEND_SCHEDULES,
     DEFAULT_RECOMPUTE,
