@@ -92,7 +92,7 @@ import torch
 from transformers import DynamicCache
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.kv.log import HEADER_ID
+from eventkv.kv.log import HEADER_ID, check_sequence
 from eventkv.kv.model import attention_masks, forward_until, model_device, model_forward
 from eventkv.kv.rope import rerotate
 from eventkv.kv.rows import EventKV, LayerRows, cache_from_rows, cache_kv
@@ -252,9 +252,7 @@ def _layout(
         raise OptionError(
             "sequence", list(sequence), "a serving order other than the log's needs positions='contiguous'."
         )
-    order = list(served) if sequence is None else list(sequence)
-    if sequence is not None and sorted(order) != sorted(served):
-        raise EventKVError(f"sequence {order} must list the served events {list(served)} once each.")
+    order = list(served) if sequence is None else list(check_sequence(served, sequence))
     header = ekv.log.span(HEADER_ID)
     spans = [header] + [ekv.log.span(e) for e in order]
     rows = torch.cat([torch.arange(s.row_start, s.row_end, device="cpu") for s in spans])

@@ -408,3 +408,18 @@ def tokenize_query(tokenizer, profile: "ModelProfile", question: str) -> list[in
     """Token ids of a query: the question, then the chat template's tail (end of the user turn and
     the assistant opener), so generation starts as the assistant's reply."""
     return encode(tokenizer, question + profile.chat_tail)
+
+
+def check_sequence(ids: Sequence[str], sequence: Sequence[str]) -> tuple[str, ...]:
+    """``sequence`` checked to list exactly the served events ``ids`` (each once), as a tuple.
+
+    Raises:
+        EventKVError: an event of ``sequence`` not served, a served event missing, or one listed twice.
+    """
+    seq = tuple(s.strip() for s in sequence)
+    if sorted(seq) != sorted(ids):
+        raise EventKVError(
+            f"the served order {list(seq)} does not list the served events {list(ids)} once each: give every "
+            "served event exactly once."
+        )
+    return seq

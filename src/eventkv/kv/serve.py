@@ -70,7 +70,7 @@ from transformers import DynamicCache
 
 from eventkv.errors import EventKVError, OptionError
 from eventkv.kv.blend import BlendSchedule, blend, check_recompute, check_schedule
-from eventkv.kv.log import HEADER_ID
+from eventkv.kv.log import HEADER_ID, check_sequence
 from eventkv.kv.model import model_device, model_forward
 from eventkv.kv.rope import rerotatable, rerotate
 from eventkv.kv.rows import EventKV, LayerRows, cache_from_rows, cache_kv
@@ -214,21 +214,6 @@ def check_order(order, positions) -> ServeOrder:
             "order='log'.",
         )
     return order
-
-
-def check_sequence(ids: Sequence[str], sequence: Sequence[str]) -> tuple[str, ...]:
-    """``sequence`` checked to list exactly the served events ``ids`` (each once), as a tuple.
-
-    Raises:
-        EventKVError: an event of ``sequence`` not served, a served event missing, or one listed twice.
-    """
-    seq = tuple(s.strip() for s in sequence)
-    if sorted(seq) != sorted(ids):
-        raise EventKVError(
-            f"the served order {list(seq)} does not list the served events {list(ids)} once each: give every "
-            "served event exactly once."
-        )
-    return seq
 
 
 def reordered(served: ServedCache, header_rows: int, widths: Sequence[int], sequence: Sequence[str]) -> ServedCache:
