@@ -1,13 +1,17 @@
 """Readouts: answer a query from served caches (Study 1, "Donor pair", readouts).
 
 One implementation, batched: :func:`read_out` answers one query from several served caches at
-once, and the single-cache functions are that same path with a batch of one.
+once, and the single-cache functions are that same path with a batch of one. Every generated token
+of the package comes from one decode loop here (:func:`read_out` and :func:`generate_from` run it).
 
 * :func:`generate` — greedy decoding (max new tokens, stops on EOS/end-of-turn); a
   :class:`Decoding` per sequence asks for seeded sampling instead (temperature, top-p), stop
   strings, and a per-step callback with the text each step adds (streaming).
 * :func:`candidate_logprobs` — forced choice: every candidate's full continuation is scored
   (sum of its tokens' log-probabilities), all candidates in one batched forward.
+* :func:`generate_from` — the same decode loop started from rows already in a batch (a prompt
+  prefilled but for its last token, rows a study edited), with an early end per sequence
+  (``decided``) and finished sequences dropped from the batch: what the splice study decodes with.
 * :func:`token_logprobs` — the one place a log-probability is computed: a float64 log-softmax
   of the float32 logits, so sums over many tokens and a large vocabulary match a float64
   reference within 1e-5 nats (a float32 log-softmax over a 49k vocabulary drifted by up to
@@ -35,7 +39,7 @@ reaches real rows before it would reach the pad).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Sequence, cast
 
 import torch
 
@@ -202,19 +206,20 @@ def read_out(
             sub, offset = batch, q  # every cache decodes, in order: the query's batch goes on as it is
         else:
             sub, offset = merge([where[i] for i in rows], room), 0  # next positions shifted by each query
-        _generate(
+        pad = len(rows) - len(gens)  # padding sequences: no budget, never read
+        done = _generate(
             model,
             sub,
             torch.stack([firsts[i] for i in rows]),
-            gens + [None] * (len(rows) - len(gens)),
             offset,
-            [budgets[i] for i in rows],
+            [budgets[i] for i in gens] + [0] * pad,
             set(int(t) for t in stop_token_ids),
             tokenizer,
-            out,
             keep_logits,
-            [decodings[i] for i in gens] + [GREEDY] * (len(rows) - len(gens)),
+            [decodings[i] for i in gens] + [GREEDY] * pad,
         )
+        for i, g in zip(gens, done):
+            out[i].generation = g
     return out
 
 
@@ -361,46 +366,50 @@ def _generate(
     model: PreTrainedModel,
     batch: Batch,
     logits: torch.Tensor,
-    owners: list[int | None],
-    q: int,
+    offset: int,
     max_new: Sequence[int],
     stops: set[int],
     tokenizer: PreTrainedTokenizerBase | None,
-    out: list[Readout],
     keep_logits: bool = False,
     decodings: Sequence[Decoding] | None = None,
-) -> None:
-    """Decoding of the whole batch (greedy, or each sequence as its :class:`Decoding` says), sequence
-    ``r`` up to ``max_new[r]`` tokens, the first step fed at ``next_position + q``; a sequence that has
-    stopped keeps being fed its last token (its rows are never read) so the batch never has to be
-    copied. An owner of None is a padding sequence (:func:`decode_padding`): fed, never waited for,
-    never read."""
-    decodings = list(decodings or [GREEDY] * len(owners))
-    gens = [Generation(tokens=[]) for _ in owners]
-    done = [m <= 0 or i is None for m, i in zip(max_new, owners)]
-    samplers = [Sampler(d) if d.samples and i is not None else None for d, i in zip(decodings, owners)]
-    watches = [
-        TextWatch(tokenizer, d.stop) if d.watches_text and i is not None else None for d, i in zip(decodings, owners)
-    ]
+    decided: Callable[[list[int]], bool] | None = None,
+    drop_finished: bool = False,
+    on_drop: Callable[[torch.Tensor], None] | None = None,
+) -> list[Generation]:
+    """The decode loop, the one place tokens are generated step by step: sequence ``r`` of ``batch``
+    decodes from ``logits[r]`` (``[batch, vocab]``, its last fed token's) up to ``max_new[r]`` tokens
+    (greedy, or as ``decodings[r]`` says), the first step fed at ``next_position + offset``. ``decided``
+    ends a sequence once it returns True for the tokens so far (checked after each token within the
+    budget). A sequence that has stopped keeps being fed the argmax of its logits (its rows are never
+    read) so the batch never has to be copied; with ``drop_finished`` it leaves the batch instead
+    (:meth:`Batch.keep`, then ``on_drop(idx)`` with the batch rows ``[kept]`` that stay, for state the
+    caller holds per batch row). A sequence with a budget of 0 and greedy decoding is a padding
+    sequence (:func:`decode_padding`): fed, never waited for. Returns one Generation per sequence."""
+    decodings = list(decodings or [GREEDY] * len(max_new))
+    gens = [Generation(tokens=[]) for _ in max_new]
+    done = [m <= 0 for m in max_new]
+    samplers = [Sampler(d) if d.samples else None for d in decodings]
+    watches = [TextWatch(tokenizer, d.stop) if d.watches_text else None for d in decodings]
+    seqs = list(range(len(gens)))  # the sequence in each batch row
     step = 0
     while not all(done):
         toks = torch.argmax(logits, dim=-1).tolist()
         feed = []
-        for r, g in enumerate(gens):
-            t = int(toks[r])
+        for j, r in enumerate(seqs):
+            g, t = gens[r], int(toks[j])
             if not done[r]:
                 sampler, watch = samplers[r], watches[r]
                 if sampler is not None:
-                    t = sampler.draw(logits[r])
+                    t = sampler.draw(logits[j])
                 if keep_logits:
-                    g.logits.append(logits[r])
+                    g.logits.append(logits[j])
                 piece = ""
                 if t in stops:
                     g.stopped = True
                     done[r] = True
                 else:
                     g.tokens.append(t)
-                    done[r] = len(g.tokens) >= max_new[r]
+                    done[r] = len(g.tokens) >= max_new[r] or (decided is not None and decided(g.tokens))
                     if watch is not None:
                         piece = watch.step(g.tokens)
                         if watch.stop is not None:
@@ -414,17 +423,90 @@ def _generate(
             feed.append(t)
         if all(done):
             break
+        if drop_finished and any(done[r] for r in seqs):
+            kept = [j for j, r in enumerate(seqs) if not done[r]]
+            idx = torch.tensor(kept, dtype=torch.long, device=logits.device)
+            batch.keep(idx)
+            if on_drop is not None:
+                on_drop(idx)
+            seqs, feed = [seqs[j] for j in kept], [feed[j] for j in kept]
         ids = torch.tensor(feed, dtype=torch.long, device=logits.device).unsqueeze(1)
-        logits = batch.forward(model, ids, q + step, logits_to_keep=1)[:, -1]
+        logits = batch.forward(model, ids, offset + step, logits_to_keep=1)[:, -1]
         step += 1
-    for g, i, watch in zip(gens, owners, watches):
-        if i is None:
-            continue
+    for g, watch in zip(gens, watches):
         if watch is not None:
             g.text = watch.text  # cut at its stop string
         elif tokenizer is not None:
             g.text = cast(str, tokenizer.decode(g.tokens, skip_special_tokens=True))  # one sequence: one text
-        out[i].generation = g
+    return gens
+
+
+@torch.inference_mode()
+def generate_from(
+    model: PreTrainedModel,
+    batch: Batch,
+    ids: torch.Tensor,
+    *,
+    max_new_tokens: int | Sequence[int],
+    stop_token_ids: Iterable[int] = (),
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    keep_logits: bool = False,
+    decoding: Decoding | Sequence[Decoding | None] | None = None,
+    decided: Callable[[list[int]], bool] | None = None,
+    drop_finished: bool = False,
+    on_drop: Callable[[torch.Tensor], None] | None = None,
+) -> list[Generation]:
+    """Decoding from rows already in a batch (a prompt prefilled but for its last token, rows edited
+    by a study): ``ids`` ``[batch, q]`` are fed after each sequence's rows (at ``next_position +
+    arange(q)``), then every sequence decodes from its last fed token's logits, in the decode loop
+    :func:`read_out` decodes in. ``batch`` grows by the fed rows (read them back with
+    :func:`eventkv.kv.rows.cache_kv` when every sequence ran to its end).
+
+    Args:
+        batch: the rows (:meth:`Batch.of_rows`, :func:`eventkv.kv.stacked.stack`), written in place.
+        ids: ``[batch, q]`` token ids on the batch's device, ``q >= 1``.
+        max_new_tokens: the budget (tokens), for every sequence or one per sequence; 0: the ids are
+            fed and nothing is generated.
+        stop_token_ids: a sequence stops (without emitting it) on any of these.
+        tokenizer: if given, each Generation's ``text`` is its decoded continuation.
+        keep_logits: keep each step's logits ``[vocab]`` in ``Generation.logits`` (float32).
+        decoding: as :func:`read_out` (default greedy).
+        decided: ``decided(tokens) -> bool`` ends a sequence once its outcome is known (e.g. an answer
+            already scored), checked after each generated token.
+        drop_finished: finished sequences leave the batch (the rows are copied, the forwards shrink)
+            instead of being fed on; ``on_drop(idx)`` is then called with the batch rows that stay
+            (``[kept]`` int64, indices into the batch before the drop).
+
+    Returns:
+        one Generation per sequence, in batch order.
+
+    Raises:
+        EventKVError: budgets not one per sequence; stop strings or a step callback without a tokenizer.
+        OptionError: a bad :class:`Decoding`, or not one per sequence.
+    """
+    n = batch.size
+    if not isinstance(max_new_tokens, int) and len(max_new_tokens) != n:
+        raise EventKVError(
+            f"generate_from got a batch of {n} sequences but {len(max_new_tokens)} max_new_tokens: give one budget "
+            "or one per sequence."
+        )
+    budgets = _budgets(max_new_tokens, n)
+    logits = batch.forward(model, ids, 0, logits_to_keep=1)[:, -1]
+    stops = set(int(t) for t in stop_token_ids)
+    return _generate(
+        model,
+        batch,
+        logits,
+        int(ids.shape[1]),
+        budgets,
+        stops,
+        tokenizer,
+        keep_logits,
+        _decodings(decoding, n),
+        decided,
+        drop_finished,
+        on_drop,
+    )
 
 
 # ------------------------------------------------------------------ one served cache: a batch of one

@@ -337,6 +337,13 @@ class GrowingLayer(DynamicLayer):
         self.n -= n
         self._views()
 
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the sequences ``indices`` (``[kept]`` int64, on the layer's device) of the batch axis:
+        the buffer is copied, with its capacity (transformers' ``DynamicLayer`` would select the views and
+        lose the buffer)."""
+        self._k, self._v = self._k.index_select(0, indices), self._v.index_select(0, indices)
+        self._views()
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         q = key_states.shape[-2]
         if self.n + q > self._k.shape[2]:

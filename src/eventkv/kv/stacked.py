@@ -13,7 +13,7 @@ from transformers import DynamicCache
 
 from eventkv.errors import EventKVError
 from eventkv.kv.model import attention_masks, model_forward
-from eventkv.kv.rows import GrowingLayer, cache_kv, growing_cache
+from eventkv.kv.rows import GrowingLayer, LayerRows, cache_from_rows, cache_kv, growing_cache
 from eventkv.kv.serve import ServedCache
 
 if TYPE_CHECKING:
@@ -24,19 +24,37 @@ if TYPE_CHECKING:
 class Batch:
     """Several served caches stacked on the batch axis.
 
-    cache: a DynamicCache of GrowingLayers, per layer ``[batch, kv_heads, rows, head_dim]``
-    (left-padded with zero rows); mask: ``[batch, rows]`` bool, False on pad rows and on rows a
-    native cache hides; next_position: ``[batch]`` int64, each sequence's first query position.
-    All three live on the rows' device (the model's), so a decode step copies nothing to or from it.
+    cache: a DynamicCache, per layer ``[batch, kv_heads, rows, head_dim]``: GrowingLayers left-padded
+    with zero rows (:func:`stack`, :func:`merge`), or the layers of :func:`eventkv.kv.rows.cache_from_rows`
+    (:meth:`of_rows`); mask: ``[batch, rows]`` bool, False on pad rows and on rows a native cache
+    hides; next_position: ``[batch]`` int64, each sequence's first query position. All three live on
+    the rows' device (the model's), so a decode step copies nothing to or from it.
     """
 
     cache: DynamicCache
     mask: torch.Tensor
     next_position: torch.Tensor
 
+    @classmethod
+    def of_rows(cls, keys: Sequence[LayerRows], values: Sequence[LayerRows], next_position: int) -> "Batch":
+        """A batch over rows that every sequence sees whole, with no padding: per layer ``keys`` / ``values``
+        ``[batch, kv_heads, rows, head_dim]`` (shared, never written in place: new rows are concatenated,
+        :func:`eventkv.kv.rows.cache_from_rows`), every sequence's next token at position ``next_position``
+        (e.g. a prompt's rows at positions ``0 .. rows - 1`` and ``next_position = rows``)."""
+        b, rows, dev = int(keys[0].shape[0]), int(keys[0].shape[2]), keys[0].device
+        mask = torch.ones(b, rows, dtype=torch.bool, device=dev)
+        return cls(cache_from_rows(keys, values), mask, torch.full((b,), next_position, dtype=torch.long, device=dev))
+
     @property
     def size(self) -> int:
         return int(self.mask.shape[0])
+
+    def keep(self, idx: torch.Tensor) -> None:
+        """Keep only the sequences ``idx`` (``[kept]`` int64 on the batch's device, in the order given), in
+        place: the rows of every layer, the mask and the next positions (the rows are copied)."""
+        self.cache.batch_select_indices(idx)
+        self.mask = self.mask.index_select(0, idx)
+        self.next_position = self.next_position.index_select(0, idx)
 
     def select(self, idx: Sequence[int], capacity: int) -> "Batch":
         """A copy of the sub-batch at ``idx`` (indices may repeat) with room for ``capacity`` rows."""

@@ -315,7 +315,16 @@ def chat_reply(lm: LoadedModel, messages, *, max_new_tokens: int = 256, decoding
     n = len(ids) - 1
     pos = torch.arange(n, device=device).unsqueeze(0)
     model_forward(lm.model, torch.tensor([ids[:n]], device=device), pos, cache, logits_to_keep=1)
-    served = ServedCache(*cache_kv(cache), torch.arange(n, device="cpu"), None, n, "text", ())
+    keys, values = cache_kv(cache)
+    served = ServedCache(
+        keys=keys,
+        values=values,
+        positions=torch.arange(n, device="cpu"),
+        visible=None,
+        next_position=n,
+        mode="text",
+        served=(),
+    )
     t1 = time.perf_counter()
     ((gen, _),) = answer_served(
         lm.model,

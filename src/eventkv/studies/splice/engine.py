@@ -47,7 +47,8 @@ to the number of layers splices nothing and reproduces clean exactly). ``heads``
 Performance: :func:`clean_run` (one prefill + one clean greedy decode) and :func:`donor_rows`
 (one short forward per scaffold filler) are computed once per prompt; :func:`splice_sweep` then
 runs every (arm, layers, step) cell as a batch over the shared rows — a cutoff sweep costs
-splices and decodes, not prefills.
+splices and decodes, not prefills. Every decode is the data path's decode loop
+(:func:`eventkv.kv.readout.generate_from`), a finished splice leaving its batch.
 """
 
 from __future__ import annotations
@@ -57,13 +58,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
+from transformers import DynamicCache
 
 from eventkv.errors import EventKVError
 from eventkv.kv.log import encode
 from eventkv.kv.model import check_context, model_device, model_forward
-from eventkv.kv.readout import token_logprobs
+from eventkv.kv.readout import generate_from, token_logprobs
 from eventkv.kv.rows import cache_from_rows, cache_kv
+from eventkv.kv.stacked import Batch
 
 ARMS = ("clean", "scaffold", "zero-kv", "zero-k", "zero-v", "mask", "mean")
 TAILS = ("clean", "spliced")
@@ -275,70 +277,6 @@ def span_masked(
 
 
 @torch.inference_mode()
-def _decode(
-    model,
-    keys: list[torch.Tensor],
-    values: list[torch.Tensor],
-    forced: torch.Tensor,
-    start_pos: int,
-    max_new: int,
-    stop_ids: set[int],
-    keep_logits: bool = False,
-    decided: Callable | None = None,
-    masks: Sequence[dict] = (),
-):
-    """Batched greedy decoding. ``keys/values`` per layer ``[B, kv_heads, rows, head_dim]``;
-    ``forced`` ``[B, q]`` token ids fed first at positions ``start_pos ..``; then up to ``max_new``
-    greedy tokens. ``decided(tokens) -> bool``, if given, ends an element early (its outcome is
-    known). Finished elements are dropped from the batch (and from the ``[B]``-indexed tensors in
-    ``masks``). Returns (tokens per element, stopped per element, logits per element, cache); the
-    cache is only complete when no element finished early (B = 1 without ``decided``)."""
-    dev = model_device(model)
-    b = forced.shape[0]
-    cache = cache_from_rows(keys, values)
-    q = forced.shape[1]
-    pos = torch.arange(start_pos, start_pos + q, device=dev).unsqueeze(0).expand(b, -1)
-    logits = model_forward(model, forced, pos, cache, logits_to_keep=1)[:, -1]
-    nxt = start_pos + q
-    toks: list[list[int]] = [[] for _ in range(b)]
-    stopped = [False] * b
-    kept: list[list[torch.Tensor]] = [[] for _ in range(b)]
-    active = list(range(b)) if max_new > 0 else []
-    while active:
-        best = torch.argmax(logits, dim=-1).tolist()
-        keep_rows, feed = [], []
-        for j, e in enumerate(active):
-            if keep_logits:
-                kept[e].append(logits[j].clone())
-            if best[j] in stop_ids:
-                stopped[e] = True
-                continue
-            toks[e].append(best[j])
-            if len(toks[e]) >= max_new or (decided is not None and decided(toks[e])):
-                continue
-            keep_rows.append(j)
-            feed.append(best[j])
-        if not keep_rows:
-            break
-        if len(keep_rows) < len(active):
-            idx = torch.tensor(keep_rows, device=dev)
-            for layer in cache.layers:
-                # every layer of the config-less cache_from_rows cache is a DynamicLayer holding rows
-                assert isinstance(layer, CacheLayerMixin) and layer.keys is not None and layer.values is not None
-                layer.keys = layer.keys.index_select(0, idx)
-                layer.values = layer.values.index_select(0, idx)
-            for m in masks:
-                for key in list(m):
-                    m[key] = m[key].index_select(0, idx)
-            active = [active[j] for j in keep_rows]
-        ids = torch.tensor(feed, device=dev).view(-1, 1)
-        p = torch.full((len(feed), 1), nxt, device=dev)
-        logits = model_forward(model, ids, p, cache, logits_to_keep=1)[:, -1]
-        nxt += 1
-    return toks, stopped, kept, cache
-
-
-@torch.inference_mode()
 def clean_run(
     model,
     prompt: SplicePrompt,
@@ -360,32 +298,21 @@ def clean_run(
     check_context(prompt.n_rows + max_new_tokens, max_context, what="prompt plus generation")
     dev = model_device(model)
     ids = torch.tensor([prompt.ids], device=dev)
-    from transformers import DynamicCache
-
     cache = DynamicCache()
-    p = prompt.n_rows
-    if p > 1:
-        model_forward(model, ids[:, : p - 1], torch.arange(p - 1, device=dev).unsqueeze(0), cache, logits_to_keep=1)
-    keys, values = cache_kv(cache)
-    toks, stopped, kept, cache = _decode(
+    p = prompt.n_rows  # >= 2: a SplicePrompt has a span and a tail
+    model_forward(model, ids[:, : p - 1], torch.arange(p - 1, device=dev).unsqueeze(0), cache, logits_to_keep=1)
+    batch = Batch.of_rows(*cache_kv(cache), p - 1)
+    (gen,) = generate_from(
         model,
-        keys,
-        values,
+        batch,
         ids[:, p - 1 :],
-        p - 1,
-        max_new_tokens,
-        set(int(t) for t in stop_token_ids),
-        keep_logits,
-        decided,
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=stop_token_ids,
+        keep_logits=keep_logits,
+        decided=decided,
     )
-    return CleanRun(
-        prompt,
-        [layer.keys for layer in cache.layers],
-        [layer.values for layer in cache.layers],
-        toks[0],
-        stopped[0],
-        kept[0],
-    )
+    keys, values = cache_kv(batch.cache)
+    return CleanRun(prompt, keys, values, gen.tokens, gen.stopped, gen.logits)
 
 
 @torch.inference_mode()
@@ -566,22 +493,27 @@ def _run_batch(
     forced = torch.tensor([all_ids[r0 : p + step]], dtype=torch.long, device=model_device(model))
     b = len(splices)
     keys, values, plan, head_plan = _spliced_rows(model, run, splices, r0, donors)
+
+    def narrow(idx: torch.Tensor) -> None:  # finished splices leave the batch: their mask plans too
+        for m in (plan, head_plan):
+            for layer in list(m):
+                m[layer] = m[layer].index_select(0, idx)
+
+    prefix = list(run.tokens[:step])
+    dec = None if decided is None else (lambda new: decided(prefix + new))
     with span_masked(model, (lo, hi), plan, head_plan or None):
-        prefix = list(run.tokens[:step])
-        dec = None if decided is None else (lambda new: decided(prefix + new))
-        toks, stopped, kept, _ = _decode(
+        gens = generate_from(
             model,
-            keys,
-            values,
+            Batch.of_rows(keys, values, r0),
             forced.expand(b, -1),
-            r0,
-            max_new - step,
-            stops,
-            keep_logits,
-            dec,
-            masks=(plan, head_plan),
+            max_new_tokens=max_new - step,
+            stop_token_ids=stops,
+            keep_logits=keep_logits,
+            decided=dec,
+            drop_finished=True,
+            on_drop=narrow,
         )
-    return [SpliceResult(s, prefix + toks[e], stopped[e], kept[e]) for e, s in enumerate(splices)]
+    return [SpliceResult(s, prefix + g.tokens, g.stopped, g.logits) for s, g in zip(splices, gens)]
 
 
 def _check_splices(run: CleanRun, splices: Sequence[Splice], donors: dict, tail: str, batch_size: int) -> None:
