@@ -7,11 +7,8 @@ which every write goes all or nothing (a new segment fsynced before the transact
 from __future__ import annotations
 
 import builtins
-import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Self, Sequence, cast
-
-import numpy as np
 
 from eventkv.errors import EventKVError, OutOfSpace, StoreDamaged
 from eventkv.kv.log import HEADER_ID, Event, TokenizedLog, encode
@@ -22,12 +19,13 @@ from eventkv.memory.api import SelectSpec
 from eventkv.memory.integrity import damaged
 from eventkv.memory.records import Added, MemoryEvent, MemoryRecord, MemoryStats
 from eventkv.memory.rows import RowCache, tail
-from eventkv.memory.select import SelectionContext, Selector, available, selector_for
+from eventkv.memory.select import SelectionContext, Selector, selector_for
 from eventkv.memory.sql import EventRow, Writes
 from eventkv.memory.store import Store, now
 from eventkv.memory.table import EventTable
 
 if TYPE_CHECKING:  # pragma: no cover
+    from eventkv.memory.dense import StoredEmbeddings
     from eventkv.models.profile import LoadedModel
 
 
@@ -235,7 +233,7 @@ class MemoryCore:
             )
             added.append(Added(eid, pos, width))
             seq, pos, row = seq + 1, pos + width, row + len(toks)
-        store_vectors = self._vectors_at_add([r.id for r in rows], [r.text for r in rows])
+        store_vectors = self._vectors.at_add([r.id for r in rows], [r.text for r in rows])
 
         def insert(tx: Writes) -> None:
             tx.insert_events(rows)
@@ -339,47 +337,16 @@ class MemoryCore:
         """What a selector may read (:class:`eventkv.memory.select.SelectionContext`); the rows are
         prefilled only when a selector asks for them."""
         return SelectionContext(
-            lm=self.lm, rows=self._rows_prefilled, embeddings=self._embeddings, history_end=self._history_end()
+            lm=self.lm, rows=self._rows_prefilled, embeddings=self._vectors, history_end=self._history_end()
         )
 
-    def _embed(self, texts: Sequence[str], model: str) -> np.ndarray:
-        """``[len(texts), dim]`` float32 unit vectors under ``model``, on the memory's selector's
-        ``embedding_device`` when it is that selector's model, else on the CPU."""
-        from eventkv.memory.dense import embed
+    @property
+    def _vectors(self) -> StoredEmbeddings:
+        """The memory's sentence vectors (:class:`eventkv.memory.dense.StoredEmbeddings`), written through
+        :meth:`_commit`."""
+        from eventkv.memory.dense import StoredEmbeddings
 
-        own = getattr(self.selector, "embedding_model", None) == model
-        return embed(texts, model, getattr(self.selector, "embedding_device", "cpu") if own else "cpu")
-
-    def _vectors_at_add(self, ids: Sequence[str], texts: Sequence[str]) -> Callable[[Writes], None]:
-        """The write that stores new events' vectors in their add's transaction, computed now: under
-        the memory's selector's ``embedding_model`` (None or absent: nothing to store)."""
-        model = getattr(self.selector, "embedding_model", None)
-        if not model or not ids:
-            return lambda tx: None
-        with available(getattr(self.selector, "name", type(self.selector).__name__)):
-            vectors = self._embed(texts, model)
-        return lambda tx: tx.insert_embeddings(model, ids, vectors)
-
-    def _embeddings(self, events: Sequence[MemoryRecord], model: str) -> np.ndarray:
-        """``SelectionContext.embeddings``: the events' stored vectors under ``model``, ``[len(events),
-        dim]`` float32 unit rows; an event without one is embedded now and its vector stored (on a full
-        disk it is used unstored, and computed again next time)."""
-        ids = [e.id for e in events]
-        vectors = self.store.embeddings(model, ids)
-        missing = [e for e in events if e.id not in vectors]
-        if missing:
-            computed = self._embed([cast(str, e.text) for e in missing], model)
-            vectors.update(zip([e.id for e in missing], computed))
-            known = [(e.id, v) for e, v in zip(missing, computed) if e.id in self._by_id]
-            if known:
-                with contextlib.suppress(OutOfSpace):
-                    self._commit(
-                        lambda tx: tx.insert_embeddings(model, [i for i, _ in known], np.stack([v for _, v in known])),
-                        bump=False,
-                    )
-        if not ids:
-            return np.zeros((0, 0), dtype=np.float32)
-        return np.stack([vectors[i] for i in ids])
+        return StoredEmbeddings(self.store, self.selector, self._commit, lambda i: i in self._by_id)
 
     def _lazy_prefill(self) -> EventKV | None:
         """The stored history's rows with every pending event prefilled and committed (a read's lazy

@@ -18,19 +18,22 @@ vectors at the first dense ranking and stores them then (:class:`eventkv.memory.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from eventkv.errors import EventKVError, OptionError
-from eventkv.memory.select import ScoringSelector, SelectionContext, check_texts
+from eventkv.errors import EventKVError, OptionError, OutOfSpace
+from eventkv.memory.select import ScoringSelector, SelectionContext, available, check_texts
 from eventkv.models.sentence import DEFAULT_SENTENCE_MODEL, canonical_name
 
 if TYPE_CHECKING:  # pragma: no cover
     from eventkv.memory.records import MemoryRecord
+    from eventkv.memory.sql import Writes
 
-__all__ = ["DEFAULT_SENTENCE_MODEL", "DenseSelector", "embed"]
+__all__ = ["DEFAULT_SENTENCE_MODEL", "DenseSelector", "StoredEmbeddings", "embed"]
 
 #: texts per forward of the sentence model
 BATCH_SIZE = 32
@@ -123,3 +126,59 @@ class DenseSelector(ScoringSelector):
                 "another name (its directory path)."
             )
         return (vectors @ q).astype(np.float32)
+
+
+@dataclass
+class StoredEmbeddings:
+    """A memory's sentence vectors: read from its store, computed when missing (under the model a selector
+    names) and stored, in the add's own transaction for new events (:meth:`at_add`) or in one of their own
+    (:meth:`__call__`, ``SelectionContext.embeddings``).
+
+    Args:
+        store: the memory's :class:`eventkv.memory.store.Store` (``embeddings(model, ids)``).
+        selector: the memory's selector: its ``embedding_model`` is computed at add, on its ``embedding_device``.
+        commit: the memory's commit path, ``commit(write, bump=False)`` (``EventMemory``'s ``_commit``).
+        known: whether an event id is stored (a vector is stored only for a stored event).
+    """
+
+    store: Any
+    selector: Any
+    commit: Callable[..., None]
+    known: Callable[[str], bool]
+
+    def embed(self, texts: Sequence[str], model: str) -> np.ndarray:
+        """``[len(texts), dim]`` float32 unit vectors under ``model``, on the selector's ``embedding_device``
+        when it is the selector's model, else on the CPU."""
+        own = getattr(self.selector, "embedding_model", None) == model
+        return embed(texts, model, getattr(self.selector, "embedding_device", "cpu") if own else "cpu")
+
+    def at_add(self, ids: Sequence[str], texts: Sequence[str]) -> Callable[[Writes], None]:
+        """The write that stores new events' vectors in their add's transaction, computed now: under the
+        selector's ``embedding_model`` (None or absent: nothing to store)."""
+        model = getattr(self.selector, "embedding_model", None)
+        if not model or not ids:
+            return lambda tx: None
+        with available(getattr(self.selector, "name", type(self.selector).__name__)):
+            vectors = self.embed(texts, model)
+        return lambda tx: tx.insert_embeddings(model, ids, vectors)
+
+    def __call__(self, events: Sequence[MemoryRecord], model: str) -> np.ndarray:
+        """The events' stored vectors under ``model``, ``[len(events), dim]`` float32 unit rows; an event
+        without one is embedded now and its vector stored (on a full disk it is used unstored, and computed
+        again next time)."""
+        ids = [e.id for e in events]
+        vectors = self.store.embeddings(model, ids)
+        missing = [e for e in events if e.id not in vectors]
+        if missing:
+            computed = self.embed([cast(str, e.text) for e in missing], model)
+            vectors.update(zip([e.id for e in missing], computed))
+            known = [(e.id, v) for e, v in zip(missing, computed) if self.known(e.id)]
+            if known:
+                with contextlib.suppress(OutOfSpace):
+                    self.commit(
+                        lambda tx: tx.insert_embeddings(model, [i for i, _ in known], np.stack([v for _, v in known])),
+                        bump=False,
+                    )
+        if not ids:
+            return np.zeros((0, 0), dtype=np.float32)
+        return np.stack([vectors[i] for i in ids])

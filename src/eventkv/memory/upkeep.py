@@ -208,7 +208,7 @@ class MemoryUpkeep(MemoryCore):
         if events:
             ekv = self._compute(TokenizedLog.from_ids(self.header_ids, events), None)
 
-        store_vectors = self._vectors_at_add([r.id for r in rows], [r.text for r in rows])
+        store_vectors = self._vectors.at_add([r.id for r in rows], [r.text for r in rows])
 
         def write(tx: Writes) -> None:
             tx.replace_history(rows)
