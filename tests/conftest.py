@@ -37,11 +37,12 @@ def tiny_dir(tmp_path_factory):
     return d
 
 
-@pytest.fixture(scope="module", params=["process", "ray"])
+@pytest.fixture(scope="module", params=["process", pytest.param("ray", marks=pytest.mark.slow)])
 def cluster(request):
     """The backend of ``eventkv serve`` a test module's servers run on (tests/service_fixtures.Server's
     ``cluster``): None (one process), or a local Ray cluster of 2 CPUs on 127.0.0.1 that each server
-    deploys 2 replicas on (``--backend ray``), started for the module and stopped after it."""
+    deploys 2 replicas on (``--backend ray``), started for the module and stopped after it. The Ray
+    cases are ``slow``: starting the cluster and deploying on it take most of their time."""
     if request.param == "process":
         yield None
         return

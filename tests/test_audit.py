@@ -13,6 +13,7 @@ from cli_fixtures import run_cli
 from eventkv.studies.materialization.audit import EvictionAudit, summarize_audit
 
 
+@pytest.mark.slow
 def test_audit_runs_and_resumes(tiny_dir, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     args = ["audit", "--model", str(tiny_dir), "--items", "2", "--policy", "streaming,knorm", "--ratio", "0.25,0.9"]

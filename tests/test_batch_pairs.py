@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from probe_fixtures import tiny_runtime
+from tiers import slow_except
 
 from eventkv.errors import EventKVError
 from eventkv.kv.batched import prefill_batch
@@ -42,7 +43,7 @@ def _close(a, b, path="record"):
         assert a == b, f"{path}: {a!r} vs {b!r}"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", slow_except(FAMILIES, "llama"))
 def test_prefill_batch_equals_one_at_a_time(family):
     rt = tiny_runtime(family)
     probe = DonorPair()
@@ -80,7 +81,7 @@ def test_prefill_batch_refuses_bad_jobs():
     assert prefill_batch(rt.model, [(a, ekv_a), (a, ekv_a)])[0].n_rows == a.n_rows
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", slow_except(FAMILIES, "llama"))
 def test_read_out_with_one_query_per_cache(family):
     rt = tiny_runtime(family)
     probe = DonorPair()
@@ -120,8 +121,10 @@ def test_read_out_with_one_query_per_cache(family):
         read_out(rt.model, served[:2], [queries[0]], **flags(2), **kw)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("arms", [("kv", "isolated"), ("kv", "isolated", "text-all", "kv-all")])
+@pytest.mark.parametrize("family", slow_except(FAMILIES, "llama"))
+@pytest.mark.parametrize(
+    "arms", [("kv", "isolated"), pytest.param(("kv", "isolated", "text-all", "kv-all"), marks=pytest.mark.slow)]
+)
 def test_donor_pair_batch_n_equals_batch_1(family, arms):
     rt = tiny_runtime(family)
     probe = DonorPair(arm_names=arms, readout="both", max_new_tokens=3)
@@ -133,6 +136,7 @@ def test_donor_pair_batch_n_equals_batch_1(family, arms):
         _close(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["trigger-bank", "landing", "access", "carriers", "patch"])
 def test_every_contract_probe_batches_too(name):
     """The contract probes: several histories per item, swapped rows, fixed query positions, patches
@@ -164,6 +168,7 @@ def test_batch_of_one_is_run_item_bit_for_bit():
     assert probe.run_batch(rt, [item]) == [probe.run_item(rt, item)]
 
 
+@pytest.mark.slow
 def test_runner_batches_and_records_it(tmp_path):
     """``run_probe(batch=3)`` writes the records of batch 1 (within TOL), in index order, resumes a
     cut run, and records ``batch_pairs`` with the invocation."""

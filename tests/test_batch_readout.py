@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiers import slow_except
 
 from eventkv.errors import EventKVError
 from eventkv.kv.readout import read_out
@@ -42,7 +43,7 @@ def sharp_lm(family: str):
     return lm
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=slow_except(FAMILIES, "gemma3"))
 def memories(request, tmp_path_factory):
     lm = sharp_lm(request.param)
     root = tmp_path_factory.mktemp(f"batch-{request.param}")

@@ -31,6 +31,7 @@ def run_benchmark(script: str, args: list[str], timeout: float):
     return one, lines
 
 
+@pytest.mark.slow
 def test_gpu_throughput_smoke():
     one, lines = run_benchmark("gpu_throughput.py", ["--smoke", "--device", "cpu"], 600)
     assert one(r"device: .*\(cpu, \d+ torch threads\); dtype float32; torch ")
@@ -50,6 +51,7 @@ def test_gpu_throughput_smoke():
     one(r"donor pairs speed-up over the study's way: batch 1 [\d.]+x")
 
 
+@pytest.mark.slow
 def test_service_load_smoke(tmp_path):
     """The service load benchmark end to end on the tiny model: one client count, batching off and on,
     a few requests; every table line, the ratios, no errors and no acknowledged add lost."""
@@ -84,6 +86,7 @@ def test_service_load_smoke(tmp_path):
     one(r"HTTP overhead \(median query latency, HTTP / library\): [\d.]+x")
 
 
+@pytest.mark.slow
 def test_service_scale_smoke():
     """The Ray Serve scaling benchmark end to end on the tiny model and a local Ray cluster of 2 CPUs: the
     three arms (plain process, 1 replica, 2 replicas), each with a few requests and no errors; the three
@@ -166,6 +169,7 @@ def main():
 }
 
 
+@pytest.mark.slow
 def test_donor_pair_throughput_times_the_study_script_s_part_a(tmp_path, tiny_dir):
     """``--study-repo`` on a stand-in of the study's repository with the same interface (its package
     ``__init__`` failing, CUDA-only calls, Part A then Part B per item): only Part A's calls are timed

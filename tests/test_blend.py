@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiers import slow_except
 from transformers import DynamicCache
 
 from eventkv.errors import EventKVError, OptionError
@@ -46,7 +47,7 @@ SERVED = ["b", "d"]
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=TINY_FAMILIES)
+@pytest.fixture(scope="module", params=slow_except(TINY_FAMILIES, "gemma3"))
 def setup(request):
     lm = tiny_lm(request.param)
     ekv = prefill(lm.model, tokenize(EventLog(EVENTS), lm.tokenizer, lm.profile))
@@ -214,7 +215,7 @@ def test_blend_sits_between_rows_and_a_fresh_prefill(setup):
 DEEP_LAYERS = 5
 
 
-@pytest.fixture(scope="module", params=TINY_FAMILIES)
+@pytest.fixture(scope="module", params=slow_except(TINY_FAMILIES, "gemma3"))
 def deep(request):
     """A 5-layer tiny model (Gemma 3: sliding, sliding, full, sliding, sliding), so that ``layerwise`` narrows
     its set on layers 1, 2 and 3."""

@@ -25,6 +25,7 @@ def test_plan_sizes():
         plan(1)
 
 
+@pytest.mark.slow
 def test_contract_battery_on_a_tiny_model(tmp_path, monkeypatch):
     import eventkv.studies.materialization.contract.battery as c
     from eventkv.studies.materialization.contract.battery import Step
@@ -102,6 +103,7 @@ def test_every_contract_probe_writes_its_own_section():
         probe_section("splice", Summary("splice", []))
 
 
+@pytest.mark.slow
 def test_cli_run_contract_probes(tmp_path, monkeypatch):
     """`eventkv run patch|access ...` (mounted by eventkv.cli from contract_cli.RUN_COMMANDS) with a tiny model."""
     import types

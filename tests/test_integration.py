@@ -14,7 +14,7 @@ from eventkv.kv.prefill import prefill
 from eventkv.kv.readout import candidate_logprobs, generate
 from eventkv.kv.serve import serve
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "events.jsonl"
 TOL = 1e-4
 

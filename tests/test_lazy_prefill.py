@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 from probe_fixtures import tiny_runtime
+from tiers import slow_except
 
 from eventkv.studies.materialization.donor_pair import DonorPair
 from eventkv.studies.materialization.pairs import PairArm, events_read, tokenize_pair
@@ -27,7 +28,7 @@ class WholeDonorPair(DonorPair):
     prefill_whole = True  # the same arms, every history prefilled to its end
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("family", slow_except(["llama", "qwen2", "gemma3"], "gemma3"))
 def test_lazy_records_equal_the_whole_prefill_for_the_same_arms(family):
     rt = tiny_runtime(family)
     opts = {"arm_names": ("kv", "isolated"), "readout": "both", "max_new_tokens": 3}

@@ -219,6 +219,7 @@ def test_answers_equal_the_library_on_the_same_store(stdio_session, model_dir):
 
 
 # ====================================================================== streamable HTTP
+@pytest.mark.slow
 def test_the_streamable_http_transport(model_dir, tmp_path):
     from mcp.client.streamable_http import streamable_http_client
 
@@ -266,6 +267,7 @@ def test_the_streamable_http_transport(model_dir, tmp_path):
 
 
 # ====================================================================== --server: a live eventkv serve
+@pytest.mark.slow
 def test_the_server_backend_through_a_live_eventkv_serve(model_dir, tmp_path):
     from service_fixtures import Server
 

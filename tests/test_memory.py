@@ -16,6 +16,7 @@ import sqlite3
 
 import pytest
 import torch
+from tiers import slow_except
 
 from eventkv.errors import EventKVError, OptionError
 from eventkv.kv.log import tokenize, tokenize_query
@@ -340,7 +341,7 @@ def test_query_modes_and_candidates(llama, tmp_path):
         assert mem.query(QUESTION, select="view", max_new_tokens=1).timings_ms["prefill"] >= 0
 
 
-@pytest.mark.parametrize("family", GATE_FAMILIES)
+@pytest.mark.parametrize("family", slow_except(GATE_FAMILIES, "gemma3"))
 def test_query_batch_equals_separate_queries(family, tmp_path):
     """Several plans read out in one batch give each plan's separate answer: same greedy tokens,
     logits within TOL, candidate log-probs within TOL (float32)."""
@@ -551,6 +552,7 @@ def test_empty_memory(llama, tmp_path):
 
 
 # ====================================================================== a real model
+@pytest.mark.slow
 @pytest.mark.integration
 def test_gate_smollm2(tmp_path):
     from eventkv.models import load

@@ -173,6 +173,7 @@ def _run(op, mem):
         return None, exc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_a_full_disk_at_any_write_step_keeps_nothing(name, lm, tmp_path, monkeypatch):
     op = OPS[name]
@@ -262,6 +263,7 @@ def test_a_lazy_prefill_on_a_full_disk_answers_from_memory_and_keeps_nothing(lm,
         assert state(mem) == after
 
 
+@pytest.mark.slow
 def test_create_on_a_full_disk_leaves_nothing(lm, tmp_path, monkeypatch):
     disk = DiskFull()
     with monkeypatch.context() as mp:
@@ -412,6 +414,7 @@ def test_a_full_disk_over_http_is_507_and_the_server_keeps_answering(lm, tmp_pat
         assert http.post("/v1/memories", json={"id": "n"}).status_code == 201
 
 
+@pytest.mark.slow
 def test_a_real_full_disk_under_a_live_server_is_507(small_fs, tmp_path):
     pytest.importorskip("fastapi")
     httpx = pytest.importorskip("httpx")
@@ -494,6 +497,7 @@ print(total, flush=True)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the kill at each line forks a child per line")
 def test_a_creation_killed_at_any_line_leaves_no_stuck_id(lm, tmp_path, shm_path):
     root = shm_path / "store"

@@ -240,6 +240,7 @@ DIARY = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_attention_on_smollm2_ranks_the_events_it_does():
     from eventkv.models import load

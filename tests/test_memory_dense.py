@@ -294,6 +294,7 @@ PARAPHRASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.parametrize("texts, question, ranking", PARAPHRASES, ids=["medicine", "pet", "brother"])
 def test_packaged_minilm_finds_paraphrases_bm25_misses(texts, question, ranking):

@@ -285,6 +285,7 @@ def test_a_registered_selector_just_works(latest_selector):
     assert rec["arms"]["full"]["kv_bytes"] == rec["arms"]["full"]["n_rows"] * row
 
 
+@pytest.mark.slow
 def test_grouped_readouts_answer_as_one_batch():
     """Readouts split by length (max_padding 0: equal lengths only) give the same greedy answers as one
     batch of every arm (max_padding 1); forced-choice margins within 1e-3 nats (float32)."""
@@ -507,6 +508,7 @@ def test_adversarial_question_gets_the_forced_choice(batch_arms):
     assert "DATE" not in question_prompt("When?", 4)
 
 
+@pytest.mark.slow
 def test_relevance_order_serves_each_contiguous_arm_as_the_memory_query_does():
     """order="relevance": every text and /contiguous arm answers as ``EventMemory.query`` with
     ``order="relevance"`` on the same question, selector, budget and shaping (the same served order and
@@ -579,6 +581,7 @@ def test_readout_groups_keep_relevance_plans_apart():
     assert probe._groups(plans, {"x": 5, "y": 3}, 10, 2) == [["a", "d"], ["b"], ["c"], ["f", "e"]]
 
 
+@pytest.mark.slow
 def test_order_is_checked_and_recorded(tmp_path, monkeypatch, capsys, tiny_dir):
     """``--order relevance`` reaches the probe: the manifest's options record it, the arm names stay those
     of order log, and the text and /contiguous arms record the order they were served in."""

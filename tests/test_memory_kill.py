@@ -6,6 +6,10 @@ reopens the store: every acknowledged event is there with its rows, every segmen
 its sha256 (``open`` does the full check), no orphan segment file is left, and the reopened memory
 still equals a fresh prefill of its events. Two rounds: the second continues the store the first
 left behind.
+
+Marked ``slow`` (each round starts a child that loads torch). In the fast tier the same recovery is
+tested in one process: an orphan segment, as a kill between its write and the commit leaves it, is
+discarded by ``open`` (tests/test_memory.py::test_open_discards_orphans_and_checks_segments).
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ def _run_and_kill(directory, mode: str, start: int, acks_before_kill: int, extra
     return acked
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("delays", [(0.0, 0.013)])
 def test_acknowledged_adds_survive_sigkill(tmp_path, delays):
     d = tmp_path / "m"

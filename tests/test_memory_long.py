@@ -265,6 +265,7 @@ def test_forget_on_a_long_history_recomputes_windowed(lm, tmp_path):
 LOCOMO = Path("/work/shared/data/locomo/locomo10-dev.json")
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_smollm2_answers_from_a_20k_token_history(tmp_path):
     """smollm2-135m (8,192 positions) keeps a 20,000-token history of synthetic agent events, prefilled

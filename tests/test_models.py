@@ -379,6 +379,7 @@ def test_cache_root_from_env(monkeypatch, tmp_path):
 # Real packaged models (default cache dir: fetched once per machine)
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_smollm2_loads_and_generates():
     lm = models.load("smollm2-135m")
@@ -398,6 +399,7 @@ def test_smollm2_loads_and_generates():
     assert "Paris" in lm.tokenizer.decode(out[0, ids.shape[1] :])
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_gemma3_plain_text_scaffold_and_layer_types():
     p = models.load("gemma3-270m").profile

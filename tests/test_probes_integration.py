@@ -9,7 +9,7 @@ from eventkv.probes import Runtime
 from eventkv.probes.runner import load_records, run_probe
 from eventkv.studies.materialization.donor_pair import DonorPair
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def test_donor_pair_on_smollm2(tmp_path):

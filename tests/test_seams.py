@@ -134,6 +134,7 @@ def test_a_chat_template_with_a_seam_is_reported(caplog):
 # Real packaged models
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.parametrize("alias", sorted(models.ALIASES))
 def test_every_packaged_profile_tokenizes_piecewise_as_the_whole_text(alias):
@@ -148,6 +149,7 @@ def test_every_packaged_profile_tokenizes_piecewise_as_the_whole_text(alias):
     assert_seams_hold(tok, profile)
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_gemma3_plain_head_no_longer_leaves_a_lone_space_token():
     lm = models.load("gemma3-270m")

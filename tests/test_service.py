@@ -179,6 +179,7 @@ def test_bad_requests_are_4xx_with_a_json_body(server):
         assert r.json()["message"].startswith("the body is not valid JSON at character 1: Expecting property name")
 
 
+@pytest.mark.slow
 def test_http_answers_equal_the_library_on_the_same_store(model_dir, tmp_path, cluster):
     srv = Server(model_dir, tmp_path / "store", cluster=cluster)
     try:
@@ -211,6 +212,7 @@ def test_http_answers_equal_the_library_on_the_same_store(model_dir, tmp_path, c
                 assert c.logprob == pytest.approx(r.logprob, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_auth_tokens_and_namespace_grants(model_dir, tmp_path, cluster):
     tokens = tmp_path / "tokens"
     tokens.write_text(f"# admin\n{TOKEN}\n{'b' * 32} beta\n")
@@ -231,6 +233,7 @@ def test_auth_tokens_and_namespace_grants(model_dir, tmp_path, cluster):
         srv.kill()
 
 
+@pytest.mark.slow
 def test_413_and_503(model_dir, tmp_path, cluster):
     srv = Server(model_dir, tmp_path / "store", "--max-body", "2048", "--max-queue", "1", cluster=cluster)
     try:
@@ -270,6 +273,7 @@ def test_non_loopback_bind_without_a_token_is_refused(monkeypatch, capsys, tmp_p
     assert code == 2 and "16 characters" in err
 
 
+@pytest.mark.slow
 def test_sigkill_mid_stream_loses_no_acknowledged_event(model_dir, tmp_path, cluster):
     """A client streams adds (each acknowledged by a 2xx after the commit; every third eager, so
     segment files are being written); the server is SIGKILLed mid-stream; a new server on the same
@@ -318,6 +322,7 @@ def test_sigkill_mid_stream_loses_no_acknowledged_event(model_dir, tmp_path, clu
         assert check_gate(lm, mem, "after SIGKILL") <= 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_smollm2_through_http_equals_the_library(tmp_path):
     srv = Server("smollm2-135m", tmp_path / "store")
@@ -337,6 +342,7 @@ def test_smollm2_through_http_equals_the_library(tmp_path):
     assert_same_greedy(ref.generation.tokens, ref.generation.logits, ref.generation.tokens, ref.generation.logits, 1e-4)
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_queued_work_and_leaves_the_store_consistent(model_dir, tmp_path, cluster):
     """SIGTERM while writes and queries are queued: uvicorn lets the open requests finish, the worker
     runs what was queued, every store is closed; each request got a 2xx (or, once stopping, a 503 or
@@ -415,6 +421,7 @@ def test_a_query_does_not_move_the_version(server):
         mem.add("Mei moved to Oslo.", expected_version=v)  # read, query, write: no conflict
 
 
+@pytest.mark.slow
 def test_refusals_do_not_leak_server_paths(model_dir, tmp_path, cluster):
     from eventkv.testing import tiny_lm
 
@@ -455,6 +462,7 @@ def test_a_taken_port_is_refused_before_the_model_loads(monkeypatch, capsys, tmp
     assert code == 2 and f"--port {port}" in err and "Traceback" not in out + err
 
 
+@pytest.mark.slow
 def test_a_store_held_by_another_process_is_503_locked(model_dir, tmp_path):
     """The library holds a memory's store (its writer lock): the single process answers a write 503
     ``locked`` with Retry-After at once, nothing written (the Ray backend retries it until the store

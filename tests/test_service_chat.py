@@ -322,6 +322,7 @@ def test_remember_stores_the_user_turn_and_the_reply(live, client):
         assert r.status_code == 200
 
 
+@pytest.mark.slow
 def test_an_acknowledged_remember_survives_sigkill(tmp_path):
     model_dir = save_sharp_model(tmp_path / "sharp")
     srv = ServerProcess(model_dir, tmp_path / "store", "--dtype", "float32", "--threads", "1", timeout=900)

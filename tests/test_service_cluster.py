@@ -101,6 +101,7 @@ class AddStream:
         self.thread.join(120)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["ray.kill", "SIGKILL"])
 def test_a_killed_replica_loses_no_acknowledged_add(model_dir, tmp_path, cluster, how):
     store = tmp_path / "store"
@@ -164,6 +165,7 @@ def open_intervals(session_logs: Path) -> dict[str, list[tuple[float, float, str
     return found
 
 
+@pytest.mark.slow
 def test_each_memory_is_open_on_one_replica_at_a_time(model_dir, tmp_path, cluster):
     """6 memories, 2 replicas that keep 2 open each: 8 clients add to and query them at random, so
     memories close on one replica and open on the other. Every request is answered (a lock refusal is
@@ -215,6 +217,7 @@ def test_each_memory_is_open_on_one_replica_at_a_time(model_dir, tmp_path, clust
     assert moved > 0, intervals  # the test moved memories between replicas, or it proved nothing
 
 
+@pytest.mark.slow
 def test_two_memories_on_two_replicas_at_once(model_dir, tmp_path, cluster):
     """Two memories held by the two replicas: queries on both, sent together, are answered by both
     replicas, each as the single process answers it.
@@ -257,6 +260,7 @@ def test_two_memories_on_two_replicas_at_once(model_dir, tmp_path, cluster):
         single.kill()
 
 
+@pytest.mark.slow
 def test_chat_and_mcp_through_the_ray_backend(model_dir, tmp_path, cluster):
     """The OpenAI client's chat (a memory attached by the body and by the header, streamed and not,
     ``remember``) and the MCP server's ``--server`` backend, against the Ray backend: the memory's
@@ -341,6 +345,7 @@ def test_bad_cluster_options_exit_2_before_anything_starts(monkeypatch, capsys, 
     assert code == 2 and says in err and "Traceback" not in out + err, err
 
 
+@pytest.mark.slow
 def test_a_cluster_too_small_for_the_replicas_is_refused(monkeypatch, capsys, tmp_path, cluster):
     """3 replicas of 1 CPU on the 2-CPU cluster: refused at once (Serve would wait for CPUs forever)."""
     from cli_fixtures import run_cli
@@ -352,6 +357,7 @@ def test_a_cluster_too_small_for_the_replicas_is_refused(monkeypatch, capsys, tm
     assert not tmp_path.joinpath("store").exists()  # refused before anything was made
 
 
+@pytest.mark.slow
 def test_more_replicas_than_this_machines_cores_are_refused_before_ray_starts(tmp_path):
     """Without --ray-address (in a process of its own: this one is a Ray driver already)."""
     import subprocess
@@ -412,6 +418,7 @@ def test_without_ray_the_ray_backend_says_how_to_install_it(monkeypatch, capsys,
     assert code == 2 and "pip install 'eventkv[ray]'" in err and "Traceback" not in out + err, err
 
 
+@pytest.mark.slow
 def test_a_store_held_elsewhere_is_retried_until_released(model_dir, tmp_path, cluster):
     """A library process holds the memory's store (its writer lock) when an add arrives: the replica's
     open is refused before anything is written, the gateway sends the add again until the library

@@ -218,6 +218,7 @@ checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "403",
 """
 
 
+@pytest.mark.slow
 def test_schemathesis_all_checks_pass_against_the_live_server(lm, tmp_path):
     """Every check schemathesis has (status codes, content types, headers, response schemas,
     negative and positive data, Allow, auth, use after delete), its fuzzing and stateful phases,

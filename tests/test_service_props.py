@@ -94,6 +94,7 @@ def live(tmp_path_factory, cluster):
     srv.kill()
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(names, st.sampled_from(["GET", "POST", "DELETE"]))
 def test_arbitrary_ids_over_http_never_500_and_never_escape(live, x, method):

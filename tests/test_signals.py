@@ -175,6 +175,7 @@ def said_stopped(output: str, sig: int) -> bool:
 FAST = ["--dtype", "float32", "--threads", "1", "--no-progress"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, code", CODES, ids=["SIGTERM", "SIGINT"])
 def test_a_probe_run_stops_with_its_records_whole_and_resumes(sig, code, tiny_dir, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
@@ -192,6 +193,7 @@ def test_a_probe_run_stops_with_its_records_whole_and_resumes(sig, code, tiny_di
     assert invocations(out)[-1]["items_computed"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, code", CODES, ids=["SIGTERM", "SIGINT"])
 def test_memory_eval_stops_and_resumes_on_its_prefilled_memory(sig, code, tiny_dir, tmp_path, monkeypatch, capsys):
     from eventkv.studies.materialization.memory_eval import DEMO_DATA
@@ -217,6 +219,7 @@ def test_memory_eval_stops_and_resumes_on_its_prefilled_memory(sig, code, tiny_d
     assert [p.stat().st_mtime_ns for p in segments] == stamps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, code", CODES, ids=["SIGTERM", "SIGINT"])
 def test_a_sweep_stops_marks_its_folder_interrupted_and_resumes(sig, code, tiny_dir, tmp_path, monkeypatch, capsys):
     plan = tmp_path / "plan.yaml"
@@ -295,6 +298,7 @@ def kept_and_closed(model_dir: Path, memory: Path) -> list[str]:
         return [r.text for r in mem.list()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_serve_stops_cleanly_keeping_what_it_acknowledged(sig, model_dir, tmp_path):
     pytest.importorskip("fastapi")
@@ -315,6 +319,7 @@ def test_serve_stops_cleanly_keeping_what_it_acknowledged(sig, model_dir, tmp_pa
     assert kept_and_closed(model_dir, tmp_path / "store" / "default" / "notes") == [QUESTION_TEXT]
 
 
+@pytest.mark.slow
 def test_serve_on_ray_stops_cleanly_and_removes_its_application(model_dir, tmp_path):
     pytest.importorskip("fastapi")
     pytest.importorskip("ray.serve")
@@ -340,6 +345,7 @@ def test_serve_on_ray_stops_cleanly_and_removes_its_application(model_dir, tmp_p
     assert kept_and_closed(model_dir, tmp_path / "store" / "default" / "notes") == [QUESTION_TEXT]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_mcp_over_stdio_stops_cleanly_keeping_what_it_acknowledged(sig, model_dir, tmp_path):
     """The client keeps stdin open (as a client that signals the server does): the server still exits 0."""
@@ -363,6 +369,7 @@ def test_mcp_over_stdio_stops_cleanly_keeping_what_it_acknowledged(sig, model_di
     assert kept_and_closed(model_dir, store / "default" / "default") == [QUESTION_TEXT]
 
 
+@pytest.mark.slow
 def test_mcp_over_http_stops_cleanly_on_ctrl_c(model_dir, tmp_path):
     """SIGINT, as SIGTERM in tests/test_mcp.py: exit 0."""
     pytest.importorskip("mcp")

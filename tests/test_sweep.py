@@ -297,6 +297,7 @@ def local_ray():
         ray.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["process", "ray"])
 def test_every_backend_writes_the_serial_records(backend, reference, models, tmp_path, request):
     opts = {"workers": 2}
@@ -312,6 +313,7 @@ def test_every_backend_writes_the_serial_records(backend, reference, models, tmp
         assert inv["backend"] == backend and inv["workers"] == 2 and inv["torch_threads"] == THREADS
 
 
+@pytest.mark.slow
 def test_ray_refuses_workers_the_cluster_cannot_place(local_ray, models, tmp_path):
     with pytest.raises(EventKVError, match=r"--threads 4: each Ray worker reserves that many CPUs .* has 2"):
         sweep(models, tmp_path, "ray", threads=4)
@@ -357,6 +359,7 @@ def _sigkill_process(backend) -> None:  # what the kernel's OOM killer does to a
     os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill", [_ray_kill, _sigkill_process], ids=["ray.kill", "SIGKILL"])
 def test_a_dead_ray_worker_ends_the_sweep_with_one_line_and_it_resumes(
     ray_worker_dies, kill, reference, models, tmp_path, monkeypatch, capsys
@@ -381,6 +384,7 @@ def test_a_dead_ray_worker_ends_the_sweep_with_one_line_and_it_resumes(
     assert all(kept[k].items() <= records(reference)[k].items() for k in kept)
 
 
+@pytest.mark.slow
 def test_an_exception_in_a_ray_worker_is_not_a_dead_worker(local_ray, models, tmp_path, monkeypatch):
     """A bug in a worker's code (an exception other than EventKVError) is raised as the worker's own
     exception, with its traceback, as the process backend does — not reported as a dead worker."""
@@ -407,6 +411,7 @@ def test_ray_missing_is_one_clear_error(monkeypatch, models, tmp_path):
 # ------------------------------------------------------------------------------------- resume and refusal
 
 
+@pytest.mark.slow
 def test_a_sweep_resumes_per_folder(reference, models, tmp_path):
     """Three folders left as a kill leaves them (a line cut short, one record, nothing at all) are completed; the
     others compute nothing; every folder then holds the reference records."""
@@ -426,6 +431,7 @@ def test_a_sweep_resumes_per_folder(reference, models, tmp_path):
     assert [inv["items_computed"] for inv in manifest(whole)["invocations"]] == [3, 0]
 
 
+@pytest.mark.slow
 def test_an_interrupted_sweep_keeps_its_records_and_resumes(reference, models, tmp_path, monkeypatch):
     from eventkv.sweep.worker import Item, Worker
 
@@ -575,6 +581,7 @@ def _running(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow
 def test_a_worker_ends_when_the_sweep_process_is_killed(tmp_path):
     """kill -9 of the sweep process: its spawned workers end too (they hold a model each)."""
     import multiprocessing
