@@ -189,6 +189,17 @@ class Jobs:
         assert self.worker is not None  # the app's lifespan starts the worker before a request is served
         return await self._wait(self.worker.submit(job, directory))
 
+    def start(self, job: Callable[[], Any], directory: Path | None = None) -> asyncio.Future:
+        """``job`` queued on the worker as :meth:`run` queues it, without waiting: the future of its result, for
+        a caller that watches the job while it runs (a streamed chat: its pieces arrive before the result).
+        The caller cancels the future when its client leaves (a queued job then never runs).
+
+        Raises:
+            QueueFull, ShuttingDown: as :meth:`ModelWorker.submit`.
+        """
+        assert self.worker is not None  # the app's lifespan starts the worker before a request is served
+        return asyncio.wrap_future(self.worker.submit(job, directory))
+
     async def query(self, d: Path, query: MemoryQuery) -> Answered:
         """The answers to ``query`` on the memory of ``d`` (:class:`eventkv.service.worker.QueryJob`), read out
         in a batch with the other queued queries. The wait watches the connection as :meth:`run`'s.

@@ -245,12 +245,11 @@ class Stream:
 
         Raises:
             whatever the job raised before its first step (the route's error answer); QueueFull,
-            ShuttingDown (:meth:`ModelWorker.submit`); ClientGone: the client left while it waited.
+            ShuttingDown (:meth:`eventkv.service.state.Jobs.start`); ClientGone: the client left while it waited.
         """
-        assert self.jobs.worker is not None  # the app's lifespan starts the worker before a request is served
         # on the chat's memory (None without one): it is refused if the memory is deleted while it waits
         directory = self.job.d if isinstance(self.job, MemoryChat) else None
-        self.result = asyncio.wrap_future(self.jobs.worker.submit(lambda: self.job(self.step), directory))
+        self.result = self.jobs.start(lambda: self.job(self.step), directory)
         self.result.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, even when nobody awaits
         self.first = asyncio.ensure_future(self.pieces.get())
         gone = asyncio.ensure_future(disconnected(self.request))
