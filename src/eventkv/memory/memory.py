@@ -2,11 +2,14 @@
 globally, materialize locally, serve sparsely").
 
 An agent's history is prefilled once, globally and causally, and its K/V rows are kept; each
-query is answered from the rows of a few events served at their original positions (by default;
-``positions="contiguous"`` re-rotates them to the positions right after the header, for histories
-past the model's context), next to the header; an update is appended as a served **patch** (O(pL + p²) for a
+query is answered from the rows of a few events served next to the header — by default re-rotated to
+the positions right after it (``positions="contiguous"``, where the model's RoPE re-rotates exactly; so
+histories past the model's context are answered), or at the positions they were computed at
+(``"original"``, the studies' protocol); an update is appended as a served **patch** (O(pL + p²) for a
 p-token patch over an L-token history) instead of rewriting history (O(L²)); every event keeps its
-text, the fallback for what served rows cannot carry.
+text, the fallback for what served rows cannot carry. A query is a typed value
+(:class:`eventkv.memory.query.MemoryQuery` with its :class:`eventkv.memory.query.QueryOptions`), its
+served set chosen by :class:`eventkv.memory.query.Selection`.
 
 The internal view is the data path's own types: a :class:`eventkv.kv.log.TokenizedLog` of the header
 and every stored event (each tokenized alone, as :func:`eventkv.kv.log.tokenize` does; budgets
