@@ -13,8 +13,9 @@ import logging
 import pytest
 
 from eventkv import models
-from eventkv.kv.log import Event, EventLog, encode, header_text, tokenize, tokenize_query
+from eventkv.kv.log import Event, EventLog, header_text, tokenize, tokenize_query
 from eventkv.models import SEAM_CONTENTS, profile_for, scaffold_seams
+from eventkv.models.encoding import encode
 from eventkv.studies.splice.engine import SplicePrompt
 from eventkv.studies.splice.probe import option_ids
 from eventkv.studies.splice.tasks import TASKS, builtin_items

@@ -32,9 +32,9 @@ from service_fixtures import LiveApp  # noqa: E402
 
 import eventkv.models.sentence as sentence  # noqa: E402
 from eventkv.errors import EventKVError  # noqa: E402
-from eventkv.kv.log import encode  # noqa: E402
 from eventkv.memory import EventMemory  # noqa: E402
 from eventkv.memory.chat import chat_prompt_ids, chat_tail_ids  # noqa: E402
+from eventkv.models.encoding import encode  # noqa: E402
 from eventkv.options import SELECTORS  # noqa: E402
 from eventkv.service.app import Settings, create_app  # noqa: E402
 from eventkv.service.openai import serving  # noqa: E402

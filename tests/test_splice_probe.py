@@ -285,7 +285,7 @@ def _answering_runtime(family: str):
     newline) until ``max_new_tokens``; with no trigger in sight (a splice at layer 0 hid, zeroed or
     replaced the span) it cycles through "OFFLINE"; from any other token it stops (``<|im_end|>``).
     The splice code path it runs is the real one; only its weights are set by hand."""
-    from eventkv.kv.log import encode
+    from eventkv.models.encoding import encode
     from eventkv.probes.base import Runtime
     from eventkv.testing import lookup_model
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from eventkv.errors import EventKVError
+from eventkv.models.encoding import encode
 
 if TYPE_CHECKING:  # pragma: no cover
     from eventkv.models.profile import ModelProfile
@@ -361,25 +362,6 @@ class TokenizedLog:
         return cls(
             list(d["header_ids"]), list(d["event_ids"]), [list(t) for t in d["event_tokens"]], list(d["budgets"])
         )
-
-
-def encode(tokenizer, text: str) -> list[int]:
-    """Token ids of ``text`` alone, without special tokens, as the text tokenizes where it continues a
-    longer text (so pieces concatenate to the whole text's ids; see `eventkv.models.scaffold_seams`).
-
-    A SentencePiece tokenizer that prepends a space to every text it encodes (Llama 2, Mistral) would
-    start each piece with a space the whole text does not have; for such a tokenizer the text is
-    encoded after a newline and the newline's ids are dropped (unless the text merges into it).
-    """
-
-    def ids(t: str) -> list[int]:
-        return list(tokenizer(t, add_special_tokens=False)["input_ids"])
-
-    own, nl = ids(text), ids("\n")
-    if ids("\na")[len(nl) :] == ids("a"):
-        return own  # no prefix space (byte-level BPE, Gemma): the text's own ids
-    after = ids("\n" + text)
-    return after[len(nl) :] if after[: len(nl)] == nl else own
 
 
 def header_text(profile: "ModelProfile", instruction: str = "") -> str:

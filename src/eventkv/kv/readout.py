@@ -44,9 +44,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Sequence, ca
 import torch
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.kv.log import encode
 from eventkv.kv.model import check_context, takes_4d_masks
 from eventkv.kv.serve import ServedCache
+from eventkv.models.encoding import encode
 from eventkv.models.kernels import linear_kernel_of
 
 if TYPE_CHECKING:
@@ -618,7 +618,7 @@ def answer_served(
     """A question answered from one or more served caches, as ``eventkv query`` and the memory do:
     per cache the greedy answer (or as ``decoding`` says: :func:`read_out`) and, when ``candidates``
     are given, each candidate's log-probability (nats; candidates tokenized alone with
-    :func:`eventkv.kv.log.encode`) — all caches in one batched :func:`read_out` (left-padded, each row
+    :func:`eventkv.models.encoding.encode`) — all caches in one batched :func:`read_out` (left-padded, each row
     at its own positions; a batch of one is :func:`generate` plus :func:`candidate_logprobs`).
 
     Returns:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence, cast
 from eventkv.errors import EventKVError, OptionError
 from eventkv.kv.blend import BlendSchedule
 from eventkv.kv.decoding import Decoding
-from eventkv.kv.log import HEADER_ID, encode, tokenize_query
+from eventkv.kv.log import HEADER_ID, tokenize_query
 from eventkv.kv.model import check_context
 from eventkv.kv.readout import Readout
 from eventkv.kv.readout import read_out as read_out_caches
@@ -32,6 +32,7 @@ from eventkv.kv.serve import (
 from eventkv.memory.chat import chat_tail_ids
 from eventkv.memory.query import QueryOptions
 from eventkv.memory.records import MemoryAnswer, MemoryRecord
+from eventkv.models.encoding import encode
 from eventkv.options import check_max_new_tokens
 
 if TYPE_CHECKING:  # pragma: no cover

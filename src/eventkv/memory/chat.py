@@ -36,11 +36,11 @@ from transformers import DynamicCache
 
 from eventkv.errors import EventKVError, OptionError
 from eventkv.kv.decoding import Decoding
-from eventkv.kv.log import encode
 from eventkv.kv.model import check_context, model_device, model_forward
 from eventkv.kv.readout import Generation, answer_served
 from eventkv.kv.rows import cache_kv
 from eventkv.kv.serve import ServedCache
+from eventkv.models.encoding import encode
 from eventkv.models.introspect import PLAIN_TEXT_HEAD, PLAIN_TEXT_TAIL
 from eventkv.options import check_max_new_tokens
 
@@ -166,7 +166,7 @@ def _special_strings(tok) -> list[str]:
 
 class _PlainText:
     """The tokenizer, reading the strings of special tokens as plain text (transformers'
-    ``split_special_tokens``): what :func:`eventkv.kv.log.encode` calls for a run of text holding a content."""
+    ``split_special_tokens``): what :func:`eventkv.models.encoding.encode` calls for a run of text holding a content."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -177,7 +177,7 @@ class _PlainText:
 
 def _encode(lm: LoadedModel, parts: Parts) -> list[int]:
     """Token ids of the rendered conversation ``parts``, a special token's string in a content read as
-    plain text (module docstring). Without such a string: :func:`eventkv.kv.log.encode` of the whole text.
+    plain text (module docstring). Without such a string: :func:`eventkv.models.encoding.encode` of the whole text.
     With one: the template's special tokens are found in the template's pieces alone and give their
     ids; each run of text between two of them (template text and contents together) is encoded with
     ``split_special_tokens``, as the tokenizer encodes the runs between special tokens of one text."""

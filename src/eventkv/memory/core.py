@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Self, Sequence, cast
 
 from eventkv.errors import EventKVError, OutOfSpace, StoreDamaged
-from eventkv.kv.log import HEADER_ID, Event, TokenizedLog, encode
+from eventkv.kv.log import HEADER_ID, Event, TokenizedLog
 from eventkv.kv.model import model_device
 from eventkv.kv.rows import EventKV
 from eventkv.kv.windowed import PrefillWindow, check_window, windowed_prefill
@@ -23,6 +23,7 @@ from eventkv.memory.select import SelectionContext, Selector, selector_for
 from eventkv.memory.sql import EventRow, Writes
 from eventkv.memory.store import Store, now
 from eventkv.memory.table import EventTable
+from eventkv.models.encoding import encode
 
 if TYPE_CHECKING:  # pragma: no cover
     from eventkv.memory.dense import StoredEmbeddings

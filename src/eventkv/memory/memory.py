@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, cast
 from eventkv.errors import EventKVError, OptionError
 from eventkv.kv.blend import BlendSchedule
 from eventkv.kv.decoding import Decoding
-from eventkv.kv.log import encode, header_text
+from eventkv.kv.log import header_text
 from eventkv.kv.model import check_context
 from eventkv.kv.serve import PositionMode, ServeMode, ServeOrder, default_positions
 from eventkv.kv.windowed import PrefillWindow, check_window
@@ -70,6 +70,7 @@ from eventkv.memory.select import (
 )
 from eventkv.memory.store import SCHEMA_VERSION, Store
 from eventkv.memory.upkeep import MemoryUpkeep
+from eventkv.models.encoding import encode
 
 if TYPE_CHECKING:  # pragma: no cover
     from eventkv.models.profile import LoadedModel

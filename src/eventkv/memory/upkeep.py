@@ -10,10 +10,11 @@ import contextlib
 from typing import TYPE_CHECKING, Sequence
 
 from eventkv.errors import EventKVError, OptionError, PurgePending
-from eventkv.kv.log import Event, TokenizedLog, encode
+from eventkv.kv.log import Event, TokenizedLog
 from eventkv.memory.records import CarrierResult, MemoryEvent
 from eventkv.memory.rows import contiguous
 from eventkv.memory.sql import EventRow, Writes
+from eventkv.models.encoding import encode
 
 if TYPE_CHECKING:  # pragma: no cover
     pass

@@ -10,7 +10,7 @@ import logging
 from typing import TYPE_CHECKING, Any, cast
 
 from eventkv.errors import EventKVError
-from eventkv.kv.log import encode
+from eventkv.models.encoding import encode
 from eventkv.models.profile import LAYER_TYPES, ModelProfile
 
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ def scaffold_seams(
     tokenizer: PreTrainedTokenizerBase, head: str, tail: str, contents: tuple[str, ...] = SEAM_CONTENTS
 ) -> list[str]:
     """The contents whose piecewise ids ``encode(head) + encode(content) + encode(tail)`` differ from
-    the ids of the whole text ``encode(head + content + tail)`` (`eventkv.kv.log.encode`); empty when every
+    the ids of the whole text ``encode(head + content + tail)`` (`eventkv.models.encoding.encode`); empty when every
     seam where the scaffold meets content tokenizes as the whole text does.
 
     The packaged profiles and the tiny test tokenizer return ``[]`` for `SEAM_CONTENTS`. Stated

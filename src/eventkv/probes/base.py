@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Literal, Sequence, ca
 import torch
 
 from eventkv.errors import EventKVError
-from eventkv.kv.log import TokenizedLog, encode, header_text
+from eventkv.kv.log import TokenizedLog, header_text
 from eventkv.kv.model import model_device
 from eventkv.kv.prefill import prefill
 from eventkv.kv.rows import EventKV, cache_kv
+from eventkv.models.encoding import encode
 from eventkv.registry import Registry, one_of
 
 if TYPE_CHECKING:

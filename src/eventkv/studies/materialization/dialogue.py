@@ -47,7 +47,8 @@ from typing import Annotated
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.kv.log import Event, check_record, encode
+from eventkv.kv.log import Event, check_record
+from eventkv.models.encoding import encode
 
 #: the text appended to a turn's text when it shares an image (``{caption}``: the dataset's BLIP caption)
 IMAGE_NOTE = " [shares an image: {caption}]"
@@ -394,7 +395,7 @@ def _realtalk_chat(p: Path) -> Conversation:
 
 def turn_tokens(turn: Turn, tokenizer) -> int:
     """Tokens of ``turn`` as the memory's event log tokenizes it: ``Event(turn.id, turn.event_text())``
-    rendered (its text and the closing newline) and encoded alone (:func:`eventkv.kv.log.encode`)."""
+    rendered (its text and the closing newline) and encoded alone (:func:`eventkv.models.encoding.encode`)."""
     return len(encode(tokenizer, Event(turn.id, turn.event_text()).render()))
 
 

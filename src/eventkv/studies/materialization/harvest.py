@@ -177,10 +177,11 @@ class Harvest(DialogueData, Probe):
         return [{"index": i, "conversation": i} for i in indices]  # one item = one conversation (its questions)
 
     def run_item(self, rt: Runtime, item: dict) -> dict:
-        from eventkv.kv.log import Event, EventLog, encode, tokenize, tokenize_query
+        from eventkv.kv.log import Event, EventLog, tokenize, tokenize_query
         from eventkv.kv.prefill import prefill
         from eventkv.kv.readout import read_out
         from eventkv.kv.serve import ServedCache, serve
+        from eventkv.models.encoding import encode
         from eventkv.studies.materialization.answer_metric import token_f1
         from eventkv.studies.materialization.dialogue import truncate
 

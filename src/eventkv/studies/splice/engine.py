@@ -61,11 +61,11 @@ import torch
 from transformers import DynamicCache
 
 from eventkv.errors import EventKVError
-from eventkv.kv.log import encode
 from eventkv.kv.model import check_context, model_device, model_forward
 from eventkv.kv.readout import generate_from, token_logprobs
 from eventkv.kv.rows import cache_from_rows, cache_kv
 from eventkv.kv.stacked import Batch
+from eventkv.models.encoding import encode
 
 ARMS = ("clean", "scaffold", "zero-kv", "zero-k", "zero-v", "mask", "mean")
 TAILS = ("clean", "spliced")
@@ -110,7 +110,7 @@ class SplicePrompt:
     @classmethod
     def from_text(cls, tokenizer, profile, content: str) -> "SplicePrompt":
         """``profile.chat_head + content + profile.chat_tail``, each piece tokenized on its own
-        (without special tokens, `eventkv.kv.log.encode`); the span is ``content``. The pieces' ids equal
+        (without special tokens, `eventkv.models.encoding.encode`); the span is ``content``. The pieces' ids equal
         the whole text's at both seams (`eventkv.models.scaffold_seams`; tested for every profile)."""
         return cls(
             tuple(encode(tokenizer, profile.chat_head)),

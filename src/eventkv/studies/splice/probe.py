@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, Sequence, get_args
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.kv.log import encode
+from eventkv.models.encoding import encode
 from eventkv.options import check_choices, check_int, check_ints, check_max_new_tokens
 from eventkv.probes.base import Probe, Summary, Table, register
 from eventkv.stats import format_p, mcnemar_exact, wilson

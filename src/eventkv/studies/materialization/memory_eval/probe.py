@@ -281,7 +281,8 @@ class MemoryEval(DialogueData, Probe):
         """Conversation ``c`` as the memory holds it (truncated; its events by session; tokens with the
         header), tokenized once per probe."""
         if c not in self._histories:
-            from eventkv.kv.log import Event, encode
+            from eventkv.kv.log import Event
+            from eventkv.models.encoding import encode
             from eventkv.studies.materialization.dialogue import truncate
 
             conv = self._conversations()[c]
