@@ -489,7 +489,7 @@ class EventMemory(MemoryUpkeep):
         Raises:
             OptionError / EventKVError: as :meth:`query`.
         """
-        self._check_open()
+        selection = self.selection()  # the memory checked open, its current view
         question, options = query.question, query.options
         check_question(question)
         plans = query.plan_list()
@@ -502,7 +502,6 @@ class EventMemory(MemoryUpkeep):
             decoding.check()
             if decoding.on_step is not None and len(plans) > 1:
                 raise OptionError("decoding", "a step callback", f"stream one plan at a time (got {len(plans)} plans).")
-        selection = Selection(self._table, self.selector, self._selection_context)
         served_ids, sequences = [], []
         for select, _ in plans:
             ids, sequence = selection.served(question, select, options)

@@ -393,8 +393,14 @@ class MemoryEval(DialogueData, Probe):
                 # its turn's rank (relevance_order); the question selects and ranks, the prompt is read as the
                 # one user message (the same token ids as question=prompt: eventkv.memory.chat.chat_tail_ids)
                 selector, budget = first.relevance
-                options = options.with_(order="relevance", selector=selector, budget=budget, k=self.k)
-                options = options.with_(neighbours=self.neighbours, with_headers=self.with_headers)
+                options = options.with_(
+                    order="relevance",
+                    selector=selector,
+                    budget=budget,
+                    k=self.k,
+                    neighbours=self.neighbours,
+                    with_headers=self.with_headers,
+                )
                 messages = [{"role": "user", "content": prompt}]
                 question, selects = qa.question, [None] * len(group)
             query = MemoryQuery(
