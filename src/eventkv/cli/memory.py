@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from eventkv.cli.common import MODEL_OPTION, comma_list, run_command, run_probe_command
+from eventkv.cli.common import MODEL_OPTION, comma_list, int_list, run_command, run_probe_command
 
 if TYPE_CHECKING:
     from eventkv.probes.run_options import RunOptions
@@ -56,6 +56,14 @@ def memory_eval(
         "--with-headers/--no-headers",
         help="session header events carrying the date (turns undated), served with every served turn",
     ),
+    resolve_dates: bool = typer.Option(
+        False,
+        "--resolve-dates/--no-resolve-dates",
+        help="write the date each relative expression of a turn means after it ('yesterday [7 May 2023]')",
+    ),
+    categories: str = typer.Option(
+        "", "--categories", help="LoCoMo categories to draw questions from, e.g. 2 (temporal) (default: all)"
+    ),
     k: Optional[int] = typer.Option(None, "--k", help="at most K turns per served set (default: fill to the budget)"),
     recompute: Optional[float] = typer.Option(
         None, "--recompute", help="the blend arm's recomputed fraction (default: the serve mode's)"
@@ -95,6 +103,8 @@ def memory_eval(
         order=order,
         neighbours=neighbours,
         with_headers=with_headers,
+        resolve_dates=resolve_dates,
+        categories=int_list(categories, "--categories", "2,4") if categories.strip() else (),
         k=k,
         recompute=recompute,
         max_new_tokens=max_new_tokens,

@@ -60,11 +60,16 @@ def served_set(
     return mem.selection().select(question, options)
 
 
-def history_events(conv, with_headers: bool) -> list:
+def history_events(conv, with_headers: bool, resolve_dates: bool = False) -> list:
     """The memory events of a conversation's turns (the package docstring): one per turn, dated; with
     ``with_headers`` a header event (id ``session-N``, tag ``"header"``) before each session's turns,
-    which are then undated. Returns ``[(session, [MemoryEvent, ...]), ...]`` in history order."""
+    which are then undated; with ``resolve_dates`` each relative date expression of a dated turn is followed
+    by the date it means against its session's date (:func:`eventkv.memory.dates.resolve_relative_dates`).
+    Returns ``[(session, [MemoryEvent, ...]), ...]`` in history order."""
+    from dataclasses import replace
+
     from eventkv.memory import MemoryEvent
+    from eventkv.memory.dates import resolve_relative_dates
     from eventkv.studies.materialization.dialogue import session_header_text
 
     sessions: list[tuple[int, list]] = []
@@ -75,6 +80,8 @@ def history_events(conv, with_headers: bool) -> list:
                 text = session_header_text(t.session, t.date_time)
                 head = [MemoryEvent(text, id=f"session-{t.session}", tags=("header",))]
             sessions.append((t.session, head))
+        if resolve_dates and t.date_time:
+            t = replace(t, text=resolve_relative_dates(t.text, t.date_time))
         sessions[-1][1].append(MemoryEvent(t.event_text(dated=not with_headers), id=t.id))
     return sessions
 

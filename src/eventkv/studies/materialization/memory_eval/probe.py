@@ -44,6 +44,7 @@ from eventkv.studies.materialization.memory_eval.arms import (
     length_groups,
 )
 from eventkv.studies.materialization.memory_eval.history import (
+    CATEGORIES,
     HEADED_INSTRUCTION,
     INSTRUCTION,
     NOT_MENTIONED,
@@ -78,7 +79,10 @@ class MemoryEval(DialogueData, Probe):
     isolated / blend arms; empty = ``"hybrid"`` when listed, else the first selector), ``positions``
     (``contiguous`` (default) | ``original`` | ``both``), ``order`` (``log`` | ``relevance``: the order the text
     arms and the ``/contiguous`` arms serve their sets in; the package docstring), ``neighbours``,
-    ``with_headers``, ``k`` (at most ``k`` events ranked per served set besides the budget; None = fill
+    ``with_headers``, ``resolve_dates`` (each relative date expression of a turn followed by the date it means
+    against its session's date: :func:`eventkv.memory.dates.resolve_relative_dates`; the turns kept by
+    ``max_tokens`` are the same either way), ``categories`` (LoCoMo categories the questions are drawn from; empty =
+    every category), ``k`` (at most ``k`` events ranked per served set besides the budget; None = fill
     to the budget), ``recompute`` (the blend arm's fraction; None = the serve mode's default),
     ``max_new_tokens``, ``arm_names`` (the arm kinds, :data:`ARM_KINDS`), ``batch_arms``,
     ``max_padding`` (:func:`length_groups`), ``timing`` (record wall-clock latencies; off, records
@@ -118,6 +122,8 @@ class MemoryEval(DialogueData, Probe):
     order: str = "log"
     neighbours: int = 0
     with_headers: bool = False
+    resolve_dates: bool = False
+    categories: tuple[int, ...] = ()
     k: int | None = None
     recompute: float | None = None
     max_new_tokens: int = 24
@@ -138,6 +144,7 @@ class MemoryEval(DialogueData, Probe):
         if not self.controls:
             self.controls = (FUSED,) if FUSED in self.selectors else self.selectors[:1]
         self.controls = tuple(self.controls)
+        self.categories = tuple(self.categories)
         self._open: tuple[int, Any] | None = None
         self._histories: dict[int, _History] = {}
         self._loaded: list | None = None
@@ -181,6 +188,18 @@ class MemoryEval(DialogueData, Probe):
         check_int("neighbours", self.neighbours, "give a whole number of neighbouring turns >= 0.", minimum=0)
         if not isinstance(self.with_headers, bool):
             raise OptionError("with_headers", self.with_headers, "give true or false.")
+        if not isinstance(self.resolve_dates, bool):
+            raise OptionError("resolve_dates", self.resolve_dates, "give true or false.")
+        if len(set(self.categories)) != len(self.categories) or not all(
+            is_int(c) and c in CATEGORIES for c in self.categories
+        ):
+            raise OptionError(
+                "categories",
+                self.categories,
+                f"give distinct LoCoMo categories among {', '.join(map(str, CATEGORIES))} (e.g. 2 for temporal), "
+                "or none for every category.",
+                flag="--categories",
+            )
         check_optional_int("k", self.k, "give a whole number of events >= 1, or leave k out (fill to the budget).")
         if self.recompute is not None and (
             isinstance(self.recompute, bool)
@@ -287,7 +306,7 @@ class MemoryEval(DialogueData, Probe):
 
             conv = self._conversations()[c]
             conv = truncate(conv, rt.tokenizer, self.max_tokens or sys.maxsize)  # 0: every turn
-            sessions = history_events(conv, self.with_headers)
+            sessions = history_events(conv, self.with_headers, self.resolve_dates)
             n = len(rt.header_ids(self.instruction()))
             n += sum(len(encode(rt.tokenizer, Event(e.id, e.text).render())) for _, evs in sessions for e in evs)
             self._histories[c] = _History(conv, sessions, n)
@@ -312,7 +331,7 @@ class MemoryEval(DialogueData, Probe):
             h = self._history(rt, c)
             lm = LoadedModel(rt.model, rt.tokenizer, rt.profile)
             mem = open_history(self._store_root() / f"c{c}", lm, self.instruction(), h.sessions)
-            questions = list(h.conv.questions)
+            questions = [q for q in h.conv.questions if not self.categories or q.category in self.categories]
             random.Random(f"memory-eval:{seed}:{c}").shuffle(questions)
             self._open = (c, (h, mem, questions[: self.questions_per_conversation]))
         return self._open[1]
