@@ -167,6 +167,7 @@ class Client:
         instruction: str | None = None,
         contract: str | Path | dict | None = None,
         model: str | None = None,
+        rows: str | None = None,
         token: str | None = None,
         timeout: float = 600.0,
     ) -> "Client":
@@ -175,6 +176,8 @@ class Client:
         Args:
             contract: the model's contract.json (path or parsed) for ``carrier(kind="auto")``.
             model: when given, the server refuses (422) unless it serves this model.
+            rows: the store's row format, ``native`` (the server's default), ``int8`` or ``int4``
+                (:meth:`eventkv.memory.EventMemory.create`).
 
         Raises:
             ServiceError: 409 the id is taken; 422 a bad id, namespace, model or contract.
@@ -184,7 +187,7 @@ class Client:
 
             contract = json.loads(Path(contract).read_text())
         client = cls(url, "", token=token, namespace=namespace, timeout=timeout)
-        body = {"id": memory_id, "instruction": instruction, "contract": contract, "model": model}
+        body = {"id": memory_id, "instruction": instruction, "contract": contract, "model": model, "rows": rows}
         try:
             out = client._call("POST", "/v1/memories", {k: v for k, v in body.items() if v is not None})
         except BaseException:

@@ -18,7 +18,7 @@ from eventkv.kv.windowed import PrefillWindow, check_window, windowed_prefill
 from eventkv.memory.api import SelectSpec
 from eventkv.memory.integrity import damaged
 from eventkv.memory.records import Added, MemoryEvent, MemoryRecord, MemoryStats
-from eventkv.memory.rows import RowCache, tail
+from eventkv.memory.rows import RowCache, tail, with_tail
 from eventkv.memory.select import SelectionContext, Selector, selector_for
 from eventkv.memory.sql import EventRow, Writes
 from eventkv.memory.store import Store, now
@@ -289,7 +289,12 @@ class MemoryCore:
         ekv = rows[0] if rows is not None else self._ekv
         if rows is not None and ekv is not None and ekv.n_rows > rows[1]:
             _, start, seqs = rows
-            seg = self.store.write_segment(self.store.next_segment_id(), *tail(ekv, start))
+            native_head = len(self.header_ids) - start  # the header's rows stay native in every row format
+            seg, stored_keys, stored_values = self.store.write_segment(
+                self.store.next_segment_id(), *tail(ekv, start), native_head=native_head
+            )
+            if self.store.rows_format != "native":  # the open memory holds what a reopened one reads
+                ekv = with_tail(ekv, start, stored_keys, stored_values)
         try:
             with self.store.transaction(bump=bump) as tx:
                 if write is not None:

@@ -44,6 +44,7 @@ from eventkv.kv.blend import BlendSchedule
 from eventkv.kv.decoding import Decoding
 from eventkv.kv.log import header_text
 from eventkv.kv.model import check_context
+from eventkv.kv.quant import check_row_format
 from eventkv.kv.serve import PositionMode, ServeMode, ServeOrder, default_positions
 from eventkv.kv.windowed import PrefillWindow, check_window
 from eventkv.memory.answer import (
@@ -97,6 +98,7 @@ class EventMemory(MemoryUpkeep):
         contract: str | Path | None = None,
         selector: Selector | str = "bm25",
         window: PrefillWindow | None = None,
+        rows: str = "native",
     ) -> "EventMemory":
         """Make a new, empty memory in ``directory`` (absent or empty) for model ``lm``.
 
@@ -109,14 +111,23 @@ class EventMemory(MemoryUpkeep):
             window: how events past the model's context are prefilled (:class:`eventkv.kv.windowed.PrefillWindow`;
                 default ``PrefillWindow.for_context(max_context)``: the whole context, chunks of a quarter of
                 it); not stored (give it again to :meth:`open`; rows already computed are kept as they are).
+            rows: the format the memory stores its rows in, for its life (kept in the manifest; ``docs/memory.md``,
+                "Row formats"): ``native`` (the model's rows, bit for bit), ``int8`` or ``int4`` (quantized as KIVI
+                lays rows out, :mod:`eventkv.kv.quant`; the header's rows and each write's last rows that fill no
+                group of 32 stay native). The open memory serves and extends the rows its store holds, so a memory
+                answers the same before and after it is reopened.
 
         Raises:
             EventKVError: ``directory`` is a file, holds a memory already, or holds other files.
             OptionError: a namespace with no character that shows (blank, or only spaces, combining marks
                 or U+2800 braille pattern blank: :func:`eventkv.memory.records.shows`), an instruction that
-                is not a string, an unknown selector, a window larger than the model's context.
+                is not a string, an unknown selector, a window larger than the model's context, an unknown row
+                format (or ``int4`` for a model whose ``head_dim`` is odd).
         """
         selector = selector_for(selector)
+        check_row_format(rows)
+        if rows == "int4" and lm.profile.head_dim % 2:
+            raise OptionError("rows", rows, f"int4 packs two channels per byte: head_dim {lm.profile.head_dim} is odd.")
         window = check_window(window, lm.profile.max_context)
         if not isinstance(namespace, str) or not any(shows(ch) for ch in namespace):
             raise OptionError(
@@ -140,6 +151,7 @@ class EventMemory(MemoryUpkeep):
             "instruction": instruction or "",
             "header_ids": header_ids,
             "contract": str(Path(contract).resolve()) if contract is not None else None,
+            "rows": rows,
         }
         return cls(Store.create(directory, manifest), lm, selector, window)
 

@@ -164,6 +164,19 @@ def tail(ekv: EventKV, start: int) -> tuple[list[torch.Tensor], list[torch.Tenso
     return [k[0, :, start:] for k in ekv.keys], [v[0, :, start:] for v in ekv.values], ekv.positions[start:]
 
 
+def with_tail(ekv: EventKV, start: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> EventKV:
+    """``ekv`` with rows ``start:`` replaced by ``keys`` / ``values`` (per layer ``[kv_heads, rows - start,
+    head_dim]``, as :meth:`eventkv.memory.store.Store.write_segment` returns the rows a segment holds), moved to
+    the device and dtype of ``ekv``'s rows."""
+    new_keys = [
+        torch.cat((k[:, :, :start], nk.to(k.device, k.dtype).unsqueeze(0)), dim=2) for k, nk in zip(ekv.keys, keys)
+    ]
+    new_values = [
+        torch.cat((v[:, :, :start], nv.to(v.device, v.dtype).unsqueeze(0)), dim=2) for v, nv in zip(ekv.values, values)
+    ]
+    return EventKV(ekv.log, new_keys, new_values, ekv.positions, ekv.weights_digest, dict(ekv.meta))
+
+
 def contiguous(records: Sequence[MemoryRecord], header_len: int) -> list[tuple[int, int, int]]:
     """``(seq, position, row_start)`` of each record laid out one after another from the header's
     end (each takes its ``width`` positions and ``n_rows`` rows): where forget moves later events."""

@@ -3,7 +3,8 @@
 Layout of a store directory::
 
     manifest.json            schema version, namespace, model name, weights / tokenizer / chat-template
-                             digests, dtype, instruction, header token ids (written once, atomically)
+                             digests, dtype, row format (``rows``; absent = ``native``), instruction, header
+                             token ids (written once, atomically)
     memory.sqlite (+ -wal)   stdlib sqlite3, WAL journal, synchronous=FULL, secure_delete=ON:
                              tables events, segments, meta, embeddings (:data:`eventkv.memory.sql.SCHEMA`);
                              every stored event row carries a checksum of its text, token ids and
@@ -12,7 +13,8 @@ Layout of a store directory::
                              :mod:`eventkv.memory.dense`), derived data without checksums
     segments/NNNNNN.safetensors
                              one file per prefill call: ``keys.{layer}`` / ``values.{layer}``
-                             ``[kv_heads, rows, head_dim]`` and ``positions`` ``[rows]`` int64; never
+                             ``[kv_heads, rows, head_dim]`` (``int8`` / ``int4`` stores: the tensors of
+                             :func:`eventkv.kv.quant.encode_rows`) and ``positions`` ``[rows]`` int64; never
                              modified after it is written (a rewrite is a new file)
 
 Durability protocol (what "an acknowledged write survives a kill" rests on): a segment file is
@@ -64,6 +66,7 @@ from safetensors.torch import load_file, save_file
 
 from eventkv.errors import EventKVError, OutOfSpace, PurgePending, StoreLocked
 from eventkv.files import directory_bytes, fsync_path, out_of_space, sha256_file, write_json_atomic
+from eventkv.kv.quant import ROW_FORMATS, decode_rows, encode_rows
 from eventkv.memory import sql
 from eventkv.memory.integrity import MANIFEST_CHECKSUM, check_manifest, damaged, guard, manifest_checksum
 
@@ -260,6 +263,12 @@ class Store:
             raise EventKVError(
                 f"the memory in {str(d)!r} has schema version {schema!r}, this eventkv reads "
                 f"{', '.join(map(str, READABLE_SCHEMAS))}: open it with the eventkv version that wrote it."
+            )
+        rows = manifest.get("rows", "native")
+        if rows not in ROW_FORMATS:
+            raise EventKVError(
+                f"the memory in {str(d)!r} stores its rows as {rows!r}, this eventkv reads "
+                f"{', '.join(ROW_FORMATS)}: open it with the eventkv version that wrote it."
             )
         for key, kind in MANIFEST_TYPES.items():
             value = manifest.get(key)
@@ -480,33 +489,53 @@ class Store:
             check_segment_row(self.directory, row)
         return rows
 
+    @property
+    def rows_format(self) -> str:
+        """The format the store's rows are written in (:data:`eventkv.kv.quant.ROW_FORMATS`; the manifest's
+        ``rows``, ``native`` for a store whose manifest does not name one)."""
+        return self.manifest.get("rows", "native")
+
     def next_segment_id(self) -> int:
         with guard(self.directory):
             last = sql.max_segment_id(self.conn)
         return (last or 0) + 1
 
     def write_segment(
-        self, seg_id: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], positions: torch.Tensor
-    ) -> dict:
-        """Write one segment file durably (temp file, fsync, rename, fsync of ``segments/``) and
-        return its database row (not yet inserted: the caller commits it).
+        self,
+        seg_id: int,
+        keys: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+        positions: torch.Tensor,
+        *,
+        native_head: int = 0,
+    ) -> tuple[dict, list[torch.Tensor], list[torch.Tensor]]:
+        """Write one segment file durably (temp file, fsync, rename, fsync of ``segments/``) in the store's row
+        format (:attr:`rows_format`) and return its database row (not yet inserted: the caller commits it) with
+        the rows as the file holds them (what a later :meth:`read_segment` returns: the quantized formats' rows
+        dequantized).
 
         Args:
             keys, values: per layer ``[kv_heads, rows, head_dim]``.
             positions: ``[rows]`` int64 RoPE position ids of the rows.
+            native_head: the first rows kept native in every format (the instruction header's rows in this
+                segment; :func:`eventkv.kv.quant.encode_rows`).
         """
+        fmt = self.rows_format
         tensors = {"positions": positions.detach().to("cpu", torch.int64).contiguous()}
-        for i, (k, v) in enumerate(zip(keys, values)):
-            # clone: a contiguous copy of its own (safetensors refuses views sharing memory)
-            tensors[f"keys.{i}"] = k.detach().to("cpu").clone(memory_format=torch.contiguous_format)
-            tensors[f"values.{i}"] = v.detach().to("cpu").clone(memory_format=torch.contiguous_format)
+        tensors.update(encode_rows(keys, values, fmt, native_head=native_head))
+        stored_keys, stored_values = (
+            decode_rows(tensors, fmt, len(keys))
+            if fmt != "native"
+            else ([tensors[f"keys.{i}"] for i in range(len(keys))], [tensors[f"values.{i}"] for i in range(len(keys))])
+        )
         seg_dir = self.directory / SEGMENTS
         name = f"{seg_id:06d}.safetensors"
         with out_of_space(self.directory, f"segment {name}"):
             fd, tmp = tempfile.mkstemp(dir=seg_dir, prefix=f".{name}-", suffix=".tmp")
             os.close(fd)
             try:
-                save_file(tensors, tmp, metadata={"format": "eventkv-memory-segment", "schema": str(SCHEMA_VERSION)})
+                meta = {"format": "eventkv-memory-segment", "schema": str(SCHEMA_VERSION), "rows": fmt}
+                save_file(tensors, tmp, metadata=meta)
                 fsync_path(tmp)
                 digest = sha256_file(tmp)
                 size = os.path.getsize(tmp)
@@ -516,7 +545,7 @@ class Store:
                 Path(tmp).unlink(missing_ok=True)
                 (seg_dir / name).unlink(missing_ok=True)  # renamed but not fsynced: no row points to it yet
                 raise
-        return {
+        row = {
             "id": seg_id,
             "file": f"{SEGMENTS}/{name}",
             "sha256": digest,
@@ -524,11 +553,13 @@ class Store:
             "n_rows": int(positions.shape[0]),
             "created": now(),
         }
+        return row, stored_keys, stored_values
 
     def read_segment(
         self, row: sqlite3.Row, n_layers: int
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-        """A segment's rows: per layer keys and values ``[kv_heads, rows, head_dim]``, and positions ``[rows]``.
+        """A segment's rows: per layer keys and values ``[kv_heads, rows, head_dim]`` (in the store's row format,
+        dequantized into the native dtype), and positions ``[rows]``.
 
         Raises:
             StoreDamaged: a file that does not read as safetensors, or does not hold ``n_layers`` layers
@@ -540,10 +571,9 @@ class Store:
         except Exception as exc:  # safetensors raises its own error type for a malformed file
             raise damaged(self.directory, f"segment {seg!r} does not read ({type(exc).__name__}: {exc})") from None
         try:
-            keys = [t[f"keys.{i}"] for i in range(n_layers)]
-            values = [t[f"values.{i}"] for i in range(n_layers)]
+            keys, values = decode_rows(t, self.rows_format, n_layers)
             n = int(t["positions"].shape[0])
-        except KeyError:
+        except (KeyError, RuntimeError):  # a tensor missing, or quantized tensors whose shapes do not fit together
             raise damaged(self.directory, f"segment {seg!r} does not hold {n_layers} layers and positions") from None
         if n != row["n_rows"] or any(k.shape[1] != n for k in keys + values):
             raise damaged(self.directory, f"segment {seg!r} holds {n} rows, its database row says {row['n_rows']}")

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
+from eventkv.kv.quant import RowFormat
 from eventkv.memory.query import MemoryQuery, QueryOptions
 from eventkv.memory.records import Added, Hit, MemoryAnswer, MemoryRecord, MemoryStats
 from eventkv.options import CARRIER_KINDS, SELECTORS
@@ -82,6 +83,11 @@ class CreateMemory(_Body):
     model: str | None = Field(None, max_length=500, description="when given, must name the served model")
     instruction: str | None = Field(None, max_length=MAX_TEXT)
     contract: dict | None = Field(None, description="the model's contract.json (for carrier kind='auto')")
+    rows: RowFormat = Field(
+        "native",
+        description="the format the memory stores its rows in, for its life: native (the model's rows), int8 or "
+        "int4 (quantized as KIVI lays rows out: keys per channel, values per token; docs/memory.md, Row formats)",
+    )
 
 
 class EventIn(_Body):
@@ -208,6 +214,7 @@ class MemoryOut(BaseModel):
     namespace: str
     model: str
     instruction: str
+    rows: str = Field(description="the row format of its store: native, int8 or int4")
     version: int
     stats: StatsOut
 

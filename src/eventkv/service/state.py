@@ -117,6 +117,7 @@ class ServiceState:
             namespace=snap.namespace,
             model=m["model"],
             instruction=m["instruction"],
+            rows=m.get("rows", "native"),
             version=snap.version,
             stats=snap.stats,
         )

@@ -61,7 +61,9 @@ async def create_memory(body: schemas.CreateMemory, ns: Namespace, state: State,
                 write_json_atomic(contract_path, body.contract, indent=None, newline=False, mode=0o600)
         try:
             # atomic: built aside and renamed into place, so d is absent or complete
-            mem = EventMemory.create(d, state.lm, namespace=ns, instruction=body.instruction, contract=contract_path)
+            mem = EventMemory.create(
+                d, state.lm, namespace=ns, instruction=body.instruction, contract=contract_path, rows=body.rows
+            )
         except BaseException:
             if contract_path is not None:
                 contract_path.unlink(missing_ok=True)
