@@ -250,8 +250,8 @@ def error_bound(
     """The most each value of ``original`` (``[kv_heads, rows, head_dim]``) may move when written in ``fmt`` and read
     back: 0 for native rows, else half its group's float16 scale, plus four float32 units in the last place at the
     group's magnitude ``|minimum| + levels * scale`` (the arithmetic of the codes and of ``minimum + q * scale``), plus
-    half a unit in the last place of the native dtype at the result's magnitude (its rounding into that dtype). ``kind``: ``keys`` or ``values`` (which groups apply). Same shape as
-    ``original``, float32."""
+    half a unit in the last place of the native dtype at the result's magnitude (its rounding into that dtype).
+    ``kind``: ``keys`` or ``values`` (which groups apply). Same shape as ``original``, float32."""
     check_row_format(fmt)
     bound = torch.zeros(original.shape, dtype=torch.float32)
     if fmt == "native":
