@@ -73,3 +73,38 @@ def test_render_date_and_bad_input():
         reference_date("soonish")
     with pytest.raises(EventKVError, match="cannot read '' as a date"):
         resolve_relative_dates("yesterday", "")
+
+
+def test_temporal_dates_benchmark_on_the_demo_file(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from eventkv.studies.materialization.memory_eval import DEMO_DATA
+
+    data = json.loads(Path(DEMO_DATA).read_text())
+    conv = data[0]["conversation"]
+    turn = conv["session_2"][0]
+    turn["text"] = "I started training for the half marathon last week."
+    data[0]["qa"].append(
+        {
+            "question": "When did it start?",
+            "answer": "the week of 10 March 2024",
+            "evidence": [turn["dia_id"]],
+            "category": 2,
+        }
+    )
+    path = tmp_path / "dates.json"
+    path.write_text(json.dumps(data))
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "temporal_dates.py"
+    out = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    from eventkv.options import DIALOGUE_FORMATS
+
+    convs = DIALOGUE_FORMATS.get("locomo")(str(path))
+    n = sum(1 for c in convs for q in c.questions if q.category == 2 and q.evidence)
+    assert lines[0] == f"temporal questions with evidence: {n}"
+    assert lines[1].startswith("  with a relative expression in an evidence turn: 1 (")
+    assert lines[2].startswith("  best F1 of a date string in the evidence turns: session dates ")

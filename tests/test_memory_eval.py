@@ -8,7 +8,7 @@ import pytest
 import scipy.stats
 from cli_fixtures import run_cli
 
-from eventkv.errors import OptionError
+from eventkv.errors import EventKVError, OptionError
 from eventkv.stats import cluster_bootstrap, cluster_bootstrap_ratio, wilson
 from eventkv.studies.materialization.memory_eval import (
     DEMO_DATA,
@@ -654,3 +654,72 @@ def test_a_redacted_run_keeps_no_dataset_text_and_reports_and_resumes(tiny_dir, 
     assert code == 2 and "already holds records.jsonl" in err
     code, _, err = run_cli(monkeypatch, capsys, "memory", "redact", str(tmp_path / "nope"), str(tmp_path / "x"))
     assert code == 2 and "is not a run folder" in err
+
+
+def test_history_events_resolve_relative_dates():
+    from eventkv.studies.materialization.dialogue import Conversation, Turn
+
+    conv = Conversation(
+        "c",
+        ("Ann", "Bo"),
+        [
+            Turn("D1:1", 1, "1:56 pm on 8 May, 2023", "Ann", "I went to the support group yesterday."),
+            Turn("D1:2", 1, "1:56 pm on 8 May, 2023", "Bo", "We are here now."),
+        ],
+    )
+    ((_, (first, second)),) = history_events(conv, False, resolve_dates=True)
+    assert first.text == "[session 1, 1:56 pm on 8 May, 2023] Ann: I went to the support group yesterday [7 May 2023]."
+    assert second.text == "[session 1, 1:56 pm on 8 May, 2023] Bo: We are here now."
+    ((_, (head, turn, _)),) = history_events(conv, True, resolve_dates=True)
+    assert (
+        head.tags == ("header",) and turn.text == "[session 1] Ann: I went to the support group yesterday [7 May 2023]."
+    )
+
+
+def test_eval_rows_format_and_categories(tiny_dir, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    args = ["memory", "eval", "--data", DEMO_DATA, "--model", str(tiny_dir), *BASE, "--out", str(out)]
+    code, out_text, err = run_cli(
+        monkeypatch, capsys, *args, "--rows", "int8", "--categories", "2,4", "--resolve-dates"
+    )
+    assert code == 0, out_text + err
+    manifest = json.loads((out / "manifest.json").read_text())
+    options = manifest["identity"]["options"]
+    assert options["rows"] == "int8" and options["categories"] == [2, 4] and options["resolve_dates"] is True
+    assert all(json.loads((m / "manifest.json").read_text())["rows"] == "int8" for m in (out / "memories").iterdir())
+    assert {r["category"] for r in _records(out) if "arms" in r} <= {2, 4}
+    code, _, err = run_cli(monkeypatch, capsys, "memory", "eval", "--data", DEMO_DATA, "--categories", "2,x")
+    assert code == 2 and "--categories '2,x': give comma-separated integers" in err
+
+
+def _run(f1s, question="q"):
+    """Hand-made records: one per (conversation, F1 of arm a)."""
+    return [
+        {
+            "index": i,
+            "conversation": c,
+            "slot": i,
+            "category": 2 if i % 2 else 4,
+            "question": question,
+            "arms": {"a": {"f1": f}, "only-here": {"f1": 0.0}},
+        }
+        for i, (c, f) in enumerate(f1s)
+    ]
+
+
+def test_compare_runs_pairs_questions():
+    from eventkv.studies.materialization.memory_eval.compare import compare_runs, comparison_table
+
+    a = _run([("c0", 0.1), ("c0", 0.5), ("c1", 0.2), ("c1", 0.0), ("c2", 0.4), ("c2", 0.3)])
+    b = _run([("c0", 0.3), ("c0", 0.5), ("c1", 0.6), ("c1", 0.1), ("c2", 0.2), ("c2", 0.9)])
+    b[0]["arms"].pop("only-here")
+    (row,) = compare_runs(a, b)
+    d = [y["arms"]["a"]["f1"] - x["arms"]["a"]["f1"] for x, y in zip(a, b)]
+    assert row.arm == "a" and row.n == 6 and (row.better, row.worse) == (4, 1)
+    assert row.f1_a[0] == pytest.approx(0.25) and row.diff[0] == pytest.approx(np.mean(d))
+    assert row.wilcoxon_p == pytest.approx(scipy.stats.wilcoxon([x for x in d if x]).pvalue)
+    cat2, only_here = compare_runs(a, b, category=2)  # b lacks only-here in a category-4 question
+    assert only_here.arm == "only-here" and cat2.n == 3 and cat2.diff[0] == pytest.approx(np.mean([0.0, 0.1, 0.6]))
+    assert "| a | 0.250 [" in comparison_table([row], "native", "int4", None).to_markdown()
+    with pytest.raises(EventKVError, match="question 0 differs between the runs \\(question 'q' vs 'other'\\)"):
+        compare_runs(a, _run([("c0", 0.1)], question="other"))

@@ -61,6 +61,9 @@ def memory_eval(
         "--resolve-dates/--no-resolve-dates",
         help="write the date each relative expression of a turn means after it ('yesterday [7 May 2023]')",
     ),
+    rows: str = typer.Option(
+        "native", "--rows", help="native | int8 | int4: the format the memories store their rows in"
+    ),
     categories: str = typer.Option(
         "", "--categories", help="LoCoMo categories to draw questions from, e.g. 2 (temporal) (default: all)"
     ),
@@ -104,6 +107,7 @@ def memory_eval(
         neighbours=neighbours,
         with_headers=with_headers,
         resolve_dates=resolve_dates,
+        rows=rows,
         categories=int_list(categories, "--categories", "2,4") if categories.strip() else (),
         k=k,
         recompute=recompute,
@@ -112,6 +116,20 @@ def memory_eval(
         batch_arms=batch_arms,
     )
     run_probe_command(probe, replace(run, items=conversations * questions))
+
+
+@memory_app.command("compare")
+def memory_compare(
+    a: str = typer.Argument(..., help="run folder A (a memory eval's --out)"),
+    b: str = typer.Argument(..., help="run folder B: the same questions with one option changed"),
+    category: Optional[int] = typer.Option(None, "--category", help="only this LoCoMo category (default: 1-4)"),
+    label_a: str = typer.Option("", "--label-a", help="A's name in the table (default: its folder's name)"),
+    label_b: str = typer.Option("", "--label-b", help="B's name in the table (default: its folder's name)"),
+) -> None:
+    """Compare two memory eval runs of the same questions arm by arm: F1 of each, the paired difference B - A with its interval, better:worse and Wilcoxon p."""  # noqa: E501
+    from eventkv.studies.materialization.memory_eval.compare import compare_folders
+
+    typer.echo(compare_folders(a, b, category=category, label_a=label_a, label_b=label_b))
 
 
 @memory_app.command("redact")

@@ -90,11 +90,11 @@ def history_events(conv, with_headers: bool, resolve_dates: bool = False) -> lis
 _OPEN: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def open_history(directory: Path, lm, instruction: str, sessions: list) -> Any:
-    """The memory of one history in ``directory``: reopened when it holds a prefix of these events
-    (the same ids and texts, in order; the missing sessions are then added), else built afresh (a store
-    made by another model or header, or for another history, is removed); every session is added with
-    its rows prefilled and committed, so a kill loses at most the session in flight. A handle this
+def open_history(directory: Path, lm, instruction: str, sessions: list, rows: str = "native") -> Any:
+    """The memory of one history in ``directory``, its rows stored in format ``rows``: reopened when it holds a
+    prefix of these events (the same ids and texts, in order; the missing sessions are then added), else built
+    afresh (a store made by another model, header or row format, or for another history, is removed); every
+    session is added with its rows prefilled and committed, so a kill loses at most the session in flight. A handle this
     process opened on ``directory`` before is closed first.
 
     Raises:
@@ -115,7 +115,11 @@ def open_history(directory: Path, lm, instruction: str, sessions: list) -> Any:
     if directory.exists():
         manifest = directory / "manifest.json"
         made = json.loads(manifest.read_text()) if manifest.is_file() else {}
-        same = all(made.get(k) == v for k, v in model_identity(lm).items()) and made.get("instruction") == instruction
+        same = (
+            all(made.get(k) == v for k, v in model_identity(lm).items())
+            and made.get("instruction") == instruction
+            and made.get("rows", "native") == rows
+        )
         if same:  # a store of this model and header: any other error (damage, a live writer) is raised
             mem = EventMemory.open(directory, lm)
             have = [(r.id, r.text) for r in mem.list()]
@@ -126,7 +130,7 @@ def open_history(directory: Path, lm, instruction: str, sessions: list) -> Any:
             shutil.rmtree(directory)
     if mem is None:
         directory.parent.mkdir(parents=True, exist_ok=True)
-        mem = EventMemory.create(directory, lm, namespace="eval", instruction=instruction)
+        mem = EventMemory.create(directory, lm, namespace="eval", instruction=instruction, rows=rows)
     _OPEN[key] = mem
     done = len(mem.list())
     seen = 0

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Sequence, cast
 
 from eventkv.errors import EventKVError, OptionError
+from eventkv.kv.quant import check_row_format
 from eventkv.kv.serve import SERVE_ORDERS, PositionMode, ServeMode
 from eventkv.memory.query import MemoryQuery, QueryOptions
 from eventkv.options import (
@@ -82,7 +83,8 @@ class MemoryEval(DialogueData, Probe):
     ``with_headers``, ``resolve_dates`` (each relative date expression of a turn followed by the date it means
     against its session's date: :func:`eventkv.memory.dates.resolve_relative_dates`; the turns kept by
     ``max_tokens`` are the same either way), ``categories`` (LoCoMo categories the questions are drawn from; empty =
-    every category), ``k`` (at most ``k`` events ranked per served set besides the budget; None = fill
+    every category), ``rows`` (the memories' row format, :data:`eventkv.kv.quant.ROW_FORMATS`; ``kv_bytes`` stays
+    the served rows' native bytes), ``k`` (at most ``k`` events ranked per served set besides the budget; None = fill
     to the budget), ``recompute`` (the blend arm's fraction; None = the serve mode's default),
     ``max_new_tokens``, ``arm_names`` (the arm kinds, :data:`ARM_KINDS`), ``batch_arms``,
     ``max_padding`` (:func:`length_groups`), ``timing`` (record wall-clock latencies; off, records
@@ -124,6 +126,7 @@ class MemoryEval(DialogueData, Probe):
     with_headers: bool = False
     resolve_dates: bool = False
     categories: tuple[int, ...] = ()
+    rows: str = "native"
     k: int | None = None
     recompute: float | None = None
     max_new_tokens: int = 24
@@ -188,6 +191,7 @@ class MemoryEval(DialogueData, Probe):
         check_int("neighbours", self.neighbours, "give a whole number of neighbouring turns >= 0.", minimum=0)
         if not isinstance(self.with_headers, bool):
             raise OptionError("with_headers", self.with_headers, "give true or false.")
+        check_row_format(self.rows)
         if not isinstance(self.resolve_dates, bool):
             raise OptionError("resolve_dates", self.resolve_dates, "give true or false.")
         if len(set(self.categories)) != len(self.categories) or not all(
@@ -330,7 +334,7 @@ class MemoryEval(DialogueData, Probe):
                 self._open = None
             h = self._history(rt, c)
             lm = LoadedModel(rt.model, rt.tokenizer, rt.profile)
-            mem = open_history(self._store_root() / f"c{c}", lm, self.instruction(), h.sessions)
+            mem = open_history(self._store_root() / f"c{c}", lm, self.instruction(), h.sessions, rows=self.rows)
             questions = [q for q in h.conv.questions if not self.categories or q.category in self.categories]
             random.Random(f"memory-eval:{seed}:{c}").shuffle(questions)
             self._open = (c, (h, mem, questions[: self.questions_per_conversation]))
