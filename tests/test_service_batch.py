@@ -339,3 +339,29 @@ def test_max_batch_is_an_option_of_serve(monkeypatch, capsys, tmp_path):
     )
     assert code == 2 and "--max-batch 0: batch at least 1 query (1: one at a time)." in err
     assert "Traceback" not in out + err
+
+
+def test_pending_events_of_a_batch_are_prefilled_in_one_forward(held, dirs, lm, monkeypatch):
+    """Queries on memories whose events wait for rows: their pending events are prefilled together (one
+    prefill_many over the memories with pending events), and the answers are those of one-at-a-time."""
+    import eventkv.memory as memory_package
+
+    calls: list[int] = []
+    together = memory_package.prefill_many
+    monkeypatch.setattr(memory_package, "prefill_many", lambda mems: calls.append(len(mems)) or together(mems))
+    for name in "ab":  # added lazily: pending until the next query
+        held.worker.submit(lambda name=name: held.worker.memory(dirs[name]).add([f"Priya met {name} in Perth."]))
+    futs = [held.query(dirs[name], name, "Who met Priya?", n=3, keep_logits=True) for name in "abc"]
+    held.release()
+    got = [f.result(60) for f in futs]
+    assert calls == [2]  # a and b had pending events; c had none
+    for name, a in zip("abc", got):
+        mem = held.worker.submit(lambda name=name: held.worker.memory(dirs[name])).result(60)
+        assert not mem.pending
+        alone = held.worker.submit(
+            lambda mem=mem: mem.query("Who met Priya?", select="view", max_new_tokens=3, keep_logits=True)
+        ).result(60)
+        assert a.served_ids == alone.served_ids
+        assert_same_greedy(
+            a.generation.tokens, a.generation.logits, alone.generation.tokens, alone.generation.logits, TOL
+        )

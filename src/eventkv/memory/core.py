@@ -310,21 +310,33 @@ class MemoryCore:
         self._reload()
         self.store.remove_files([f for f in drop_files if seg is None or f != seg["file"]])
 
+    def _pending_job(self) -> tuple[TokenizedLog, EventKV | None, list[int]] | None:
+        """What a prefill of the pending events computes: ``(log, prefix, seqs)``, the whole stored history's
+        log, the stored rows it continues from and the pending events' seqs; None when nothing is pending."""
+        stored = self._stored()
+        pending = [r.seq for r in stored if not r.prefilled]
+        return (self._log(stored), self._ekv, pending) if pending else None
+
     def _pending(self) -> tuple[EventKV | None, int, list[int]]:
         """``(ekv, start, seqs)``: the rows of the whole stored history (the stored ones reused, the
         pending events' computed), the first computed row, and the pending events' seqs (empty:
         nothing pending, ``ekv`` is the stored rows)."""
-        stored = self._stored()
-        pending = [r.seq for r in stored if not r.prefilled]
-        if not pending:
+        job = self._pending_job()
+        if job is None:
             return self._ekv, self._n_prefilled(), []
-        return self._compute(self._log(stored), self._ekv), self._n_prefilled(), pending
+        log, prefix, pending = job
+        return self._compute(log, prefix), self._n_prefilled(), pending
 
     def _prefill(self) -> int:
         ekv, start, seqs = self._pending()
         if not seqs:
             return 0
         assert ekv is not None  # events were pending, so _pending computed their rows
+        return self._commit_prefill(ekv, start, seqs)
+
+    def _commit_prefill(self, ekv: EventKV, start: int, seqs: Sequence[int]) -> int:
+        """Store rows ``start:`` of ``ekv`` (the whole history's rows, the pending events' computed) for the
+        pending events ``seqs``; returns the rows stored."""
         # rows only: the events are unchanged, so the version (what expected_version compares) stays
         self._commit(None, (ekv, start, seqs), bump=False)
         return ekv.n_rows - start

@@ -25,6 +25,7 @@ same id was created in the meantime; a job queued after the deletion works on th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -265,6 +266,7 @@ class ModelWorker:
         """Answer a batch of queries: each prepared on its memory, all read out together, each finished."""
         from eventkv.memory import answer_prepared
 
+        self._prefill_together(items)
         ready: list[tuple[_Item, QueryJob, PreparedQuery]] = []
         for item in items:
             job, d = item.job, item.directory
@@ -286,6 +288,24 @@ class ModelWorker:
                 item.future.set_result(finish(self.memory(job.directory), job.query, p, got))
             except BaseException as exc:
                 item.future.set_exception(exc)
+
+    def _prefill_together(self, items: list[_Item]) -> None:
+        """The pending events of the batch's memories prefilled in one batched forward
+        (:func:`eventkv.memory.prefill_many`) when more than one memory has some; any failure here is left to each
+        query's own lazy prefill, which raises it as that query's answer."""
+        from eventkv.memory import prefill_many
+
+        mems = []
+        for d in dict.fromkeys(item.directory for item in items):
+            try:
+                mem = self.memory(d) if d is not None else None
+            except Exception:  # the query on it gets the error from prepare_query
+                continue
+            if mem is not None and mem.pending:
+                mems.append(mem)
+        if len(mems) > 1:
+            with contextlib.suppress(Exception):
+                prefill_many(mems)
 
     def stop(self, timeout: float | None = None) -> None:
         """Take no new jobs, finish the queued ones, close every open memory (idempotent)."""
