@@ -663,16 +663,16 @@ def test_history_events_resolve_relative_dates():
         "c",
         ("Ann", "Bo"),
         [
-            Turn("D1:1", 1, "1:56 pm on 8 May, 2023", "Ann", "I went to the support group yesterday."),
+            Turn("D1:1", 1, "1:56 pm on 8 May, 2023", "Ann", "I went to the climbing gym yesterday."),
             Turn("D1:2", 1, "1:56 pm on 8 May, 2023", "Bo", "We are here now."),
         ],
     )
     ((_, (first, second)),) = history_events(conv, False, resolve_dates=True)
-    assert first.text == "[session 1, 1:56 pm on 8 May, 2023] Ann: I went to the support group yesterday [7 May 2023]."
+    assert first.text == "[session 1, 1:56 pm on 8 May, 2023] Ann: I went to the climbing gym yesterday [7 May 2023]."
     assert second.text == "[session 1, 1:56 pm on 8 May, 2023] Bo: We are here now."
     ((_, (head, turn, _)),) = history_events(conv, True, resolve_dates=True)
     assert (
-        head.tags == ("header",) and turn.text == "[session 1] Ann: I went to the support group yesterday [7 May 2023]."
+        head.tags == ("header",) and turn.text == "[session 1] Ann: I went to the climbing gym yesterday [7 May 2023]."
     )
 
 

@@ -5,9 +5,9 @@ arithmetic over a session date it may not be served with.
 Why: a memory serves a turn's rows long after the turn was said; a relative expression in it (``yesterday``,
 ``last week``, ``three years ago``) means something only against the date it was said on. LoCoMo's temporal
 questions (Maharana et al. 2024, arXiv 2402.17753, section 4: category 2) are mostly such expressions resolved
-against the session date ("When did Caroline go to the support group?" -- "7 May 2023", from "yesterday" in a
-session of 8 May). A reader of 1-2B parameters rarely does that arithmetic from a header; the date written next to
-the expression is in the turn's own rows wherever it is served.
+against the session date (a question asks when something happened; its evidence turn says "yesterday" in a
+session dated 8 May 2023; the gold answer is "7 May 2023"). A reader of 1-2B parameters rarely does that
+arithmetic from a header; the date written next to the expression is in the turn's own rows wherever it is served.
 
 Finding and resolving the expressions is the ``dateparser`` library's job (``dateparser.search.search_dates``
 finds candidate spans, ``DateDataParser.get_date_data`` gives a span's date and granularity against a base date).
