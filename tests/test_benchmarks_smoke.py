@@ -114,6 +114,47 @@ def test_service_scale_smoke():
         assert float(one(rf"{re.escape(name)}: (\d+\.\d\d)x$").group(1)) > 0
 
 
+@pytest.mark.slow
+def test_memory_fleet_smoke():
+    """The many-memories benchmark end to end on the tiny model: 12 memories in native and in int4 rows,
+    each server keeping 4 open, 1 and 2 clients; the sizing lines (int4 smaller on disk, the same RAM),
+    every table row with cold and warm requests and no error, each GET matching the store, and the ratios
+    of the formats that ran (no native / int8 line without int8)."""
+    args = ["--memories", "12", "--turns", "8", "--max-open", "4", "--clients", "1,2", "--seconds", "2"]
+    args += ["--rows", "native,int4", "--open-sample", "6"]
+    one, lines = run_benchmark("memory_fleet.py", args, 600)
+
+    one(r"cpu: .+ \(\d+ cores\); torch threads 1 here and per server; model tiny float32 \(2 layers, ")
+    one(r"fleet: 12 memories per format, each 8 dialogue turns in sessions of 10 \(one prefilled add each\), ")
+    disk, ram, idle = {}, {}, {}
+    for fmt in ("native", "int4"):
+        m = one(
+            rf"{fmt}: built in [\d.]+ s; disk ([\d,]+) bytes a memory \(segments [\d,]+\) = [\d,]+ memories per GiB; "
+            r"RAM of an open memory's rows in use ([\d,]+) bytes \(rows [\d,]+ in float32, dequantized in every "
+            r"format, plus a quantized store's packed tensors\) = [\d,]+ memories per GiB; released \(release_rows: "
+            r"packed tensors only, native keeps its rows\) ([\d,]+) bytes = [\d,]+ memories per GiB; open [\d.]+ ms "
+            r"\(sha256; size check only [\d.]+ ms\), close [\d.]+ ms \(median of 6\)$"
+        )
+        disk[fmt], ram[fmt], idle[fmt] = (int(g.replace(",", "")) for g in m.groups())
+        rows = one(rf"{fmt}: GET /v1/memories/ID reported rows {fmt} and bytes_on_disk equal to the store's files for ")
+        assert "for 12/12 memories" in rows.string
+        for clients in (1, 2):
+            row = one(rf"{fmt}\s+{clients}\s+(\d+)\s+[\d.]+(?:\s+[\d.na]+){{2}}\s+(\d+)(?:\s+[\d.na]+){{2}}\s+(\d+)")
+            total, cold, _ = (int(g) for g in row.groups())
+            assert total >= 1 and 1 <= cold <= total and row.string.split()[-1] == "0", row.string
+    assert 0 < disk["int4"] < disk["native"] and ram["int4"] > ram["native"] > 0  # in use: rows + packed
+    assert idle["native"] == ram["native"] and 0 < idle["int4"] < idle["native"] / 2
+    assert float(one(r"RAM of a released open memory's rows, native / int4: (\d+\.\d\d)x$").group(1)) > 2
+    one(r"load: 12 memories per format \(a random one a request\), --max-open 4, BM25 k 8 within 256 rows, ")
+    assert one(r"errors \(non-2xx and failed connections\): (\d+)$").group(1) == "0"
+    assert not any(line.startswith("disk bytes per memory, native / int8") for line in lines)
+    assert float(one(r"disk bytes per memory, native / int4: (\d+\.\d\d)x$").group(1)) > 1
+    assert float(one(r"open time, native / int4: (\d+\.\d\d)x$").group(1)) > 0
+    for clients in (1, 2):
+        one(rf"cold p50 latency at {clients} clients, native / int4: (\d+\.\d\dx|n/a)$")
+    assert lines[-1].startswith("cold p50 latency at 2 clients")
+
+
 FAKE_STUDY = {
     "__init__.py": "raise ImportError('the package init imports a module that is not shipped')\n",
     "llm_hf.py": """
@@ -205,3 +246,57 @@ def test_cpu_linear_smoke(tiny_dir):
         row = one(rf"{shape} +\d+ +\d+ +([\d.]+)x +([\d.e+-]+)$")
         assert float(row.group(1)) > 0 and float(row.group(2)) < 1e-3
     assert float(one(r"sum over the shapes of the best times, torch's kernel / oneDNN: ([\d.]+)x$").group(1)) > 0
+
+
+@pytest.mark.slow
+def test_memory_scale_row_formats_smoke(tmp_path):
+    """The memory scale benchmark end to end on the tiny model, two sizes, native and int4 rows: native's
+    blocks and summary as with native alone, a block per size for int4 at the same history, and the format
+    lines last (int4's store smaller than native's, hit rates and recalls in [0, 1]); with ``--rows native``
+    alone, no format line."""
+    from eventkv.testing import save_sharp_model
+
+    model = save_sharp_model(tmp_path / "model")
+    common = ["--model", str(model), "--sizes", "600,1200", "--batch-events", "2", "--needles", "3"]
+    common += ["--selectors", "bm25", "--new-tokens", "4", "--threads", "1"]
+    one, lines = run_benchmark("memory_scale.py", [*common, "--rows", "native,int4"], 300)
+    one(r".* float32, torch threads 1, context 4096; selectors bm25$")
+    one(r"row formats native, int4: one memory each, grown with the same events; native's blocks first$")
+    native = [
+        re.match(r"history (\d+) rows \(fits the context; grown in \d+ s\), (\d) needles asked", ln) for ln in lines
+    ]
+    int4 = [
+        re.match(r"history (\d+) rows, rows int4 \(grown in [\d.]+ s\), (\d) needles asked, budget 256", ln)
+        for ln in lines
+    ]
+    native_at = [(int(m.group(1)), int(m.group(2))) for m in native if m]
+    assert len(native_at) == 2 and native_at == [(int(m.group(1)), int(m.group(2))) for m in int4 if m], lines
+    assert native_at[0][0] >= 600 and native_at[1][0] >= 1200 and native_at[1][1] == 3
+    for fmt in ("native", "int4"):
+        stores = [
+            re.match(rf"  store  {fmt} rows: ([\d,]+) bytes on disk, segment files ([\d,]+) bytes$", ln) for ln in lines
+        ]
+        assert len([m for m in stores if m]) == 2
+    assert len([ln for ln in lines if re.match(r"  rows  median +\d+ ms per query$", ln)]) == 2  # int4's blocks
+    one(r"rows latency, largest vs smallest history: [\d.]+x \(1200 vs 600 tokens\)$")
+    one(r"full vs rows KV bytes at 1200: [\d.]+x$")
+    one(r"recall bm25: 600: [\d.]+, 1200: [\d.]+$")
+    for size in (600, 1200):
+        # float32 rows against 4 bits and float16 scales: the segments shrink >3x, the whole store (database too) >1.5x
+        assert float(one(rf"disk bytes, native / int4 at {size}: ([\d.]+)x$").group(1)) > 1.5
+        assert float(one(rf"segment bytes, native / int4 at {size}: ([\d.]+)x$").group(1)) > 3
+        for name in ("hit rate", "recall"):
+            m = one(rf"{name} at {size} \(bm25\): native ([\d.]+), int4 ([\d.]+)$")
+            assert all(0 <= float(v) <= 1 for v in m.groups())
+        one(rf"rows latency at {size}: native \d+ ms, int4 \d+ ms$")
+        one(rf"growth at {size}: native [\d.]+ s, int4 [\d.]+ s$")
+    # native alone: the same lines as native's in the run above (timings aside), no format line
+    _, alone = run_benchmark("memory_scale.py", [*common, "--rows", "native"], 300)
+    kept = [p for p in "\n".join(lines).split("\n\n") if ", rows int4 " not in p]  # blocks apart: blank lines
+    kept = ["\n".join(ln for ln in p.split("\n") if not ln.startswith(("row formats ", "  store  "))) for p in kept]
+    kept[-1] = kept[-1].split("\ndisk bytes, native / ")[0]
+
+    def timings_blanked(text: str) -> str:
+        return re.sub(r" +\d+ ms|[\d.]+x|grown in \d+ s", "#", text)
+
+    assert timings_blanked("\n".join(alone)) == timings_blanked("\n\n".join(kept))

@@ -196,3 +196,68 @@ def test_bad_formats_are_refused(tmp_path):
     (tmp_path / "b" / MANIFEST).write_text(json.dumps({**manifest, "rows": "int2"}))
     with pytest.raises(EventKVError, match="stores its rows as 'int2', this eventkv reads native, int8, int4"):
         EventMemory.open(tmp_path / "b", lm)
+
+
+@pytest.mark.parametrize("fmt", ROW_FORMATS)
+def test_released_rows_are_rebuilt_from_the_packed_tensors(fmt, tmp_path):
+    lm = tiny_lm("qwen3")
+    mem = EventMemory.create(tmp_path / "m", lm, namespace="t", rows=fmt)
+    mem.add(EVENTS + [MemoryEvent(f"Note {i}: the courier comes at {i}:00 with parcels.") for i in range(12)])
+    mem.prefill()
+    rows, logits, held = _rows(mem), _answer(mem), mem.rows_bytes
+    n = mem._ekv.n_rows
+    native = sum(t.numel() * t.element_size() for t in rows[0] + rows[1])
+    freed = mem.release_rows()
+    if fmt == "native":
+        assert freed == 0 and mem.rows_bytes == held
+    else:
+        assert freed > 0 and mem.rows_bytes == held - freed and mem.rows_bytes < native
+        assert mem._rows.n_rows == n and mem._rows._ekv is None  # n_rows without rebuilding
+    assert torch.equal(_answer(mem), logits)  # rebuilt from RAM, bit for bit
+    again = _rows(mem)
+    assert all(torch.equal(a, b) for a, b in zip(rows[0] + rows[1], again[0] + again[1]))
+    mem.release_rows()
+    mem.add("Lena joins the call at 9:15.", prefill=True)  # a write after a release continues the rebuilt rows
+    after = _rows(mem)
+    mem.close()
+    mem = EventMemory.open(tmp_path / "m", lm)
+    reopened = _rows(mem)
+    assert all(torch.equal(a, b) for a, b in zip(after[0] + after[1], reopened[0] + reopened[1]))
+    mem.close()
+
+
+def test_the_worker_keeps_only_the_hot_memories_rows(tmp_path):
+    from eventkv.memory import MemoryQuery
+    from eventkv.service.worker import ModelWorker, QueryJob
+
+    lm = tiny_lm("llama")
+    for name in "ab":
+        with EventMemory.create(tmp_path / name, lm, namespace="t", rows="int4") as mem:
+            mem.add(EVENTS, prefill=True)
+    worker = ModelWorker(lm, max_batch=1, max_hot=1)
+    try:
+
+        def ask(name):
+            query = MemoryQuery.build(QUESTION, plans=[("view", "compact")], max_new_tokens=2, keep_logits=True)
+            return worker.submit_query(QueryJob(tmp_path / name, query)).result(60).answers[0]
+
+        first = ask("a")
+        ask("b")  # a is now the memory used longest ago: its rows are released
+        opened = worker.submit(lambda: dict(worker._open)).result(60)  # looked at without using them
+        a, b = opened[tmp_path / "a"], opened[tmp_path / "b"]
+        assert a._rows._ekv is None and b._rows._ekv is not None and a.rows_bytes < b.rows_bytes
+        again = ask("a")  # rebuilt from the packed tensors
+        assert again.generation.tokens == first.generation.tokens
+        assert all(torch.equal(x, y) for x, y in zip(again.generation.logits, first.generation.logits))
+    finally:
+        worker.stop(60)
+
+
+def test_max_hot_is_an_option_of_serve(monkeypatch, capsys, tmp_path):
+    from cli_fixtures import run_cli
+
+    code, out, err = run_cli(
+        monkeypatch, capsys, "serve", "--model", "/no/model", "--store", str(tmp_path / "s"), "--max-hot", "-1"
+    )
+    assert code == 2 and "--max-hot -1: give 0 or more memories, or leave --max-hot out." in err
+    assert "Traceback" not in out + err

@@ -27,6 +27,11 @@ def serve(
     max_batch: int = typer.Option(
         8, "--max-batch", help="queued queries answered in one batched readout at most (1: one at a time)"
     ),
+    max_hot: Optional[int] = typer.Option(
+        None,
+        "--max-hot",
+        help="open memories of int8/int4 stores that keep dequantized rows (the rest keep packed rows; default: all)",
+    ),
     header_timeout: float = typer.Option(
         10.0, "--header-timeout", help="seconds for a request's headers to arrive (the connection is closed beyond)"
     ),
@@ -87,6 +92,10 @@ def serve(
         check_int("max_queue", max_queue, "allow at least 1 waiting job.", flag="--max-queue")
         check_int("max_body", max_body, "allow at least 1 KiB.", minimum=1024, flag="--max-body")
         check_int("max_open", max_open, "keep at least 1 memory open.", flag="--max-open")
+        if max_hot is not None:
+            check_int(
+                "max_hot", max_hot, "give 0 or more memories, or leave --max-hot out.", flag="--max-hot", minimum=0
+            )
         check_int("max_batch", max_batch, "batch at least 1 query (1: one at a time).", flag="--max-batch")
         check_int("limit_concurrency", limit_concurrency, "allow at least 1 connection.", flag="--limit-concurrency")
         for name, value in (
@@ -131,6 +140,7 @@ def serve(
             max_open=max_open,
             body_timeout=body_timeout,
             max_batch=max_batch,
+            max_hot=max_hot,
         )
         # SIGTERM or Ctrl-C, even while the model loads: exit 0 once every memory is closed
         with stops_cleanly():

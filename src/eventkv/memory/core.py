@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable, Self, Sequence, cast
 from eventkv.errors import EventKVError, OutOfSpace, StoreDamaged
 from eventkv.kv.log import HEADER_ID, Event, TokenizedLog
 from eventkv.kv.model import model_device
+from eventkv.kv.quant import decode_rows
 from eventkv.kv.rows import EventKV
 from eventkv.kv.windowed import PrefillWindow, check_window, windowed_prefill
 from eventkv.memory.api import SelectSpec
@@ -49,7 +50,7 @@ class MemoryCore:
         self._closed = False
         self._recs: list[MemoryRecord] = []
         self._tokens: dict[str, list[int]] = {}
-        self._rows = RowCache()
+        self._rows = RowCache(store.rows_format)
         self._reload()
 
     @property
@@ -290,11 +291,11 @@ class MemoryCore:
         if rows is not None and ekv is not None and ekv.n_rows > rows[1]:
             _, start, seqs = rows
             native_head = len(self.header_ids) - start  # the header's rows stay native in every row format
-            seg, stored_keys, stored_values = self.store.write_segment(
+            seg, tensors = self.store.write_segment(
                 self.store.next_segment_id(), *tail(ekv, start), native_head=native_head
             )
             if self.store.rows_format != "native":  # the open memory holds what a reopened one reads
-                ekv = with_tail(ekv, start, stored_keys, stored_values)
+                ekv = with_tail(ekv, start, *decode_rows(tensors, self.store.rows_format, ekv.n_layers))
         try:
             with self.store.transaction(bump=bump) as tx:
                 if write is not None:
@@ -306,7 +307,7 @@ class MemoryCore:
                 self.store.remove_files([seg["file"]])
             raise
         if rows is not None:
-            self._rows.ekv = ekv
+            self._rows.commit(ekv, rows[1], tensors if seg is not None else None)
         self._reload()
         self.store.remove_files([f for f in drop_files if seg is None or f != seg["file"]])
 

@@ -257,6 +257,24 @@ class EventMemory(MemoryUpkeep):
         return self._prefill()
 
     @property
+    def rows_bytes(self) -> int:
+        """Bytes of K/V rows this open memory holds in RAM: its rows (the model's dtype; a quantized store's
+        dequantized) unless released, plus a quantized store's packed tensors (:meth:`release_rows`)."""
+        return self._rows.held_bytes()
+
+    def release_rows(self) -> int:
+        """Drop the dequantized rows of a memory whose store is quantized (``rows="int8"`` / ``"int4"``): it keeps
+        the packed tensors its files hold (an eighth to a half of the rows' bytes, scales included) and rebuilds
+        the rows from them at its next query or write, without reading the disk. What a service does with open
+        memories it did not use lately. A native store keeps its rows (they are its only copy in RAM).
+
+        Returns:
+            bytes freed (0 for a native store or when the rows were already released).
+        """
+        self._check_open()
+        return self._rows.release()
+
+    @property
     def pending(self) -> bool:
         """Whether events wait for their rows (added without ``prefill``: the next query or :meth:`prefill`
         computes them)."""

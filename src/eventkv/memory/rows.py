@@ -16,11 +16,13 @@ import torch
 
 from eventkv.errors import StoreDamaged
 from eventkv.kv.log import TokenizedLog
+from eventkv.kv.quant import decode_rows
 from eventkv.kv.rows import EventKV
 from eventkv.memory.records import MemoryRecord
 
-#: reads one segment row's file: per layer keys and values ``[kv_heads, rows, head_dim]``, positions ``[rows]``
-ReadSegment = Callable[..., tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]]
+#: reads one segment row's file: per layer keys and values ``[kv_heads, rows, head_dim]``, positions ``[rows]``, and
+#: the tensors the file holds
+ReadSegment = Callable[..., tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, dict[str, torch.Tensor]]]
 
 
 @dataclass(frozen=True)
@@ -49,20 +51,83 @@ class ForgetCut:
 class RowCache:
     """A memory's rows in memory (:attr:`ekv`, None before the first prefill) and the isolated
     encodings of served events (:attr:`isolated`, the memo :func:`eventkv.kv.serve.serve` keeps for
-    ``mode="isolated"``; keyed by id, position and tokens, emptied whenever rows are relaid out)."""
+    ``mode="isolated"``; keyed by id, position and tokens, emptied whenever rows are relaid out).
 
-    def __init__(self) -> None:
-        self.ekv: EventKV | None = None
+    A store of a quantized row format (``int8`` / ``int4``, :mod:`eventkv.kv.quant`) also keeps each segment's
+    tensors as the file holds them (:attr:`packed`, a quarter to a half of the rows' bytes): :meth:`release`
+    drops the dequantized rows, and :attr:`ekv` rebuilds them from the packed tensors at its next use (no disk
+    read). A native store keeps only its rows (they are what the file holds)."""
+
+    def __init__(self, rows_format: str = "native") -> None:
+        self._ekv: EventKV | None = None
+        self._n_rows = 0
+        #: quantized stores: ``(first row, the segment's tensors)`` in row order
+        self.packed: list[tuple[int, dict[str, torch.Tensor]]] = []
+        self._format = rows_format
+        self._released: tuple[TokenizedLog, torch.device, str, int] | None = None
         self.isolated: dict[tuple, tuple] = {}
+
+    @property
+    def ekv(self) -> EventKV | None:
+        """The rows (rebuilt from :attr:`packed` after :meth:`release`)."""
+        if self._ekv is None and self._released is not None:
+            log, device, digest, n_layers = self._released
+            keys: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
+            values: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
+            for _, tensors in self.packed:
+                k, v = decode_rows(tensors, self._format, n_layers)
+                for i in range(n_layers):
+                    keys[i].append(k[i])
+                    values[i].append(v[i])
+            self._ekv = EventKV(
+                log,
+                [torch.cat(k, dim=1).unsqueeze(0).to(device) for k in keys],
+                [torch.cat(v, dim=1).unsqueeze(0).to(device) for v in values],
+                torch.cat([t["positions"] for _, t in self.packed]),
+                digest,
+            )
+            self._released = None
+        return self._ekv
 
     @property
     def n_rows(self) -> int:
         """Rows held (0 before the first prefill)."""
-        return self.ekv.n_rows if self.ekv is not None else 0
+        return self._n_rows
+
+    def held_bytes(self) -> int:
+        """Bytes of the rows held in RAM: the dequantized rows (unless released) and the packed tensors."""
+        packed = sum(t.numel() * t.element_size() for _, ts in self.packed for t in ts.values())
+        if self._ekv is None:
+            return packed
+        rows = sum(t.numel() * t.element_size() for t in self._ekv.keys + self._ekv.values)
+        return packed + rows + self._ekv.positions.numel() * self._ekv.positions.element_size()
+
+    def release(self) -> int:
+        """Drop the dequantized rows of a quantized store (kept packed; rebuilt at the next use of :attr:`ekv`)
+        and the isolated encodings. Returns the bytes freed (0 for a native store, whose rows are the only copy,
+        and when nothing is held)."""
+        if self._ekv is None or not self.packed:
+            return 0
+        before = self.held_bytes()
+        ekv = self._ekv
+        self._released = (ekv.log, ekv.keys[0].device, ekv.weights_digest, ekv.n_layers)
+        self._ekv = None
+        self.isolated.clear()
+        return before - self.held_bytes()
 
     def relaid_out(self) -> None:
         """Forget the isolated encodings (events moved, or rows were reloaded)."""
         self.isolated.clear()
+
+    def commit(self, ekv: EventKV | None, start: int = 0, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """After a commit: the rows are ``ekv``; ``tensors`` (a quantized store's new segment, rows ``start:``)
+        replaces every packed segment from ``start`` on."""
+        if ekv is None:
+            self.packed = []
+        elif tensors is not None and self._format != "native":
+            self.packed = [(s, t) for s, t in self.packed if s < start] + [(start, tensors)]
+        self._ekv, self._released = ekv, None
+        self._n_rows = ekv.n_rows if ekv is not None else 0
 
     def load(
         self,
@@ -76,7 +141,7 @@ class RowCache:
     ) -> None:
         """Read every segment (``segments``: the store's rows, by first row) with ``read(seg, n_layers)``,
         check the rows line up with ``log`` (the prefilled events; None when none is) and keep them on
-        ``device``.
+        ``device`` (a store of a quantized row format also keeps each segment's tensors: :attr:`packed`).
 
         Raises:
             StoreDamaged: ``corrupt(what)``: events marked prefilled without a segment, a gap between
@@ -88,11 +153,13 @@ class RowCache:
             return
         keys: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
         values: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
-        positions, total = [], 0
+        positions, total, packed = [], 0, []
         for seg in segments:
             if seg["row_start"] != total:
                 raise corrupt(f"segment {seg['file']!r} starts at row {seg['row_start']}, not {total}")
-            k, v, p = read(seg, n_layers)
+            k, v, p, tensors = read(seg, n_layers)
+            if self._format != "native":
+                packed.append((total, tensors))
             for i in range(n_layers):
                 keys[i].append(k[i])
                 values[i].append(v[i])
@@ -102,12 +169,15 @@ class RowCache:
         if log is None or log.n_rows != total or pos.tolist() != log.position_ids:
             raise corrupt(f"the segments hold {total} rows that do not line up with the prefilled events")
         self.relaid_out()
-        self.ekv = EventKV(
-            log,
-            [torch.cat(k, dim=1).unsqueeze(0).to(device) for k in keys],
-            [torch.cat(v, dim=1).unsqueeze(0).to(device) for v in values],
-            pos,
-            weights_digest,
+        self.packed = packed
+        self.commit(
+            EventKV(
+                log,
+                [torch.cat(k, dim=1).unsqueeze(0).to(device) for k in keys],
+                [torch.cat(v, dim=1).unsqueeze(0).to(device) for v in values],
+                pos,
+                weights_digest,
+            )
         )
 
     def cut_for_forget(

@@ -508,11 +508,11 @@ class Store:
         positions: torch.Tensor,
         *,
         native_head: int = 0,
-    ) -> tuple[dict, list[torch.Tensor], list[torch.Tensor]]:
+    ) -> tuple[dict, dict[str, torch.Tensor]]:
         """Write one segment file durably (temp file, fsync, rename, fsync of ``segments/``) in the store's row
-        format (:attr:`rows_format`) and return its database row (not yet inserted: the caller commits it) with
-        the rows as the file holds them (what a later :meth:`read_segment` returns: the quantized formats' rows
-        dequantized).
+        format (:attr:`rows_format`) and return its database row (not yet inserted: the caller commits it) and
+        the tensors the file holds (:func:`eventkv.kv.quant.encode_rows` and ``positions``: what
+        :meth:`read_segment` reads back).
 
         Args:
             keys, values: per layer ``[kv_heads, rows, head_dim]``.
@@ -523,11 +523,6 @@ class Store:
         fmt = self.rows_format
         tensors = {"positions": positions.detach().to("cpu", torch.int64).contiguous()}
         tensors.update(encode_rows(keys, values, fmt, native_head=native_head))
-        stored_keys, stored_values = (
-            decode_rows(tensors, fmt, len(keys))
-            if fmt != "native"
-            else ([tensors[f"keys.{i}"] for i in range(len(keys))], [tensors[f"values.{i}"] for i in range(len(keys))])
-        )
         seg_dir = self.directory / SEGMENTS
         name = f"{seg_id:06d}.safetensors"
         with out_of_space(self.directory, f"segment {name}"):
@@ -553,13 +548,13 @@ class Store:
             "n_rows": int(positions.shape[0]),
             "created": now(),
         }
-        return row, stored_keys, stored_values
+        return row, tensors
 
     def read_segment(
         self, row: sqlite3.Row, n_layers: int
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, dict[str, torch.Tensor]]:
         """A segment's rows: per layer keys and values ``[kv_heads, rows, head_dim]`` (in the store's row format,
-        dequantized into the native dtype), and positions ``[rows]``.
+        dequantized into the native dtype), positions ``[rows]``, and the tensors the file holds.
 
         Raises:
             StoreDamaged: a file that does not read as safetensors, or does not hold ``n_layers`` layers
@@ -577,7 +572,7 @@ class Store:
             raise damaged(self.directory, f"segment {seg!r} does not hold {n_layers} layers and positions") from None
         if n != row["n_rows"] or any(k.shape[1] != n for k in keys + values):
             raise damaged(self.directory, f"segment {seg!r} holds {n} rows, its database row says {row['n_rows']}")
-        return keys, values, t["positions"]
+        return keys, values, t["positions"], t
 
     def discard_orphans(self) -> list[str]:
         """Delete segment files no committed segment row points to (a kill between a segment's write and

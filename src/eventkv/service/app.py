@@ -95,7 +95,9 @@ def create_app(settings: Settings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        worker = ModelWorker(settings.lm, settings.max_queue, settings.max_open, settings.max_batch)
+        worker = ModelWorker(
+            settings.lm, settings.max_queue, settings.max_open, settings.max_batch, max_hot=settings.max_hot
+        )
         app.state.worker = worker
         try:
             yield

@@ -44,6 +44,8 @@ class Settings:
         max_queue: model jobs waiting at most (503 beyond). max_body: request body bytes at most (413 beyond).
         max_open: memories kept open by the worker.
         max_batch: queries the worker answers in one batched readout at most (1: one at a time).
+        max_hot: open memories of quantized stores that keep their dequantized rows (the most recently used;
+            :class:`eventkv.service.worker.ModelWorker`); None: every open memory.
         clean_at_start: remove what killed writes left under ``store`` when the app is created
             (:func:`eventkv.service.app.clean_leftovers`); False where other processes may be writing
             under the same root (a Ray Serve replica: the deployment cleans once, before its replicas start).
@@ -57,6 +59,7 @@ class Settings:
     max_open: int = 16
     body_timeout: float = 30.0
     max_batch: int = 8
+    max_hot: int | None = None
     clean_at_start: bool = True
 
 

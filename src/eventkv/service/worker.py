@@ -114,6 +114,10 @@ class ModelWorker:
         max_open: memories kept open (rows in RAM, writer lock held); the least recently used one is
             closed beyond it (reopening verifies its segments again).
         max_batch: queries answered in one batched readout at most (1: one at a time).
+        max_hot: of the open memories whose stores are quantized (``rows="int8"`` / ``"int4"``), the most
+            recently used ``max_hot`` keep their dequantized rows; the others keep only their packed tensors
+            (:meth:`eventkv.memory.EventMemory.release_rows`) and rebuild the rows at their next use. None: every
+            open memory keeps its rows.
 
     Attributes:
         started: jobs that began to run (each query of a batch counted). cancelled: jobs cancelled
@@ -121,10 +125,13 @@ class ModelWorker:
             (``{size: count}``; a batch of queries that all failed before the readout counts too).
     """
 
-    def __init__(self, lm: LoadedModel, max_queue: int = 64, max_open: int = 16, max_batch: int = 8) -> None:
+    def __init__(
+        self, lm: LoadedModel, max_queue: int = 64, max_open: int = 16, max_batch: int = 8, max_hot: int | None = None
+    ) -> None:
         self.lm = lm
         self.max_queue = max_queue
         self.max_open = max_open
+        self.max_hot = max_hot
         self.max_batch = max_batch
         self.started = 0
         self.cancelled = 0
@@ -333,6 +340,9 @@ class ModelWorker:
             self._open[directory] = mem
             self._evict()
         self._open.move_to_end(directory)
+        if self.max_hot is not None:  # the rows of the memories used longest ago kept packed only
+            for cold in list(self._open.values())[: max(0, len(self._open) - self.max_hot)]:
+                cold.release_rows()
         return mem
 
     def adopt(self, directory: Path, mem: EventMemory) -> None:
