@@ -365,3 +365,32 @@ def test_pending_events_of_a_batch_are_prefilled_in_one_forward(held, dirs, lm, 
         assert_same_greedy(
             a.generation.tokens, a.generation.logits, alone.generation.tokens, alone.generation.logits, TOL
         )
+
+
+def test_a_batch_on_more_memories_than_max_open_opens_each_once(lm, dirs):
+    """max_open 1, a batch of queries on three memories: each memory is opened once (none closed between its
+    query's prepare and finish), and after the batch only one stays open."""
+    worker = ModelWorker(lm, max_queue=64, max_open=1, max_batch=4)
+    try:
+        running, release = threading.Event(), threading.Event()
+        blocker = worker.submit(lambda: (running.set(), release.wait(60)))
+        assert running.wait(30)
+        futs = [
+            worker.submit_query(
+                QueryJob(dirs[n], MemoryQuery.build("Where?", plans=[("view", "compact")], max_new_tokens=2))
+            )
+            for n in "abc"
+        ]
+        release.set()
+        blocker.result(60)
+        assert all(f.result(60).answers for f in futs)
+        worker.submit(lambda: None).result(60)  # the batch has ended (its answers are set before it ends)
+        assert worker.batches == Counter({3: 1})
+        assert (worker.opened, worker.closed, worker.n_open) == (3, 2, 1)
+        from eventkv.service.metrics import Metrics
+
+        text = Metrics(dirs["a"].parent, lambda: worker).text(None).decode()
+        assert 'eventkv_memory_events_total{event="opened"} 3.0' in text and "eventkv_memories_open 1.0" in text
+        assert 'eventkv_memory_events_total{event="closed"} 2.0' in text
+    finally:
+        worker.stop(60)

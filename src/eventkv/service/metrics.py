@@ -60,7 +60,8 @@ class Metrics:
         self.registry.register(self)
 
     def collect(self):
-        """The ``eventkv_jobs`` counter (jobs started, and cancelled while queued) and the
+        """The ``eventkv_jobs`` counter (jobs started, and cancelled while queued), the ``eventkv_memory_events``
+        counter (memories opened, closed, rows released), the ``eventkv_memories_open`` gauge, and the
         ``eventkv_query_batch_size`` histogram (queries per batched readout, :data:`BATCH_BUCKETS`)."""
         w = self.worker()
         jobs = CounterMetricFamily(
@@ -69,6 +70,18 @@ class Metrics:
         jobs.add_metric(["started"], w.started if w is not None else 0)
         jobs.add_metric(["cancelled"], w.cancelled if w is not None else 0)
         yield jobs
+        memories = CounterMetricFamily(
+            "eventkv_memory_events",
+            "open memories on the model worker: opened (read from disk, segments checked), closed, and rows "
+            "released (a quantized memory's dequantized rows dropped, --max-hot)",
+            labels=["event"],
+        )
+        for what in ("opened", "closed", "released"):
+            memories.add_metric([what], getattr(w, what) if w is not None else 0)
+        yield memories
+        open_now = GaugeMetricFamily("eventkv_memories_open", "memories the model worker holds open now")
+        open_now.add_metric([], w.n_open if w is not None else 0)
+        yield open_now
         sizes = dict(w.batches) if w is not None else {}
         buckets = [(str(float(b)), sum(n for size, n in sizes.items() if size <= b)) for b in BATCH_BUCKETS]
         batch = HistogramMetricFamily("eventkv_query_batch_size", "queries answered per batched readout")

@@ -123,6 +123,8 @@ class ModelWorker:
         started: jobs that began to run (each query of a batch counted). cancelled: jobs cancelled
             while queued (they never ran). batches: how many batches of each size were read out
             (``{size: count}``; a batch of queries that all failed before the readout counts too).
+        opened, closed: memories opened (a store read from disk, its segments checked) and closed by the
+            worker; released: times an open memory's dequantized rows were dropped (``max_hot``).
     """
 
     def __init__(
@@ -133,6 +135,9 @@ class ModelWorker:
         self.max_open = max_open
         self.max_hot = max_hot
         self.max_batch = max_batch
+        self.opened = self.closed = self.released = 0
+        #: the memories of the job or batch running now: never closed to make room (``max_open``) until it ends
+        self._busy: set[Path] = set()
         self.started = 0
         self.cancelled = 0
         self.batches: Counter[int] = Counter()
@@ -147,6 +152,11 @@ class ModelWorker:
     def on_worker_thread(self) -> bool:
         """Whether the caller runs on the worker thread (where a job must not wait for another job)."""
         return threading.current_thread() is self._thread
+
+    @property
+    def n_open(self) -> int:
+        """Memories held open now."""
+        return len(self._open)
 
     @property
     def depth(self) -> int:
@@ -253,10 +263,15 @@ class ModelWorker:
                 else:
                     items.append(item)
             self.started += len(items)
-            if len(items) == 1 and not isinstance(items[0].job, QueryJob):
-                self._run_one(items[0])
-            elif items:
-                self._answer(items)
+            self._busy = {item.directory for item in items if item.directory is not None}
+            try:
+                if len(items) == 1 and not isinstance(items[0].job, QueryJob):
+                    self._run_one(items[0])
+                elif items:
+                    self._answer(items)
+            finally:
+                self._busy = set()
+                self._evict()
         for directory, mem in self._open.items():
             _close(directory, mem)
         self._open.clear()
@@ -337,12 +352,13 @@ class ModelWorker:
                 raise _deleted(directory)
             mem = EventMemory.open(directory, self.lm)
             LOG.info("memory %s opened at %.6f", _name(directory), time.time())
+            self.opened += 1
             self._open[directory] = mem
             self._evict()
         self._open.move_to_end(directory)
         if self.max_hot is not None:  # the rows of the memories used longest ago kept packed only
             for cold in list(self._open.values())[: max(0, len(self._open) - self.max_hot)]:
-                cold.release_rows()
+                self.released += cold.release_rows() > 0
         return mem
 
     def adopt(self, directory: Path, mem: EventMemory) -> None:
@@ -352,14 +368,21 @@ class ModelWorker:
         self._evict()
 
     def _evict(self) -> None:
-        while len(self._open) > self.max_open:
-            _close(*self._open.popitem(last=False))
+        """Close the least recently used open memories beyond ``max_open``, but none the running job or batch
+        works on (a batch on more memories than ``max_open`` holds them all until it ends)."""
+        for directory in list(self._open):
+            if len(self._open) <= self.max_open:
+                break
+            if directory not in self._busy:
+                _close(directory, self._open.pop(directory))
+                self.closed += 1
 
     def release(self, directory: Path) -> None:
         """Close the memory of ``directory`` if open (before it is removed). Worker thread only."""
         mem = self._open.pop(directory, None)
         if mem is not None:
             _close(directory, mem)
+            self.closed += 1
 
     def deleted(self, directory: Path) -> None:
         """Record that the memory of ``directory`` was deleted (after :meth:`release` and its removal):
