@@ -5,8 +5,9 @@ materialize locally, serve sparsely"). See ``docs/memory.md``.
 """
 
 from eventkv.memory.answer import PreparedQuery, answer_prepared
+from eventkv.memory.core import prefill_many
 from eventkv.memory.dates import resolve_relative_dates
-from eventkv.memory.memory import EventMemory, prefill_many
+from eventkv.memory.memory import EventMemory
 from eventkv.memory.query import MemoryQuery, QueryOptions
 from eventkv.memory.records import Added, CarrierResult, Hit, MemoryAnswer, MemoryEvent, MemoryRecord, MemoryStats
 

@@ -10,7 +10,7 @@ import builtins
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Self, Sequence, cast
 
-from eventkv.errors import EventKVError, OutOfSpace, StoreDamaged
+from eventkv.errors import EventKVError, OptionError, OutOfSpace, StoreDamaged
 from eventkv.kv.log import HEADER_ID, Event, TokenizedLog
 from eventkv.kv.model import model_device
 from eventkv.kv.quant import decode_rows
@@ -442,3 +442,60 @@ class MemoryCore:
             [Event(r.id, cast(str, r.text), r.role, r.budget) for r in recs],
             instruction=self.store.manifest["instruction"],
         )
+
+
+def prefill_many(memories: Sequence[MemoryCore]) -> list[int]:
+    """:meth:`eventkv.memory.EventMemory.prefill` of several memories of one model, their pending events computed in
+    one batched forward (:func:`eventkv.kv.batched.prefill_batch`: each memory's rows continue its own stored rows,
+    each row at its own history's position) where more than one has pending events inside the model's context; a
+    memory whose history passes its ``window`` is prefilled alone (windowed). Each memory's rows equal its own
+    ``prefill()``'s up to float rounding (the matmuls run at another shape) and are committed as
+    that call commits them: one new segment per memory, all or nothing per memory.
+
+    What a service does when queries on several memories with pending events are answered together: one forward
+    instead of one per memory.
+
+    Returns:
+        rows computed per memory, in order (0 where nothing was pending).
+
+    Raises:
+        OptionError: a memory given twice, or memories of different models.
+        EventKVError: a closed memory. The first error of a memory's commit (``OutOfSpace``) is raised after
+            every other memory's rows were committed; that memory's events stay pending.
+    """
+    from eventkv.kv.batched import prefill_batch
+    from eventkv.kv.windowed import plan_chunks
+
+    if len({id(m) for m in memories}) != len(memories):
+        raise OptionError("memories", len(memories), "give each memory once.")
+    if len({id(m.lm.model) for m in memories}) > 1:
+        raise OptionError("memories", len(memories), "give memories of one model (one forward serves one model).")
+    out = [0] * len(memories)
+    batch = []
+    for k, mem in enumerate(memories):
+        mem._check_open()
+        job = mem._pending_job()
+        if job is None:
+            continue
+        if plan_chunks(job[0], mem.window):  # past the window: chunk by chunk, alone
+            out[k] = mem._prefill()
+        else:
+            batch.append((k, mem, job))
+    if not batch:
+        return out
+    lm = batch[0][1].lm
+    rows = prefill_batch(
+        lm.model,
+        [(log, prefix) for _, _, (log, prefix, _) in batch],
+        max_context=lm.profile.max_context,
+        weights_digest=lm.profile.weights_digest,
+    )
+    failed: BaseException | None = None
+    for (k, mem, (_, prefix, seqs)), ekv in zip(batch, rows):
+        try:
+            out[k] = mem._commit_prefill(ekv, prefix.n_rows if prefix is not None else 0, seqs)
+        except Exception as exc:  # this memory's rows are not kept; the others' are
+            failed = failed or exc
+    if failed is not None:
+        raise failed
+    return out

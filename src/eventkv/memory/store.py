@@ -58,7 +58,7 @@ import sqlite3
 import tempfile
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -69,9 +69,6 @@ from eventkv.files import directory_bytes, fsync_path, out_of_space, sha256_file
 from eventkv.kv.quant import ROW_FORMATS, decode_rows, encode_rows
 from eventkv.memory import sql
 from eventkv.memory.integrity import MANIFEST_CHECKSUM, check_manifest, damaged, guard, manifest_checksum
-
-if TYPE_CHECKING:  # pragma: no cover
-    pass
 
 SCHEMA_VERSION = 3
 #: schema versions this eventkv opens (1 and 2: upgraded on open, see the module docstring)
@@ -491,8 +488,7 @@ class Store:
 
     @property
     def rows_format(self) -> str:
-        """The format the store's rows are written in (:data:`eventkv.kv.quant.ROW_FORMATS`; the manifest's
-        ``rows``, ``native`` for a store whose manifest does not name one)."""
+        """The row format of the store (the manifest's ``rows``; ``native`` where it names none)."""
         return self.manifest.get("rows", "native")
 
     def next_segment_id(self) -> int:
