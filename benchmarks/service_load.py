@@ -8,9 +8,15 @@
    torch threads; the server idles while the library runs and the other way round.
 3. Costs, in the library on a copy of the store: a query's preparation (BM25, served cache, question
    ids) and its readout alone and in batches of 2, 4 and ``--max-batch``; an add's and an update's
-   commit and the lazy prefill the memory's next query pays for it. From them, the most batching
-   can raise throughput on ``--mix`` and on queries alone (Amdahl's law: the writes and every
-   query's preparation stay serial; only the readouts share a batch).
+   commit and the lazy prefill the memory's next query pays for it; and the lazy prefill of b
+   memories (b = 2, 4, ``--max-batch``; copies of the store, each with one pending add, as the mix's
+   writes leave them) done together in one batched forward (:func:`eventkv.memory.prefill_many`, as
+   the server does for the memories of one query batch) against the same prefills one at a time.
+   From them, the most batching can raise throughput on ``--mix`` and on queries alone (Amdahl's
+   law: the writes and every query's preparation stay serial; only the readouts share a batch), and
+   on ``--mix`` once more with the lazy prefills of a batch's memories (at most ``--memories`` of
+   them) sharing one forward too, each write's lazy prefill scaled by the measured ratio together /
+   one at a time.
 4. Load, for each client count (default 1, 4, 8, 16) and each of ``--max-batch 1`` (one query at a
    time) and ``--max-batch N`` (queued queries answered in one batched readout): a fresh server on
    fresh copies of the store, ``--memories`` memories shared round-robin by the clients (1: every
@@ -21,8 +27,9 @@
    Both modes of a client count run back to back, so they see the same machine.
 
 Printed last: each client count's ratios batched / unbatched (requests/s, query p50, query p99),
-the ratio at 8 clients on a line of its own, the bounds of step 3 next to the mean batch each
-client count reached (closed-loop clients keep only so many queries queued at once), and
+the ratio at 8 clients on a line of its own, the bounds of step 3 (``most batching can give on the
+mix, lazy prefills batched too`` the one that counts the batched lazy prefills) next to the mean
+batch each client count reached (closed-loop clients keep only so many queries queued at once), and
 `HTTP overhead (median query latency, HTTP / library): N.NNx`.
 
     python benchmarks/service_load.py [--model smollm2-135m] [--clients 1,4,8,16] [--max-batch 8]
@@ -251,14 +258,74 @@ def batch_costs(args, lm, store: Path, questions: list[str], event_ids: list[str
     return {key: statistics.median(xs) for key, xs in out.items()}
 
 
-def bound(costs: dict[str, float], mix: list[float], b: int) -> float:
+def prefill_costs(args, lm, source: Path, work: Path) -> dict[str, float]:
+    """In the library, on ``--max-batch`` copies of the memory ``source`` (equal memories): the lazy prefill of
+    ``b`` of them, each with one pending add (as the mix's writes leave a memory), done together in one batched
+    forward (:func:`eventkv.memory.prefill_many`, as the server does for a query batch's memories) and the same
+    prefills one at a time (:meth:`EventMemory.prefill` each), for each batch size of :func:`readout_sizes` from 2
+    up. Each repeat adds one event to every memory before each arm and alternates which arm runs first (the
+    histories grow by a few positions a round, the same in both arms). Medians, milliseconds: keys
+    ``"prefill together {b}"`` and ``"prefill one at a time {b}"``."""
+    from contextlib import ExitStack
+
+    from eventkv.memory import prefill_many
+
+    sizes = readout_sizes(args.max_batch)[1:]
+    out: dict[str, list[float]] = defaultdict(list)
+    n = 0
+
+    def arm(mems: list[EventMemory], together: bool) -> float:
+        nonlocal n
+        n += 1
+        for mem in mems:
+            mem.add([f"client 0 note {n}."])
+        assert all(mem.pending for mem in mems)
+        t0 = time.perf_counter()
+        if together:
+            prefill_many(mems)
+        else:
+            for mem in mems:
+                mem.prefill()
+        ms = 1e3 * (time.perf_counter() - t0)
+        assert not any(mem.pending for mem in mems)
+        return ms
+
+    with ExitStack() as stack:
+        mems = []
+        for i in range(max(sizes)):
+            shutil.copytree(source, work / f"m{i}")
+            mems.append(stack.enter_context(EventMemory.open(work / f"m{i}", lm)))
+        arm(mems[:2], True)  # warm-up, not counted
+        arm(mems[:2], False)
+        for r in range(args.repeats):
+            for b in sizes:
+                for together in (True, False) if r % 2 == 0 else (False, True):
+                    key = f"prefill {'together' if together else 'one at a time'} {b}"
+                    out[key].append(arm(mems[:b], together))
+    return {key: statistics.median(xs) for key, xs in out.items()}
+
+
+def prefill_ratio(costs: dict[str, float], b: int, memories: int) -> float:
+    """Lazy prefill together / one at a time for a batch of ``b`` queries on ``memories`` memories: at the largest
+    measured size no larger than ``min(b, memories)`` (a batch holds at most that many memories); 1 below 2."""
+    sizes = [s for s in range(2, min(b, memories) + 1) if f"prefill together {s}" in costs]
+    if not sizes:
+        return 1.0
+    s = max(sizes)
+    return costs[f"prefill together {s}"] / costs[f"prefill one at a time {s}"]
+
+
+def bound(costs: dict[str, float], mix: list[float], b: int, lazy: float = 1.0) -> float:
     """The most that batching ``b`` queries at a time can raise throughput on this mix: the work per
     request with every query's readout shared by ``b`` queries, against one at a time (Amdahl's law
-    over the measured costs; the writes and each query's preparation stay serial)."""
+    over the measured costs; the writes and each query's preparation stay serial). ``lazy``: what the
+    writes' lazy prefills cost batched, as a share of their cost one at a time (1: they stay serial;
+    :func:`prefill_ratio`: the lazy prefills of a batch's memories share one forward)."""
     q, a, u = (w / sum(mix) for w in mix)
-    writes = a * (costs["add"] + costs["add lazy prefill"]) + u * (costs["update"] + costs["update lazy prefill"])
-    one = q * (costs["prepare"] + costs["readout 1"]) + writes
-    batched = q * (costs["prepare"] + costs[f"readout {b}"] / b) + writes
+    commits = a * costs["add"] + u * costs["update"]
+    prefills = a * costs["add lazy prefill"] + u * costs["update lazy prefill"]
+    one = q * (costs["prepare"] + costs["readout 1"]) + commits + prefills
+    batched = q * (costs["prepare"] + costs[f"readout {b}"] / b) + commits + lazy * prefills
     return one / batched
 
 
@@ -350,6 +417,13 @@ def main() -> None:
                 f"readout at batch {per}; add {costs['add']:.0f} + its lazy prefill {costs['add lazy prefill']:.0f}; "
                 f"update {costs['update']:.0f} + its lazy prefill {costs['update lazy prefill']:.0f}"
             )
+            costs |= prefill_costs(args, lm, pristine / "default" / mids[0], work / "prefill")
+            for b in readout_sizes(args.max_batch)[1:]:
+                together, alone = costs[f"prefill together {b}"], costs[f"prefill one at a time {b}"]
+                print(
+                    f"lazy prefill of {b} memories, together / one at a time: {ratio(together, alone)} "
+                    f"({together:.0f} / {alone:.0f} ms, one pending add each)"
+                )
         for n in counts:
             for mb in (1, args.max_batch):
                 cell = Cell(n, mb)
@@ -390,6 +464,14 @@ def main() -> None:
         for name, mix in (("this mix", args.mix), ("queries only", [1.0, 0.0, 0.0])):
             bounds = ", ".join(f"batch {b} {bound(costs, mix, b):.2f}x" for b in readout_sizes(args.max_batch)[1:])
             print(f"most that batching can give ({name}; writes and each query's prepare stay serial): {bounds}")
+        bounds = ", ".join(
+            f"batch {b} {bound(costs, args.mix, b, prefill_ratio(costs, b, args.memories)):.2f}x"
+            for b in readout_sizes(args.max_batch)[1:]
+        )
+        print(
+            f"most batching can give on the mix, lazy prefills batched too (a batch's memories, at most "
+            f"{args.memories}, prefilled in one forward; commits and each query's prepare stay serial): {bounds}"
+        )
         means = ", ".join(f"{c.clients} clients {c.mean_batch:.2f}" for c in cells if c.max_batch > 1)
         print(f"mean batch reached: {means}")
     errors = sum(c.errors for c in cells)

@@ -54,7 +54,8 @@ def test_gpu_throughput_smoke():
 @pytest.mark.slow
 def test_service_load_smoke(tmp_path):
     """The service load benchmark end to end on the tiny model: one client count, batching off and on,
-    a few requests; every table line, the ratios, no errors and no acknowledged add lost."""
+    a few requests; every table line, the lazy prefills together and one at a time, the ratios and bounds,
+    no errors and no acknowledged add lost."""
     from service_fixtures import save_sharp_model
 
     model = save_sharp_model(tmp_path / "model")
@@ -79,8 +80,12 @@ def test_service_load_smoke(tmp_path):
     one(
         costs + r"1: \d+ \(\d+ a query\), 2: \d+ \(\d+ a query\), 4: \d+ \(\d+ a query\); add \d+ .*lazy prefill -?\d+$"
     )
+    for b in (2, 4):
+        one(rf"lazy prefill of {b} memories, together / one at a time: [\d.]+x \(\d+ / \d+ ms, one pending add each\)$")
     for name in ("this mix", "queries only"):
         one(rf"most that batching can give \({name}; .*\): batch 2 [\d.]+x, batch 4 [\d.]+x$")
+    too = r"most batching can give on the mix, lazy prefills batched too \(.*at most 2, .*\): "
+    one(too + r"batch 2 [\d.]+x, batch 4 [\d.]+x$")
     one(r"mean batch reached: 2 clients ([\d.]+|nan)$")
     one(r"errors \(non-2xx other than 503\): 0; acknowledged adds lost: 0")
     one(r"HTTP overhead \(median query latency, HTTP / library\): [\d.]+x")
