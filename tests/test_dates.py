@@ -34,6 +34,13 @@ from eventkv.memory.dates import reference_date, relative_dates, render_date, re
         ),
         # the reference's own date: a datetime or a date work as the string does
         (datetime.date(2023, 6, 9), "I did it two days ago.", "I did it two days ago [7 June 2023]."),
+        # dateparser reads expressions joined by "and" or a comma as one date: each is read on its own
+        (
+            "8 May 2023",
+            "I quit my job three years ago, and tomorrow I open my own bakery.",
+            "I quit my job three years ago [2020], and tomorrow [9 May 2023] I open my own bakery.",
+        ),
+        ("8 May 2023", "yesterday and tomorrow", "yesterday [7 May 2023] and tomorrow [9 May 2023]"),
         (datetime.datetime(2024, 3, 1, 9, 0), "It opens tomorrow.", "It opens tomorrow [2 March 2024]."),
     ],
 )

@@ -723,3 +723,20 @@ def test_compare_runs_pairs_questions():
     assert "| a | 0.250 [" in comparison_table([row], "native", "int4", None).to_markdown()
     with pytest.raises(EventKVError, match="question 0 differs between the runs \\(question 'q' vs 'other'\\)"):
         compare_runs(a, _run([("c0", 0.1)], question="other"))
+
+
+def test_memory_compare_command(tmp_path, monkeypatch, capsys):
+    a = _run([("c0", 0.1), ("c0", 0.5), ("c1", 0.2)])
+    b = _run([("c0", 0.3), ("c0", 0.5)])
+    for name, records in (("a", a), ("b", b)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    args = ["memory", "compare", str(tmp_path / "a"), str(tmp_path / "b"), "--label-a", "native", "--label-b", "int4"]
+    code, out, err = run_cli(monkeypatch, capsys, *args)
+    assert code == 0, err
+    assert "Token F1, native (A) vs int4 (B), paired questions of categories 1-4" in out
+    assert "| a | 0.300 [" in out and out.rstrip().endswith(
+        "2 questions answered in both runs (every category); answered in A only: 1, in B only: 0 (left out)."
+    )
+    code, out, err = run_cli(monkeypatch, capsys, "memory", "compare", str(tmp_path / "a"), str(tmp_path / "nope"))
+    assert code == 2 and "holds no records.jsonl" in err and "Traceback" not in out + err

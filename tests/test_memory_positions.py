@@ -50,7 +50,13 @@ def test_contiguous_answers_as_the_data_path_and_reports_the_served_positions(lm
     # no positions given: contiguous (the model's RoPE re-rotates exactly), and the answer says so
     assert d.positions == a.positions and d.generation.tokens == a.generation.tokens
     assert all(torch.equal(x, y) for x, y in zip(d.generation.logits, a.generation.logits))
-    assert d.plan == {"select": ["ravi", "mei"], "mode": "compact", "positions": "contiguous", "order": "log"}
+    assert d.plan == {
+        "select": ["ravi", "mei"],
+        "mode": "compact",
+        "positions": "contiguous",
+        "order": "log",
+        "rows": "native",
+    }
     assert o.plan["positions"] == "original" and a.plan["positions"] == "contiguous"
     # the same rows served by the data path, from a fresh prefill of the stored history
     ekv = prefill(lm.model, tokenize(log, lm.tokenizer, lm.profile))

@@ -146,6 +146,7 @@ def test_a_memory_serves_its_own_format(lm, fmt, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(before[0] + before[1], after[0] + after[1]))
     assert torch.equal(_answer(mem), logits)
     assert json.loads((tmp_path / fmt / MANIFEST).read_text())["rows"] == fmt
+    assert mem.query(QUESTION, max_new_tokens=1).plan["rows"] == fmt  # every answer records its memory's format
     assert mem.stats().bytes_on_disk < native.stats().bytes_on_disk
     mem.close()
     native.close()

@@ -286,6 +286,7 @@ def test_order_over_http_and_in_the_client(llama, tmp_path):
             "budget_rows": None,
             "neighbours": 0,
             "with_headers": False,
+            "rows": "native",
         }
         # no positions given: the default (contiguous here), recorded in the answer's plan, the client's and the
         # chat's; original only when asked

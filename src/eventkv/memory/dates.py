@@ -37,6 +37,9 @@ RELATIVE_MARKERS = frozenset(
 )
 
 _WORD = re.compile(r"\S+")
+#: where dateparser's spans are cut before an expression is read: it joins expressions across these
+#: ("three years ago, and tomorrow" is one span to it, read as one date)
+_JOINS = re.compile(r"[,;:!?.()]|\b(?:and|or|but|then|so|while|until|since)\b", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,8 @@ def render_date(date: _dt.date, period: str) -> str:
 
 def reference_date(when: str | _dt.date | _dt.datetime) -> _dt.datetime:
     """The moment a text was written, from a date, a datetime or a date string in any form dateparser reads
-    (``"1:56 pm on 8 May, 2023"``, ``"2023-05-08"``).
+    (``"1:56 pm on 8 May, 2023"``, ``"2023-05-08"``; a numeric date such as ``"08/05/2023"`` is read month first,
+    dateparser's default: give a datetime or an ISO date where the order matters).
 
     Raises:
         EventKVError: a string dateparser cannot read as a date (the message names it).
@@ -158,11 +162,13 @@ def relative_dates(text: str, when: str | _dt.date | _dt.datetime) -> list[Relat
         if start < 0:  # dateparser normalised the span's text: nothing to anchor it to
             continue
         cursor = start + len(span)
-        # dateparser may join two expressions into one span ("yesterday, and last night"): what is left of the
-        # span after an expression is searched again
-        while start < cursor and (hit := _shortest(text, start, cursor, reference)) is not None:
-            out.append(hit)
-            start = hit.end
+        # dateparser joins expressions into one span ("three years ago, and tomorrow") and reads the whole as one
+        # date: each piece between joining words and punctuation is read on its own
+        cuts = [start] + [x for m in _JOINS.finditer(text, start, cursor) for x in (m.start(), m.end())]
+        bounds = [*cuts, cursor]
+        for s, e in zip(bounds[0::2], bounds[1::2]):
+            if text[s:e].strip() and (hit := _shortest(text, s, e, reference)) is not None:
+                out.append(hit)
     return out
 
 

@@ -570,7 +570,9 @@ class EventMemory(MemoryUpkeep):
             blend_schedule=options.blend_schedule,
             decoding=decoding,
             version=self.store.version,
-            plans=[options.plan(select, mode, self.selector) for select, mode in plans],
+            plans=[
+                {**options.plan(select, mode, self.selector), "rows": self.store.rows_format} for select, mode in plans
+            ],
         )
 
     def finish_query(self, query: MemoryQuery, answers: Sequence[MemoryAnswer]) -> builtins.list[str]:

@@ -145,7 +145,7 @@ class QueryOptions:
         answers carry it): ``select`` (None: the selector's choice; ``"view"``, ``"all"`` or the listed ids),
         ``mode``, ``positions`` (resolved), ``order``; for a selector's choice also ``selector`` (its name),
         ``k``, ``budget``, ``budget_rows``, ``neighbours``, ``with_headers``; for ``blend`` ``recompute`` and
-        ``blend_schedule`` (resolved to their defaults)."""
+        ``blend_schedule`` (resolved to their defaults). The memory adds ``rows``, its store's row format."""
         plan: dict[str, Any] = {
             "select": list(select) if isinstance(select, (list, tuple)) else select,
             "mode": mode,

@@ -130,7 +130,8 @@ def comparison_table(rows: Sequence[ArmComparison], label_a: str, label_b: str, 
 def compare_folders(
     a: str | Path, b: str | Path, *, category: int | None = None, label_a: str = "", label_b: str = ""
 ) -> str:
-    """:func:`comparison_table` of two run folders' records, as markdown (labels default to the folder names).
+    """:func:`comparison_table` of two run folders' records, as markdown (labels default to the folder names), and
+    a line counting the questions paired and those only one run answered (left out).
 
     Raises:
         EventKVError: a folder without records; as :func:`compare_runs`.
@@ -145,4 +146,9 @@ def compare_folders(
     table = comparison_table(
         compare_runs(runs[0], runs[1], category), label_a or Path(a).name, label_b or Path(b).name, category
     )
-    return table.to_markdown()
+    paired = len(pair_records(runs[0], runs[1]))
+    alone = [sum("arms" in r for r in run) - paired for run in runs]
+    return (
+        f"{table.to_markdown()}\n\n{paired} questions answered in both runs (every category); answered in A only: "
+        f"{alone[0]}, in B only: {alone[1]} (left out)."
+    )
