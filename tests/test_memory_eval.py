@@ -133,6 +133,7 @@ def test_open_history_continues_a_memory_cut_short(tmp_path):
         (["--data", DEMO_DATA, "--positions", "sideways"], "--positions 'sideways'"),
         (["--data", DEMO_DATA, "--order", "score"], "--order 'score': give log (the served turns in history order)"),
         (["--data", DEMO_DATA, "--max-tokens", "8"], "--max-tokens 8:"),
+        (["--data", DEMO_DATA, "--max-padding", "2"], "--max-padding 2.0: give a fraction in [0, 1]."),
     ],
 )
 def test_eval_option_errors(extra, message, tmp_path, monkeypatch, capsys):

@@ -82,6 +82,12 @@ def memory_eval(
         "--batch-arms/--no-batch-arms",
         help="read the arms out in batches grouped by length (fast); --no-batch-arms: one readout per arm",
     ),
+    max_padding: float = typer.Option(
+        0.5,
+        "--max-padding",
+        help="the padding a batched readout may add, as a fraction of its rows (1: every arm of a question in one "
+        "readout; on a CPU a decode step costs about the same for a batch as for one arm)",
+    ),
     seed: int = typer.Option(0, "--seed", help="question sampling seed"),
     *,
     run: RunOptions,
@@ -114,6 +120,7 @@ def memory_eval(
         max_new_tokens=max_new_tokens,
         arm_names=comma_list(arms, "--arms"),
         batch_arms=batch_arms,
+        max_padding=max_padding,
     )
     run_probe_command(probe, replace(run, items=conversations * questions))
 
