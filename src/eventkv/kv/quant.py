@@ -91,6 +91,20 @@ def _codes(x: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: in
     return torch.clamp(torch.round((x - minimum.float()) / scale.float()), 0, levels).to(torch.uint8)
 
 
+def _quantize_along(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes, scale and minimum of ``x`` (float32, its groups along ``dim``): codes flattened back to ``[kv_heads,
+    rows, head_dim]`` and packed for 4 bits; scale and minimum without ``dim``."""
+    scale, minimum = _params(x.amin(dim=dim), x.amax(dim=dim), bits)
+    # the group axis folded back into the axis it was cut from: rows (keys, dim 2) or channels (values, dim 3)
+    codes = _codes(x, scale.unsqueeze(dim), minimum.unsqueeze(dim), bits).flatten(dim - 1, dim)
+    return (pack_int4(codes) if bits == 4 else codes), scale, minimum
+
+
+def _dequantize_along(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dim: int) -> torch.Tensor:
+    """``minimum + q * scale`` in float32, ``q``'s groups along ``dim`` (scale and minimum without it)."""
+    return q.float() * scale.float().unsqueeze(dim) + minimum.float().unsqueeze(dim)
+
+
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """Two 4-bit codes per byte along the last axis (even length): ``[..., n]`` uint8 -> ``[..., n // 2]``."""
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
@@ -114,10 +128,7 @@ def quantize_keys(keys: torch.Tensor, bits: int, group: int = GROUP) -> tuple[to
         scale and minimum ``[kv_heads, rows // group, head_dim]`` float16.
     """
     h, n, d = keys.shape
-    x = keys.float().reshape(h, n // group, group, d)
-    scale, minimum = _params(x.amin(dim=2), x.amax(dim=2), bits)
-    codes = _codes(x, scale.unsqueeze(2), minimum.unsqueeze(2), bits).reshape(h, n, d)
-    return (pack_int4(codes) if bits == 4 else codes), scale, minimum
+    return _quantize_along(keys.float().reshape(h, n // group, group, d), 2, bits)
 
 
 def dequantize_keys(
@@ -129,8 +140,7 @@ def dequantize_keys(
     groups = scale.shape[1]
     if groups == 0:  # a write too short to fill one key group
         return torch.empty((h, 0, d), dtype=dtype)
-    x = q.reshape(h, groups, n // groups, d).float() * scale.float().unsqueeze(2) + minimum.float().unsqueeze(2)
-    return x.reshape(h, n, d).to(dtype)
+    return _dequantize_along(q.reshape(h, groups, n // groups, d), scale, minimum, 2).reshape(h, n, d).to(dtype)
 
 
 def quantize_values(
@@ -148,10 +158,7 @@ def quantize_values(
     """
     h, n, d = values.shape
     g = value_group(d, group)
-    x = values.float().reshape(h, n, d // g, g)
-    scale, minimum = _params(x.amin(dim=3), x.amax(dim=3), bits)
-    codes = _codes(x, scale.unsqueeze(3), minimum.unsqueeze(3), bits).reshape(h, n, d)
-    return (pack_int4(codes) if bits == 4 else codes), scale, minimum
+    return _quantize_along(values.float().reshape(h, n, d // g, g), 3, bits)
 
 
 def dequantize_values(
@@ -161,8 +168,7 @@ def dequantize_values(
     q = unpack_int4(codes) if bits == 4 else codes
     h, n, d = q.shape
     groups = scale.shape[2]
-    x = q.reshape(h, n, groups, d // groups).float() * scale.float().unsqueeze(3) + minimum.float().unsqueeze(3)
-    return x.reshape(h, n, d).to(dtype)
+    return _dequantize_along(q.reshape(h, n, groups, d // groups), scale, minimum, 3).reshape(h, n, d).to(dtype)
 
 
 def split_rows(n_rows: int, native_head: int, group: int = GROUP) -> tuple[int, int]:
