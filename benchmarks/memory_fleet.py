@@ -73,13 +73,13 @@ import torch
 from service_load import Tally, ratio
 from service_scale import cpu_model
 
+from eventkv.kv.quant import ROW_FORMATS
 from eventkv.memory import EventMemory, MemoryEvent
 from eventkv.models import load
 from eventkv.service.server import ServerProcess
 from eventkv.testing import save_sharp_model
 
 NAMESPACE = "default"
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 # the word lists the dialogues are made of (invented; no dataset text)
 NAMES = ("Mara", "Jonas", "Ilse", "Tariq", "Noor", "Felix", "Ana", "Kwame", "Yuki", "Bruno", "Leila", "Oskar")
@@ -102,26 +102,12 @@ DONE = ("started", "finished", "signed up for", "talked about", "tried", "planne
 PEOPLE = ("my sister", "my neighbour", "an old friend", "my kids", "my coworker", "my partner", "my mentor")
 FEELINGS = ("proud", "nervous", "excited", "tired but happy", "a bit lost", "grateful", "surprised")
 WHEN = ("last weekend", "yesterday", "two days ago", "last month", "this morning", "on Friday", "last summer")
-MONTHS = (
-    "January",
-    "February",
-    "March",
-    "April",
-    "May",
-    "June",
-    "July",
-    "August",
-    "September",
-    "October",
-    "November",
-    "December",
-)
 
 
 def session_date(when: dt.datetime) -> str:
     """A session's date as LoCoMo writes it: ``1:56 pm on 8 May, 2023``."""
     hour, half = when.hour % 12 or 12, "am" if when.hour < 12 else "pm"
-    return f"{hour}:{when.minute:02d} {half} on {when.day} {MONTHS[when.month - 1]}, {when.year}"
+    return f"{hour}:{when.minute:02d} {half} on {when.day} {when:%B}, {when.year}"
 
 
 def turn_text(rng: random.Random, other: str) -> str:
@@ -388,8 +374,8 @@ def main() -> None:
     args = ap.parse_args()
     formats = args.rows.split(",")
     counts = [int(c) for c in args.clients.split(",")]
-    if not set(formats) <= {"native", "int8", "int4"} or len(set(formats)) != len(formats):
-        ap.error("give --rows as distinct formats among native, int8, int4")
+    if not set(formats) <= set(ROW_FORMATS) or len(set(formats)) != len(formats):
+        ap.error(f"give --rows as distinct formats among {', '.join(ROW_FORMATS)}")
     if min(args.memories, args.turns, args.session_turns, args.max_open, args.open_sample, args.threads) < 1:
         ap.error("give --memories, --turns, --session-turns, --max-open, --open-sample and --threads >= 1")
     if min(counts) < 1 or min(args.k, args.budget_rows, args.new_tokens, args.max_requests) < 1:
@@ -404,7 +390,7 @@ def main() -> None:
         model = str(save_sharp_model(work / "model")) if args.model == "tiny" else args.model
         lm = load(model, dtype="float32")
         p = lm.profile
-        row_bytes = p.num_layers * 2 * p.num_kv_heads * p.head_dim * DTYPE_BYTES[p.dtype]
+        row_bytes = p.num_layers * 2 * p.num_kv_heads * p.head_dim * getattr(torch, p.dtype).itemsize
         print(
             f"cpu: {cpu_model()} ({os.cpu_count()} cores); torch threads {args.threads} here and per server; "
             f"model {args.model} {p.dtype} ({p.num_layers} layers, {p.num_kv_heads} KV heads, head_dim {p.head_dim})"
