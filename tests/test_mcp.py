@@ -347,6 +347,7 @@ def test_the_server_backend_through_a_live_eventkv_serve(model_dir, tmp_path):
         (["--store", "S", "--model", "m", "--namespace", "a/b"], "--namespace 'a/b': use 1-64 characters"),
         (["--store", "S", "--model", "m", "--memory", ".."], "--memory '..': use 1-64 characters"),
         (["--store", "S", "--model", "m", "--threads", "0"], "--threads 0: give 1 to"),
+        (["--store", "S", "--model", "m", "--rows", "int2"], "rows 'int2': give native"),
         (["--server", "http://127.0.0.1:9"], "no eventkv server answers at http://127.0.0.1:9"),
     ],
 )
@@ -357,6 +358,22 @@ def test_bad_options_exit_2_with_one_line(monkeypatch, capsys, tmp_path, args, s
     code, out, err = run_cli(monkeypatch, capsys, "mcp", *args)
     assert code == 2 and says in err and "Traceback" not in out + err, err
     assert not Path("S").exists()  # refused before anything is made
+
+
+def test_a_memory_add_memory_creates_stores_its_rows_in_the_asked_format(tmp_path):
+    from eventkv.mcp.backends import LocalStore
+    from eventkv.memory import MemoryEvent
+    from eventkv.memory.reader import read_memory
+    from eventkv.testing import tiny_lm
+
+    store = LocalStore(tiny_lm("llama"), tmp_path, "team", rows="int4")
+    try:
+        anyio.run(
+            lambda: store.run("m", lambda mem: mem.add([MemoryEvent("The heron is back.")], prefill=True), create=True)
+        )
+    finally:
+        store.close()
+    assert read_memory(tmp_path / "team" / "m").manifest["rows"] == "int4"
 
 
 def test_a_token_not_granted_the_namespace_is_refused(monkeypatch, capsys, tmp_path):

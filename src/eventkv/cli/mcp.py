@@ -28,6 +28,9 @@ def mcp(
     instruction: Optional[str] = typer.Option(
         None, "--instruction", help="the header instruction of a memory add_memory creates (--store)"
     ),
+    rows: str = typer.Option(
+        "native", "--rows", help="the row format of a memory add_memory creates: native, int8 or int4"
+    ),
     transport: str = typer.Option("stdio", "--transport", help="stdio (one client) or http (streamable HTTP at /mcp)"),
     host: str = typer.Option("127.0.0.1", "--host", help="--transport http: bind address (loopback only)"),
     port: int = typer.Option(8765, "--port", help="--transport http: TCP port (0: any free port)"),
@@ -60,6 +63,7 @@ def mcp(
             namespace=namespace,
             memory=memory,
             instruction=instruction,
+            rows=rows,
             transport=transport,
             host=host,
             port=port,

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
 
 from eventkv.errors import Conflict, EventKVError, NotFound
+from eventkv.kv.quant import check_row_format
 from eventkv.memory.store import remove_leftovers
 from eventkv.service.errors import scrub
 from eventkv.service.worker import ModelWorker
@@ -60,6 +61,7 @@ class LocalStore:
         lm: the model every memory is read with (a store made by other weights is refused).
         root: the store root. namespace: the one namespace this backend serves.
         instruction: the header instruction of a memory made by ``create``.
+        rows: the row format of a memory made by ``create`` (``native``, ``int8``, ``int4``: docs/memory.md).
         max_queue, max_open: as ``eventkv serve``'s ``--max-queue`` and ``--max-open``.
 
     Raises:
@@ -73,12 +75,13 @@ class LocalStore:
         namespace: str = DEFAULT_NAMESPACE,
         *,
         instruction: str | None = None,
+        rows: str = "native",
         max_queue: int = 64,
         max_open: int = 16,
     ) -> None:
         self.lm, self.root = lm, Path(root)
         self.namespace = check_name(namespace, "namespace")
-        self.instruction = instruction
+        self.instruction, self.rows = instruction, check_row_format(rows)
         self.base = self.root / self.namespace
         self.base.mkdir(parents=True, exist_ok=True)
         remove_leftovers(self.base)  # what creations killed mid-way left
@@ -98,7 +101,9 @@ class LocalStore:
 
                 remove_leftovers(self.base, memory_id)
                 # atomic: built aside and renamed into place
-                mem = EventMemory.create(d, self.lm, namespace=self.namespace, instruction=self.instruction)
+                mem = EventMemory.create(
+                    d, self.lm, namespace=self.namespace, instruction=self.instruction, rows=self.rows
+                )
                 self.worker.adopt(d, mem)
             return verb(self.worker.memory(d))
 
@@ -114,12 +119,19 @@ class LocalStore:
 class RemoteServer:
     """A running ``eventkv serve`` at ``url``: each memory id gets one :class:`eventkv.client.Client`
     (scoped to ``namespace``, with the bearer ``token``), and each verb runs on a thread of its own,
-    so a slow answer does not hold the others up (the server queues model work itself)."""
+    so a slow answer does not hold the others up (the server queues model work itself). A memory that
+    ``create`` makes stores its rows in format ``rows``."""
 
     def __init__(
-        self, url: str, namespace: str = DEFAULT_NAMESPACE, *, token: str | None = None, timeout: float = 600.0
+        self,
+        url: str,
+        namespace: str = DEFAULT_NAMESPACE,
+        *,
+        token: str | None = None,
+        timeout: float = 600.0,
+        rows: str = "native",
     ) -> None:
-        self.url, self.token, self.timeout = url, token, timeout
+        self.url, self.token, self.timeout, self.rows = url, token, timeout, check_row_format(rows)
         self.namespace = check_name(namespace, "namespace")
         self._clients: dict[str, Client] = {}
         self._known: set[str] = set()  # memory ids made or seen by a create
@@ -166,7 +178,7 @@ class RemoteServer:
             Client.open(self.url, memory_id, **kw).close()
         except NotFound:
             try:
-                Client.create(self.url, memory_id, **kw).close()
+                Client.create(self.url, memory_id, rows=self.rows, **kw).close()
             except Conflict:  # made by another client in between
                 pass
 

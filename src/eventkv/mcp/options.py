@@ -31,6 +31,7 @@ class MCPOptions:
         namespace: the one namespace of every tool call (mem0's user_id).
         memory: the memory of a call that names no ``memory_id``.
         instruction: the header instruction of a memory that ``add_memory`` creates (local store).
+        rows: the row format of a memory that ``add_memory`` creates: native, int8 or int4 (either backend).
         transport: ``stdio`` (one client on stdin/stdout) or ``http`` (streamable HTTP at ``/mcp``).
         host, port: where ``http`` listens (a loopback host only: the MCP server has no authentication).
         dtype, device, threads: the local model's, as elsewhere. max_open: memories kept open (local store).
@@ -44,6 +45,7 @@ class MCPOptions:
     namespace: str = DEFAULT_NAMESPACE
     memory: str = DEFAULT_MEMORY
     instruction: str | None = None
+    rows: str = "native"
     transport: str = "stdio"
     host: str = "127.0.0.1"
     port: int = 8765
@@ -99,6 +101,9 @@ class MCPOptions:
             self.token()
         check_name(self.namespace, "namespace")
         check_name(self.memory, "memory")
+        from eventkv.kv.quant import check_row_format
+
+        check_row_format(self.rows)
         if self.transport not in TRANSPORTS:
             raise OptionError("transport", self.transport, "give stdio or http.", flag="--transport")
         if self.transport == "http":
@@ -155,7 +160,7 @@ class MCPOptions:
         from eventkv.mcp.backends import LocalStore, RemoteServer
 
         if self.server is not None:
-            remote = RemoteServer(self.server, self.namespace, token=self.token())
+            remote = RemoteServer(self.server, self.namespace, token=self.token(), rows=self.rows)
             remote.health()
             return remote
         from eventkv.models import load
@@ -166,7 +171,9 @@ class MCPOptions:
             torch.set_num_threads(self.threads)
         assert self.model is not None and self.store is not None  # validate() refused anything else
         lm = load(self.model, dtype=self.dtype, device=self.device)
-        return LocalStore(lm, self.store, self.namespace, instruction=self.instruction, max_open=self.max_open)
+        return LocalStore(
+            lm, self.store, self.namespace, instruction=self.instruction, rows=self.rows, max_open=self.max_open
+        )
 
     def serve(self) -> None:
         """Run the MCP server until its client goes (stdio: stdin closes) or SIGTERM or SIGINT (either
