@@ -398,6 +398,11 @@ def test_more_replicas_than_this_machines_cores_are_refused_before_ray_starts(tm
         ("GET", "/health", {}, b"", None),
         ("GET", "/v1/memories/..%2Fx", {}, b"", None),  # not a name: the replica answers 422
         ("GET", "/v1/memories/m", {"x-eventkv-namespace": "../etc"}, b"", None),
+        # the inspector's fragments of a memory go to its replica; its page shells and list to any
+        ("POST", "/ui/part/memory/agent-7/query", {"x-eventkv-namespace": "team"}, b"question=x", "team/agent-7"),
+        ("GET", "/ui/part/memory/agent-7/timeline", {}, b"", "default/agent-7"),
+        ("GET", "/ui/part/memories", {}, b"", None),
+        ("GET", "/ui/memory/agent-7", {}, b"", None),
     ],
 )
 def test_the_routing_key_is_the_memory_a_request_names(method, path, headers, body, key):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import typer
@@ -152,3 +153,70 @@ def memory_redact(
 
     n = redact_run(source, dest)
     typer.echo(f"{n} records redacted into {dest}: `eventkv report {dest}` reports them")
+
+
+@memory_app.command("import")
+def memory_import(
+    data: str = typer.Argument(..., help="LoCoMo-format JSON, or 'demo': a tiny invented file shipped with eventkv"),
+    server: str = typer.Option(..., "--server", help="the eventkv server, e.g. http://127.0.0.1:8000"),
+    memory: str = typer.Option(..., "--id", help="the new memory's id"),
+    conversation: int = typer.Option(1, "--conversation", help="which conversation of the file (1 = the first)"),
+    max_turns: int = typer.Option(0, "--max-turns", help="the conversation's first N turns (0: every turn)"),
+    with_headers: bool = typer.Option(
+        False, "--with-headers/--no-headers", help="a session header event carrying the date before each session"
+    ),
+    resolve_dates: bool = typer.Option(
+        False, "--resolve-dates/--no-resolve-dates", help="follow relative dates with the date they mean"
+    ),
+    rows: str = typer.Option("native", "--rows", help="the memory's row format: native, int8 or int4"),
+    namespace: str = typer.Option("default", "--namespace", help="the namespace the memory is created in"),
+    token_file: Optional[Path] = typer.Option(
+        None, "--token-file", help="the server's bearer token: the first token of the file (eventkv serve's format)"
+    ),
+    prefill: bool = typer.Option(True, "--prefill/--lazy", help="prefill each session's rows as it is added"),
+) -> None:
+    """Create a memory on a running server from one conversation of a LoCoMo-format file: one event per turn, as `memory eval` builds its histories.
+
+    Then open http://SERVER/ui to inspect it. Each session is one add (its rows prefilled unless --lazy), so a conversation of ~20,000 tokens takes a few minutes on a CPU.
+    """  # noqa: E501
+    from eventkv.cli.common import user_errors
+
+    with user_errors():
+        from eventkv.client import Client
+        from eventkv.errors import OptionError
+        from eventkv.kv.quant import check_row_format
+        from eventkv.service.server import read_tokens
+        from eventkv.studies.materialization.dialogue import load_locomo
+        from eventkv.studies.materialization.memory_eval import DEMO_DATA
+        from eventkv.studies.materialization.memory_eval.history import history_events
+        from eventkv.wire import check_name
+
+        check_name(memory, "memory id")
+        check_name(namespace, "namespace")
+        check_row_format(rows)
+        convs = load_locomo(DEMO_DATA if data == "demo" else data)
+        if not 1 <= conversation <= len(convs):
+            raise OptionError(
+                "conversation",
+                conversation,
+                f"the file holds {len(convs)}: give 1-{len(convs)}.",
+                flag="--conversation",
+            )
+        if max_turns < 0:
+            raise OptionError("max_turns", max_turns, "give 0 (every turn) or more.", flag="--max-turns")
+        conv = convs[conversation - 1]
+        if max_turns:
+            conv = replace(conv, turns=conv.turns[:max_turns])
+        token = next(iter(read_tokens(token_file))) if token_file is not None else None
+        sessions = history_events(conv, with_headers, resolve_dates)
+        with Client.create(server, memory, namespace=namespace, rows=rows, token=token) as client:
+            n = 0
+            for session, events in sessions:
+                client.add(events, prefill=prefill)
+                n += len(events)
+                typer.echo(f"session {session}: {len(events)} events", err=True)
+            stats = client.stats()
+        typer.echo(
+            f"memory {memory!r} in namespace {namespace!r}: {n} events, {stats.rows} rows; "
+            f"inspect it at {server.rstrip('/')}/ui/memory/{memory}?ns={namespace}"
+        )

@@ -52,6 +52,11 @@ def serve(
     memories_per_replica: int = typer.Option(
         16, "--memories-per-replica", help="--backend ray: memories kept open per replica (instead of --max-open)"
     ),
+    report: list[Path] = typer.Option(
+        [],
+        "--report",
+        help="a run folder or contract folder whose summary and figures /ui/reports shows (repeatable)",
+    ),
     dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
     threads: Optional[int] = THREADS_OPTION,
@@ -59,7 +64,7 @@ def serve(
 ) -> None:
     """Serve EventMemory over HTTP (FastAPI + uvicorn; needs the server extra: pip install 'eventkv\\[server]').
 
-    API docs at /docs; Prometheus metrics at /metrics.
+    API docs at /docs; the memory inspector at /ui; Prometheus metrics at /metrics.
 
     --backend ray: the same app as Ray Serve replicas, each memory's requests routed to its replica (the ray extra).
     """
@@ -125,6 +130,11 @@ def serve(
         )
         if store.exists() and not store.is_dir():
             raise OptionError("store", str(store), "the store is a file: give a directory.", flag="--store")
+        for folder in report:
+            if not folder.is_dir():
+                raise OptionError(
+                    "report", str(folder), "give a run folder or a contract's folder (a directory).", flag="--report"
+                )
         tokens = read_tokens(token_file) if token_file is not None else {}
         check_bind(host, tokens)  # before the model loads
         check_port(host, port)
@@ -141,6 +151,7 @@ def serve(
             body_timeout=body_timeout,
             max_batch=max_batch,
             max_hot=max_hot,
+            reports=tuple(folder.resolve() for folder in report),
         )
         # SIGTERM or Ctrl-C, even while the model loads: exit 0 once every memory is closed
         with stops_cleanly():

@@ -24,6 +24,10 @@ The interactive pages ``/docs`` (Swagger UI) and ``/redoc`` are served with thei
 machine without internet access; they, their assets and ``/openapi.json`` need no bearer token
 (:data:`eventkv.service.middleware.PUBLIC`).
 
+The memory inspector ``/ui`` (:mod:`eventkv.service.ui`): server-rendered pages of a memory's timeline, a
+question's served set and a side-by-side of serving plans; its shells and assets are public as ``/docs`` is,
+its fragments go through the bearer token and namespace grant.
+
 The parts: the routers, one per resource (:mod:`eventkv.service.routes`) and the OpenAI-compatible
 one (:mod:`eventkv.service.openai`), handed the app's state, worker and metrics by dependency
 injection (:mod:`eventkv.service.state`); the middleware
@@ -45,7 +49,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi_offline import FastAPIOffline
 
 from eventkv.memory.store import remove_leftovers
-from eventkv.service import routes
+from eventkv.service import routes, ui
 from eventkv.service.errors import OPENAI_UNAUTHORIZED, UNAUTHORIZED, Handlers, openai_path
 from eventkv.service.metrics import Measure, Metrics
 from eventkv.service.middleware import DOCS_ASSETS, BearerAuth, BodyLimit, MemoryIdCheck
@@ -126,6 +130,7 @@ def create_app(settings: Settings) -> FastAPI:
         unauthorized = OPENAI_UNAUTHORIZED if router is openai_router else UNAUTHORIZED
         app.include_router(router, responses=unauthorized if settings.tokens and router in GUARDED else None)
 
+    ui.mount(app)  # the inspector at /ui (eventkv.service.ui): page shells public, fragments behind the token
     served = app.state.service.served
 
     def openapi() -> dict:

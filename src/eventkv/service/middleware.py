@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 
 from eventkv.errors import OptionError
 from eventkv.service.errors import error_answer, error_response
+from eventkv.service.ui import is_ui_shell
 from eventkv.wire import check_name
 
 #: where the interactive API pages' scripts and styles are served from (fastapi-offline's static files)
@@ -135,5 +136,7 @@ class BearerAuth:
 
 
 def is_public(path: str) -> bool:
-    """Whether ``path`` is answered without a bearer token (:data:`PUBLIC`, or an asset under :data:`DOCS_ASSETS`)."""
-    return path in PUBLIC or path.startswith(DOCS_ASSETS + "/")
+    """Whether ``path`` is answered without a bearer token (:data:`PUBLIC`, an asset under :data:`DOCS_ASSETS`,
+    or a page shell or asset of the inspector: :func:`eventkv.service.ui.is_ui_shell`, which hold no memory's
+    data; the inspector's fragments need the token)."""
+    return path in PUBLIC or path.startswith(DOCS_ASSETS + "/") or is_ui_shell(path)

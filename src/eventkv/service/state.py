@@ -46,6 +46,8 @@ class Settings:
         max_batch: queries the worker answers in one batched readout at most (1: one at a time).
         max_hot: open memories of quantized stores that keep their dequantized rows (the most recently used;
             :class:`eventkv.service.worker.ModelWorker`); None: every open memory.
+        reports: run folders and contract folders whose summaries and figures the inspector shows
+            (``/ui/reports``; ``eventkv serve --report``).
         clean_at_start: remove what killed writes left under ``store`` when the app is created
             (:func:`eventkv.service.app.clean_leftovers`); False where other processes may be writing
             under the same root (a Ray Serve replica: the deployment cleans once, before its replicas start).
@@ -60,6 +62,7 @@ class Settings:
     body_timeout: float = 30.0
     max_batch: int = 8
     max_hot: int | None = None
+    reports: tuple[Path, ...] = ()
     clean_at_start: bool = True
 
 

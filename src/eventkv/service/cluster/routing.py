@@ -16,6 +16,8 @@ from eventkv.wire import DEFAULT_NAMESPACE, MEMORY_HEADER, NAME, NAMESPACE_HEADE
 
 MEMORIES = "/v1/memories"
 CHAT = "/v1/chat/completions"
+#: the inspector's fragments of one memory (:mod:`eventkv.service.ui`): a query from the page opens the memory
+UI_MEMORY = "/ui/part/memory"
 
 
 def memory_key(method: str, path: str, headers: dict[str, str], body: bytes, raw_path: str | None = None) -> str | None:
@@ -26,7 +28,7 @@ def memory_key(method: str, path: str, headers: dict[str, str], body: bytes, raw
             a memory id is read from it segment by segment, as the service's routes read it).
         headers: the request's headers, names lower-case. body: the whole request body.
 
-    Where the memory is named: the path ``/v1/memories/<id>/...``; the body's ``id`` of
+    Where the memory is named: the path ``/v1/memories/<id>/...`` or ``/ui/part/memory/<id>/...``; the body's ``id`` of
     ``POST /v1/memories`` (a creation); the body's ``memory.id`` or the header
     :data:`eventkv.wire.MEMORY_HEADER` of ``POST /v1/chat/completions`` (the body wins, as in the route).
     Any other request with that header (``GET /metrics``, ``GET /health``) goes to the replica holding
@@ -37,9 +39,10 @@ def memory_key(method: str, path: str, headers: dict[str, str], body: bytes, raw
     """
     namespace = headers.get(NAMESPACE_HEADER.lower(), DEFAULT_NAMESPACE)
     memory: object = None
-    if path.startswith(MEMORIES + "/"):
-        raw = raw_path if raw_path and raw_path.startswith(MEMORIES + "/") else path
-        memory = unquote(raw[len(MEMORIES) + 1 :].split("/")[0])
+    prefix = next((p for p in (MEMORIES, UI_MEMORY) if path.startswith(p + "/")), None)
+    if prefix is not None:
+        raw = raw_path if raw_path and raw_path.startswith(prefix + "/") else path
+        memory = unquote(raw[len(prefix) + 1 :].split("/")[0])
     elif method == "POST" and path in (MEMORIES, CHAT):
         try:
             doc = json.loads(body) if body else None
