@@ -263,8 +263,9 @@ def test_two_memories_on_two_replicas_at_once(model_dir, tmp_path, cluster):
 @pytest.mark.slow
 def test_chat_and_mcp_through_the_ray_backend(model_dir, tmp_path, cluster):
     """The OpenAI client's chat (a memory attached by the body and by the header, streamed and not,
-    ``remember``) and the MCP server's ``--server`` backend, against the Ray backend: the memory's
-    chats all answered by its replica, streamed = not streamed, the remembered turns stored."""
+    ``remember``), the inspector's pages and the MCP server's ``--server`` backend, against the Ray backend:
+    the memory's chats and fragments all answered by its replica, streamed = not streamed, the remembered turns
+    stored."""
     import anyio
     import openai
     from mcp import ClientSession
@@ -304,6 +305,14 @@ def test_chat_and_mcp_through_the_ray_backend(model_dir, tmp_path, cluster):
         with Client.open(srv.url, "chat") as mem:
             texts, version = [r.text for r in mem.list()], mem.version
         assert texts[-2] == QUESTION and len(texts) == 4 and remembered.choices[0].message.content is not None
+        # the inspector through the gateway: its shell from any replica, the memory's fragments from its replica
+        with httpx.Client(base_url=srv.url, timeout=300) as ui:
+            assert ui.get("/ui/memory/chat").status_code == 200
+            timeline = ui.get("/ui/part/memory/chat/timeline")
+            assert timeline.status_code == 200 and "Event number 3: the value is 21." in timeline.text
+            asked = ui.post("/ui/part/memory/chat/query", data={"question": QUESTION, "k": "1", "max_new_tokens": "3"})
+            assert asked.status_code == 200 and 'id="served-table"' in asked.text
+            assert timeline.headers.get(REPLICA_HEADER) == asked.headers.get(REPLICA_HEADER) == seen[0]
         got: dict = {}
 
         async def session():
