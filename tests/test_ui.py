@@ -203,10 +203,15 @@ def ask(page, question: str) -> None:
 
 def test_no_token_is_refused_until_one_is_given(tabs, server):
     page = tabs("/ui", token=None)
-    expect(page.locator("#status")).to_contain_text("HTTP 401")
-    expect(page.locator("#status")).to_contain_text("bearer token")
     expect(page.locator("#token-box")).to_be_visible()
-    expect(page.locator("#token-message")).to_contain_text("bearer token")
+    expect(page.locator("#token-message")).to_contain_text("this server asks for a bearer token")
+    expect(page.locator("#status")).to_have_text("")  # nothing is asked before the token form is answered
+    page.fill("#token", "w" * 32)  # a wrong token: refused, and the form comes back
+    page.click("#token-form button[type=submit]")
+    expect(page.locator("#status")).to_contain_text("HTTP 401")
+    expect(page.locator("#token-message")).to_contain_text("missing or wrong bearer token")
+    expect(page.locator("#token-box")).to_be_visible()
+    expect(page.locator("#memory-list")).to_contain_text("not shown: missing or wrong bearer token")
     assert page.locator("#memory-list a").count() == 0
     main = page.locator("main").inner_text()
     assert "m1" not in main and "secret" not in main
@@ -411,6 +416,8 @@ def test_restricted_token_sees_only_its_namespace(tabs):
     body = page.content()
     assert "Day 1:" not in body and "violin" not in body and "painted the fence" not in body
     assert page.locator("#timeline-table").count() == 0
+    for part in ("#summary", "#timeline"):  # each refused fragment's place says why, not "loading..."
+        expect(page.locator(part)).to_contain_text("not shown: this token is not granted namespace 'default'")
 
     page = tabs("/ui?ns=other", token=RESTRICTED)
     expect(page.locator("#memory-list a")).to_have_count(1)

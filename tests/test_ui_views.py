@@ -133,8 +133,24 @@ def test_memory_import_builds_a_memory_from_a_conversation(tmp_path, lm, monkeyp
             monkeypatch, capsys, "memory", "import", "demo", "--server", live.url, "--id", "x", "--conversation", "9"
         )
         assert code == 2 and "--conversation" in err and "Traceback" not in err
+        # an import stopped part-way resumes: the memory holds a prefix of the events, the rest are added
+        args = ("memory", "import", "demo", "--server", live.url, "--id", "part", "--with-headers")
+        code, out, _ = run_cli(monkeypatch, capsys, *args, "--max-turns", "5")
+        assert code in (0, None) and "6 events" in out  # a session header and 5 turns
+        code, out, _ = run_cli(monkeypatch, capsys, *args)
+        assert code in (0, None) and f"{len(turns) + sessions} events" in out
+        assert [e["id"] for e in http.get("/v1/memories/part/events").json()] == [
+            e["id"] for e in http.get("/v1/memories/demo/events").json()
+        ]
         code, _, err = run_cli(monkeypatch, capsys, "memory", "import", "demo", "--server", live.url, "--id", "demo")
-        assert code == 2 and "already exists" in err
+        assert code == 2 and "with other events" in err  # the same id, built without headers
+        for bad, says in (
+            (("--server", "127.0.0.1:9", "--id", "y"), "--server '127.0.0.1:9': give the server's URL"),
+            (("--server", "http://127.0.0.1:9", "--id", "y"), "cannot be reached"),
+            (("--server", live.url, "--id", "bad id"), "--id 'bad id'"),
+        ):
+            code, out, err = run_cli(monkeypatch, capsys, "memory", "import", "demo", *bad)
+            assert code == 2 and says in err and "Traceback" not in out + err, err
 
 
 def test_a_plan_the_memory_refuses_is_shown_on_its_card_and_the_others_answer(tmp_path, lm):

@@ -182,18 +182,29 @@ def memory_import(
     from eventkv.cli.common import user_errors
 
     with user_errors():
-        from eventkv.client import Client
-        from eventkv.errors import OptionError
+        import re
+
+        import httpx
+
+        from eventkv.errors import EventKVError, OptionError
         from eventkv.kv.quant import check_row_format
         from eventkv.service.server import read_tokens
         from eventkv.studies.materialization.dialogue import load_locomo
         from eventkv.studies.materialization.memory_eval import DEMO_DATA
         from eventkv.studies.materialization.memory_eval.history import history_events
-        from eventkv.wire import check_name
+        from eventkv.wire import NAME, check_name
 
-        check_name(memory, "memory id")
+        if NAME.fullmatch(memory) is None:
+            raise OptionError(
+                "id",
+                memory,
+                "use 1-64 characters from A-Z, a-z, 0-9, '_' and '-', starting with a letter or digit.",
+                flag="--id",
+            )
         check_name(namespace, "namespace")
         check_row_format(rows)
+        if not re.match(r"^https?://[^/\s]+", server):
+            raise OptionError("server", server, "give the server's URL, e.g. http://127.0.0.1:8000.", flag="--server")
         convs = load_locomo(DEMO_DATA if data == "demo" else data)
         if not 1 <= conversation <= len(convs):
             raise OptionError(
@@ -207,16 +218,60 @@ def memory_import(
         conv = convs[conversation - 1]
         if max_turns:
             conv = replace(conv, turns=conv.turns[:max_turns])
-        token = next(iter(read_tokens(token_file))) if token_file is not None else None
+        token = None
+        if token_file is not None:  # the file's first token granted the namespace (eventkv serve's format)
+            granted = [t for t, ns in read_tokens(token_file).items() if ns is None or namespace in ns]
+            if not granted:
+                raise OptionError(
+                    "namespace", namespace, f"no token of {token_file} is granted it: add one.", flag="--namespace"
+                )
+            token = granted[0]
         sessions = history_events(conv, with_headers, resolve_dates)
-        with Client.create(server, memory, namespace=namespace, rows=rows, token=token) as client:
-            n = 0
-            for session, events in sessions:
-                client.add(events, prefill=prefill)
-                n += len(events)
-                typer.echo(f"session {session}: {len(events)} events", err=True)
-            stats = client.stats()
+        try:
+            n, stats = import_sessions(server, memory, namespace, token, rows, sessions, prefill)
+        except httpx.HTTPError as exc:
+            raise EventKVError(
+                f"the server at {server} cannot be reached ({type(exc).__name__}: {exc}): start it with "
+                "`eventkv serve`, or give its URL with --server."
+            ) from None
         typer.echo(
             f"memory {memory!r} in namespace {namespace!r}: {n} events, {stats.rows} rows; "
             f"inspect it at {server.rstrip('/')}/ui/memory/{memory}?ns={namespace}"
         )
+
+
+def import_sessions(server: str, memory: str, namespace: str, token, rows: str, sessions: list, prefill: bool):
+    """Add ``sessions`` (``[(session, [MemoryEvent, ...]), ...]``) to memory ``memory`` on ``server``, one add
+    per session: a new memory is created; an existing one whose events are a prefix of these (same ids and
+    texts, in order: an import stopped part-way) gets the sessions it lacks. Returns ``(events, stats)``.
+
+    Raises:
+        EventKVError: the memory exists with other events (or another row format); whatever the server refuses.
+    """
+    from eventkv.client import Client
+    from eventkv.errors import Conflict, EventKVError, NotFound
+
+    planned = [e for _, events in sessions for e in events]
+    try:
+        client = Client.open(server, memory, namespace=namespace, token=token)
+    except NotFound:
+        client = Client.create(server, memory, namespace=namespace, rows=rows, token=token)
+    with client:
+        have = [(r.id, r.text) for r in client.list()]
+        if have != [(e.id, e.text) for e in planned[: len(have)]]:
+            raise Conflict(
+                f"memory {memory!r} already exists in namespace {namespace!r} with other events: give another --id, "
+                "or delete it (DELETE /v1/memories/ID)."
+            )
+        if len(have) and client.http.get(f"/v1/memories/{memory}").json().get("rows") != rows:
+            raise EventKVError(
+                f"memory {memory!r} stores its rows in another format than --rows {rows}: give that one."
+            )
+        done, seen = len(have), 0
+        for session, events in sessions:
+            todo = events[max(0, done - seen) :]
+            seen += len(events)
+            if todo:
+                client.add(todo, prefill=prefill)
+                typer.echo(f"session {session}: {len(todo)} events", err=True)
+        return len(planned), client.stats()

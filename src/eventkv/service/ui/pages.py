@@ -107,7 +107,7 @@ def snapshot(request: Request, state: ServiceState, ns: str, mid: str):
 @parts.get("/memory/{mid}/summary", response_class=HTMLResponse)
 def memory_summary(request: Request, mid: MemoryId, ns: Namespace, state: State):
     snap = snapshot(request, state, ns, mid)
-    figure = views.log_figure(request.app.state.query_log.of(f"{ns}/{mid}"))
+    figure = request.app.state.query_log.figure(f"{ns}/{mid}")
     return part(
         request, "part_summary.html", ns=ns, mid=mid, snap=snap, rows=snap.manifest.get("rows", "native"), figure=figure
     )
@@ -197,6 +197,8 @@ def shaping(fields: dict[str, str]) -> dict[str, Any]:
         out["budget_rows"] = number("budget", int)
     else:
         pct = number("budget", float)
+        if pct is not None and not 0 < pct <= 100:
+            raise OptionError("budget", pct, "give a percentage of the memory's rows, above 0 and at most 100.")
         out["budget"] = None if pct is None else pct / 100
     return out
 

@@ -193,6 +193,7 @@ class QueryLog:
 
     size: int = LOG_SIZE
     entries: dict[str, deque] = field(default_factory=dict)
+    drawn: dict[str, tuple] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, key: str, answer: MemoryAnswer, view_rows: int) -> None:
@@ -209,6 +210,20 @@ class QueryLog:
         )
         with self.lock:
             self.entries.setdefault(key, deque(maxlen=self.size)).append(entry)
+
+    def figure(self, key: str) -> str | None:
+        """:func:`log_figure` of memory ``key``'s entries, drawn again only after a new entry (a figure
+        takes ~0.1-0.2 s to draw, and the memory page asks for it after every write and query)."""
+        entries = self.of(key)
+        stamp = (len(entries), entries[-1][0]) if entries else None
+        with self.lock:
+            kept = self.drawn.get(key)
+            if kept is not None and kept[0] == stamp:
+                return kept[1]
+        svg = log_figure(entries)
+        with self.lock:
+            self.drawn[key] = (stamp, svg)
+        return svg
 
     def of(self, key: str) -> list[tuple]:
         """The recorded ``(unix time, served fraction, ms, mode, positions)`` of memory ``key``, oldest first."""

@@ -24,6 +24,10 @@
 
   document.addEventListener("htmx:configRequest", function (evt) {
     const token = sessionStorage.getItem(KEY);
+    if (!token && body.dataset.tokens === "1") {
+      evt.preventDefault(); // nothing to ask before the token form is answered: the fragments load on token-set
+      return;
+    }
     if (token) evt.detail.headers["Authorization"] = "Bearer " + token;
     evt.detail.headers["X-EventKV-Namespace"] = body.dataset.ns;
   });
@@ -39,6 +43,14 @@
     if (xhr.status === 401) {
       sessionStorage.removeItem(KEY);
       askToken(message);
+    }
+    // a fragment the server refused: its place says why, instead of "loading..."
+    const target = evt.detail.target;
+    if (evt.detail.requestConfig && evt.detail.requestConfig.verb === "get" && target) {
+      const p = document.createElement("p");
+      p.className = "muted";
+      p.textContent = "not shown: " + message;
+      target.replaceChildren(p);
     }
     say(message, true);
   });
