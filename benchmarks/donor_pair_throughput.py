@@ -33,7 +33,9 @@ oneDNN for float32 on a CPU).
 Prints one line per pair and way, then per way: mean seconds per pair, pairs per hour, tokens per
 pair through the model's decoder — one-token decode steps (times the rows of the batch) and the
 tokens of multi-token forwards (histories, questions, candidates: prefill) — and the ratio of its
-pairs per hour to the baseline's. Model load and one warm-up pair per way are excluded.
+pairs per hour to the baseline's; then per way where a pair's wall time goes: the seconds in the decoder's
+prefill forwards, in its one-token decode forwards, and the rest (LM head, serving, scoring, Python), so a
+reader sees where a ratio comes from. Model load and one warm-up pair per way are excluded.
 ``--profile`` prints a cProfile of the eventkv ways.
 """
 
@@ -94,13 +96,19 @@ def study_pair(rt: Runtime, probe: DonorPair, item: dict) -> float:
 class ForwardCount:
     """Tokens through ``model``'s decoder while :attr:`active`: ``prefill``, the tokens of multi-token
     forwards (``[batch, q]`` with q > 1 counts batch x q, padding included), and ``decoded``, the
-    one-token forwards (counting batch). A forward pre-hook on the decoder (``model.model``), so the
-    forwards that skip the LM head count too."""
+    one-token forwards (counting batch); and the wall seconds of each kind, ``prefill_s`` and ``decode_s``
+    (from the decoder's forward pre-hook to its forward hook, the device synchronized on CUDA). Hooks on the
+    decoder (``model.model``), so the forwards that skip the LM head count too; the LM head's own time falls
+    outside both (it is counted with the rest of a pair's time)."""
 
     def __init__(self, model) -> None:
         self.prefill = self.decoded = 0
+        self.prefill_s = self.decode_s = 0.0
         self.active = False
-        getattr(model, "model", model).register_forward_pre_hook(self._seen, with_kwargs=True)
+        self._started: tuple[float, bool] | None = None
+        decoder = getattr(model, "model", model)
+        decoder.register_forward_pre_hook(self._seen, with_kwargs=True)
+        decoder.register_forward_hook(self._done)
 
     def _seen(self, module, args, kwargs) -> None:
         if not self.active:
@@ -113,6 +121,21 @@ class ForwardCount:
             self.prefill += batch * q
         else:
             self.decoded += batch
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
+        self._started = (time.perf_counter(), q > 1)
+
+    def _done(self, module, args, output) -> None:
+        if self._started is None:
+            return
+        t0, multi = self._started
+        self._started = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        if multi:
+            self.prefill_s += time.perf_counter() - t0
+        else:
+            self.decode_s += time.perf_counter() - t0
 
     @contextlib.contextmanager
     def on(self):
@@ -123,9 +146,15 @@ class ForwardCount:
             self.active = False
 
     def take(self) -> tuple[int, int]:
-        """``(decoded, prefill)`` since the last take."""
+        """``(decoded, prefill)`` since the last take (the seconds: :meth:`take_seconds`)."""
         got = (self.decoded, self.prefill)
         self.decoded = self.prefill = 0
+        return got
+
+    def take_seconds(self) -> tuple[float, float]:
+        """``(prefill_s, decode_s)`` since the last call."""
+        got = (self.prefill_s, self.decode_s)
+        self.prefill_s = self.decode_s = 0.0
         return got
 
 
@@ -294,6 +323,7 @@ def main() -> None:
     ways = {REIMPLEMENTED: lambda it: _counted(count, lambda: study_pair(rt, study, it))}
     for name, probe in probes.items():
         ways[name] = lambda it, p=probe: _counted(count, lambda: _timed(lambda: p.run_item(rt, it)))
+    script = None
     if args.study_repo is not None:
         from eventkv.models.cache_dir import model_dir
 
@@ -318,17 +348,21 @@ def main() -> None:
         prof = cProfile.Profile()
     secs: dict[str, list[float]] = {name: [] for name in ways}
     tokens: dict[str, list[tuple[int, int]]] = {name: [] for name in ways}
+    split: dict[str, list[tuple[float, float]]] = {name: [] for name in ways}  # (prefill s, decode s) a pair
     names = list(ways)
     for k, it in enumerate(timed):
         for j in range(len(names)):
             name = names[(k + j) % len(names)]
             if prof is not None and name.startswith("eventkv"):
                 prof.enable()
+            counter = script.count if script is not None and name in (SCRIPT, SCRIPT_ONEDNN) else count
+            counter.take_seconds()
             s, decoded, prefilled = ways[name](it)
             if prof is not None:
                 prof.disable()
             secs[name].append(s)
             tokens[name].append((decoded, prefilled))
+            split[name].append(counter.take_seconds())
             print(f"pair {it['index']}: {name:<32} {s:7.2f} s, {decoded} decode steps, {prefilled} prefill tokens")
 
     if args.batch_pairs > 1:
@@ -338,7 +372,10 @@ def main() -> None:
         per, toks = [], []
         for a in range(0, len(timed), args.batch_pairs):
             chunk = timed[a : a + args.batch_pairs]
+            count.take_seconds()
             s, decoded, prefilled = _counted(count, lambda c=chunk: _timed(lambda: p.run_batch(rt, c)))
+            pre_s, dec_s = count.take_seconds()
+            split.setdefault(name, []).extend([(pre_s / len(chunk), dec_s / len(chunk))] * len(chunk))
             per.extend([s / len(chunk)] * len(chunk))
             toks.extend([(decoded // len(chunk), prefilled // len(chunk))] * len(chunk))
             print(f"pairs {chunk[0]['index']}-{chunk[-1]['index']}: {name} {s:7.2f} s")
@@ -361,6 +398,16 @@ def main() -> None:
         decoded = statistics.mean(d for d, _ in tokens[name])
         prefilled = statistics.mean(p for _, p in tokens[name])
         print(f"{name:<32} {mean:8.2f} {3600 / mean:11.0f} {decoded:13.0f} {prefilled:13.0f} {base / mean:11.2f}x")
+    print(
+        "\nwhere a pair's wall time goes: the decoder's multi-token forwards (prefill), its one-token forwards "
+        "(decode), and the rest (LM head, serving, scoring, Python)"
+    )
+    print(f"{'way':<32} {'s/pair':>8} {'prefill s':>10} {'decode s':>10} {'rest s':>8} {'decode share':>13}")
+    for name, s in secs.items():
+        mean = statistics.mean(s)
+        pre = statistics.mean(p for p, _ in split[name])
+        dec = statistics.mean(d for _, d in split[name])
+        print(f"{name:<32} {mean:8.3f} {pre:10.3f} {dec:10.3f} {mean - pre - dec:8.3f} {dec / mean:12.0%}")
 
 
 SCRIPT = "study's script"

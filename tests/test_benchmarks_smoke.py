@@ -238,6 +238,10 @@ def test_donor_pair_throughput_times_the_study_script_s_part_a(tmp_path, tiny_di
     assert float(one(r"study's script, oneDNN linears +[\d.]+ +\d+ +8 +34 +([\d.]+)x$").group(1)) > 0
     for way in (r"study \(re-implemented\)", "eventkv all arms", "eventkv kv,isolated"):
         assert float(one(rf"{way} +[\d.]+ +\d+ +\d+ +\d+ +([\d.]+)x$").group(1)) > 0
+    for way in ("study's script", r"study \(re-implemented\)", "eventkv all arms", "eventkv kv,isolated"):
+        row = one(rf"{way} +([\d.]+) +([\d.]+) +([\d.]+) +(-?[\d.]+) +(\d+)%$")
+        total, prefill, decode, rest = (float(row.group(i)) for i in range(1, 5))
+        assert prefill > 0 and decode >= 0 and abs(prefill + decode + rest - total) <= 0.002  # rounding of 3 decimals
     one, _ = run_benchmark("donor_pair_throughput.py", [*common, "--linear", "torch"], 600)
     one(r"model .* loaded in .*; linears on torch$")
     one(r"baseline: 'study \(re-implemented\)' is the study's way re-implemented on eventkv's data path, not ")
