@@ -395,6 +395,14 @@ def test_the_namespace_listing_reports_damaged_memories_and_lists_the_rest(serve
         assert by_id[name]["damaged"].startswith(f"the memory in '{NS}/{name}' is damaged: ")
     assert "text does not match" in by_id["text"]["damaged"]
     assert call(srv, "GET", "/metrics").status_code == 200
+    # the inspector's list marks the same memories damaged, with the same message, and lists the healthy one
+    page = call(srv, "GET", "/ui/part/memories")
+    assert page.status_code == 200, page.text
+    rows = page.text.split("<tr")[2:]  # past the header row
+    damaged = {name for name in HTTP_DAMAGES for row in rows if f">{name}</a>" in row and "damaged</span>" in row}
+    assert damaged == set(HTTP_DAMAGES)
+    assert any(">healthy</a>" in row and "damaged" not in row for row in rows)
+    assert "text does not match" in next(row for row in rows if ">text</a>" in row)
 
 
 def test_a_damaged_index_answers_409_on_writes_while_its_events_still_read(served):
