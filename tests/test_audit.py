@@ -85,12 +85,57 @@ def test_summary_statistics_on_hand_made_records():
         (["--ratio", "0.5,0.5"], "--ratio"),
         (["--policy", "h2o"], "--policy"),
         (["--window", "0"], "--window 0"),
+        (["--policy", "snapkv(win=8)"], "snapkv has no setting 'win': its settings are window, kernel, pooling"),
+        (["--policy", "snapkv(kernel=five)"], "kernel must be a whole number, not 'five'"),
+        (["--policy", "snapkv(window=8"], "write settings as name(key=value,...)"),
+        (["--policy", "snapkv(pooling=mean)"], "pooling"),
+        (["--policy", "expected(use_vnorm=yes)"], "use_vnorm must be true or false"),
+        (["--policy", "snapkv(window=64)", "--window", "32"], "snapkv(window=64) reads the last 64 queries"),
+        (["--policy", "knorm,knorm"], "give distinct policies"),
     ],
 )
 def test_audit_option_errors(extra, message, tmp_path, monkeypatch, capsys):
     code, out, err = run_cli(monkeypatch, capsys, "audit", *extra, "--out", str(tmp_path / "o"))
     assert code == 2 and message in err and "Traceback" not in out + err
     assert not (tmp_path / "o").exists()
+
+
+def test_policy_specs_reach_every_setting_and_the_audit_runs_them(tiny_dir, tmp_path, monkeypatch, capsys):
+    """A policy's settings from the command line: kvpress's SnapKV settings (window 8, kernel 5, avg pooling) next
+    to eventkv's defaults; each spec is its own cell, and the spec's policy scores as the library's object does."""
+    import torch
+
+    from eventkv.eviction import LayerCapture, SnapKV, keep_mask, policy_from_spec, split_policy_specs
+
+    specs = "knorm,snapkv(window=8,kernel=5,pooling=avg),snapkv,expected(horizon=64,use_covariance=false)"
+    assert split_policy_specs(specs) == [
+        "knorm",
+        "snapkv(window=8,kernel=5,pooling=avg)",
+        "snapkv",
+        "expected(horizon=64,use_covariance=false)",
+    ]
+    assert policy_from_spec("snapkv(window=8,kernel=5,pooling=avg)", window=32) == SnapKV(8, 5, "avg")
+    assert policy_from_spec("snapkv", window=8) == SnapKV(window=8)  # a caller's default, no setting over it
+    g = torch.Generator().manual_seed(0)
+    rows, window = 40, 8
+    cap = LayerCapture(
+        layer=0,
+        keys=torch.randn(2, rows, 16, generator=g),
+        values=torch.randn(2, rows, 16, generator=g),
+        positions=torch.arange(rows),
+        queries=torch.randn(4, window, 16, generator=g),
+        query_positions=torch.arange(rows - window, rows),
+        scaling=0.25,
+    )
+    spec_mask = keep_mask(policy_from_spec("snapkv(window=8,kernel=5,pooling=avg)"), cap, 0.5)
+    assert torch.equal(spec_mask, keep_mask(SnapKV(window=8, kernel=5, pooling="avg"), cap, 0.5))
+
+    out, specs = tmp_path / "run", "snapkv(window=8,kernel=5,pooling=avg),snapkv"  # two cells of one policy
+    args = ["audit", "--model", str(tiny_dir), "--items", "1", "--policy", specs, "--ratio", "0.5", "--window", "8"]
+    code, text, err = run_cli(monkeypatch, capsys, *args, "--dtype", "float32", "--out", str(out), "--no-progress")
+    assert code == 0, text + err
+    rec = json.loads((out / "records.jsonl").read_text().splitlines()[0])
+    assert set(rec["cells"]) == {f"{spec}@0.5" for spec in split_policy_specs(specs)}
 
 
 def test_audit_items_are_the_donor_pair_items():

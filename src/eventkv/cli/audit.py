@@ -16,7 +16,11 @@ if TYPE_CHECKING:
 
 @run_command(out="runs/audit/MODEL-DTYPE-seedSEED")
 def audit(
-    policy: str = typer.Option("streaming,snapkv,knorm", "--policy", help=", ".join(POLICIES)),
+    policy: str = typer.Option(
+        "streaming,snapkv,knorm",
+        "--policy",
+        help=f"{', '.join(POLICIES)}; settings in parentheses, e.g. snapkv(window=64,kernel=5)",
+    ),
     ratio: str = typer.Option("0.5,0.75", "--ratio", help="compression ratios: the fraction of rows evicted"),
     model: str = MODEL_OPTION,
     items: int = typer.Option(24, "--items", help="donor pairs"),
@@ -43,5 +47,7 @@ def audit(
             ratios.append(float(r))
         except ValueError:
             raise OptionError("ratios", r, "give compression ratios as numbers in [0, 1).", flag="--ratio") from None
-    probe = EvictionAudit(policies=comma_list(policy, "--policy"), ratios=tuple(ratios), window=window, sinks=sinks)
+    from eventkv.eviction.policies import split_policy_specs
+
+    probe = EvictionAudit(policies=tuple(split_policy_specs(policy)), ratios=tuple(ratios), window=window, sinks=sinks)
     run_probe_command(probe, run)

@@ -17,6 +17,9 @@ from eventkv.eviction.policies import (
     keep_mask,
     kept_count,
     make_policy,
+    parse_policy_spec,
+    policy_from_spec,
+    split_policy_specs,
 )
 
 __all__ = [
@@ -34,4 +37,7 @@ __all__ = [
     "keep_mask",
     "kept_count",
     "make_policy",
+    "parse_policy_spec",
+    "policy_from_spec",
+    "split_policy_specs",
 ]

@@ -24,9 +24,10 @@ and the parity test compares every policy with them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -456,6 +457,80 @@ def make_policy(name: str, **options) -> Policy:
         OptionError: an unknown name (the message lists the registered ones).
     """
     return POLICIES.get(name)(**options)
+
+
+def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``(name, settings)`` of a policy spec: a registered name (:data:`POLICIES`) alone, or with settings in
+    parentheses, ``snapkv(window=64,kernel=5,pooling=avg)``. Each value is read as its field's type: whole
+    numbers, numbers, ``true`` / ``false``, or text; :func:`policy_from_spec` then builds the policy, whose own
+    checks apply.
+
+    Raises:
+        OptionError: an unknown name, a setting the policy does not have (the message lists those it has), a
+            value not of its field's type, a setting given twice, or a spec not of this form.
+    """
+    if not isinstance(spec, str):
+        raise OptionError("policy", spec, "give a policy name, e.g. snapkv or snapkv(window=64,kernel=5).")
+    text = spec.strip()
+    name, _, rest = text.partition("(")
+    name = name.strip()
+    cls = POLICIES.get(name)  # an unknown name: the registry's message lists the known ones
+    settings: dict[str, Any] = {}
+    if not rest:
+        if "(" in text or ")" in text:
+            raise OptionError("policy", spec, "close the settings' parenthesis: snapkv(window=64,kernel=5).")
+        return name, settings
+    if not rest.endswith(")") or "(" in rest or ")" in rest[:-1]:
+        raise OptionError("policy", spec, "write settings as name(key=value,...), e.g. snapkv(window=64,kernel=5).")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init} if dataclasses.is_dataclass(cls) else {}
+    settable = {k: f for k, f in fields.items() if f.type in ("int", "float", "bool", "str")}
+    for item in filter(None, (x.strip() for x in rest[:-1].split(","))):
+        key, eq, raw = (x.strip() for x in item.partition("="))
+        if not eq or key not in settable:
+            has = ", ".join(settable) or "none"
+            raise OptionError("policy", spec, f"{name} has no setting {key!r}: its settings are {has}.")
+        if key in settings:
+            raise OptionError("policy", spec, f"{key} is given twice.")
+        settings[key] = _setting(spec, key, raw, str(settable[key].type))
+    return name, settings
+
+
+def _setting(spec: str, key: str, raw: str, kind: str) -> Any:
+    try:
+        if kind == "bool":
+            if raw.lower() not in ("true", "false"):
+                raise ValueError(raw)
+            return raw.lower() == "true"
+        return {"int": int, "float": float, "str": str}[kind](raw)
+    except ValueError:
+        want = {"int": "a whole number", "float": "a number", "bool": "true or false", "str": "text"}[kind]
+        raise OptionError("policy", spec, f"{key} must be {want}, not {raw!r}.") from None
+
+
+def policy_from_spec(spec: str, **defaults: Any) -> Policy:
+    """The policy a spec names (:func:`parse_policy_spec`), its settings over ``defaults`` (settings a caller
+    gives every policy of that name, e.g. the audit's ``--sinks`` for streaming).
+
+    Raises:
+        OptionError: as :func:`parse_policy_spec`, and the policy's own checks of its settings.
+    """
+    name, settings = parse_policy_spec(spec)
+    return make_policy(name, **{**defaults, **settings})
+
+
+def split_policy_specs(text: str) -> list[str]:
+    """Comma-separated policy specs, the commas inside a spec's parentheses kept:
+    ``"streaming,snapkv(window=64,kernel=5),knorm"`` -> ``["streaming", "snapkv(window=64,kernel=5)", "knorm"]``."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    out.append(cur.strip())
+    return [x for x in out if x]
 
 
 def kept_count(rows: int, ratio: float) -> int:

@@ -41,8 +41,9 @@ CONDITIONS = ("full", "global", "isolated")
 
 @dataclass
 class EvictionAudit(Probe):
-    """Options (all part of a run's identity): ``policies`` and ``ratios`` (compression ratios:
-    fraction of rows evicted), ``window`` (observation window of the attention-based policies),
+    """Options (all part of a run's identity): ``policies`` (names, or names with settings:
+    ``snapkv(window=64,kernel=5,pooling=avg)``, :func:`eventkv.eviction.policies.parse_policy_spec`) and ``ratios``
+    (compression ratios: fraction of rows evicted), ``window`` (observation window of the attention-based policies),
     ``sinks`` (StreamingLLM), ``states``, ``answer_prefix``, ``n_events``/``root_slot``/
     ``source_slots`` (the donor-pair layout)."""
 
@@ -71,11 +72,16 @@ class EvictionAudit(Probe):
         return {k: v for k, v in super().options().items() if not k.startswith("_")}
 
     def validate(self) -> None:
-        from eventkv.eviction.policies import POLICIES
-        from eventkv.options import check_choices, check_int
+        from eventkv.eviction.policies import POLICIES, parse_policy_spec
+        from eventkv.options import check_int
         from eventkv.studies.materialization.donor_pair import DonorPair
 
-        check_choices("policies", self.policies, POLICIES, flag="--policy", what="policies")
+        if not self.policies or len(set(self.policies)) != len(self.policies):
+            raise OptionError(
+                "policies", ",".join(self.policies), f"give distinct policies: {', '.join(POLICIES)}.", flag="--policy"
+            )
+        for spec in self.policies:  # a name, or a name with settings: snapkv(window=64,kernel=5,pooling=avg)
+            parse_policy_spec(spec)
         if not self.ratios or any(not 0 <= r < 1 for r in self.ratios) or len(set(self.ratios)) != len(self.ratios):
             raise OptionError(
                 "ratios",
@@ -85,8 +91,15 @@ class EvictionAudit(Probe):
             )
         check_int("window", self.window, "observe at least 1 token.", flag="--window")
         check_int("sinks", self.sinks, "keep at least 0 sink positions.", minimum=0, flag="--sinks")
-        for name in self.policies:  # each policy checks its own parameters: refused here as in the library
-            self._policy(name, 0)
+        for spec in self.policies:  # each policy checks its own parameters: refused here as in the library
+            window = getattr(self._policy(spec, 0), "window", 0)
+            if window > self.window:  # every policy reads the one capture of --window queries
+                raise OptionError(
+                    "window",
+                    self.window,
+                    f"{spec} reads the last {window} queries: give --window {window} or more.",
+                    flag="--window",
+                )
         self._donor = DonorPair(
             n_events=self.n_events,
             root_slot=self.root_slot,
@@ -108,11 +121,14 @@ class EvictionAudit(Probe):
         assert self._donor is not None  # built by validate(), which __post_init__ runs
         return self._donor.items(seed, indices)  # the donor-pair probe's items, same seed, same pairs
 
-    def _policy(self, name: str, index: int):
-        from eventkv.eviction.policies import make_policy
+    def _policy(self, spec: str, index: int):
+        """The policy of ``spec`` (a name, or a name with settings), its settings over the audit's own for that
+        name: ``sinks`` for streaming, ``window`` for snapkv, the item's index as random's seed."""
+        from eventkv.eviction.policies import parse_policy_spec, policy_from_spec
 
+        name, _ = parse_policy_spec(spec)
         opts = {"streaming": {"sinks": self.sinks}, "snapkv": {"window": self.window}, "random": {"seed": index}}
-        return make_policy(name, **opts.get(name, {}))
+        return policy_from_spec(spec, **opts.get(name, {}))
 
     def run_item(self, rt: Runtime, item: dict) -> dict:
         from eventkv.eviction.capture import capture_prefill
