@@ -67,6 +67,19 @@ def test_streaming_keeps_sinks_and_the_latest_positions_not_rows():
     assert kept_rows(m) == [want, want]
 
 
+def test_settings_kvpress_refuses_or_crashes_on_are_well_defined_here():
+    """docs/eviction.md's table of settings: sinks >= rows keeps the earliest positions; an even SnapKV kernel
+    gives one pooled score per row (kvpress's avg_pool1d returns one more and its view fails)."""
+    pos = [5, 0, 9, 40, 1, 30, 2, 20, 3, 50, 60, 7]
+    c = capture(positions=pos)
+    m = keep_mask(StreamingLLM(sinks=100), c, 0.5)  # every row a sink: the 6 earliest positions stay
+    want = sorted(pos.index(p) for p in (0, 1, 2, 3, 5, 7))
+    assert kept_rows(m) == [want, want]
+    for pooling in ("max", "avg"):
+        s = SnapKV(window=4, kernel=4, pooling=pooling).scores(capture())
+        assert s.shape == (KV, 12) and torch.isfinite(s[:, :8]).all() and torch.isinf(s[:, 8:]).all()
+
+
 def test_knorm_keeps_the_smallest_key_norms_per_head():
     c = capture()
     m = keep_mask(Knorm(), c, 0.25)
