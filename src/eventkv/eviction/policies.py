@@ -178,10 +178,12 @@ class Knorm(Policy):
     high attention; kvpress's KnormPress). Score: ``-||k||`` per head and row.
 
     Ties: RoPE is a rotation, so in layer 0 every row of one token id has the same key norm, and
-    only the rotated keys' float32 rounding (~1e-7 relative) tells them apart. Norms within
-    ``TIE_RTOL`` of each other (sorted, chained) are therefore one score — the group's — and
-    :meth:`Policy.keep` keeps the later positions of a tie, on every CPU alike. kvpress leaves the
-    order of such rows to its rounding and ``topk`` (docs/eviction.md, "Parity with kvpress")."""
+    only the rotated keys' float32 rounding (~1e-7 relative) tells them apart; on real weights
+    near-equal norms also occur in later layers and between different tokens. Norms within
+    ``TIE_RTOL`` of their sorted neighbour are therefore one score — the chain's, which may span more
+    than ``TIE_RTOL`` end to end — and :meth:`Policy.keep` keeps the later positions of a tie, on every
+    CPU alike. kvpress leaves the order of such rows to its rounding and ``topk`` (docs/eviction.md,
+    "Parity with kvpress")."""
 
     name: ClassVar[str] = "knorm"
     TIE_RTOL: ClassVar[float] = 8 * torch.finfo(torch.float32).eps  # 9.5e-7: 8 float32 ulps
