@@ -9,6 +9,19 @@ from pathlib import Path
 from eventkv.service.server import ServerProcess
 from eventkv.testing import save_sharp_model  # noqa: F401 - the service tests' model, imported from here
 
+#: headless Chromium's flags for the browser tests: as root, no background traffic, and offline (no host but
+#: 127.0.0.1 resolves, so a page renders only with what the server sends)
+CHROMIUM_OFFLINE = (
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-dev-shm-usage",
+    "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+)
+
 
 def Server(model, store, *args: str, cluster: "RayCluster | None" = None) -> ServerProcess:  # noqa: N802
     """A server on ``model`` and ``store`` (float32, one torch thread, uvicorn info log); with ``cluster``,

@@ -17,7 +17,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi_offline")
 
-from service_fixtures import LiveApp  # noqa: E402
+from service_fixtures import CHROMIUM_OFFLINE, LiveApp  # noqa: E402
 
 from eventkv.service.app import Settings, create_app  # noqa: E402
 from eventkv.service.middleware import DOCS_ASSETS  # noqa: E402
@@ -66,17 +66,10 @@ def test_swagger_ui_renders_the_operations_offline_in_a_headless_browser(live, t
     cmd = [
         browser,
         "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--no-first-run",
-        "--disable-dev-shm-usage",
+        # offline: no host but the server's resolves, so the page renders only if it needs nothing else
+        *CHROMIUM_OFFLINE,
         f"--user-data-dir={tmp_path / 'profile'}",
         f"--log-net-log={netlog}",
-        # offline: no host but the server's resolves, so the page renders only if it needs nothing else
-        "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
         "--virtual-time-budget=30000",  # virtual ms for the scripts to fetch /openapi.json and render
         "--dump-dom",
         f"{live.url}/docs",

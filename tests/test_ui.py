@@ -28,21 +28,14 @@ CHROMIUM = shutil.which("chromium")
 if CHROMIUM is None:
     pytest.skip("no system Chromium on the PATH (`chromium`): the browser tests need one", allow_module_level=True)
 
+from service_fixtures import CHROMIUM_OFFLINE  # noqa: E402
+
 expect = sync_api.expect
 
 FULL = "f" * 32  # every namespace
 RESTRICTED = "r" * 32  # namespace "other" only
 KEY = "eventkv-token"  # where ui.js keeps the tab's token (sessionStorage)
-ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--disable-dev-shm-usage",
-    "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
-]
+ARGS = list(CHROMIUM_OFFLINE)
 WAIT = 60_000  # ms: a fragment on a loaded 2-core machine
 ANSWER_WAIT = 240_000  # ms: the first query also loads the dense selector's embedding model
 

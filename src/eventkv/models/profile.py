@@ -80,6 +80,15 @@ class ModelProfile:
     linear_kernel: str = "torch"
     linear_reason: str = ""
 
+    @property
+    def kv_row_bytes(self) -> int:
+        """Bytes of one KV row over every layer in the model's dtype: layers x 2 (K, V) x KV heads x head dim x
+        the dtype's bytes (a cache slot as the model serves it)."""
+        import torch
+
+        size = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * size
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable dict of all fields (tuples become lists)."""
         d = asdict(self)

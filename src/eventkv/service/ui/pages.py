@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_right
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
@@ -16,7 +17,6 @@ from fastapi.templating import Jinja2Templates
 from pydantic import ValidationError
 
 from eventkv.errors import EventKVError, NotFound, OptionError, StoreDamaged
-from eventkv.memory.query import MemoryQuery
 from eventkv.service import schemas
 from eventkv.service.state import MemoryId, Namespace, ServiceState, State, Work
 from eventkv.service.ui import views
@@ -160,9 +160,13 @@ def event_history(request: Request, mid: MemoryId, eid: str, ns: Namespace, stat
     return part(request, "part_history.html", chain=chain)
 
 
-async def form(request: Request) -> dict[str, str]:
-    """The request's url-encoded form (htmx's default encoding), the last value of each field."""
-    fields = parse_qs((await request.body()).decode("utf-8", "replace"), keep_blank_values=True)
+async def form(request: Request) -> dict[str, list[str]]:
+    """The request's url-encoded form (htmx's default encoding): every value of each field, in order."""
+    return parse_qs((await request.body()).decode("utf-8", "replace"), keep_blank_values=True)
+
+
+def last(fields: dict[str, list[str]]) -> dict[str, str]:
+    """The last value of each field of a :func:`form`."""
     return {k: v[-1] for k, v in fields.items()}
 
 
@@ -218,29 +222,20 @@ def checked(**fields: Any) -> schemas.QueryIn:
         raise OptionError(name, err.get("input"), schemas.pydantic_rule(dict(err)) + ".") from None
 
 
-def row_bytes(lm: Any) -> int:
-    """Bytes of one KV row as the model serves it: layers x KV heads x head dim x (K, V) x the dtype's size."""
-    cfg = lm.model.config.get_text_config()
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return cfg.num_hidden_layers * kv_heads * head_dim * 2 * next(lm.model.parameters()).element_size()
-
-
 @parts.post("/memory/{mid}/query", response_class=HTMLResponse)
 async def query(request: Request, mid: MemoryId, ns: Namespace, state: State, jobs: Work):
     """One question under one plan: the answer and its tokens' log-probs, the served set with each selector's
     rank and score, the rows and KV bytes served, the positions used, and the latency split (select, lazy
     prefill, serve, readout). The served ids go back to the timeline (an out-of-band swap and the
     ``served-changed`` event), which highlights them."""
-    fields = await form(request)
+    fields = last(await form(request))
     body = checked(
         **shaping(fields),
         mode=fields.get("mode", "compact"),
         positions=fields.get("positions") or None,
     )
     d = state.existing(ns, mid)
-    q = body.query()
-    q = MemoryQuery(q.question, None, q.select, q.options, q.candidates, q.max_new_tokens, True, q.messages, q.decoding)
+    q = replace(body.query(), keep_logits=True)  # the answer's tokens get their log-probs
 
     def job():
         from eventkv.memory import answer_prepared
@@ -270,7 +265,7 @@ async def query(request: Request, mid: MemoryId, ns: Namespace, state: State, jo
         ranks=ranks,
         ranked_by=views.RANKED_BY,
         select_ms=select_ms,
-        kv_bytes=answer.n_rows_served * row_bytes(state.lm),
+        kv_bytes=answer.n_rows_served * state.lm.profile.kv_row_bytes,
         view_rows=view_rows,
         version=version,
     )
@@ -285,9 +280,9 @@ async def compare(request: Request, mid: MemoryId, ns: Namespace, state: State, 
     Raises:
         OptionError: fewer than two plans ticked, or an unknown one.
     """
-    fields = await form(request)
-    raw = parse_qs((await request.body()).decode("utf-8", "replace")).get("plan", [])
-    keys = [k for k in raw if k]
+    every = await form(request)
+    fields = last(every)
+    keys = [k for k in every.get("plan", []) if k]
     unknown = [k for k in keys if k not in PLANS]
     if unknown or len(keys) < 2:
         raise OptionError("plan", ",".join(keys), f"tick two or more of {', '.join(PLANS)}.")
@@ -295,11 +290,7 @@ async def compare(request: Request, mid: MemoryId, ns: Namespace, state: State, 
     queries = []
     for key in keys:
         _, select, mode, positions = PLANS[key]
-        body = checked(**base, mode=mode, positions=positions)
-        q = body.query()
-        queries.append(
-            MemoryQuery(q.question, None, select, q.options, q.candidates, q.max_new_tokens, False, None, None)
-        )
+        queries.append(replace(checked(**base, mode=mode, positions=positions).query(), select=select))
     d = state.existing(ns, mid)
 
     def job():
@@ -340,7 +331,7 @@ async def compare(request: Request, mid: MemoryId, ns: Namespace, state: State, 
         answered=sum(line["answer"] is not None for line in lines),
         readout_ms=readout_ms,
         view_rows=view_rows,
-        row_bytes=row_bytes(state.lm),
+        row_bytes=state.lm.profile.kv_row_bytes,
     )
 
 

@@ -343,13 +343,9 @@ class MemoryEval(DialogueData, Probe):
     def _kv_row_bytes(self, rt: Runtime) -> int:
         """Bytes of one stored row over every layer: layers x 2 (K, V) x kv_heads x head_dim x dtype bytes."""
         if self._row_bytes is None:
-            import torch
-
             from eventkv.models.introspect import profile_for
 
-            p = profile_for(rt.model, None, "kv rows")
-            size = torch.empty((), dtype=getattr(torch, p.dtype)).element_size()
-            self._row_bytes = p.num_layers * 2 * p.num_kv_heads * p.head_dim * size
+            self._row_bytes = profile_for(rt.model, None, "kv rows").kv_row_bytes
         return self._row_bytes
 
     def run_item(self, rt: Runtime, item: dict) -> dict:
