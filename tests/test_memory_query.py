@@ -72,7 +72,7 @@ def test_options_are_one_type_for_every_surface():
         "recompute",
         "blend_schedule",
     }
-    assert QueryOptions(selector="bm25").body("k", "selector") == {"k": 8, "selector": "bm25"}
+    assert QueryOptions(selector="bm25").body("k", "selector") == {"k": None, "selector": "bm25"}
     with pytest.raises(OptionError, match="cannot travel"):
         QueryOptions(selector=BM25Selector()).body()
     with pytest.raises(TypeError, match="'nope'"):

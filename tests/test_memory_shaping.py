@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from eventkv.errors import EventKVError, OptionError
 from eventkv.memory import EventMemory, MemoryEvent
+from eventkv.memory.query import DEFAULT_BUDGET_ROWS, QueryOptions, default_budget_rows
 from eventkv.memory.select import HEADER_TAG, Ranked, fraction_of, group_headers, shape
 from eventkv.testing import tiny_lm
 
@@ -197,10 +198,53 @@ def test_budgets_by_hand(dialogue):
         mem.query(QUESTION, budget=1 / total, max_new_tokens=1)
 
 
+def test_the_default_budget_is_fixed_in_rows_and_bounded_by_the_context():
+    assert DEFAULT_BUDGET_ROWS == 1600
+    assert default_budget_rows(None) == 1600
+    assert default_budget_rows(32768) == 1600
+    assert default_budget_rows(3200) == 1600
+    assert default_budget_rows(2000) == 1000
+    assert default_budget_rows(3) == 1
+    assert default_budget_rows(1) == 1
+    assert QueryOptions().with_default_budget(2000).budget_rows == 1000
+    for some in (dict(k=3), dict(budget=0.5), dict(budget_rows=7)):  # anything given: the options as they are
+        assert QueryOptions(**some).with_default_budget(2000) == QueryOptions(**some)
+
+
+def test_the_default_plan_serves_the_best_events_within_the_default_budget(tmp_path):
+    # a context of 256 tokens: a default budget of 128 rows, well under the 12 turns' rows
+    lm = tiny_lm("llama", max_context=256)
+    turns = [
+        MemoryEvent(f"Speaker {i % 2}: turn {i} says the word {w} twice, {w}.") for i, w in enumerate("abcdefghijkl")
+    ]
+    with EventMemory.create(tmp_path / "m", lm, namespace="t") as mem:
+        mem.add(turns, prefill=True)
+        rows = {r.id: r.n_rows for r in mem.list()}
+        assert sum(rows.values()) > 2 * 128
+        question = "Which turn says the word e?"
+        served = mem.select(question)
+        assert served == mem.select(question, k=None, budget_rows=128)
+        assert 0 < sum(rows[i] for i in served) <= 128
+        assert [h.id for h in mem.search(question)] == [h.id for h in mem.search(question, k=None, budget_rows=128)]
+        answer = mem.query(question, max_new_tokens=1)
+        assert answer.served_ids == served
+        assert answer.plan["k"] is None and answer.plan["budget_rows"] == 128 and answer.plan["budget"] is None
+        assert answer.plan["positions"] == "contiguous"
+        # k alone: the best k events, with no row budget
+        alone = mem.query(question, k=2, max_new_tokens=1)
+        assert len(alone.served_ids) == 2 and alone.plan["budget_rows"] is None
+        many = mem.select(question, k=len(turns))
+        assert many == mem.view_ids() and sum(rows.values()) > 128
+    # a memory smaller than the default budget serves every event: the rows of its full history
+    with EventMemory.create(tmp_path / "small", tiny_lm("llama"), namespace="t") as mem:
+        mem.add(DIALOGUE)
+        assert mem.select(QUESTION) == [e.id for e in DIALOGUE] == mem.view_ids()
+        assert mem.query(QUESTION, max_new_tokens=1).plan["budget_rows"] == DEFAULT_BUDGET_ROWS
+
+
 def test_bad_shaping_options_name_the_value_and_the_fix(dialogue):
     mem = dialogue
     bad = [
-        (dict(k=None), "k None: give a number of events >= 1, or a budget"),
         (dict(k=0), "k 0"),
         (dict(budget_rows=0), "budget_rows 0"),
         (dict(budget=0.0), "budget 0.0: give a fraction of the view's rows in"),
@@ -322,6 +366,7 @@ def test_the_keywords_round_trip_through_the_client_and_the_routes(live, dialogu
     from eventkv.client import Client, InvalidRequest, Refused
 
     cases = [
+        dict(),  # the default plan
         dict(k=1, with_headers=True),
         dict(k=1, neighbours=2, with_headers=True),
         dict(k=None, budget=0.5, selector="bm25"),
@@ -341,7 +386,7 @@ def test_the_keywords_round_trip_through_the_client_and_the_routes(live, dialogu
         with pytest.raises(InvalidRequest):
             client.select(QUESTION, selector="nope")
         # a bad value is an OptionError from the server as from the library
-        for options in (dict(selector="nope"), dict(k=None), dict(budget=1.5)):
+        for options in (dict(selector="nope"), dict(k=0), dict(budget=1.5)):
             with pytest.raises(OptionError):
                 dialogue.select(QUESTION, **options)
             with pytest.raises(OptionError):
@@ -355,7 +400,7 @@ def test_the_keywords_round_trip_through_the_client_and_the_routes(live, dialogu
             ({"with_headers": 1}, "invalid_request"),
             ({"selector": "nope"}, "invalid_request"),
             ({"budget": 0.5, "budget_rows": 10}, "invalid_option"),
-            ({"k": None}, "invalid_option"),
+            ({"k": 0}, "invalid_request"),
         ]:
             r = httpx.post(f"{url}/{route}", json={"question": QUESTION, **body}, timeout=60)
             assert r.status_code == 422, (route, body, r.text)

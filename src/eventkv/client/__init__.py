@@ -364,7 +364,7 @@ class Client:
     def select(
         self,
         question: str,
-        k: int | None = 8,
+        k: int | None = None,
         budget_rows: int | None = None,
         *,
         selector: Selector | str | None = None,
@@ -391,7 +391,7 @@ class Client:
     def search(
         self,
         query: str,
-        k: int | None = 8,
+        k: int | None = None,
         budget_rows: int | None = None,
         *,
         selector: Selector | str | None = None,
@@ -419,7 +419,7 @@ class Client:
         self,
         question: str,
         select: SelectSpec = None,
-        k: int | None = 8,
+        k: int | None = None,
         mode: ServeMode = "compact",
         candidates: Sequence[str] | None = None,
         max_new_tokens: int = 32,

@@ -91,7 +91,8 @@ class SearchMemory(_Scoped, schemas.SearchIn):
 
 QUERY_FIELDS = {
     "question": "the question, answered by the model from the served events' stored KV rows",
-    "select": "which events are served: null (the selector's top k, shaped), 'view', 'all' or a list of event ids",
+    "select": "which events are served: null (the selector's best events within the budget, shaped), 'view', 'all' "
+    "or a list of event ids",
     "mode": "how the served events are read: compact (their rows), native, isolated, text (re-prefilled) or blend",
     "candidates": "answers to score by log-probability (nats), besides the greedy answer",
     "max_new_tokens": "greedy decoding budget, in tokens",

@@ -82,7 +82,7 @@ class MemoryAPI(Protocol):
     def select(
         self,
         question: str,
-        k: int | None = 8,
+        k: int | None = None,
         budget_rows: int | None = None,
         *,
         selector: Selector | str | None = None,
@@ -94,7 +94,7 @@ class MemoryAPI(Protocol):
     def search(
         self,
         query: str,
-        k: int | None = 8,
+        k: int | None = None,
         budget_rows: int | None = None,
         *,
         selector: Selector | str | None = None,
@@ -107,7 +107,7 @@ class MemoryAPI(Protocol):
         self,
         question: str,
         select: SelectSpec = None,
-        k: int | None = 8,
+        k: int | None = None,
         mode: ServeMode = "compact",
         candidates: Sequence[str] | None = None,
         max_new_tokens: int = 32,

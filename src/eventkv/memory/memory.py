@@ -339,12 +339,12 @@ class EventMemory(MemoryUpkeep):
         """What chooses served sets over the current view (:class:`eventkv.memory.query.Selection`), with the
         memory's selector and a :class:`eventkv.memory.select.SelectionContext` built on demand."""
         self._check_open()
-        return Selection(self._table, self.selector, self._selection_context)
+        return Selection(self._table, self.selector, self._selection_context, self.lm.profile.max_context)
 
     def select(
         self,
         question: str,
-        k: int | None = 8,
+        k: int | None = None,
         budget_rows: int | None = None,
         *,
         selector: Selector | str | None = None,
@@ -382,7 +382,7 @@ class EventMemory(MemoryUpkeep):
     def search(
         self,
         query: str,
-        k: int | None = 8,
+        k: int | None = None,
         budget_rows: int | None = None,
         *,
         selector: Selector | str | None = None,
@@ -419,7 +419,7 @@ class EventMemory(MemoryUpkeep):
         self,
         question: str,
         select: SelectSpec = None,
-        k: int | None = 8,
+        k: int | None = None,
         mode: ServeMode = "compact",
         candidates: Sequence[str] | None = None,
         max_new_tokens: int = 32,
@@ -532,6 +532,7 @@ class EventMemory(MemoryUpkeep):
         if options.positions is None:  # the plans are checked next, with the positions resolved
             modes = [p[1] for p in plans if isinstance(p, tuple) and len(p) == 2]
             options = options.with_(positions=default_positions(self.lm.model, modes))
+        options = options.with_default_budget(self.lm.profile.max_context)  # recorded in every answer's plan
         plans, cands = check_query(plans, query.max_new_tokens, query.candidates, options)
         decoding = query.decoding
         if decoding is not None:

@@ -48,15 +48,33 @@ Plan = tuple[SelectSpec, ServeMode]
 #: the option names that shape a selector's served set (``select``'s keywords besides ``k``)
 SHAPING = ("budget_rows", "selector", "budget", "neighbours", "with_headers")
 
+#: the rows (tokens, header excluded) a question that gives no ``k`` and no budget is served within: about 10%
+#: of the 11,300-16,000-token LoCoMo histories of the development-split grid, the largest budget it measured
+#: and the one at which rows answered best (``docs/memory.md``, "The default plan")
+DEFAULT_BUDGET_ROWS = 1600
+
+
+def default_budget_rows(max_context: int | None) -> int:
+    """The row budget of a question that gives neither ``k`` nor a budget: :data:`DEFAULT_BUDGET_ROWS`, at
+    most half the model's context (``max_context`` tokens; None: no such limit, at least 1 row), so that the
+    question and its answer fit after the served rows at contiguous positions. Fixed in rows, not a fraction
+    of the history, so a query's cost does not grow with the memory."""
+    if max_context is None:
+        return DEFAULT_BUDGET_ROWS
+    return max(1, min(DEFAULT_BUDGET_ROWS, max_context // 2))
+
 
 @dataclass(frozen=True)
 class QueryOptions:
     """How a question's served set is chosen and served (``docs/memory.md``, "Selection and shaping" and
     "Serving positions").
 
+    With ``k``, ``budget_rows`` and ``budget`` all None (the default) a question is served the best events
+    within :func:`default_budget_rows` rows (:meth:`with_default_budget`).
+
     Attributes:
         k: at most this many ranked events are chosen (a pinned one ranked among them counts); None: as many
-            as the budget holds (needs ``budget_rows`` or ``budget``).
+            as the budget holds (the default budget when no budget is given).
         budget_rows: rows (tokens, header excluded) the served events may take in all, their neighbours,
             headers and the pinned events included; never exceeded.
         selector: what ranks the events, a :class:`eventkv.memory.select.Selector` or a registered name
@@ -86,7 +104,7 @@ class QueryOptions:
             ``epic`` (the first tokens of each served event) (:data:`eventkv.kv.blend.BlendSchedule`).
     """
 
-    k: int | None = 8
+    k: int | None = None
     budget_rows: int | None = None
     selector: Selector | str | None = None
     budget: float | None = None
@@ -100,10 +118,11 @@ class QueryOptions:
 
     def check_shaping(self) -> None:
         """Raises:
-        OptionError: ``k`` not a whole number >= 1 (or None without a budget); ``budget_rows`` not a whole
+        OptionError: ``k`` not a whole number >= 1 or None; ``budget_rows`` not a whole
             number >= 1; ``budget`` not in (0, 1]; both budgets; ``neighbours`` not a whole number >= 0;
             ``with_headers`` not a bool (:func:`eventkv.memory.select.check_shaping`)."""
-        check_shaping(self.k, self.budget_rows, self.budget, self.neighbours, self.with_headers)
+        given = self.with_default_budget(None)  # none of k and the budgets: the default budget, never refused
+        check_shaping(given.k, given.budget_rows, given.budget, self.neighbours, self.with_headers)
 
     def check_serving(self, modes: Sequence[str]) -> None:
         """The serving options for plans of ``modes`` (``positions`` resolved, not None).
@@ -162,6 +181,14 @@ class QueryOptions:
             plan["recompute"] = check_recompute(self.recompute)
             plan["blend_schedule"] = check_schedule(self.blend_schedule)
         return plan
+
+    def with_default_budget(self, max_context: int | None) -> QueryOptions:
+        """These options, or, when ``k``, ``budget_rows`` and ``budget`` are all None, a copy with ``budget_rows``
+        = :func:`default_budget_rows` of the model's context (``max_context`` tokens), which the answer's plan
+        records."""
+        if self.k is None and self.budget_rows is None and self.budget is None:
+            return self.with_(budget_rows=default_budget_rows(max_context))
+        return self
 
     def with_(self, **changes: Any) -> QueryOptions:
         """A copy with ``changes`` (``dataclasses.replace``)."""
@@ -238,10 +265,17 @@ class Selection:
         table: the memory's events (:class:`eventkv.memory.table.EventTable`).
         selector: the memory's own selector (used where the options name none).
         context: what a selector may read (:class:`eventkv.memory.select.SelectionContext`), built on demand.
+        max_context: the model's context in tokens, which bounds the default budget (:func:`default_budget_rows`).
     """
 
-    def __init__(self, table: EventTable, selector: Selector, context: Callable[[], SelectionContext]) -> None:
-        self.table, self.selector, self.context = table, selector, context
+    def __init__(
+        self,
+        table: EventTable,
+        selector: Selector,
+        context: Callable[[], SelectionContext],
+        max_context: int | None = None,
+    ) -> None:
+        self.table, self.selector, self.context, self.max_context = table, selector, context, max_context
 
     def chosen(self, options: QueryOptions) -> Selector:
         """The selector the options name (or the memory's). Raises OptionError: an unknown name."""
@@ -265,6 +299,7 @@ class Selection:
                 blank question. EventKVError: the pinned events alone need more rows than the budget.
         """
         chosen = self.chosen(options)
+        options = options.with_default_budget(self.max_context)
         options.check_shaping()
         check_question(question)
         units = self.table.units()

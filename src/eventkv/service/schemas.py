@@ -128,7 +128,9 @@ class CarrierIn(Write):
 class Shaping(_Body):
     """The served set's selection and shaping (``EventMemory.select``'s keywords; docs/memory.md)."""
 
-    k: TopK | None = Field(8, description="at most this many ranked events; null: fill the budget")
+    k: TopK | None = Field(
+        None, description="at most this many ranked events; null: fill the budget (none given: the default budget)"
+    )
     budget_rows: BudgetRows | None = Field(None, description="rows of the served events, header excluded")
     selector: SelectorName | None = Field(None, description="a registered selector (null: the memory's)")
     budget: BudgetFraction | None = Field(None, description="the budget as a fraction of the view's rows")

@@ -113,7 +113,7 @@ class ResponseFormatText(_Strict):
 class MemoryOptions(Shaping):
     """The ``memory`` extension: answer from a memory's served rows (see docs/service.md, "Chat
     completions"). The served set's shaping is ``/query``'s (``k``, ``budget_rows``, ``selector``,
-    ``budget``, ``neighbours``, ``with_headers``); with a budget and no ``k``, the budget is filled."""
+    ``budget``, ``neighbours``, ``with_headers``); none of ``k`` and the budgets given: the default budget."""
 
     id: Name = Field(description="the memory's id in the request's namespace (header X-EventKV-Namespace)")
     select: Literal["all", "view"] | list[EventId] | None = Field(
@@ -128,16 +128,10 @@ class MemoryOptions(Shaping):
         False, description="append the last user message and the reply as events (acknowledged once stored)"
     )
 
-    def top_k(self) -> int | None:
-        """``k`` as given; left out with a budget: None (fill the budget)."""
-        if "k" not in self.model_fields_set and (self.budget is not None or self.budget_rows is not None):
-            return None
-        return self.k
-
     def query(self, question: str, messages: list[dict], max_new_tokens: int, decoding: Decoding) -> MemoryQuery:
         """The chat as the memory's query (:class:`eventkv.memory.query.MemoryQuery`): ``question`` (the last
         user message's text) selects, the conversation ``messages`` is read after the served rows."""
-        options = self.options(mode=self.mode, positions=self.positions, order=self.order).with_(k=self.top_k())
+        options = self.options(mode=self.mode, positions=self.positions, order=self.order)
         return MemoryQuery(
             question,
             select=self.select,
