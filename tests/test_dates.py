@@ -5,7 +5,7 @@ import datetime
 
 import pytest
 
-from eventkv.errors import EventKVError, OptionError
+from eventkv.errors import OptionError
 from eventkv.memory.dates import reference_date, relative_dates, render_date, resolve_relative_dates
 
 
@@ -76,9 +76,9 @@ def test_render_date_and_bad_input():
     ]
     with pytest.raises(OptionError, match="period 'hour'"):
         render_date(d, "hour")
-    with pytest.raises(EventKVError, match="cannot read 'soonish' as a date"):
+    with pytest.raises(OptionError, match="when 'soonish': give a date such as '8 May 2023'"):
         reference_date("soonish")
-    with pytest.raises(EventKVError, match="cannot read '' as a date"):
+    with pytest.raises(OptionError, match="when '': give a date"):
         resolve_relative_dates("yesterday", "")
 
 
@@ -115,3 +115,80 @@ def test_temporal_dates_benchmark_on_the_demo_file(tmp_path):
     assert lines[0] == f"temporal questions with evidence: {n}"
     assert lines[1].startswith("  with a relative expression in an evidence turn: 1 (")
     assert lines[2].startswith("  best F1 of a date string in the evidence turns: session dates ")
+
+
+def test_a_dated_text_has_its_day_in_front_and_its_relative_dates_resolved():
+    from eventkv.memory.dates import dated_text
+
+    said = datetime.date(2023, 5, 8)
+    assert dated_text("I went yesterday.", said) == "[8 May 2023] I went yesterday [7 May 2023]."
+    assert dated_text("I went yesterday.", "2023-05-08", resolve=False) == "[8 May 2023] I went yesterday."
+    assert dated_text("We met at noon.", "1:56 pm on 8 May, 2023") == "[8 May 2023] We met at noon."
+    with pytest.raises(OptionError, match="when 'someday'"):
+        dated_text("I went yesterday.", "someday")
+
+
+def test_an_event_said_at_a_date_is_stored_dated(tmp_path):
+    from dataclasses import replace
+
+    from eventkv.memory import EventMemory, MemoryEvent
+    from eventkv.testing import tiny_lm
+
+    ev = MemoryEvent("I adopted a puppy last week.", role="Noor", when=datetime.date(2023, 5, 8))
+    assert ev.when == "2023-05-08T00:00:00" and ev.text == "I adopted a puppy last week."
+    assert ev.stored_text() == "[8 May 2023] I adopted a puppy last week [the week of 1 May 2023]."
+    assert replace(ev, id="p").stored_text() == ev.stored_text()  # the ISO form reads back to the same day
+    assert MemoryEvent.coerce({"text": "Back home.", "when": "2023-05-09"}).stored_text() == "[9 May 2023] Back home."
+    assert MemoryEvent("No date.").stored_text() == "No date."
+    with pytest.raises(OptionError, match="when 'soonish'"):
+        MemoryEvent("I went yesterday.", when="soonish")
+    with EventMemory.create(tmp_path / "m", tiny_lm("llama"), namespace="t") as mem:
+        mem.add([ev, MemoryEvent("Biscuit is the puppy's name.", id="name")])
+        patch = mem.update("name", "We renamed him Pretzel yesterday.", when="2023-06-02")
+        texts = {r.id: r.text for r in mem.list(include_superseded=True)}
+        assert texts["e1"] == "[8 May 2023] I adopted a puppy last week [the week of 1 May 2023]."
+        assert texts["name"] == "Biscuit is the puppy's name."
+        assert texts[patch.id] == "[2 June 2023] We renamed him Pretzel yesterday [1 June 2023]."
+        with pytest.raises(OptionError, match="when 'later'"):
+            mem.update("name", "Again.", when="later")
+        assert mem.version == 2  # the refused update wrote nothing
+
+
+def test_dated_events_over_http_the_client_and_the_mcp_tools(tmp_path):
+    pytest.importorskip("fastapi")
+    import httpx
+    from service_fixtures import LiveApp
+
+    from eventkv.client import Client
+    from eventkv.mcp.tools import AddMemory, UpdateMemory, add, update
+    from eventkv.memory import EventMemory, MemoryEvent
+    from eventkv.service.app import create_app
+    from eventkv.service.state import Settings
+    from eventkv.testing import tiny_lm
+
+    lm = tiny_lm("llama")
+    with LiveApp(create_app(Settings(lm, tmp_path / "store"))) as live:
+        with Client.create(live.url, "dated") as client:
+            client.add([MemoryEvent("I moved yesterday.", id="m", when=datetime.date(2023, 5, 8))])
+            client.add({"text": "Still unpacking.", "id": "u", "when": "2023-05-09"})
+            client.update("u", "Unpacked two days ago.", when="2023-05-12")
+            texts = {r.id: r.text for r in client.list(include_superseded=True)}
+            assert texts == {
+                "m": "[8 May 2023] I moved yesterday [7 May 2023].",
+                "u": "[9 May 2023] Still unpacking.",
+                "u~1": "[12 May 2023] Unpacked two days ago [10 May 2023].",
+            }
+            base = f"{live.url}/v1/memories/dated"
+            r = httpx.post(f"{base}/events", json={"events": [{"text": "Hi.", "when": "someday"}]}, timeout=30)
+            assert r.status_code == 422 and r.json()["code"] == "invalid_option", r.text
+            assert "when 'someday'" in r.json()["message"]
+            r = httpx.post(f"{base}/events/m/update", json={"text": "Moved.", "when": "later"}, timeout=30)
+            assert r.status_code == 422 and "when 'later'" in r.json()["message"], r.text
+            assert client.version == 3  # the refused writes wrote nothing
+    with EventMemory.create(tmp_path / "mcp", lm, namespace="t") as mem:
+        add(mem, AddMemory(text="I went hiking last week.", id="h", when="2023-05-08"), "mcp")
+        update(mem, UpdateMemory(event_id="h", text="I went hiking yesterday.", when="2023-05-08"), "mcp")
+        assert [r.text for r in mem.history("h")] == [
+            "[8 May 2023] I went hiking last week [the week of 1 May 2023].",
+            "[8 May 2023] I went hiking yesterday [7 May 2023].",
+        ]

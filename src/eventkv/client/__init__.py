@@ -18,6 +18,7 @@ both sides raise) live in :mod:`eventkv.wire`, which the service imports too."""
 from __future__ import annotations
 
 import builtins
+from datetime import date
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 from urllib.parse import quote
@@ -274,6 +275,7 @@ class Client:
                         "tags": list(e.tags),
                         "budget": e.budget,
                         "kind": e.kind,
+                        "when": e.when,
                     }.items()
                     if v is not None
                 }
@@ -288,9 +290,19 @@ class Client:
         """As :meth:`EventMemory.prefill`: rows computed."""
         return self._call("POST", f"{self._base}/prefill", {"expected_version": expected_version})["rows"]
 
-    def update(self, event_id: str, text: str, *, prefill: bool = False, expected_version: int | None = None) -> Added:
+    def update(
+        self,
+        event_id: str,
+        text: str,
+        *,
+        prefill: bool = False,
+        when: str | date | None = None,
+        expected_version: int | None = None,
+    ) -> Added:
         """As :meth:`EventMemory.update`: the patch event."""
-        body = {"text": text, "prefill": prefill, "expected_version": expected_version}
+        body: dict[str, Any] = {"text": text, "prefill": prefill, "expected_version": expected_version}
+        if when is not None:
+            body["when"] = MemoryEvent(text, when=when).when
         return _added(self._call("POST", f"{self._base}/events/{_seg(event_id)}/update", body)["added"][0])
 
     def delete(self, event_id: str, *, expected_version: int | None = None) -> None:

@@ -72,6 +72,7 @@ EVENT_FIELDS = {
     "tags": "free labels kept with the event ('header' starts a group: see search_memory's with_headers)",
     "budget": "positions the event reserves (at least its tokens); default: its tokens",
     "kind": "'event', or 'carrier' for an answer-free carrier event",
+    "when": "when it happened (e.g. '2023-05-08'): stored as '[8 May 2023] text', 'yesterday' etc. dated after them",
     "prefill": "compute the event's KV rows now (default: at the next query or search that needs them)",
 }
 
@@ -113,7 +114,11 @@ class UpdateMemory(_OnEvent, schemas.UpdateEvent):
 
     model_config = ConfigDict(
         json_schema_extra=_described(
-            {"text": "the event's new text (served instead of the old)", "prefill": EVENT_FIELDS["prefill"]}
+            {
+                "text": "the event's new text (served instead of the old)",
+                "prefill": EVENT_FIELDS["prefill"],
+                "when": EVENT_FIELDS["when"],
+            }
         )
     )
 
@@ -169,7 +174,7 @@ def _checks(mem: MemoryAPI) -> bool:
 
 
 def add(mem: MemoryAPI, a: AddMemory, mid: str) -> Written:
-    event = MemoryEvent(a.text, a.role, a.id, tuple(a.tags), a.budget, a.kind)
+    event = MemoryEvent(a.text, a.role, a.id, tuple(a.tags), a.budget, a.kind, a.when)
     if _checks(mem):
         _expect(mem, a.expected_version)
         untaken(mem, [event.id] if event.id is not None else [])
@@ -196,7 +201,7 @@ def update(mem: MemoryAPI, a: UpdateMemory, mid: str) -> Written:
         _expect(mem, a.expected_version)
         live(mem, a.event_id, "updated", root=True)
     kw = {} if _checks(mem) else {"expected_version": a.expected_version}
-    patch = mem.update(a.event_id, a.text, prefill=a.prefill, **kw)
+    patch = mem.update(a.event_id, a.text, prefill=a.prefill, when=a.when, **kw)
     return Written(memory_id=mid, id=patch.id, position=patch.position, width=patch.width, version=mem.version)
 
 

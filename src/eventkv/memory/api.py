@@ -27,6 +27,7 @@ opening differ too (a directory and a model, or a URL).
 from __future__ import annotations
 
 import builtins
+from datetime import date
 from typing import TYPE_CHECKING, Iterable, Literal, Protocol, Sequence, runtime_checkable
 
 from eventkv.kv.blend import BlendSchedule
@@ -55,7 +56,7 @@ class MemoryAPI(Protocol):
 
     def prefill(self) -> int: ...
 
-    def update(self, event_id: str, text: str, *, prefill: bool = False) -> Added: ...
+    def update(self, event_id: str, text: str, *, prefill: bool = False, when: str | date | None = None) -> Added: ...
 
     def delete(self, event_id: str) -> None: ...
 

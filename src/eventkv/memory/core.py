@@ -160,7 +160,7 @@ class MemoryCore:
     def _add(self, events: Sequence[MemoryEvent], prefill: bool) -> list[Added]:
         """:meth:`_append` of checked :class:`MemoryEvent` s (``EventMemory.add``'s work)."""
         items = [
-            {"id": e.id, "text": e.text, "role": e.role, "tags": e.tags, "budget": e.budget, "kind": e.kind}
+            {"id": e.id, "text": e.stored_text(), "role": e.role, "tags": e.tags, "budget": e.budget, "kind": e.kind}
             for e in events
         ]
         return self._append(items, prefill=prefill)

@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-from eventkv.errors import EventKVError, OptionError
+from eventkv.errors import OptionError
 
 #: words that make a date expression relative to when it was said (lower case, whole words)
 RELATIVE_MARKERS = frozenset(
@@ -90,7 +90,7 @@ def reference_date(when: str | _dt.date | _dt.datetime) -> _dt.datetime:
     dateparser's default: give a datetime or an ISO date where the order matters).
 
     Raises:
-        EventKVError: a string dateparser cannot read as a date (the message names it).
+        OptionError: ``when`` is not a date, a datetime or a string dateparser reads as a date (the message names it).
     """
     if isinstance(when, _dt.datetime):
         return when
@@ -100,9 +100,7 @@ def reference_date(when: str | _dt.date | _dt.datetime) -> _dt.datetime:
 
     parsed = dateparser.parse(when, languages=["en"]) if isinstance(when, str) and when.strip() else None
     if parsed is None:
-        raise EventKVError(
-            f"cannot read {when!r} as a date: give a date such as '8 May 2023', '2023-05-08' or a datetime."
-        )
+        raise OptionError("when", when, "give a date such as '8 May 2023', '2023-05-08' or a datetime.")
     return parsed
 
 
@@ -149,7 +147,7 @@ def relative_dates(text: str, when: str | _dt.date | _dt.datetime) -> list[Relat
     which expressions count).
 
     Raises:
-        EventKVError: ``when`` is not a date (:func:`reference_date`).
+        OptionError: ``when`` is not a date (:func:`reference_date`).
     """
     from dateparser.search import search_dates
 
@@ -178,10 +176,24 @@ def resolve_relative_dates(text: str, when: str | _dt.date | _dt.datetime) -> st
     expressions comes back unchanged.
 
     Raises:
-        EventKVError: ``when`` is not a date (:func:`reference_date`).
+        OptionError: ``when`` is not a date (:func:`reference_date`).
     """
     pieces, last = [], 0
     for hit in relative_dates(text, when):
         pieces += [text[last : hit.end], f" [{hit.rendered}]"]
         last = hit.end
     return "".join(pieces) + text[last:]
+
+
+def dated_text(text: str, when: str | _dt.date | _dt.datetime, resolve: bool = True) -> str:
+    """``text`` as a memory stores an event said at ``when``: the day it was said in brackets first, and with
+    ``resolve`` each relative date expression followed by the date it means (:func:`resolve_relative_dates`):
+    ``"I went yesterday."`` at 8 May 2023 -> ``"[8 May 2023] I went yesterday [7 May 2023]."``. The day in front
+    serves a question about the turn itself; the resolved dates serve one about what the turn says happened.
+
+    Raises:
+        OptionError: ``when`` is not a date (:func:`reference_date`).
+    """
+    reference = reference_date(when)
+    body = resolve_relative_dates(text, reference) if resolve else text
+    return f"[{render_date(reference.date(), 'day')}] {body}"

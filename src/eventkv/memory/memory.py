@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import builtins
 import time
+from datetime import date
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, cast
 
@@ -280,22 +281,25 @@ class EventMemory(MemoryUpkeep):
         computes them)."""
         return self._pending_job() is not None
 
-    def update(self, event_id: str, text: str, *, prefill: bool = False) -> Added:
+    def update(self, event_id: str, text: str, *, prefill: bool = False, when: str | date | None = None) -> Added:
         """Append a **patch** event superseding ``event_id`` (Study 1, "Patch": an update is a served
         patch, O(pL + p²), instead of a rewrite of history, O(L²)). History is never rewritten: the
         old event keeps its text and rows; the default served set (:meth:`view_ids`) serves the
         latest patch in its place. The patch takes the event's role and tags, has no budget, and is
-        named ``{root id}~{n}`` (the n-th update). Updating a patch updates the event it supersedes.
+        named ``{root id}~{n}`` (the n-th update). Updating a patch updates the event it supersedes. With
+        ``when`` the patch's text is stored dated, as :attr:`MemoryEvent.when` makes an added event's.
 
         Returns:
             the patch's :class:`Added`.
 
         Raises:
             EventKVError: unknown id, a deleted or forgotten event, empty text, or a history longer
-                than the model's context.
+                than the model's context. OptionError: ``when`` is not a date.
             OutOfSpace: the store's filesystem is full: nothing was kept.
         """
         self._check_open()
+        if when is not None:
+            text = MemoryEvent(text, when=when).stored_text()
         root = self._root(self._lookup(event_id))
         if not root.live:
             how = "forgotten" if root.forgotten else "deleted"

@@ -5,6 +5,7 @@ them without loading anything."""
 
 from __future__ import annotations
 
+import datetime as _dt
 import unicodedata
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -176,6 +177,9 @@ class MemoryEvent:
         budget: optional position budget in tokens (>= the event's token count): the event reserves
             that many positions whatever its length (Study 1, "Donor pair").
         kind: ``"event"`` (default) or ``"carrier"`` (an answer-free carrier event).
+        when: optional moment the event happened (a ``date``, a ``datetime`` or a date string dateparser reads;
+            kept as its ISO form): the memory stores the text as :meth:`stored_text` writes it, the day in
+            front and each relative date expression resolved against it (``docs/memory.md``, "Dates").
     """
 
     text: str
@@ -184,11 +188,25 @@ class MemoryEvent:
     tags: tuple[str, ...] = ()
     budget: int | None = None
     kind: str = "event"
+    when: str | _dt.date | None = None
 
     def __post_init__(self) -> None:
         # every add (library, HTTP route, client) builds a MemoryEvent: the one place a new id takes its form
         if isinstance(self.id, str):
             object.__setattr__(self, "id", canonical_event_id(self.id))
+        if self.when is not None:  # read once here, so a bad date is refused before anything is written
+            from eventkv.memory.dates import reference_date
+
+            object.__setattr__(self, "when", reference_date(self.when).isoformat())
+
+    def stored_text(self) -> str:
+        """The text the memory stores and prefills: :attr:`text`, or with :attr:`when`
+        :func:`eventkv.memory.dates.dated_text` of it (``"[8 May 2023] I went yesterday [7 May 2023]."``)."""
+        if self.when is None:
+            return self.text
+        from eventkv.memory.dates import dated_text
+
+        return dated_text(self.text, str(self.when))
 
     @classmethod
     def coerce(cls, obj) -> "MemoryEvent":
@@ -203,11 +221,11 @@ class MemoryEvent:
         elif isinstance(obj, str):
             ev = cls(text=obj)
         elif isinstance(obj, dict):
-            unknown = sorted(set(obj) - {"text", "role", "id", "tags", "budget", "kind"})
+            unknown = sorted(set(obj) - {"text", "role", "id", "tags", "budget", "kind", "when"})
             if unknown:
                 raise EventKVError(
                     f"event {obj!r:.80} has the unknown key(s) {', '.join(map(repr, unknown))}: "
-                    "the keys of an event are text, role, id, tags, budget, kind."
+                    "the keys of an event are text, role, id, tags, budget, kind, when."
                 )
             if "text" not in obj:
                 raise EventKVError(f"event {obj!r:.80} has no 'text': give the event's text.")

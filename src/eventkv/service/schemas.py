@@ -60,6 +60,7 @@ Version = Annotated[
 ]
 Budget = Annotated[int, Field(ge=1, le=1_000_000), _WHOLE]  # rows of one event's budget
 TopK = Annotated[int, Field(ge=1, le=10_000), _WHOLE]  # events selected
+When = Annotated[str, StringConstraints(min_length=1, max_length=100)]  # a date string, read by dateparser
 BudgetRows = Annotated[int, Field(ge=1), _WHOLE]  # rows of the served set
 MaxNewTokens = Annotated[int, Field(ge=1, le=4096), _WHOLE]
 Neighbours = Annotated[int, Field(ge=0, le=10_000), _WHOLE]  # events served on each side of a chosen one
@@ -97,6 +98,9 @@ class EventIn(_Body):
     tags: list[Tag] = Field(default_factory=list, max_length=64)
     budget: Budget | None = None
     kind: Literal["event", "carrier"] = "event"
+    when: When | None = Field(
+        None, description="when the event happened (e.g. '2023-05-08'): stored as '[8 May 2023] text', dates resolved"
+    )
 
 
 class AddEvents(_Body):
@@ -112,6 +116,9 @@ class Write(_Body):
 class UpdateEvent(Write):
     text: Text
     prefill: bool = False
+    when: When | None = Field(
+        None, description="when the change happened: the patch is stored dated, as an added event"
+    )
 
 
 class PinEvent(Write):

@@ -60,7 +60,7 @@ def untaken(mem, ids) -> None:
 )
 async def add_events(mid: MemoryId, body: schemas.AddEvents, ns: Namespace, state: State, jobs: Work):
     d = state.existing(ns, mid)
-    events = [MemoryEvent(e.text, e.role, e.id, tuple(e.tags), e.budget, e.kind) for e in body.events]
+    events = [MemoryEvent(e.text, e.role, e.id, tuple(e.tags), e.budget, e.kind, e.when) for e in body.events]
 
     def verb(mem):
         untaken(mem, [e.id for e in events if e.id is not None])
@@ -144,7 +144,7 @@ async def update_event(
 ):
     def verb(mem):
         live(mem, eid, "updated", root=True)
-        a = mem.update(eid, body.text, prefill=body.prefill)
+        a = mem.update(eid, body.text, prefill=body.prefill, when=body.when)
         return schemas.WriteOut(version=mem.version, added=[a])
 
     return await event_write(state, jobs, verb, body, ns, mid, eid)
