@@ -216,8 +216,12 @@ def test_event_topk_keeps_whole_events_and_the_header():
 
 def test_ratio_zero_keeps_everything_and_bad_input_is_named():
     c = capture()
+    small = SnapKV(window=4)
+    settings = {"snapkv": {"window": 4}, "adakv": {"inner": small}, "per-layer-ratio": {"inner": small}}
+    settings["per-layer"] = {"policies": (Knorm(),)}
     for name in POLICIES:
-        assert keep_mask(make_policy(name, **({"window": 4} if name == "snapkv" else {})), c, 0.0).all()
+        on = capture(window=12) if name == "observed" else c  # it reads every prefill query
+        assert keep_mask(make_policy(name, **settings.get(name, {})), on, 0.0).all(), name
     with pytest.raises(OptionError, match="window 32"):
         SnapKV().scores(c)  # 32 > the 4 captured queries: refused, not silently shortened
     for bad in (1.0, -0.1, True, "0.5", float("nan")):
@@ -269,7 +273,12 @@ def test_policy_parameters_are_refused_when_the_policy_is_made(cls, name, bad):
 
 
 def test_every_registered_policy_is_made_with_its_defaults_and_its_edges():
-    assert [type(make_policy(name)) for name in POLICIES] == list(POLICIES.values())
+    needs = {"per-layer"}  # a policy per layer has no default list
+    assert [type(make_policy(n)) for n in POLICIES if n not in needs] == [
+        cls for n, cls in POLICIES.items() if n not in needs
+    ]
+    with pytest.raises(OptionError, match="^policies .*: give one policy per layer"):
+        make_policy("per-layer")
     assert StreamingLLM(sinks=0).sinks == 0 and SnapKV(window=1, kernel=1).window == 1
     assert ExpectedAttention(sinks=0, horizon=1, epsilon=0).horizon == 1 and Random(seed=0).seed == 0
 

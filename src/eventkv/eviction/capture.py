@@ -111,6 +111,9 @@ def capture_prefill(
     header = log.span(HEADER_ID)
     assert header.row_start == 0
     qpos = positions[-window:]
+    # each layer's output projection (the model's own tensor, not a copy), for rules that weigh a row by what its
+    # value adds to the layer's output
+    out_proj = [m.o_proj.weight.detach() for m in _attention_modules(model) if hasattr(m, "o_proj")]
     captures = []
     for layer, (k, v) in enumerate(zip(ekv.keys, ekv.values)):
         slot = seen.get(layer, {})
@@ -127,6 +130,8 @@ def capture_prefill(
                 scaling=slot.get("scaling"),
                 rope=rope,
                 event_of_row=event_of_row,
+                n_layers=len(ekv.keys),
+                out_proj=out_proj[layer] if layer < len(out_proj) else None,
             )
         )
     return ekv, captures

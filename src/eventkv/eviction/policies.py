@@ -50,6 +50,11 @@ class LayerCapture:
         rope: ``(inv_freq [head_dim // 2], attention_scaling)`` of this layer's rotary embedding, or
             None (needed by :class:`ExpectedAttention` to rotate queries to future positions).
         event_of_row: ``[rows]`` int64 index of each row's event (-1 for the header), or None.
+        n_layers: the model's layer count (what per-layer budgets such as PyramidKV's are spread over), or
+            None when unknown.
+        out_proj: ``[hidden, q_heads * head_dim]`` the layer's attention output projection (``o_proj``'s
+            weight as the model holds it: its dtype and device, not a copy), or None: what rules that weigh a
+            row by its value's effect on the layer's output read (CriticalKV).
     """
 
     layer: int
@@ -61,6 +66,8 @@ class LayerCapture:
     scaling: float | None = None
     rope: tuple[torch.Tensor, float] | None = None
     event_of_row: torch.Tensor | None = None
+    n_layers: int | None = None
+    out_proj: torch.Tensor | None = None
 
     @property
     def kv_heads(self) -> int:
@@ -87,34 +94,78 @@ class LayerCapture:
 
 
 class Policy:
-    """A scoring rule: :meth:`scores` gives ``[kv_heads, rows]`` float64, higher = keep;
-    :meth:`keep` turns them into the kept rows (per head, the ``n_keep`` best)."""
+    """A scoring rule and its budget. Three parts, each a method a policy may replace:
+
+    * :meth:`scores`: ``[kv_heads, rows]`` float64, higher = keep;
+    * :meth:`budget`: the rows each KV head keeps on a layer at a compression ratio, ``[kv_heads]`` int64 —
+      by default :func:`kept_count` in every head; per-layer rules (PyramidKV, a ratio per layer) and per-head
+      rules (AdaKV) give other counts (``eventkv.eviction.budgets``);
+    * :meth:`mask`: the kept rows, ``[kv_heads, rows]`` bool — by default :meth:`keep` of the budget.
+
+    :func:`keep_mask` calls :meth:`mask`; the audit reads nothing else."""
 
     name: ClassVar[str] = ""
+
+    @property
+    def needs_all_queries(self) -> bool:
+        """Whether :meth:`scores` reads every prefill query, not only the observation window's (a capture
+        then needs ``window >= rows``)."""
+        return False
 
     def scores(self, c: LayerCapture) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def keep(self, c: LayerCapture, n_keep: int) -> torch.Tensor:
-        """``[kv_heads, rows]`` bool: per KV head the ``n_keep`` highest scores, ties to the later position.
+    def budget(self, c: LayerCapture, ratio: float) -> torch.Tensor:
+        """``[kv_heads]`` int64: the rows each KV head of layer ``c`` keeps at ``ratio`` (here
+        :func:`kept_count` in every head). Raises: OptionError: ``ratio`` outside [0, 1)."""
+        return torch.full((c.kv_heads,), kept_count(c.rows, ratio), dtype=torch.long)
 
-        Raises:
-            OptionError: scores of the wrong shape, or nan.
-        """
+    def mask(self, c: LayerCapture, ratio: float) -> torch.Tensor:
+        """``[kv_heads, rows]`` bool: the rows kept at ``ratio`` (:meth:`keep` of :meth:`budget`)."""
+        return self.keep(c, self.budget(c, ratio))
+
+    def checked_scores(self, c: LayerCapture) -> torch.Tensor:
+        """:meth:`scores`, checked. Raises: OptionError: scores of the wrong shape, or nan."""
         s = self.scores(c)
         if s.shape != (c.kv_heads, c.rows):
             raise OptionError("policy scores", tuple(s.shape), f"expected ({c.kv_heads}, {c.rows}).")
         if torch.isnan(s).any():
             raise OptionError("policy scores", "nan", f"{self.name} gave nan scores on layer {c.layer}.")
-        # ties: the later position wins — sort by position descending, then stably by score descending
-        by_pos = torch.argsort(c.positions, descending=True, stable=True)
-        by_score = torch.argsort(s[:, by_pos], dim=1, descending=True, stable=True)
-        mask = torch.zeros(c.kv_heads, c.rows, dtype=torch.bool, device=s.device)
-        mask.scatter_(1, by_pos[by_score[:, :n_keep]], True)
-        return mask
+        return s
+
+    def keep(self, c: LayerCapture, n_keep: int | torch.Tensor) -> torch.Tensor:
+        """``[kv_heads, rows]`` bool: per KV head its ``n_keep`` highest scores (one count for every head, or
+        ``[kv_heads]`` counts), ties to the later position (:func:`top_rows`).
+
+        Raises:
+            OptionError: scores of the wrong shape, or nan.
+        """
+        return top_rows(self.checked_scores(c), c.positions, n_keep)
 
 
-def _window_attention(c: LayerCapture, who: str, window: int | None = None) -> torch.Tensor:
+def top_rows(s: torch.Tensor, positions: torch.Tensor, n_keep: int | torch.Tensor) -> torch.Tensor:
+    """``[heads, rows]`` bool: in each head of ``s [heads, rows]`` the ``n_keep`` (an int, or ``[heads]``
+    counts) highest scores, equal scores to the later of ``positions [rows]``."""
+    heads, rows = s.shape
+    counts = torch.as_tensor(n_keep, dtype=torch.long, device=s.device).expand(heads)
+    # ties: the later position wins — sort by position descending, then stably by score descending
+    by_pos = torch.argsort(positions.to(s.device), descending=True, stable=True)
+    by_score = torch.argsort(s[:, by_pos], dim=1, descending=True, stable=True)
+    rank = torch.empty_like(by_score)
+    rank.scatter_(1, by_score, torch.arange(rows, device=s.device).expand(heads, rows).contiguous())
+    mask = torch.zeros(heads, rows, dtype=torch.bool, device=s.device)
+    mask[:, by_pos] = rank < counts[:, None]
+    return mask
+
+
+def last_queries(c: LayerCapture, window: int) -> LayerCapture:
+    """``c`` with only its last ``window`` captured queries (the same object when it holds no more)."""
+    if c.queries is None or c.query_positions is None or c.queries.shape[1] <= window:
+        return c
+    return dataclasses.replace(c, queries=c.queries[:, -window:], query_positions=c.query_positions[-window:])
+
+
+def window_attention(c: LayerCapture, who: str, window: int | None = None) -> torch.Tensor:
     """Softmax attention of the last ``window`` captured queries (all when None) over every row,
     ``[q_heads, window, rows]`` float64, causal by position (a query sees rows at positions <= its own)."""
     q, qpos = c.need_queries(who)
@@ -130,7 +181,7 @@ def _window_attention(c: LayerCapture, who: str, window: int | None = None) -> t
     return torch.softmax(logits, dim=-1)
 
 
-def _per_kv_head(att: torch.Tensor, kv_heads: int) -> torch.Tensor:
+def per_kv_head(att: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """``[q_heads, rows]`` -> ``[kv_heads, rows]`` by averaging each GQA group's query heads."""
     return att.reshape(kv_heads, att.shape[0] // kv_heads, att.shape[-1]).mean(dim=1)
 
@@ -245,10 +296,10 @@ class SnapKV(Policy):
                 f"the layer has {c.rows} rows: the window must leave rows before it to score "
                 f"(give a window below {c.rows}).",
             )
-        att = _window_attention(c, self.name, self.window)  # [q_heads, window, rows]
+        att = window_attention(c, self.name, self.window)  # [q_heads, window, rows]
         in_window = c.positions >= qpos[-self.window :].min()
         votes = att[:, :, ~in_window].sum(dim=1)  # [q_heads, prefix rows]
-        votes = _per_kv_head(votes, c.kv_heads)
+        votes = per_kv_head(votes, c.kv_heads)
         if self.kernel > 1 and votes.shape[-1] > 0:
             x = votes[:, None, :]
             pad = self.kernel // 2
@@ -272,7 +323,7 @@ class Tova(Policy):
     name: ClassVar[str] = "tova"
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
-        att = _window_attention(c, self.name, 1)[:, -1, :]  # the last query: [q_heads, rows]
+        att = window_attention(c, self.name, 1)[:, -1, :]  # the last query: [q_heads, rows]
         _, qpos = c.need_queries(self.name)
         s = att.mean(dim=0)
         s = torch.where(c.positions == qpos[-1], float("inf"), s)
@@ -360,7 +411,7 @@ class ExpectedAttention(Policy):
             cov = torch.einsum("hwd,hwe->hde", centered, centered) / pre.shape[1]
             cov = rot @ cov @ rot.T
             logits = logits + 0.5 * s * s * torch.einsum("hrd,hde,hre->hr", k, cov, k)
-        att = _per_kv_head(torch.softmax(logits, dim=-1), c.kv_heads)
+        att = per_kv_head(torch.softmax(logits, dim=-1), c.kv_heads)
         if self.use_vnorm:
             att = (att + self.epsilon) * c.values.double()[:, ~sink].norm(dim=-1)
         out = torch.full((c.kv_heads, c.rows), float("inf"), dtype=torch.float64, device=att.device)
@@ -407,6 +458,10 @@ class EventTopK(Policy):
         if not isinstance(self.inner, Policy):
             raise OptionError("inner", self.inner, "give a policy (e.g. Knorm()) whose scores are pooled per event.")
 
+    @property
+    def needs_all_queries(self) -> bool:
+        return self.inner.needs_all_queries
+
     def scores(self, c: LayerCapture) -> torch.Tensor:
         ev = c.need_events(self.name)
         inner = self.inner.scores(c).mean(dim=0)
@@ -416,10 +471,11 @@ class EventTopK(Policy):
             s[rows] = float("inf") if e < 0 else inner[rows].mean()
         return s.expand(c.kv_heads, -1).clone()
 
-    def keep(self, c: LayerCapture, n_keep: int) -> torch.Tensor:
+    def keep(self, c: LayerCapture, n_keep: int | torch.Tensor) -> torch.Tensor:
         """The header, then whole events, best pooled score first, each kept only if all its rows
-        still fit in ``n_keep``; the same mask for every head (so at most ``n_keep`` rows, fewer when
-        the next event does not fit)."""
+        still fit in ``n_keep`` (per-head counts: the smallest); the same mask for every head (so at most
+        ``n_keep`` rows, fewer when the next event does not fit)."""
+        n_keep = int(torch.as_tensor(n_keep).min())
         s = self.scores(c)[0]
         ev = c.need_events(self.name)
         keep = ev < 0  # the header first
@@ -464,8 +520,11 @@ def make_policy(name: str, **options) -> Policy:
 def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
     """``(name, settings)`` of a policy spec: a registered name (:data:`POLICIES`) alone, or with settings in
     parentheses, ``snapkv(window=64,kernel=5,pooling=avg)``. Each value is read as its field's type: whole
-    numbers, numbers, ``true`` / ``false``, or text; :func:`policy_from_spec` then builds the policy, whose own
-    checks apply.
+    numbers, numbers, ``true`` / ``false``, text, a policy as a spec of its own
+    (``adakv(inner=snapkv(window=8,kernel=5),alpha=0.2)``, built here), or a list with ``/`` between its items
+    (``per-layer-ratio(inner=knorm,ratios=0.25/0.75)``, ``per-layer(policies=knorm/snapkv(window=8))``: an item
+    holds no ``/`` of its own); :func:`policy_from_spec` then builds the policy, whose
+    own checks apply.
 
     Raises:
         OptionError: an unknown name, a setting the policy does not have (the message lists those it has), a
@@ -482,11 +541,11 @@ def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
         if "(" in text or ")" in text:
             raise OptionError("policy", spec, "close the settings' parenthesis: snapkv(window=64,kernel=5).")
         return name, settings
-    if not rest.endswith(")") or "(" in rest or ")" in rest[:-1]:
+    if not rest.endswith(")") or not _balanced(rest[:-1]):
         raise OptionError("policy", spec, "write settings as name(key=value,...), e.g. snapkv(window=64,kernel=5).")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init} if dataclasses.is_dataclass(cls) else {}
-    settable = {k: f for k, f in fields.items() if f.type in ("int", "float", "bool", "str")}
-    for item in filter(None, (x.strip() for x in rest[:-1].split(","))):
+    settable = {k: f for k, f in fields.items() if f.type in _SETTABLE}
+    for item in split_policy_specs(rest[:-1]):
         key, eq, raw = (x.strip() for x in item.partition("="))
         if not eq or key not in settable:
             has = ", ".join(settable) or "none"
@@ -497,7 +556,28 @@ def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
     return name, settings
 
 
+#: the field types a spec can set, and how a value is written: a policy as a nested spec
+#: (``adakv(inner=snapkv(window=8,kernel=5))``), a list of numbers with ``/`` between them (``ratios=0.25/0.75``)
+_SETTABLE = ("int", "float", "bool", "str", "Policy", "tuple[float, ...]", "tuple[Policy, ...]")
+
+
+def _balanced(text: str) -> bool:
+    """Whether every parenthesis of ``text`` closes, in order."""
+    depth = 0
+    for ch in text:
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth < 0:
+            return False
+    return depth == 0
+
+
 def _setting(spec: str, key: str, raw: str, kind: str) -> Any:
+    if kind == "Policy":
+        return policy_from_spec(raw)
+    if kind == "tuple[Policy, ...]":
+        return tuple(policy_from_spec(x) for x in raw.split("/"))
+    if kind == "tuple[float, ...]":
+        return tuple(_setting(spec, key, x, "float") for x in raw.split("/"))
     try:
         if kind == "bool":
             if raw.lower() not in ("true", "false"):
@@ -551,8 +631,10 @@ def kept_count(rows: int, ratio: float) -> int:
 
 
 def keep_mask(policy: Policy, c: LayerCapture, ratio: float) -> torch.Tensor:
-    """The rows a policy keeps at compression ratio ``ratio`` (fraction evicted): at most
-    :func:`kept_count` rows per KV head (:meth:`Policy.keep`).
+    """The rows a policy keeps at compression ratio ``ratio`` (fraction evicted): :meth:`Policy.mask`, by
+    default :func:`kept_count` rows per KV head; a policy with per-layer or per-head budgets
+    (``eventkv.eviction.budgets``) keeps other counts per head, ``kept_count`` on average over the layer's
+    heads (per-head budgets) or over the layers (per-layer budgets).
 
     Returns:
         ``[kv_heads, rows]`` bool.
@@ -560,4 +642,4 @@ def keep_mask(policy: Policy, c: LayerCapture, ratio: float) -> torch.Tensor:
     Raises:
         OptionError: ``ratio`` outside [0, 1); scores of the wrong shape, or nan.
     """
-    return policy.keep(c, kept_count(c.rows, ratio))
+    return policy.mask(c, ratio)

@@ -133,7 +133,7 @@ class EvictionAudit(Probe):
     def run_item(self, rt: Runtime, item: dict) -> dict:
         from eventkv.eviction.capture import capture_prefill
         from eventkv.eviction.masked import read_out_masked
-        from eventkv.eviction.policies import keep_mask
+        from eventkv.eviction.policies import keep_mask, last_queries
         from eventkv.kv.log import tokenize_query
         from eventkv.kv.serve import serve
         from eventkv.studies.materialization.donor_pair import INSTRUCTION
@@ -160,8 +160,11 @@ class EvictionAudit(Probe):
             return lps
 
         captured, isolated, full = [], [], []
+        # a policy that reads every prefill query (H2O's) gets them all captured
+        every = any(self._policy(p, item["index"]).needs_all_queries for p in self.policies)
         for log in logs:
-            ekv, caps = capture_prefill(rt.model, log, window=self.window, max_context=rt.max_context)
+            window = max(self.window, log.n_rows) if every else self.window
+            ekv, caps = capture_prefill(rt.model, log, window=window, max_context=rt.max_context)
             captured.append((ekv, caps))
             isolated.append(serve(ekv, "all", "isolated", model=rt.model))
             full.append(logprobs(read_out_masked(rt.model, ekv, {}, query, **opts)))  # no mask: every row
@@ -180,6 +183,8 @@ class EvictionAudit(Probe):
                 cell: dict[str, Any] = {"source_kept_cells": [], "kept_fraction": []}
                 answers: dict[str, list[dict[str, float]]] = {"global": [], "isolated": []}
                 for (ekv, caps), iso, rows in zip(captured, isolated, src_rows):
+                    if not policy.needs_all_queries:  # the others read the last --window queries, as always
+                        caps = [last_queries(c, self.window) for c in caps]
                     masks = [keep_mask(policy, c, ratio) for c in caps]
                     cell["source_kept_cells"].append(int(sum(int(m[:, rows].sum()) for m in masks)))
                     cell.setdefault("source_cells", []).append(int(sum(m[:, rows].numel() for m in masks)))

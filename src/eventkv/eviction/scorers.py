@@ -1,0 +1,73 @@
+"""More scoring rules in the :class:`eventkv.eviction.policies.Policy` contract, each written from its paper and
+compared with the NVIDIA kvpress 0.5.5 press of the same name (``tests/test_kvpress_parity.py``):
+
+* :class:`ObservedAttention` — H2O's heavy hitters: the attention every prefill query paid a row, averaged;
+* :class:`KeyDiff` — keys least like the head's average key.
+
+Why not kvpress itself: see :mod:`eventkv.eviction.policies` (it pins transformers < 5.3 and patches every
+attention function process-wide).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from eventkv.errors import OptionError
+from eventkv.eviction.policies import LayerCapture, Policy, per_kv_head, window_attention
+
+
+@dataclass
+class ObservedAttention(Policy):
+    """Heavy hitters (Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large
+    Language Models", arXiv 2306.14048, Section 3: the accumulated attention a token receives marks the few
+    tokens that matter; kvpress's ObservedAttentionPress applies it once, after the prefill). A row's score is
+    the softmax attention every prefill query at or after its position paid it, summed over those queries and
+    divided by their number (a row near the end is seen by few queries: the average keeps it from losing for
+    that alone), averaged over each GQA group's query heads.
+
+    Needs every prefill query in the capture (``capture_prefill(window=rows)``; the audit captures them when
+    this policy is audited).
+
+    Raises:
+        OptionError: a capture that holds fewer queries than rows, on scoring.
+    """
+
+    name: ClassVar[str] = "observed"
+
+    @property
+    def needs_all_queries(self) -> bool:
+        return True
+
+    def scores(self, c: LayerCapture) -> torch.Tensor:
+        queries, _ = c.need_queries(self.name)
+        if queries.shape[1] < c.rows:
+            raise OptionError(
+                "policy",
+                self.name,
+                f"it averages the attention of every prefill query: the capture holds {queries.shape[1]} of "
+                f"{c.rows}; capture them all (window >= rows).",
+            )
+        att = window_attention(c, self.name)[:, -c.rows :]  # [q_heads, rows (queries), rows (keys)]
+        _, qpos = c.need_queries(self.name)
+        seen_by = (c.positions[None, :] <= qpos[-c.rows :, None]).sum(dim=0).clamp(min=1)  # queries seeing a row
+        return per_kv_head(att.sum(dim=1) / seen_by.double(), c.kv_heads)
+
+
+@dataclass
+class KeyDiff(Policy):
+    """Key diversity (Park et al., "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM
+    Inference in Resource-Constrained Environments", arXiv 2504.15364, Section 3: keys that differ most from
+    the others draw attention from more varied queries; no query is read). A row's score is minus the cosine
+    similarity of its key to the head's anchor, the mean of the head's unit-length keys: the most dissimilar
+    keys are kept."""
+
+    name: ClassVar[str] = "keydiff"
+
+    def scores(self, c: LayerCapture) -> torch.Tensor:
+        k = c.keys.double()
+        unit = torch.nn.functional.normalize(k, dim=-1)
+        anchor = unit.mean(dim=1, keepdim=True)  # [kv_heads, 1, head_dim]
+        return -torch.nn.functional.cosine_similarity(k, anchor, dim=-1)

@@ -1,0 +1,164 @@
+"""Per-head and per-layer budgets and the scoring rules of eventkv.eviction.scorers, by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from eventkv.errors import OptionError
+from eventkv.eviction import LayerCapture, Policy, SnapKV, keep_mask, kept_count, policy_from_spec
+from eventkv.eviction.budgets import AdaKV, PerLayer, PerLayerRatio
+from eventkv.eviction.policies import Knorm, UserPolicy, last_queries, top_rows
+from eventkv.eviction.scorers import KeyDiff, ObservedAttention
+
+KV, QH, D = 2, 4, 8
+
+
+def capture(rows=12, window=None, seed=0, layer=0, n_layers=2):
+    """Random keys and queries; ``window`` None: every row's query (positions 0, 2, 4, ...)."""
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.arange(rows) * 2
+    w = rows if window is None else window
+    return LayerCapture(
+        layer=layer,
+        keys=torch.randn(KV, rows, D, generator=g),
+        values=torch.randn(KV, rows, D, generator=g),
+        positions=pos,
+        queries=torch.randn(QH, w, D, generator=g),
+        query_positions=pos[-w:],
+        n_layers=n_layers,
+    )
+
+
+def scored(s):
+    """A policy whose scores are the fixed ``s [kv_heads, rows]``."""
+    return UserPolicy(fn=lambda c: torch.as_tensor(s, dtype=torch.float64))
+
+
+def kept(mask):
+    return [np.flatnonzero(m.numpy()).tolist() for m in mask]
+
+
+def test_top_rows_keeps_a_count_per_head_ties_to_the_later_position():
+    s = torch.tensor([[3.0, 1.0, 1.0, 0.0], [0.0, 2.0, 5.0, 2.0]], dtype=torch.float64)
+    pos = torch.tensor([0, 1, 2, 3])
+    assert kept(top_rows(s, pos, 2)) == [[0, 2], [2, 3]]  # head 0: 1.0 at rows 1 and 2, the later kept
+    assert kept(top_rows(s, pos, torch.tensor([1, 3]))) == [[0], [1, 2, 3]]
+    assert kept(top_rows(s, pos, torch.tensor([0, 4]))) == [[], [0, 1, 2, 3]]
+    # positions, not row order, break ties
+    assert kept(top_rows(s, torch.tensor([0, 2, 1, 3]), 2)) == [[0, 1], [2, 3]]
+
+
+def test_a_policy_budget_is_kept_count_in_every_head_by_default():
+    c = capture()
+    for ratio in (0.0, 0.3, 0.75):
+        assert Knorm().budget(c, ratio).tolist() == [kept_count(12, ratio)] * KV
+        assert keep_mask(Knorm(), c, ratio).sum(dim=1).tolist() == [kept_count(12, ratio)] * KV
+
+
+def test_keydiff_keeps_the_keys_least_like_the_mean_unit_key():
+    keys = torch.tensor([[[1.0, 0.0], [1.0, 0.1], [0.9, 0.0], [0.0, 2.0]]])  # one head, 4 rows
+    c = LayerCapture(layer=0, keys=keys, values=keys.clone(), positions=torch.arange(4))
+    unit = keys[0] / keys[0].norm(dim=-1, keepdim=True)
+    anchor = unit.mean(dim=0)
+    by_hand = [-float(k @ anchor / (k.norm() * anchor.norm())) for k in keys[0]]
+    assert torch.allclose(KeyDiff().scores(c)[0], torch.tensor(by_hand, dtype=torch.float64), atol=1e-12)
+    # rows 0 and 2 point the same way (cosine ties): the later one is kept
+    assert kept(keep_mask(KeyDiff(), c, 0.5)) == [[2, 3]]
+    assert kept(keep_mask(KeyDiff(), c, 0.75)) == [[3]]
+
+
+def test_observed_attention_averages_every_query_over_those_that_see_the_row():
+    c = capture(rows=6)
+    s = ObservedAttention().scores(c)
+    by_hand = np.zeros((KV, 6))
+    for h in range(QH):
+        for r in range(6):
+            total, seen = 0.0, 0
+            for w in range(6):
+                if c.positions[r] > c.query_positions[w]:
+                    continue
+                logits = [
+                    float(c.queries[h, w].double() @ c.keys[h // 2, j].double()) / math.sqrt(D)
+                    if c.positions[j] <= c.query_positions[w]
+                    else -np.inf
+                    for j in range(6)
+                ]
+                e = np.exp(np.array(logits) - max(logits))
+                total += e[r] / e.sum()
+                seen += 1
+            by_hand[h // 2, r] += total / seen / 2  # the GQA group's mean
+    assert np.allclose(s.numpy(), by_hand, atol=1e-12)
+    assert ObservedAttention().needs_all_queries and not Knorm().needs_all_queries
+    with pytest.raises(OptionError, match="capture holds 4 of 6"):
+        ObservedAttention().scores(capture(rows=6, window=4))
+    assert last_queries(c, 4).queries.shape[1] == 4 and last_queries(c, 8) is c
+
+
+def test_adakv_shares_a_layer_budget_among_heads_with_a_safeguard():
+    # head 0's scores are concentrated on two rows, head 1's spread evenly: head 1 gets most of the budget
+    s = torch.tensor([[10.0, 9.0, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1], [5.0, 5.1, 5.2, 5.3, 5.4, 5.5, 5.6, 5.7]])
+    c = LayerCapture(layer=0, keys=torch.zeros(2, 8, 4), values=torch.zeros(2, 8, 4), positions=torch.arange(8))
+    n = kept_count(8, 0.5)  # 4 per head, 8 in the layer
+    plain = AdaKV(inner=scored(s), alpha=0.0)
+    assert kept(plain.mask(c, 0.5)) == [[0, 1], [2, 3, 4, 5, 6, 7]]
+    assert plain.budget(c, 0.5).tolist() == [2, 6]
+    # the safeguard: each head first keeps its best int(0.5 * 4) = 2 rows, the other 4 go by score
+    safe = AdaKV(inner=scored(s), alpha=0.5)
+    assert kept(safe.mask(c, 0.5)) == [[0, 1], [2, 3, 4, 5, 6, 7]]
+    safe = AdaKV(inner=scored(s), alpha=1.0)  # every head its own kept_count: plain per-head top-k
+    assert kept(safe.mask(c, 0.5)) == kept(keep_mask(scored(s), c, 0.5))
+    for ratio in (0.1, 0.3, 0.6, 0.9):
+        for alpha in (0.0, 0.2, 1.0):
+            m = keep_mask(AdaKV(inner=scored(s), alpha=alpha), c, ratio)
+            n = kept_count(8, ratio)
+            assert int(m.sum()) == 2 * n
+            assert all(int(x) >= int(n * alpha) for x in m.sum(dim=1))
+    with pytest.raises(OptionError, match="^alpha 1.5"):
+        AdaKV(alpha=1.5)
+    with pytest.raises(OptionError, match="^inner 3"):
+        AdaKV(inner=3)
+
+
+def test_a_ratio_per_layer_and_a_policy_per_layer():
+    c0, c1 = capture(layer=0), capture(layer=1, seed=1)
+    p = PerLayerRatio(inner=Knorm(), ratios=(0.25, 0.75))
+    assert p.budget(c0, 0.5).tolist() == [kept_count(12, 0.25)] * KV
+    assert kept(keep_mask(p, c1, 0.0)) == kept(keep_mask(Knorm(), c1, 0.75))
+    assert kept(keep_mask(PerLayerRatio(inner=Knorm()), c1, 0.5)) == kept(keep_mask(Knorm(), c1, 0.5))
+    with pytest.raises(OptionError, match="give one per layer: layer 2 has none"):
+        keep_mask(p, dataclasses.replace(c1, layer=2), 0.5)
+    with pytest.raises(OptionError, match="^ratio 1.0"):
+        PerLayerRatio(ratios=(0.5, 1.0))
+    both = PerLayer(policies=(Knorm(), SnapKV(window=4, kernel=1)))
+    assert kept(keep_mask(both, c0, 0.5)) == kept(keep_mask(Knorm(), c0, 0.5))
+    last = last_queries(c1, 4)
+    assert kept(keep_mask(both, last, 0.5)) == kept(keep_mask(SnapKV(window=4, kernel=1), last, 0.5))
+    assert PerLayer(policies=(Knorm(), ObservedAttention())).needs_all_queries
+    with pytest.raises(OptionError, match="^policies"):
+        PerLayer(policies=())
+
+
+def test_specs_nest_policies_and_list_values():
+    p = policy_from_spec("adakv(inner=snapkv(window=8,kernel=5,pooling=avg),alpha=0.3)")
+    assert p == AdaKV(inner=SnapKV(window=8, kernel=5, pooling="avg"), alpha=0.3)
+    assert policy_from_spec("per-layer-ratio(inner=knorm,ratios=0.25/0.75)") == PerLayerRatio(
+        inner=Knorm(), ratios=(0.25, 0.75)
+    )
+    assert policy_from_spec("per-layer(policies=knorm/snapkv(window=8))") == PerLayer(
+        policies=(Knorm(), SnapKV(window=8))
+    )
+    assert isinstance(policy_from_spec("adakv"), Policy)
+    for bad, says in [
+        ("adakv(inner=snapkv(window=8)", "write settings as name(key=value"),
+        ("adakv(inner=nope)", "nope"),
+        ("per-layer-ratio(ratios=0.25/x)", "ratios must be a number, not 'x'"),
+        ("adakv(alpha=2)", "alpha 2"),
+    ]:
+        with pytest.raises(OptionError, match=re.escape(says)):
+            policy_from_spec(bad)
