@@ -18,14 +18,43 @@ PCG64 with a fixed seed (the same on every CPU), a fixed prompt of token ids, an
   the rows kvpress kept, per layer and KV head (sorted row indices).
 
 How the kept rows are read: the prompt runs once without a press (the full cache) and once inside
-each press's context manager (kvpress compresses every layer's cache after its prefill forward);
-each row left in the compressed cache is found in the full cache by its exact key and value
-vectors. Only kvpress's public API is used (the press objects as context managers).
+each press's context manager (kvpress compresses every layer's cache after its prefill forward).
+kvpress's presses are of two kinds, and the kept rows of each kind are read so:
+
+* Presses that shrink the cache (every ``ScorerPress`` — StreamingLLM, Knorm, SnapKV, TOVA,
+  ExpectedAttention, ObservedAttention, KeyDiff, PyramidKV, CriticalKV — and the wrappers
+  ChunkKV, PerLayerCompression and Composed): each row left in the compressed cache is found in
+  the full cache by its exact key and value vectors.
+* Presses that mask rather than shrink (AdaKV, CriticalAdaKV: head-wise budgets, which a
+  rectangular cache cannot hold): the cache keeps all rows, and the press records the evicted
+  ones on each attention module as ``module.masked_key_indices`` = (batch, KV head, row) index
+  tensors, which kvpress's attention patch (``kvpress/attention_patch.py``) later overwrites
+  with a fake key whose attention weight underflows to zero at decoding. The kept rows of a
+  layer and KV head are then the rows the cache holds (found as above: all of them) less the
+  rows ``masked_key_indices`` names for that head. The script sets ``masked_key_indices`` to
+  None on every attention module before each run and reads it after the run, for every press
+  (None, as for the shrinking presses, masks nothing).
+
+ObservedAttention (H2O) scores from the attention weights, which only the eager attention
+returns, so its runs use an eager copy of the model (the same weights); its full cache is that
+eager model's own no-press prefill (layer 0's rows are the same as sdpa's; later layers' can
+differ in the last bits), and its cells say ``"attn_implementation": "eager"``. Every other
+press runs on the sdpa model (AdaKV and CriticalAdaKV refuse eager).
+
+Wrapper presses: a PRESSES option that is a ``{"press": name, "options": {...}}`` dict (or a
+list of them) is built as a nested press. The ratio goes to the outermost press whose
+constructor takes ``compression_ratio``; a wrapper without one (AdaKV, CriticalAdaKV,
+CriticalKV, ChunkKV, Composed) passes it to each nested press, so a Composed cell at ratio r
+applies each of its presses at r in turn (kvpress's Composed ratio is then 1 - (1 - r)^2).
+PerLayerCompression takes its per-layer ratios from its options; its cell's ratio is kvpress's
+``PerLayerCompressionPress.compression_ratio`` (their mean). Only kvpress's public API is used
+(the press objects as context managers, and the attribute its masking presses record).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 from pathlib import Path
 
@@ -51,6 +80,9 @@ WEIGHT_STD = 0.3  # larger than a trained model's init: peaked attention, scores
 N_TOKENS = 61  # 0.3 * 61 is fractional: kvpress keeps int(61 * 0.7) = 42 rows, not 61 - floor(18.3) = 43
 RATIOS = (0.3, 0.75)
 
+# a nested press (see the docstring): the SnapKV of the "snapkv" cells, wrapped by AdaKV, ChunkKV, ...
+SNAPKV = {"press": "SnapKVPress", "options": {"window_size": 8, "kernel_size": 5}}
+
 # (fixture name, kvpress class, its options); eventkv's policy of the same settings is named in the test
 PRESSES = (
     ("streaming", "StreamingLLMPress", {"n_sink": 4}),
@@ -58,19 +90,47 @@ PRESSES = (
     ("snapkv", "SnapKVPress", {"window_size": 8, "kernel_size": 5}),
     ("tova", "TOVAPress", {}),
     ("expected", "ExpectedAttentionPress", {"n_future_positions": 512, "n_sink": 4}),
+    # presses that wrap others, vary budgets per layer or head, or read every query (see the docstring)
+    ("observed", "ObservedAttentionPress", {}),  # H2O; eager attention (see the docstring)
+    ("keydiff", "KeyDiffPress", {}),
+    ("adakv_snapkv", "AdaKVPress", {"press": SNAPKV, "alpha_safeguard": 0.2}),  # masks (docstring)
+    ("criticalkv_snapkv", "CriticalKVPress", {"press": SNAPKV, "epsilon": 1e-4, "first_stage_ratio": 0.5}),
+    (
+        "criticaladakv_snapkv",
+        "CriticalAdaKVPress",
+        {"press": SNAPKV, "alpha_safeguard": 0.2, "epsilon": 1e-4, "first_stage_ratio": 0.5},
+    ),  # masks (docstring)
+    ("pyramidkv", "PyramidKVPress", {"window_size": 8, "kernel_size": 5, "beta": 20}),
+    ("chunkkv_snapkv", "ChunkKVPress", {"press": SNAPKV, "chunk_length": 4}),  # 61 = 15 chunks of 4 + 1
+    ("composed_snapkv_knorm", "ComposedPress", {"presses": [SNAPKV, {"press": "KnormPress", "options": {}}]}),
+    # per-layer ratios from the options: one cell, at their mean (the RATIOS loop does not apply)
+    ("perlayer_snapkv", "PerLayerCompressionPress", {"press": SNAPKV, "compression_ratios": [0.25, 0.75]}),
+    # Not covered, though kvpress 0.5.5 has them: AdaKV/ChunkKV over ObservedAttention (AdaKV refuses
+    # eager attention, ChunkKV refuses attention weights); QFilterPress and FastKVzipPress (their
+    # filters / gates are downloaded from the Hugging Face hub per named model); DuoAttentionPress
+    # (its head patterns are downloaded from the hub, or estimated on the kmfoda/booksum data set
+    # with the model's tokenizer); KVzipPress (it loads the model's tokenizer and chat template by
+    # name, which these random models lack, to rerun the model on reconstruction prompts); the
+    # other presses (ThinK's key-channel pruning, decoding-time presses, ...) are out of this scope.
 )
+# the presses that need attention weights, and so the eager attention
+EAGER = {"ObservedAttentionPress"}
 
 
 FAMILIES = ("llama", "qwen2")
 
 
-def build_model(family: str):
+def build_model(family: str, attn: str = "sdpa"):
     """The tiny ``family`` model: every matrix and bias N(0, WEIGHT_STD) from PCG64(SEED), in name order."""
     import transformers
 
     cls = {"llama": "Llama", "qwen2": "Qwen2"}[family]
     cfg = getattr(transformers, cls + "Config")(**CONFIG)
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = attn
+    if getattr(cfg, "head_dim", None) is None:
+        # Qwen2Config has no head_dim, which CriticalKV reads (module.config.head_dim); Qwen2's
+        # attention derives it as hidden_size // heads, so this value changes nothing else
+        cfg.head_dim = CONFIG["hidden_size"] // CONFIG["num_attention_heads"]
     model = getattr(transformers, cls + "ForCausalLM")(cfg).eval()
     rng = np.random.default_rng(SEED)
     with torch.no_grad():
@@ -91,6 +151,8 @@ def cache_rows(model, ids: list[int], press=None) -> list[tuple[torch.Tensor, to
 
     from transformers import DynamicCache
 
+    for layer in model.model.layers:
+        layer.self_attn.masked_key_indices = None  # set by masking presses (see the docstring)
     cache = DynamicCache()
     with torch.no_grad(), press(model) if press is not None else nullcontext():
         model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
@@ -113,6 +175,47 @@ def kept_indices(full, compressed) -> list[list[list[int]]]:
     return out
 
 
+def masked_rows(model) -> list[list[set[int]]]:
+    """Per layer and KV head, the rows the last run's masking press masked (``masked_key_indices``)."""
+    out = []
+    for layer in model.model.layers:
+        heads = [set() for _ in range(CONFIG["num_key_value_heads"])]
+        masked = getattr(layer.self_attn, "masked_key_indices", None)
+        if masked is not None:
+            batch, head, row = masked
+            if bool((batch != 0).any()):
+                raise SystemExit("a masked row of a batch other than the one prompt")
+            for h, r in zip(head.tolist(), row.tolist()):
+                heads[h].add(r)
+        out.append(heads)
+    return out
+
+
+def press_kept(model, ids: list[int], full, press) -> list[list[list[int]]]:
+    """Per layer and KV head, the sorted full-cache rows ``press`` keeps: in its compressed cache, not masked."""
+    compressed = cache_rows(model, ids, press)
+    kept = kept_indices(full, compressed)
+    masked = masked_rows(model)
+    return [[[r for r in rows if r not in m] for rows, m in zip(layer, ml)] for layer, ml in zip(kept, masked)]
+
+
+def make_press(kvpress, cls: str, options: dict, ratio: float | None):
+    """The kvpress press ``cls(**options)``, its nested presses built, ``ratio`` given as the docstring says."""
+
+    def build(value):
+        if isinstance(value, dict) and "press" in value:
+            return make_press(kvpress, value["press"], value.get("options", {}), ratio)
+        if isinstance(value, list):
+            return [build(v) for v in value]
+        return value
+
+    kwargs = {k: build(v) for k, v in options.items()}
+    press_cls = getattr(kvpress, cls)
+    if ratio is not None and "compression_ratio" in inspect.signature(press_cls).parameters:
+        kwargs = {"compression_ratio": ratio, **kwargs}
+    return press_cls(**kwargs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=OUT)
@@ -131,16 +234,19 @@ def main() -> None:
     for family in FAMILIES:
         model = build_model(family)
         full = cache_rows(model, ids)
+        eager = build_model(family, "eager")
+        eager_full = cache_rows(eager, ids)
         cells = {}
         for name, cls, options in PRESSES:
-            for ratio in RATIOS:
-                press = getattr(kvpress, cls)(compression_ratio=ratio, **options)
-                cells[f"{name}@{ratio:g}"] = {
-                    "press": cls,
-                    "options": options,
-                    "ratio": ratio,
-                    "kept": kept_indices(full, cache_rows(model, ids, press)),
-                }
+            for ratio in RATIOS if "compression_ratios" not in options else (None,):
+                press = make_press(kvpress, cls, options, ratio)
+                cell = {"press": cls, "options": options, "ratio": press.compression_ratio if ratio is None else ratio}
+                if cls in EAGER:
+                    cell["attn_implementation"] = "eager"
+                    cell["kept"] = press_kept(eager, ids, eager_full, press)
+                else:
+                    cell["kept"] = press_kept(model, ids, full, press)
+                cells[f"{name}@{cell['ratio']:g}"] = cell
         models[family] = cells
         state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
         save_file(state, str(args.out / f"{family}.safetensors"))

@@ -142,3 +142,18 @@ def test_audit_items_are_the_donor_pair_items():
     from eventkv.studies.materialization.donor_pair import DonorPair
 
     assert EvictionAudit().items(3, [0, 5]) == DonorPair().items(3, [0, 5])
+
+
+def test_the_audit_runs_budgeted_and_every_query_policies(tiny_dir, tmp_path, monkeypatch, capsys):
+    """H2O reads every prefill query, AdaKV keeps uneven counts per head, PyramidKV per layer: one item each."""
+    from eventkv.eviction import split_policy_specs
+
+    out = tmp_path / "run"
+    specs = "observed,adakv(inner=snapkv(window=8,kernel=5,pooling=avg)),pyramidkv(window=8),snapkv(window=8)"
+    args = ["audit", "--model", str(tiny_dir), "--items", "1", "--policy", specs, "--ratio", "0.5", "--window", "8"]
+    code, text, err = run_cli(monkeypatch, capsys, *args, "--dtype", "float32", "--out", str(out), "--no-progress")
+    assert code == 0, text + err
+    rec = json.loads((out / "records.jsonl").read_text().splitlines()[0])
+    assert set(rec["cells"]) == {f"{spec}@0.5" for spec in split_policy_specs(specs)}
+    for spec, cell in rec["cells"].items():
+        assert all(0 < f < 1 for f in cell["kept_fraction"]), spec

@@ -4,6 +4,7 @@ and the per-(layer, head) masked serving path against unmasked and row-masked na
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -114,7 +115,7 @@ def test_snapkv_by_hand():
         scores = SnapKV(window=4, kernel=kernel, pooling=pooling).scores(c)
         for kh in range(KV):
             heads = range(kh * 2, kh * 2 + 2)
-            votes = [np.mean([att[h, :, r].sum() for h in heads]) for r in prefix]
+            votes = [np.mean([att[h, :, r].mean() for h in heads]) for r in prefix]  # the window's mean
             half = kernel // 2
             if pooling == "max" and kernel > 1:
                 votes = [max(votes[max(0, i - half) : i + half + 1]) for i in range(len(votes))]
@@ -129,7 +130,7 @@ def test_snapkv_reads_only_its_window():
     two = SnapKV(window=2, kernel=1).scores(c)
     att = _window_softmax(c)[:, -2:, :]  # the last two queries only
     prefix = [r for r in range(12) if c.positions[r] < c.query_positions[-2]]
-    want = att[:, :, prefix].sum(axis=1).reshape(KV, 2, -1).mean(axis=1)
+    want = att[:, :, prefix].mean(axis=1).reshape(KV, 2, -1).mean(axis=1)
     np.testing.assert_allclose(two[:, prefix].numpy(), want, rtol=1e-6)
     assert not torch.equal(two, SnapKV(window=4, kernel=1).scores(c))
 
@@ -217,10 +218,15 @@ def test_event_topk_keeps_whole_events_and_the_header():
 def test_ratio_zero_keeps_everything_and_bad_input_is_named():
     c = capture()
     small = SnapKV(window=4)
-    settings = {"snapkv": {"window": 4}, "adakv": {"inner": small}, "per-layer-ratio": {"inner": small}}
-    settings["per-layer"] = {"policies": (Knorm(),)}
+    settings = {
+        name: {"inner": small} for name in ("adakv", "per-layer-ratio", "criticalkv", "criticaladakv", "chunkkv")
+    }
+    settings |= {"snapkv": {"window": 4}, "pyramidkv": {"window": 4}}
+    settings |= {"per-layer": {"policies": (Knorm(),)}, "composed": {"policies": (small, Knorm())}}
+    # what some policies read besides: the model's depth, the output projection, every prefill query
+    c = dataclasses.replace(c, n_layers=2, out_proj=torch.randn(QH * D, QH * D))
     for name in POLICIES:
-        on = capture(window=12) if name == "observed" else c  # it reads every prefill query
+        on = dataclasses.replace(capture(window=12), n_layers=2) if name == "observed" else c
         assert keep_mask(make_policy(name, **settings.get(name, {})), on, 0.0).all(), name
     with pytest.raises(OptionError, match="window 32"):
         SnapKV().scores(c)  # 32 > the 4 captured queries: refused, not silently shortened
@@ -273,7 +279,7 @@ def test_policy_parameters_are_refused_when_the_policy_is_made(cls, name, bad):
 
 
 def test_every_registered_policy_is_made_with_its_defaults_and_its_edges():
-    needs = {"per-layer"}  # a policy per layer has no default list
+    needs = {"per-layer", "composed"}  # no default list of policies
     assert [type(make_policy(n)) for n in POLICIES if n not in needs] == [
         cls for n, cls in POLICIES.items() if n not in needs
     ]

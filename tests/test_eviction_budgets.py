@@ -14,7 +14,7 @@ from eventkv.errors import OptionError
 from eventkv.eviction import LayerCapture, Policy, SnapKV, keep_mask, kept_count, policy_from_spec
 from eventkv.eviction.budgets import AdaKV, PerLayer, PerLayerRatio
 from eventkv.eviction.policies import Knorm, UserPolicy, last_queries, top_rows
-from eventkv.eviction.scorers import KeyDiff, ObservedAttention
+from eventkv.eviction.scorers import KeyDiff, ObservedAttention, QFilter
 
 KV, QH, D = 2, 4, 8
 
@@ -100,6 +100,23 @@ def test_observed_attention_averages_every_query_over_those_that_see_the_row():
     assert last_queries(c, 4).queries.shape[1] == 4 and last_queries(c, 8) is c
 
 
+def test_qfilter_projects_keys_on_the_direction_the_queries_share():
+    g = torch.Generator().manual_seed(3)
+    direction = torch.tensor([0.6, -0.8, 0, 0, 0, 0, 0, 0], dtype=torch.float64)
+    q = 5 * direction + 0.1 * torch.randn(QH, 16, D, generator=g, dtype=torch.float64)  # queries along one line
+    c = dataclasses.replace(capture(rows=10, window=16), queries=q.float())
+    f = QFilter().filters(c)
+    assert torch.allclose(f, direction.expand(KV, D), atol=0.01)  # signed: the queries project positively
+    by_hand = torch.einsum("hrd,hd->hr", c.keys.double(), f)
+    assert torch.allclose(QFilter().scores(c), by_hand)
+    flipped = dataclasses.replace(c, queries=-c.queries)
+    assert torch.allclose(QFilter().filters(flipped), -f)  # the sign follows the queries, not the SVD
+    # the kept keys are those whose logit with the mean query is largest
+    mean_q = q.reshape(KV, -1, D).mean(dim=1)
+    logits = torch.einsum("hrd,hd->hr", c.keys.double(), mean_q)
+    assert kept(keep_mask(QFilter(), c, 0.5)) == kept(top_rows(logits, c.positions, 5))
+
+
 def test_adakv_shares_a_layer_budget_among_heads_with_a_safeguard():
     # head 0's scores are concentrated on two rows, head 1's spread evenly: head 1 gets most of the budget
     s = torch.tensor([[10.0, 9.0, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1], [5.0, 5.1, 5.2, 5.3, 5.4, 5.5, 5.6, 5.7]])
@@ -162,3 +179,48 @@ def test_specs_nest_policies_and_list_values():
     ]:
         with pytest.raises(OptionError, match=re.escape(says)):
             policy_from_spec(bad)
+
+
+def test_pyramid_budgets_shrink_from_the_bottom_layer_to_the_top():
+    from eventkv.eviction.budgets import PyramidKV
+
+    p = PyramidKV(window=8, kernel=5, pooling="avg", beta=20)
+    c = capture(rows=61, window=8)
+    # C = 8 + 61 * 0.7 = 50.7; top (42.7) / 20 = 2.135, bottom 85.4 - 2.135 clipped to 53, top then 32.4
+    assert [p.budget(dataclasses.replace(c, layer=n), 0.3).tolist() for n in (0, 1)] == [[53, 53], [32, 32]]
+    # at 0.75 the top (0.7625) falls below the window: round(15.25) = 15 in every layer
+    assert [p.budget(dataclasses.replace(c, layer=n), 0.75).tolist() for n in (0, 1)] == [[15, 15], [15, 15]]
+    four = [int(p.budget(dataclasses.replace(c, layer=n, n_layers=4), 0.3)[0]) for n in range(4)]
+    assert four == [53, 46, 39, 32]  # an even step, layer by layer
+    assert sum(keep_mask(p, dataclasses.replace(c, layer=1), 0.3)[0]) == 32
+    with pytest.raises(OptionError, match="capture the model's layer count"):
+        p.budget(dataclasses.replace(c, n_layers=None), 0.3)
+    with pytest.raises(OptionError, match="^beta 0.5"):
+        PyramidKV(beta=0.5)
+
+
+def test_chunks_are_kept_whole_by_their_mean_summed_score():
+    from eventkv.eviction.budgets import ChunkKV
+
+    s = torch.tensor([[1.0, 1.0, 9.0, 0.0, 0.0, 5.0, 5.0], [1.0, 1.0, 0.0, 0.0, 3.0, 5.0, 0.0]])
+    c = LayerCapture(layer=0, keys=torch.zeros(2, 7, 4), values=torch.zeros(2, 7, 4), positions=torch.arange(7))
+    p = ChunkKV(inner=scored(s), chunk=2)
+    # chunks [0,1] [2,3] [4,5] [6]: summed over heads 2,2 | 9,0 | 3,10 | 5: means 2, 4.5, 6.5, 5
+    assert kept(keep_mask(p, c, 0.5)) == [[4, 5, 6]] * 2  # int(4 * 0.5) = 2 chunks: [4,5] and [6]
+    assert kept(keep_mask(p, c, 0.3)) == [[4, 5, 6]] * 2  # int(4 * 0.7) = int(2.8): still 2 chunks
+    assert kept(keep_mask(p, c, 0.2)) == [[2, 3, 4, 5, 6]] * 2  # int(4 * 0.8) = 3: [2,3] joins
+    assert kept(keep_mask(ChunkKV(inner=scored(s), chunk=8), c, 0.5)) == kept(keep_mask(scored(s), c, 0.5))
+
+
+def test_composed_policies_compound_and_critical_kv_needs_the_output_projection():
+    from eventkv.eviction.budgets import Composed, CriticalKV
+
+    c = capture(rows=20)
+    m = keep_mask(Composed(policies=(Knorm(), KeyDiff())), c, 0.5)
+    assert m.sum(dim=1).tolist() == [kept_count(kept_count(20, 0.5), 0.5)] * KV  # 20 -> 10 -> 5
+    first = keep_mask(Knorm(), c, 0.5)
+    assert bool((m <= first).all())  # the second keeps only rows the first kept
+    with pytest.raises(OptionError, match="capture it"):
+        keep_mask(CriticalKV(inner=Knorm()), c, 0.5)
+    spec = "composed(policies=snapkv(window=4)/knorm)"
+    assert policy_from_spec(spec) == Composed(policies=(SnapKV(window=4), Knorm()))

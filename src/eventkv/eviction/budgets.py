@@ -4,7 +4,11 @@ each wrapping or extending a scoring rule, and the compositions kvpress offers:
 
 * :class:`AdaKV` — one budget per layer shared out among its heads by their scores (per-head budgets);
 * :class:`PerLayerRatio` — a compression ratio per layer (kvpress's PerLayerCompressionPress);
-* :class:`PerLayer` — a policy per layer.
+* :class:`PerLayer` — a policy per layer;
+* :class:`PyramidKV` — SnapKV's scores with budgets that shrink from the bottom layer to the top;
+* :class:`CriticalKV`, :class:`CriticalAdaKV` — a row weighed by what its value moves in the layer's output;
+* :class:`ChunkKV` — whole chunks of consecutive rows;
+* :class:`Composed` — policies one after the other.
 
 A per-head rule keeps ``heads * kept_count(rows, ratio)`` rows on a layer, spread unevenly over its heads; a
 per-layer rule changes the count per layer. The masks :func:`eventkv.eviction.keep_mask` returns hold each
@@ -13,13 +17,15 @@ head's own kept rows either way, which is what the audit's masked readout serves
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
 from eventkv.errors import OptionError
-from eventkv.eviction.policies import LayerCapture, Policy, SnapKV, kept_count, top_rows
+from eventkv.eviction.policies import LayerCapture, Policy, SnapKV, kept_count, per_kv_head, top_rows
+from eventkv.options import check_int
 
 
 def _check_policy(name: str, value) -> None:
@@ -34,14 +40,36 @@ def _layer_of(c: LayerCapture, n: int, what: str) -> int:
     return c.layer
 
 
+def safeguard(n_keep: int, alpha: float) -> int:
+    """The rows every head keeps first under a shared layer budget: ``int(n_keep * alpha)``, at least 1 when
+    ``alpha`` > 0 and ``n_keep`` > 0 (kvpress's AdaKVPress rounds the same way)."""
+    n = int(n_keep * alpha)
+    return max(n, 1) if alpha > 0 and n_keep > 0 else n
+
+
+def top_cells(s: torch.Tensor, positions: torch.Tensor, total: int) -> torch.Tensor:
+    """``[heads, rows]`` bool: the ``total`` highest of all (head, row) cells of ``s [heads, rows]`` together;
+    equal scores to the later position, then to the lower head."""
+    heads, rows = s.shape
+    order = torch.argsort(positions.to(s.device), descending=True, stable=True)
+    flat = s[:, order].T.reshape(-1)  # position-major: (latest position, head 0), (latest, head 1), ...
+    best = torch.argsort(flat, descending=True, stable=True)[:total]
+    keep = torch.zeros(rows * heads, dtype=torch.bool, device=s.device)
+    keep[best] = True
+    out = torch.zeros(heads, rows, dtype=torch.bool, device=s.device)
+    out[:, order] = keep.reshape(rows, heads).T
+    return out
+
+
 @dataclass
 class AdaKV(Policy):
     """Adaptive per-head budgets (Feng et al., "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget
     Allocation for Efficient LLM Inference", arXiv 2407.11550, Section 4: a layer's budget goes to the rows
     with the highest scores across all its heads, so a head whose attention is concentrated keeps few rows and a
     dispersed one many; kvpress's AdaKVPress). The layer keeps ``heads * kept_count(rows, ratio)`` rows: first,
-    each head's best ``int(alpha * kept_count)`` rows (the safeguard, so that no head is emptied), then the
-    best-scored of the remaining (head, row) cells across the heads. ``inner`` scores; its own budget is not used.
+    each head's best :func:`safeguard` rows (``int(alpha * kept_count)``, at least 1 when ``alpha`` > 0, so that
+    no head is emptied), then the best-scored of the remaining (head, row) cells across the heads. ``inner``
+    scores; its own budget is not used.
 
     Ties between cells of equal score go to the later position, then to the lower head.
 
@@ -69,17 +97,8 @@ class AdaKV(Policy):
     def mask(self, c: LayerCapture, ratio: float) -> torch.Tensor:
         n = kept_count(c.rows, ratio)
         s = self.checked_scores(c)
-        safe = top_rows(s, c.positions, int(n * self.alpha))
-        # the safeguard's cells first, then every other cell by score; ties: later position, then lower head
-        order = torch.argsort(c.positions, descending=True, stable=True)
-        heads, rows = s.shape
-        flat_s = torch.where(safe, float("inf"), s)[:, order].T.reshape(-1)  # row-major over (position, head)
-        best = torch.argsort(flat_s, descending=True, stable=True)[: heads * n]
-        mask = torch.zeros(rows * heads, dtype=torch.bool, device=s.device)
-        mask[best] = True
-        out = torch.zeros(heads, rows, dtype=torch.bool, device=s.device)
-        out[:, order] = mask.reshape(rows, heads).T
-        return out
+        safe = top_rows(s, c.positions, safeguard(n, self.alpha))
+        return top_cells(torch.where(safe, float("inf"), s), c.positions, c.kv_heads * n)
 
     def budget(self, c: LayerCapture, ratio: float) -> torch.Tensor:
         """``[kv_heads]``: the rows each head keeps under :meth:`mask` (they sum to ``heads * kept_count``)."""
@@ -157,3 +176,252 @@ class PerLayer(Policy):
 
     def mask(self, c: LayerCapture, ratio: float) -> torch.Tensor:
         return self._at(c).mask(c, ratio)
+
+
+def _value_effect(c: LayerCapture, who: str) -> torch.Tensor:
+    """``[kv_heads, rows]`` float64: how much each row's value moves the layer's output — per query head the
+    L1 norm of the value row projected through that head's slice of the output projection, averaged over each
+    GQA group (CriticalKV's output-perturbation term)."""
+    if c.out_proj is None:
+        raise OptionError("policy", who, "it weighs rows by the output projection: capture it (capture_prefill does).")
+    w = c.out_proj.detach().double().cpu()  # [hidden, q_heads * head_dim]
+    d = c.values.shape[-1]
+    q_heads = w.shape[1] // d
+    w = w.reshape(w.shape[0], q_heads, d)  # [hidden, q_heads, head_dim]
+    v = c.values.double().cpu().repeat_interleave(q_heads // c.kv_heads, dim=0)  # [q_heads, rows, head_dim]
+    effect = torch.einsum("hrd,xhd->hrx", v, w).abs().sum(dim=-1)  # [q_heads, rows]
+    return per_kv_head(effect, c.kv_heads).to(c.keys.device)
+
+
+@dataclass
+class CriticalKV(Policy):
+    """Critical rows by output perturbation (Feng et al., "Identify Critical KV Cache in LLM Inference from an
+    Output Perturbation Perspective", arXiv 2502.03805, Sections 3-4: a row matters by its attention weight times
+    how far its value, through the output projection, moves the layer's output; kvpress's CriticalKVPress).
+    Two stages per head: the best ``int((1 - ratio) * rows * first_stage)`` rows by ``inner``'s scores
+    (at least 1) are kept outright; the rest of the :func:`~eventkv.eviction.policies.kept_count` budget goes to
+    the best by ``(score + epsilon) * N``, N the value rows' L1 norm through each query head's slice of the
+    output projection, averaged over the GQA group.
+
+    Raises:
+        OptionError: ``inner`` not a policy, ``epsilon`` not a finite number >= 0, ``first_stage`` not in [0, 1]
+            (on construction); a capture without the output projection (on scoring).
+    """
+
+    name: ClassVar[str] = "criticalkv"
+    inner: Policy = field(default_factory=SnapKV)
+    epsilon: float = 1e-4
+    first_stage: float = 0.5
+
+    def __post_init__(self) -> None:
+        _check_policy("inner", self.inner)
+        _check_fraction("first_stage", self.first_stage, "the share of the budget kept by the inner scores alone")
+        e = self.epsilon
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 <= e < float("inf"):
+            raise OptionError("epsilon", e, "give a finite number >= 0 (CriticalKV uses 1e-4).")
+
+    @property
+    def needs_all_queries(self) -> bool:
+        return self.inner.needs_all_queries
+
+    def scores(self, c: LayerCapture) -> torch.Tensor:
+        s = self.inner.checked_scores(c)
+        return (s + self.epsilon) * _value_effect(c, self.name)
+
+    def first(self, c: LayerCapture, ratio: float) -> int:
+        """The rows each head keeps by ``inner``'s scores alone at ``ratio``."""
+        n = int((1 - ratio) * c.rows * self.first_stage)
+        return max(n, 1) if self.first_stage > 0 else n
+
+    def mask(self, c: LayerCapture, ratio: float) -> torch.Tensor:
+        n = kept_count(c.rows, ratio)
+        s = self.inner.checked_scores(c)
+        outright = top_rows(s, c.positions, self.first(c, ratio))
+        return top_rows(torch.where(outright, float("inf"), self.scores(c)), c.positions, n)
+
+
+@dataclass
+class CriticalAdaKV(CriticalKV):
+    """CriticalKV with Ada-KV's per-head budgets (arXiv 2502.03805, Section 4; kvpress's CriticalAdaKVPress):
+    each head's budget is the count :class:`AdaKV` gives it (safeguard ``alpha``, then the layer's best cells
+    across heads); within it, the best ``max(safeguard, int(budget * first_stage))`` rows by ``inner``'s scores
+    are kept outright and the rest go by ``(score + epsilon) * N``.
+
+    Raises:
+        OptionError: as :class:`CriticalKV`, and ``alpha`` not in [0, 1].
+    """
+
+    name: ClassVar[str] = "criticaladakv"
+    alpha: float = 0.2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_fraction("alpha", self.alpha, "the safeguard fraction (Ada-KV uses 0.2)")
+
+    def mask(self, c: LayerCapture, ratio: float) -> torch.Tensor:
+        n = kept_count(c.rows, ratio)
+        s = self.inner.checked_scores(c)
+        safe = safeguard(n, self.alpha)
+        budgets = top_cells(torch.where(top_rows(s, c.positions, safe), float("inf"), s), c.positions, c.kv_heads * n)
+        budgets = budgets.sum(dim=1)
+        first = torch.maximum(torch.tensor(safe), (budgets.double() * self.first_stage).long())
+        outright = top_rows(s, c.positions, first)
+        return top_rows(torch.where(outright, float("inf"), self.scores(c)), c.positions, budgets)
+
+
+def _check_fraction(name: str, value, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise OptionError(name, value, f"give {what} in [0, 1].")
+
+
+@dataclass
+class PyramidKV(SnapKV):
+    """Pyramidal per-layer budgets over SnapKV's scores (Cai et al., "PyramidKV: Dynamic KV Cache Compression
+    based on Pyramidal Information Funneling", arXiv 2406.02069, Section 3.3: lower layers attend broadly and
+    keep more rows, higher layers fewer; kvpress's PyramidKVPress, which follows the authors' KVCache-Factory).
+    With ``C = window + rows * (1 - ratio)``, the top layer keeps ``(C - window) / beta`` and the bottom
+    ``2 (C - window)`` less that, the bottom clipped to ``rows - window`` (the top raised to keep the sum); layer
+    ``l`` of ``L`` keeps ``round(bottom - l (bottom - top) / (L - 1))`` rows per head, the window's among them.
+    Where that schedule does not fit (``rows >= bottom >= top >= window`` fails) every layer keeps
+    ``max(1, round(rows * (1 - ratio)))``. Python's round (half to even), as kvpress.
+
+    Raises:
+        OptionError: as :class:`~eventkv.eviction.policies.SnapKV`, and ``beta`` not a number >= 1; a capture
+            that does not say the model's layer count (on scoring).
+    """
+
+    name: ClassVar[str] = "pyramidkv"
+    beta: float = 20.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        b = self.beta
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 1 <= b < float("inf"):
+            raise OptionError("beta", b, "give a number >= 1: the bottom-to-top budget ratio's scale (PyramidKV: 20).")
+
+    def budget(self, c: LayerCapture, ratio: float) -> torch.Tensor:
+        kept_count(c.rows, ratio)  # checks the ratio
+        if c.n_layers is None:
+            raise OptionError("policy", self.name, "its budgets vary by layer: capture the model's layer count.")
+        n, w, layers = c.rows, self.window, c.n_layers
+        capacity = w + n * (1 - ratio)
+        top = (capacity - w) / self.beta
+        bottom = (capacity - w) * 2 - top
+        if bottom >= n - w:
+            bottom = n - w
+            top = (capacity - w) * 2 - bottom
+        if not n >= bottom >= top >= w:
+            keep = max(1, round(n * (1 - ratio)))
+        else:
+            step = (bottom - top) / (layers - 1) if layers > 1 else 0.0
+            keep = round(bottom - c.layer * step)
+        return torch.full((c.kv_heads,), keep, dtype=torch.long)
+
+
+@dataclass
+class ChunkKV(Policy):
+    """Whole chunks of consecutive rows (Liu et al., "ChunkKV: Semantic-Preserving KV Cache Compression for
+    Efficient Long-Context LLM Inference", arXiv 2502.00299, Section 3: a chunk of neighbouring tokens carries a
+    phrase's meaning together, so it is kept or evicted together; kvpress's ChunkKVPress). The rows in position
+    order are cut into chunks of ``chunk`` (the last one shorter when ``chunk`` does not divide them); a chunk's
+    score is the mean over its rows of ``inner``'s scores summed over the KV heads; the best
+    ``max(1, int(chunks * (1 - ratio)))`` chunks are kept, the same rows in every head (so the kept count is a
+    multiple of ``chunk``, plus the short chunk's when it is kept). Fewer rows than one chunk: ``inner`` alone.
+
+    Raises:
+        OptionError: ``inner`` not a policy, ``chunk`` not a whole number >= 1 (on construction).
+    """
+
+    name: ClassVar[str] = "chunkkv"
+    inner: Policy = field(default_factory=SnapKV)
+    chunk: int = 20
+
+    def __post_init__(self) -> None:
+        _check_policy("inner", self.inner)
+        check_int("chunk", self.chunk, "give the chunk length in rows, a whole number >= 1 (ChunkKV: 10-20).")
+
+    @property
+    def needs_all_queries(self) -> bool:
+        return self.inner.needs_all_queries
+
+    def scores(self, c: LayerCapture) -> torch.Tensor:
+        return self.inner.checked_scores(c)
+
+    def mask(self, c: LayerCapture, ratio: float) -> torch.Tensor:
+        if c.rows < self.chunk:
+            return self.inner.mask(c, ratio)
+        kept_count(c.rows, ratio)  # checks the ratio
+        order = torch.argsort(c.positions, stable=True)  # rows by position
+        summed = self.checked_scores(c).sum(dim=0)[order]
+        starts = list(range(0, c.rows, self.chunk))
+        chunk_scores = torch.stack([summed[i : i + self.chunk].mean() for i in starts])
+        n = max(1, int(len(starts) * (1 - ratio)))
+        # the best chunks; equal scores to the later chunk
+        best = torch.argsort(chunk_scores.flip(0), descending=True, stable=True)[:n]
+        keep = torch.zeros(c.rows, dtype=torch.bool, device=c.keys.device)
+        for i in (len(starts) - 1 - best).tolist():
+            keep[order[starts[i] : starts[i] + self.chunk]] = True
+        return keep.expand(c.kv_heads, -1).clone()
+
+    def budget(self, c: LayerCapture, ratio: float) -> torch.Tensor:
+        return self.mask(c, ratio).sum(dim=1)
+
+
+@dataclass
+class Composed(Policy):
+    """Policies applied one after the other (kvpress's ComposedPress): each head keeps what the first policy
+    keeps of it at the ratio, then what the next keeps of those rows at the same ratio, and so on (so the
+    compression compounds: ``1 - (1 - ratio)^k`` of the rows go). A later policy scores only the rows left,
+    with the observation window's queries of the head's GQA group.
+
+    Raises:
+        OptionError: ``policies`` empty or holding a non-policy (on construction).
+    """
+
+    name: ClassVar[str] = "composed"
+    policies: tuple[Policy, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.policies = tuple(self.policies)
+        if not self.policies:
+            raise OptionError("policies", self.policies, "give the policies to apply, first to last.")
+        for p in self.policies:
+            _check_policy("policies", p)
+
+    @property
+    def needs_all_queries(self) -> bool:
+        return any(p.needs_all_queries for p in self.policies)
+
+    def scores(self, c: LayerCapture) -> torch.Tensor:
+        return self.policies[0].checked_scores(c)
+
+    def mask(self, c: LayerCapture, ratio: float) -> torch.Tensor:
+        keep = self.policies[0].mask(c, ratio)
+        for p in self.policies[1:]:
+            nxt = torch.zeros_like(keep)
+            for h in range(c.kv_heads):
+                rows = torch.nonzero(keep[h]).flatten()
+                nxt[h, rows] = p.mask(_one_head(c, h, rows), ratio)[0]
+            keep = nxt
+        return keep
+
+    def budget(self, c: LayerCapture, ratio: float) -> torch.Tensor:
+        return self.mask(c, ratio).sum(dim=1)
+
+
+def _one_head(c: LayerCapture, head: int, rows: torch.Tensor) -> LayerCapture:
+    """KV head ``head`` of ``c`` with only ``rows``: its keys, values, positions, events, and the queries of its
+    GQA group."""
+    queries = c.queries
+    if queries is not None:
+        group = queries.shape[0] // c.kv_heads
+        queries = queries[head * group : (head + 1) * group]
+    return dataclasses.replace(
+        c,
+        keys=c.keys[head : head + 1, rows],
+        values=c.values[head : head + 1, rows],
+        positions=c.positions[rows],
+        queries=queries,
+        event_of_row=None if c.event_of_row is None else c.event_of_row[rows],
+        out_proj=None,
+    )

@@ -260,7 +260,8 @@ def _merge_near_ties(x: torch.Tensor, rtol: float) -> torch.Tensor:
 class SnapKV(Policy):
     """Observation-window attention (Li et al., "SnapKV: LLM Knows What You Are Looking for Before
     Generation", arXiv 2404.14469, Section 4.2; kvpress's SnapKVPress): the last ``window``
-    queries' softmax attention to each earlier row is summed over the window, averaged over each
+    queries' softmax attention to each earlier row is averaged over the window (the paper sums; the order is
+    the same, and the mean is kvpress's scale, which CriticalKV's epsilon is added to), averaged over each
     GQA group's query heads, smoothed by 1D pooling (``kernel``, ``pooling`` max or avg, stride 1,
     same length; avg counts the zero padding, as SnapKV's code and kvpress do), and the window's
     own rows are always kept. Defaults: window 32, kernel 7, max; kvpress's SnapKVPress uses window
@@ -298,7 +299,8 @@ class SnapKV(Policy):
             )
         att = window_attention(c, self.name, self.window)  # [q_heads, window, rows]
         in_window = c.positions >= qpos[-self.window :].min()
-        votes = att[:, :, ~in_window].sum(dim=1)  # [q_heads, prefix rows]
+        # the window's mean, as kvpress (the paper sums: the same order, but CriticalKV adds an epsilon to it)
+        votes = att[:, :, ~in_window].mean(dim=1)  # [q_heads, prefix rows]
         votes = per_kv_head(votes, c.kv_heads)
         if self.kernel > 1 and votes.shape[-1] > 0:
             x = votes[:, None, :]

@@ -2,7 +2,8 @@
 compared with the NVIDIA kvpress 0.5.5 press of the same name (``tests/test_kvpress_parity.py``):
 
 * :class:`ObservedAttention` — H2O's heavy hitters: the attention every prefill query paid a row, averaged;
-* :class:`KeyDiff` — keys least like the head's average key.
+* :class:`KeyDiff` — keys least like the head's average key;
+* :class:`QFilter` — keys projected on the direction a head's queries share.
 
 Why not kvpress itself: see :mod:`eventkv.eviction.policies` (it pins transformers < 5.3 and patches every
 attention function process-wide).
@@ -71,3 +72,35 @@ class KeyDiff(Policy):
         unit = torch.nn.functional.normalize(k, dim=-1)
         anchor = unit.mean(dim=1, keepdim=True)  # [kv_heads, 1, head_dim]
         return -torch.nn.functional.cosine_similarity(k, anchor, dim=-1)
+
+
+@dataclass
+class QFilter(Policy):
+    """Q-Filters (Godey et al., "Q-Filters: Leveraging Query-Key Geometry for Efficient Key-Value Cache
+    Compression", arXiv 2503.02812, Sections 3-4): the queries of a head lie mostly along one direction, and a
+    key's attention logit is then close to proportional to its projection on that direction, so the projection
+    scores the key without any query-key product at eviction time. The paper computes the direction (the
+    filter) once per head, offline, as the first right singular vector of many queries, signed so that the
+    queries project positively on it; kvpress's QFilterPress downloads such filters for a few models.
+    Here the filter is calibrated on the capture's own queries (the observation window's, every query of the
+    KV head's GQA group together), the stated calibration where no published filter exists for the model; a
+    row's score is its key's projection on the filter.
+
+    Raises:
+        OptionError: a capture without queries (on scoring).
+    """
+
+    name: ClassVar[str] = "qfilter"
+
+    def filters(self, c: LayerCapture) -> torch.Tensor:
+        """``[kv_heads, head_dim]`` float64: each KV head's unit filter (first right singular vector of its
+        group's captured queries, signed so that their mean projects on it positively)."""
+        q, _ = c.need_queries(self.name)
+        q = q.double().reshape(c.kv_heads, -1, q.shape[-1])  # [kv_heads, group * window, head_dim]
+        _, _, vh = torch.linalg.svd(q, full_matrices=False)
+        u = vh[:, 0, :]
+        sign = torch.sign((q.mean(dim=1) * u).sum(dim=-1))
+        return u * torch.where(sign == 0, 1.0, sign)[:, None]
+
+    def scores(self, c: LayerCapture) -> torch.Tensor:
+        return torch.einsum("hrd,hd->hr", c.keys.double(), self.filters(c))
