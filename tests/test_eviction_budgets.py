@@ -13,7 +13,7 @@ import torch
 from eventkv.errors import OptionError
 from eventkv.eviction import LayerCapture, Policy, SnapKV, keep_mask, kept_count, policy_from_spec
 from eventkv.eviction.budgets import AdaKV, PerLayer, PerLayerRatio
-from eventkv.eviction.policies import Knorm, UserPolicy, last_queries, top_rows
+from eventkv.eviction.policies import Knorm, UserPolicy, last_queries, top_rows, window_attention
 from eventkv.eviction.scorers import KeyDiff, ObservedAttention, QFilter
 
 KV, QH, D = 2, 4, 8
@@ -224,3 +224,33 @@ def test_composed_policies_compound_and_critical_kv_needs_the_output_projection(
         keep_mask(CriticalKV(inner=Knorm()), c, 0.5)
     spec = "composed(policies=snapkv(window=4)/knorm)"
     assert policy_from_spec(spec) == Composed(policies=(SnapKV(window=4), Knorm()))
+
+
+def test_duo_attention_streams_the_heads_that_retrieve_least():
+    from eventkv.eviction.budgets import DuoAttention
+
+    c = capture(rows=40, window=8)
+    # a pattern: head 1 retrieves, head 0 streams; half the heads stream
+    duo = DuoAttention(sinks=2, recent=6, streaming=0.5, pattern=((0.1, 0.9), (0.9, 0.1)))
+    m = keep_mask(duo, c, 0.5)
+    assert kept(m)[1] == list(range(40)) and kept(m)[0] == [0, 1] + list(range(34, 40))
+    m1 = keep_mask(duo, dataclasses.replace(c, layer=1), 0.5)
+    assert kept(m1)[0] == list(range(40)) and kept(m1)[1] == [0, 1] + list(range(34, 40))
+    # without streaming=: the fewest streaming heads that reach the ratio's total (2 * 20 = 40 rows)
+    auto = DuoAttention(sinks=2, recent=6, pattern=((0.1, 0.9), (0.9, 0.1)))
+    assert auto.budget(c, 0.3).tolist() == [8, 40]  # 2 * 28 = 56 rows: one streaming head (48) fits
+    assert auto.budget(c, 0.5).tolist() == [8, 8]  # 40 rows: one (48) does not, both (16) do
+    # 3 * 2 rows (kept_count(40, 0.9) is 3: 40 * (1 - 0.9) is just under 4): each head its sinks and 1 recent row
+    assert kept(keep_mask(auto, c, 0.9)) == [[0, 1, 39]] * 2
+    # calibrated on the window: the share of attention outside the sinks and the recent rows
+    calibrated = DuoAttention(sinks=2, recent=6).scores(c)[:, 0]
+    att = window_attention(c, "duo").mean(dim=1).reshape(KV, QH // KV, -1).mean(dim=1)
+    outside = [r for r in range(40) if 2 <= r < 34]
+    assert torch.allclose(calibrated, att[:, outside].sum(dim=1))
+    stream = int(torch.argmin(calibrated))
+    assert kept(keep_mask(DuoAttention(sinks=2, recent=6, streaming=0.5), c, 0.5))[stream] == [0, 1, *range(34, 40)]
+    assert policy_from_spec("duo(sinks=2,recent=6,streaming=0.5)") == DuoAttention(sinks=2, recent=6, streaming=0.5)
+    with pytest.raises(OptionError, match="give one score per KV head"):
+        keep_mask(DuoAttention(pattern=((0.1,), (0.2,))), c, 0.5)
+    with pytest.raises(OptionError, match="^streaming 2"):
+        DuoAttention(streaming=2)

@@ -239,6 +239,7 @@ POLICIES: Registry = Registry(
         "criticaladakv": "eventkv.eviction.budgets:CriticalAdaKV",
         "chunkkv": "eventkv.eviction.budgets:ChunkKV",
         "composed": "eventkv.eviction.budgets:Composed",
+        "duo": "eventkv.eviction.budgets:DuoAttention",
     },
     field="policy",
     flag="--policy",

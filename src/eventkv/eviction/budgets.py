@@ -8,7 +8,8 @@ each wrapping or extending a scoring rule, and the compositions kvpress offers:
 * :class:`PyramidKV` — SnapKV's scores with budgets that shrink from the bottom layer to the top;
 * :class:`CriticalKV`, :class:`CriticalAdaKV` — a row weighed by what its value moves in the layer's output;
 * :class:`ChunkKV` — whole chunks of consecutive rows;
-* :class:`Composed` — policies one after the other.
+* :class:`Composed` — policies one after the other;
+* :class:`DuoAttention` — retrieval heads keep every row, streaming heads their sinks and recent rows.
 
 A per-head rule keeps ``heads * kept_count(rows, ratio)`` rows on a layer, spread unevenly over its heads; a
 per-layer rule changes the count per layer. The masks :func:`eventkv.eviction.keep_mask` returns hold each
@@ -24,7 +25,15 @@ from typing import ClassVar
 import torch
 
 from eventkv.errors import OptionError
-from eventkv.eviction.policies import LayerCapture, Policy, SnapKV, kept_count, per_kv_head, top_rows
+from eventkv.eviction.policies import (
+    LayerCapture,
+    Policy,
+    SnapKV,
+    kept_count,
+    per_kv_head,
+    top_rows,
+    window_attention,
+)
 from eventkv.options import check_int
 
 
@@ -425,3 +434,87 @@ def _one_head(c: LayerCapture, head: int, rows: torch.Tensor) -> LayerCapture:
         event_of_row=None if c.event_of_row is None else c.event_of_row[rows],
         out_proj=None,
     )
+
+
+@dataclass
+class DuoAttention(Policy):
+    """Retrieval heads and streaming heads (Xiao et al., "DuoAttention: Efficient Long-Context LLM Inference with
+    Retrieval and Streaming Heads", arXiv 2410.10819, Section 3: only some heads retrieve from the whole
+    context; the others attend to the first tokens and the recent ones, so they keep only those rows). A
+    retrieval head keeps every row; a streaming head keeps the ``sinks`` first positions and the most recent
+    rows, ``sinks + recent`` in all (fewer when the ratio asks for fewer, below).
+
+    Which heads stream: the paper learns a gate per head on synthetic retrieval data and publishes the
+    patterns for a few models; kvpress's DuoAttentionPress downloads them or estimates them on a dataset. Give
+    ``pattern`` (per layer, one retrieval score per KV head, higher = retrieval), or, without it, the heads are
+    calibrated on the capture: a head's retrieval score is the share of its observation window's attention
+    (averaged over the GQA group) that falls outside its sinks and its recent rows — the attention a streaming
+    head would lose. On each layer the lowest-scored heads stream: as many as ``streaming`` (a fraction of the
+    KV heads, rounded down) when given, else the fewest whose streaming keeps at most ``heads *
+    kept_count(rows, ratio)`` rows in the layer; when even all of them keep more, every head streams with
+    ``kept_count`` rows (its sinks and the most recent).
+
+    Raises:
+        OptionError: ``sinks`` or ``recent`` not whole numbers >= 0, ``streaming`` not in [0, 1] (on
+            construction); neither ``pattern`` nor the window's queries, or a pattern without this layer or
+            with another head count (on scoring).
+    """
+
+    name: ClassVar[str] = "duo"
+    sinks: int = 4
+    recent: int = 64
+    streaming: float | None = None
+    pattern: tuple[tuple[float, ...], ...] | None = None
+
+    def __post_init__(self) -> None:
+        check_int("sinks", self.sinks, "keep 0 or more sink positions per streaming head.", minimum=0)
+        check_int("recent", self.recent, "keep 0 or more recent rows per streaming head.", minimum=0)
+        if self.streaming is not None:
+            _check_fraction("streaming", self.streaming, "the fraction of KV heads that stream")
+        if self.pattern is not None:
+            self.pattern = tuple(tuple(float(x) for x in layer) for layer in self.pattern)
+
+    def _local(self, c: LayerCapture, keep: int) -> torch.Tensor:
+        """``[rows]`` bool: the first ``sinks`` positions and the latest rows, ``keep`` in all."""
+        order = torch.argsort(c.positions, stable=True)
+        local = torch.zeros(c.rows, dtype=torch.bool, device=c.keys.device)
+        sinks = min(self.sinks, keep)
+        local[order[:sinks]] = True
+        if keep > sinks:
+            local[order[-(keep - sinks) :]] = True
+        return local
+
+    def scores(self, c: LayerCapture) -> torch.Tensor:
+        """``[kv_heads, rows]``: each head's retrieval score on every row (the rows are not ranked within a
+        head; :meth:`mask` keeps a head's rows whole or its sinks and recent rows)."""
+        if self.pattern is not None:
+            layer = self.pattern[_layer_of(c, len(self.pattern), "pattern")]
+            if len(layer) != c.kv_heads:
+                raise OptionError("pattern", layer, f"give one score per KV head ({c.kv_heads}) on every layer.")
+            head = torch.tensor(layer, dtype=torch.float64)
+        else:
+            att = per_kv_head(window_attention(c, self.name).mean(dim=1), c.kv_heads)  # [kv_heads, rows]
+            local = self._local(c, min(c.rows, self.sinks + self.recent))
+            head = att[:, ~local].sum(dim=1)
+        return head.to(c.keys.device)[:, None].expand(-1, c.rows).clone()
+
+    def mask(self, c: LayerCapture, ratio: float) -> torch.Tensor:
+        n = kept_count(c.rows, ratio)
+        head = self.checked_scores(c)[:, 0]
+        width = min(c.rows, self.sinks + self.recent)
+        by_score = torch.argsort(head, stable=True)  # the lowest retrieval scores stream first
+        if self.streaming is not None:
+            count = int(self.streaming * c.kv_heads)
+        else:
+            total = c.kv_heads * n
+            count = next((s for s in range(c.kv_heads + 1) if (c.kv_heads - s) * c.rows + s * width <= total), -1)
+            if count < 0:  # even every head streaming keeps too much: every head keeps kept_count rows
+                count, width = c.kv_heads, n
+        out = torch.ones(c.kv_heads, c.rows, dtype=torch.bool, device=c.keys.device)
+        local = self._local(c, width)
+        for h in by_score[:count].tolist():
+            out[h] = local
+        return out
+
+    def budget(self, c: LayerCapture, ratio: float) -> torch.Tensor:
+        return self.mask(c, ratio).sum(dim=1)

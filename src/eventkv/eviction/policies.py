@@ -560,7 +560,7 @@ def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
 
 #: the field types a spec can set, and how a value is written: a policy as a nested spec
 #: (``adakv(inner=snapkv(window=8,kernel=5))``), a list of numbers with ``/`` between them (``ratios=0.25/0.75``)
-_SETTABLE = ("int", "float", "bool", "str", "Policy", "tuple[float, ...]", "tuple[Policy, ...]")
+_SETTABLE = ("int", "float", "bool", "str", "Policy", "tuple[float, ...]", "tuple[Policy, ...]", "float | None")
 
 
 def _balanced(text: str) -> bool:
@@ -574,6 +574,7 @@ def _balanced(text: str) -> bool:
 
 
 def _setting(spec: str, key: str, raw: str, kind: str) -> Any:
+    kind = kind.removesuffix(" | None")
     if kind == "Policy":
         return policy_from_spec(raw)
     if kind == "tuple[Policy, ...]":
