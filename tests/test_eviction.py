@@ -227,6 +227,8 @@ def test_ratio_zero_keeps_everything_and_bad_input_is_named():
     c = dataclasses.replace(c, n_layers=2, out_proj=torch.randn(QH * D, QH * D))
     for name in POLICIES:
         on = dataclasses.replace(capture(window=12), n_layers=2) if name == "observed" else c
+        if name == "kvzip":  # a reconstruction pass's keys, after the history
+            on = dataclasses.replace(c, extra_keys=torch.randn(KV, 3, D), extra_positions=torch.arange(100, 103))
         assert keep_mask(make_policy(name, **settings.get(name, {})), on, 0.0).all(), name
     with pytest.raises(OptionError, match="window 32"):
         SnapKV().scores(c)  # 32 > the 4 captured queries: refused, not silently shortened
@@ -442,3 +444,37 @@ def test_gate_masked_serving(family):
     assert max(float((a - b).abs().max()) for a, b in zip(got_b.generation.logits, ref_b.generation.logits)) <= 1e-5
     with pytest.raises(EventKVError, match="mask of layer 0"):
         read_out_masked(lm.model, ekv, [torch.ones(1, 3, dtype=torch.bool)], q, **opts)
+
+
+def test_kvzip_scores_are_the_model_attention_of_its_reconstruction_pass(llama):
+    """KVzip's row scores equal the model's own attention weights (eager, one uncached forward of the history,
+    the request and the history's tokens again), maximised over the reconstruction queries and each GQA group."""
+    from eventkv.eviction.capture import capture_reconstruction
+    from eventkv.eviction.budgets import AdaKV
+    from eventkv.eviction.scorers import KVzip
+
+    lm, log = llama
+    ekv, caps = capture_prefill(lm.model, log, window=8)
+    prompt = lm.tokenizer.encode("Repeat it:", add_special_tokens=False)
+    rebuilt = capture_reconstruction(lm.model, ekv, log, prompt, caps)
+    context = [t for toks in log.event_tokens for t in toks]
+    n_rec = len(prompt) + len(context)
+    c = rebuilt[-1]
+    assert c.queries.shape[1] == n_rec == c.extra_keys.shape[1]
+    assert c.extra_positions.tolist() == list(range(log.history_end, log.history_end + n_rec))
+    assert torch.equal(c.keys, caps[-1].keys)  # the history's rows are untouched
+    ids = log.input_ids + prompt + context
+    pos = log.position_ids + c.extra_positions.tolist()
+    lm.model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            out = lm.model(torch.tensor([ids]), position_ids=torch.tensor([pos]), output_attentions=True)
+    finally:
+        lm.model.set_attn_implementation("sdpa")
+    att = out.attentions[-1][0, :, -n_rec:, : log.n_rows].double()  # [q_heads, reconstruction, history rows]
+    group = att.shape[0] // c.kv_heads
+    want = att.amax(dim=1).reshape(c.kv_heads, group, log.n_rows).amax(dim=1)
+    assert (KVzip().scores(c) - want).abs().max() < 1e-5
+    assert KVzip().needs_reconstruction and AdaKV(inner=KVzip()).needs_reconstruction
+    with pytest.raises(OptionError, match="capture one"):
+        KVzip().scores(caps[-1])

@@ -231,6 +231,7 @@ POLICIES: Registry = Registry(
         "observed": "eventkv.eviction.scorers:ObservedAttention",
         "keydiff": "eventkv.eviction.scorers:KeyDiff",
         "qfilter": "eventkv.eviction.scorers:QFilter",
+        "kvzip": "eventkv.eviction.scorers:KVzip",
         "adakv": "eventkv.eviction.budgets:AdaKV",
         "per-layer-ratio": "eventkv.eviction.budgets:PerLayerRatio",
         "per-layer": "eventkv.eviction.budgets:PerLayer",

@@ -100,6 +100,10 @@ class AdaKV(Policy):
     def needs_all_queries(self) -> bool:
         return self.inner.needs_all_queries
 
+    @property
+    def needs_reconstruction(self) -> bool:
+        return self.inner.needs_reconstruction
+
     def scores(self, c: LayerCapture) -> torch.Tensor:
         return self.inner.checked_scores(c)
 
@@ -142,6 +146,10 @@ class PerLayerRatio(Policy):
     def needs_all_queries(self) -> bool:
         return self.inner.needs_all_queries
 
+    @property
+    def needs_reconstruction(self) -> bool:
+        return self.inner.needs_reconstruction
+
     def budget(self, c: LayerCapture, ratio: float) -> torch.Tensor:
         if self.ratios:
             ratio = self.ratios[_layer_of(c, len(self.ratios), "ratios")]
@@ -173,6 +181,10 @@ class PerLayer(Policy):
     @property
     def needs_all_queries(self) -> bool:
         return any(p.needs_all_queries for p in self.policies)
+
+    @property
+    def needs_reconstruction(self) -> bool:
+        return any(p.needs_reconstruction for p in self.policies)
 
     def _at(self, c: LayerCapture) -> Policy:
         return self.policies[_layer_of(c, len(self.policies), "policies")]
@@ -232,6 +244,10 @@ class CriticalKV(Policy):
     @property
     def needs_all_queries(self) -> bool:
         return self.inner.needs_all_queries
+
+    @property
+    def needs_reconstruction(self) -> bool:
+        return self.inner.needs_reconstruction
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
         s = self.inner.checked_scores(c)
@@ -353,6 +369,10 @@ class ChunkKV(Policy):
     def needs_all_queries(self) -> bool:
         return self.inner.needs_all_queries
 
+    @property
+    def needs_reconstruction(self) -> bool:
+        return self.inner.needs_reconstruction
+
     def scores(self, c: LayerCapture) -> torch.Tensor:
         return self.inner.checked_scores(c)
 
@@ -400,6 +420,10 @@ class Composed(Policy):
     @property
     def needs_all_queries(self) -> bool:
         return any(p.needs_all_queries for p in self.policies)
+
+    @property
+    def needs_reconstruction(self) -> bool:
+        return any(p.needs_reconstruction for p in self.policies)
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
         return self.policies[0].checked_scores(c)

@@ -135,3 +135,51 @@ def capture_prefill(
             )
         )
     return ekv, captures
+
+
+@torch.inference_mode()
+def capture_reconstruction(
+    model: PreTrainedModel, ekv: EventKV, log: TokenizedLog, prompt_ids: list[int], captures: list[LayerCapture]
+) -> list[LayerCapture]:
+    """The captures of a reconstruction pass (KVzip, Kim et al., arXiv 2505.23416, Section 3): after the
+    history's rows, the model reads ``prompt_ids`` (a request to repeat the context, e.g. the chat-wrapped "Repeat
+    the previous context exactly.") and then the history's event tokens again, at the positions after the
+    history; each row is then scored by the attention the repeated tokens pay it. The history's rows are not
+    changed (the pass runs on a copy of the cache).
+
+    Args:
+        ekv, log: the history's rows and its tokenized log (as :func:`capture_prefill` returns and reads).
+        prompt_ids: the request's token ids.
+        captures: the history's :func:`capture_prefill` captures, one per layer.
+
+    Returns:
+        ``captures`` with, per layer, ``queries`` / ``query_positions`` the pass's (``[q_heads, R, head_dim]``,
+        ``R = len(prompt_ids) + the events' tokens``) and ``extra_keys`` / ``extra_positions`` its keys after RoPE.
+
+    Raises:
+        EventKVError: the pass past the model's context (:func:`eventkv.kv.model.check_context`).
+    """
+    import dataclasses
+
+    from eventkv.kv.model import check_context, model_device, model_forward
+    from eventkv.kv.rows import cache_from_rows
+
+    ids = list(prompt_ids) + [t for toks in log.event_tokens for t in toks]
+    start = log.history_end
+    check_context(start + len(ids), getattr(model.config, "max_position_embeddings", None), what="reconstruction")
+    device = model_device(model)
+    cache = cache_from_rows([k.clone() for k in ekv.keys], [v.clone() for v in ekv.values])
+    input_ids = torch.tensor([ids], device=device)
+    positions = torch.arange(start, start + len(ids), device=device)[None]
+    with _capturing(model, len(ids)) as seen:
+        model_forward(model, input_ids, positions, cache, logits_to_keep=1)
+    from eventkv.kv.rows import cache_kv
+
+    every_key, _ = cache_kv(cache)  # per layer [1, kv_heads, rows + R, head_dim]
+    out = []
+    for layer, c in enumerate(captures):
+        q = seen[layer]["q"]
+        keys = every_key[layer][0, :, -len(ids) :].float().cpu()
+        pos = positions[0].cpu()
+        out.append(dataclasses.replace(c, queries=q, query_positions=pos, extra_keys=keys, extra_positions=pos))
+    return out

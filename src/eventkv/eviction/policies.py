@@ -55,6 +55,10 @@ class LayerCapture:
         out_proj: ``[hidden, q_heads * head_dim]`` the layer's attention output projection (``o_proj``'s
             weight as the model holds it: its dtype and device, not a copy), or None: what rules that weigh a
             row by its value's effect on the layer's output read (CriticalKV).
+        extra_keys: ``[kv_heads, extra, head_dim]`` keys past the rows that the captured queries also attend
+            to, or None: the tokens of a reconstruction pass that follows the history (KVzip; the queries are
+            then that pass's, :func:`eventkv.eviction.capture.capture_reconstruction`).
+        extra_positions: ``[extra]`` their position ids.
     """
 
     layer: int
@@ -68,6 +72,8 @@ class LayerCapture:
     event_of_row: torch.Tensor | None = None
     n_layers: int | None = None
     out_proj: torch.Tensor | None = None
+    extra_keys: torch.Tensor | None = None
+    extra_positions: torch.Tensor | None = None
 
     @property
     def kv_heads(self) -> int:
@@ -110,6 +116,12 @@ class Policy:
     def needs_all_queries(self) -> bool:
         """Whether :meth:`scores` reads every prefill query, not only the observation window's (a capture
         then needs ``window >= rows``)."""
+        return False
+
+    @property
+    def needs_reconstruction(self) -> bool:
+        """Whether :meth:`scores` reads a reconstruction pass's queries and keys (``LayerCapture.extra_keys``:
+        :func:`eventkv.eviction.capture.capture_reconstruction`) instead of the observation window's."""
         return False
 
     def scores(self, c: LayerCapture) -> torch.Tensor:  # pragma: no cover - interface
@@ -463,6 +475,10 @@ class EventTopK(Policy):
     @property
     def needs_all_queries(self) -> bool:
         return self.inner.needs_all_queries
+
+    @property
+    def needs_reconstruction(self) -> bool:
+        return self.inner.needs_reconstruction
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
         ev = c.need_events(self.name)

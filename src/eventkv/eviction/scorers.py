@@ -3,7 +3,8 @@ compared with the NVIDIA kvpress 0.5.5 press of the same name (``tests/test_kvpr
 
 * :class:`ObservedAttention` — H2O's heavy hitters: the attention every prefill query paid a row, averaged;
 * :class:`KeyDiff` — keys least like the head's average key;
-* :class:`QFilter` — keys projected on the direction a head's queries share.
+* :class:`QFilter` — keys projected on the direction a head's queries share;
+* :class:`KVzip` — the attention a row draws while the model repeats its context.
 
 Why not kvpress itself: see :mod:`eventkv.eviction.policies` (it pins transformers < 5.3 and patches every
 attention function process-wide).
@@ -104,3 +105,39 @@ class QFilter(Policy):
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
         return torch.einsum("hrd,hd->hr", c.keys.double(), self.filters(c))
+
+
+@dataclass
+class KVzip(Policy):
+    """Context reconstruction (Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context
+    Reconstruction", arXiv 2505.23416, Section 3: a row the model needs to repeat its context is a row any later
+    question may need). After the history the model is asked to repeat it and reads the history's tokens again
+    (:func:`eventkv.eviction.capture.capture_reconstruction`); a row's score is the largest softmax attention any
+    of those reconstruction queries pays it, over the keys of the history and of the reconstruction before the
+    query, maximised over each GQA group's query heads. Query-agnostic: no question is read. The paper shares
+    the budget across heads (``AdaKV(inner=KVzip())`` does so per layer); alone it keeps ``kept_count`` rows per head.
+
+    Raises:
+        OptionError: a capture without a reconstruction pass (on scoring).
+    """
+
+    name: ClassVar[str] = "kvzip"
+
+    @property
+    def needs_reconstruction(self) -> bool:
+        return True
+
+    def scores(self, c: LayerCapture) -> torch.Tensor:
+        if c.extra_keys is None or c.extra_positions is None or c.queries is None or c.query_positions is None:
+            raise OptionError(
+                "policy", self.name, "it reads a reconstruction pass: capture one (capture_reconstruction)."
+            )
+        q = c.queries.double()
+        keys = torch.cat([c.keys.double(), c.extra_keys.double().to(c.keys.device)], dim=1)
+        pos = torch.cat([c.positions, c.extra_positions.to(c.positions.device)])
+        group = q.shape[0] // c.kv_heads
+        logits = torch.einsum("hwd,hrd->hwr", q, keys.repeat_interleave(group, dim=0)) * c.scale()
+        visible = pos[None, :] <= c.query_positions[:, None]
+        att = torch.softmax(logits.masked_fill(~visible[None], float("-inf")), dim=-1)
+        best = att[:, :, : c.rows].amax(dim=1)  # [q_heads, rows]
+        return best.reshape(c.kv_heads, group, c.rows).amax(dim=1)

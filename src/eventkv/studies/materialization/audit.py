@@ -39,6 +39,10 @@ if TYPE_CHECKING:
 CONDITIONS = ("full", "global", "isolated")
 
 
+#: what KVzip's reconstruction pass asks before the history's tokens are read again (arXiv 2505.23416, Section 3)
+RECONSTRUCTION_PROMPT = "Repeat the previous context exactly."
+
+
 @dataclass
 class EvictionAudit(Probe):
     """Options (all part of a run's identity): ``policies`` (names, or names with settings:
@@ -131,7 +135,7 @@ class EvictionAudit(Probe):
         return policy_from_spec(spec, **opts.get(name, {}))
 
     def run_item(self, rt: Runtime, item: dict) -> dict:
-        from eventkv.eviction.capture import capture_prefill
+        from eventkv.eviction.capture import capture_prefill, capture_reconstruction
         from eventkv.eviction.masked import read_out_masked
         from eventkv.eviction.policies import keep_mask, last_queries
         from eventkv.kv.log import tokenize_query
@@ -159,13 +163,18 @@ class EvictionAudit(Probe):
                 lps.setdefault(c.text, round(c.logprob, 6))
             return lps
 
-        captured, isolated, full = [], [], []
-        # a policy that reads every prefill query (H2O's) gets them all captured
-        every = any(self._policy(p, item["index"]).needs_all_queries for p in self.policies)
+        captured, isolated, full, rebuilt = [], [], [], []
+        # a policy that reads every prefill query (H2O's) gets them all captured; KVzip's, a reconstruction pass
+        made = [self._policy(p, item["index"]) for p in self.policies]
+        every = any(p.needs_all_queries for p in made)
+        repeat = RECONSTRUCTION_PROMPT if any(p.needs_reconstruction for p in made) else None
         for log in logs:
             window = max(self.window, log.n_rows) if every else self.window
             ekv, caps = capture_prefill(rt.model, log, window=window, max_context=rt.max_context)
             captured.append((ekv, caps))
+            if repeat is not None:
+                prompt = tokenize_query(rt.tokenizer, rt.profile, repeat)
+                rebuilt.append(capture_reconstruction(rt.model, ekv, log, prompt, caps))
             isolated.append(serve(ekv, "all", "isolated", model=rt.model))
             full.append(logprobs(read_out_masked(rt.model, ekv, {}, query, **opts)))  # no mask: every row
         rec = {
@@ -182,8 +191,10 @@ class EvictionAudit(Probe):
             for ratio in self.ratios:
                 cell: dict[str, Any] = {"source_kept_cells": [], "kept_fraction": []}
                 answers: dict[str, list[dict[str, float]]] = {"global": [], "isolated": []}
-                for (ekv, caps), iso, rows in zip(captured, isolated, src_rows):
-                    if not policy.needs_all_queries:  # the others read the last --window queries, as always
+                for n, ((ekv, caps), iso, rows) in enumerate(zip(captured, isolated, src_rows)):
+                    if policy.needs_reconstruction:
+                        caps = rebuilt[n]
+                    elif not policy.needs_all_queries:  # the others read the last --window queries, as always
                         caps = [last_queries(c, self.window) for c in caps]
                     masks = [keep_mask(policy, c, ratio) for c in caps]
                     cell["source_kept_cells"].append(int(sum(int(m[:, rows].sum()) for m in masks)))
