@@ -449,8 +449,8 @@ def test_gate_masked_serving(family):
 def test_kvzip_scores_are_the_model_attention_of_its_reconstruction_pass(llama):
     """KVzip's row scores equal the model's own attention weights (eager, one uncached forward of the history,
     the request and the history's tokens again), maximised over the reconstruction queries and each GQA group."""
-    from eventkv.eviction.capture import capture_reconstruction
     from eventkv.eviction.budgets import AdaKV
+    from eventkv.eviction.capture import capture_reconstruction
     from eventkv.eviction.scorers import KVzip
 
     lm, log = llama
