@@ -153,7 +153,7 @@ class PerLayerRatio(Policy):
     def budget(self, c: LayerCapture, ratio: float) -> torch.Tensor:
         if self.ratios:
             ratio = self.ratios[_layer_of(c, len(self.ratios), "ratios")]
-        return torch.full((c.kv_heads,), kept_count(c.rows, ratio), dtype=torch.long)
+        return torch.full((c.kv_heads,), kept_count(c.rows, ratio), dtype=torch.long, device=c.keys.device)
 
     def mask(self, c: LayerCapture, ratio: float) -> torch.Tensor:
         return self.inner.keep(c, self.budget(c, ratio))
@@ -289,7 +289,7 @@ class CriticalAdaKV(CriticalKV):
         safe = safeguard(n, self.alpha)
         budgets = top_cells(torch.where(top_rows(s, c.positions, safe), float("inf"), s), c.positions, c.kv_heads * n)
         budgets = budgets.sum(dim=1)
-        first = torch.maximum(torch.tensor(safe), (budgets.double() * self.first_stage).long())
+        first = (budgets.double() * self.first_stage).long().clamp(min=safe)
         outright = top_rows(s, c.positions, first)
         return top_rows(torch.where(outright, float("inf"), self.scores(c)), c.positions, budgets)
 
@@ -340,7 +340,7 @@ class PyramidKV(SnapKV):
         else:
             step = (bottom - top) / (layers - 1) if layers > 1 else 0.0
             keep = round(bottom - c.layer * step)
-        return torch.full((c.kv_heads,), keep, dtype=torch.long)
+        return torch.full((c.kv_heads,), keep, dtype=torch.long, device=c.keys.device)
 
 
 @dataclass
@@ -515,7 +515,7 @@ class DuoAttention(Policy):
             layer = self.pattern[_layer_of(c, len(self.pattern), "pattern")]
             if len(layer) != c.kv_heads:
                 raise OptionError("pattern", layer, f"give one score per KV head ({c.kv_heads}) on every layer.")
-            head = torch.tensor(layer, dtype=torch.float64)
+            head = torch.tensor(layer, dtype=torch.float64, device=c.keys.device)
         else:
             att = per_kv_head(window_attention(c, self.name).mean(dim=1), c.kv_heads)  # [kv_heads, rows]
             local = self._local(c, min(c.rows, self.sinks + self.recent))

@@ -130,7 +130,7 @@ class Policy:
     def budget(self, c: LayerCapture, ratio: float) -> torch.Tensor:
         """``[kv_heads]`` int64: the rows each KV head of layer ``c`` keeps at ``ratio`` (here
         :func:`kept_count` in every head). Raises: OptionError: ``ratio`` outside [0, 1)."""
-        return torch.full((c.kv_heads,), kept_count(c.rows, ratio), dtype=torch.long)
+        return torch.full((c.kv_heads,), kept_count(c.rows, ratio), dtype=torch.long, device=c.keys.device)
 
     def mask(self, c: LayerCapture, ratio: float) -> torch.Tensor:
         """``[kv_heads, rows]`` bool: the rows kept at ``ratio`` (:meth:`keep` of :meth:`budget`)."""
@@ -493,7 +493,7 @@ class EventTopK(Policy):
         """The header, then whole events, best pooled score first, each kept only if all its rows
         still fit in ``n_keep`` (per-head counts: the smallest); the same mask for every head (so at most
         ``n_keep`` rows, fewer when the next event does not fit)."""
-        n_keep = int(torch.as_tensor(n_keep).min())
+        n_keep = n_keep if isinstance(n_keep, int) else int(n_keep.min())
         s = self.scores(c)[0]
         ev = c.need_events(self.name)
         keep = ev < 0  # the header first
