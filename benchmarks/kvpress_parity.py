@@ -105,6 +105,8 @@ PRESSES = (
     ("composed_snapkv_knorm", "ComposedPress", {"presses": [SNAPKV, {"press": "KnormPress", "options": {}}]}),
     # per-layer ratios from the options: one cell, at their mean (the RATIOS loop does not apply)
     ("perlayer_snapkv", "PerLayerCompressionPress", {"press": SNAPKV, "compression_ratios": [0.25, 0.75]}),
+    # prunes key channels, not rows: the ratio is the fraction of channels; its cells hold the pruned channels
+    ("think", "ThinKPress", {"window_size": 8}),
     # Not covered, though kvpress 0.5.5 has them: AdaKV/ChunkKV over ObservedAttention (AdaKV refuses
     # eager attention, ChunkKV refuses attention weights); QFilterPress and FastKVzipPress (their
     # filters / gates are downloaded from the Hugging Face hub per named model); DuoAttentionPress
@@ -199,6 +201,23 @@ def press_kept(model, ids: list[int], full, press) -> list[list[list[int]]]:
     return [[[r for r in rows if r not in m] for rows, m in zip(layer, ml)] for layer, ml in zip(kept, masked)]
 
 
+#: presses that prune key channels (zeroed in every row) instead of rows, their ratio given to this argument
+CHANNEL_PRESSES = {"ThinKPress": "key_channel_compression_ratio"}
+
+
+def pruned_channels(full, compressed) -> list[list[list[int]]]:
+    """Per layer and KV head, the key channels a channel press zeroed in every row (the values unchanged)."""
+    out = []
+    for (fk, fv), (ck, cv) in zip(full, compressed):
+        if not torch.equal(fv, cv) or fk.shape != ck.shape:
+            raise SystemExit("a channel press changed the values or the rows")
+        zero = (ck == 0).all(dim=1) & ~(fk == 0).all(dim=1)  # [kv_heads, head_dim]
+        if not torch.equal(ck[~zero[:, None, :].expand_as(ck)], fk[~zero[:, None, :].expand_as(fk)]):
+            raise SystemExit("a channel press changed a channel it kept")
+        out.append([sorted(torch.nonzero(z).flatten().tolist()) for z in zero])
+    return out
+
+
 def make_press(kvpress, cls: str, options: dict, ratio: float | None):
     """The kvpress press ``cls(**options)``, its nested presses built, ``ratio`` given as the docstring says."""
 
@@ -211,6 +230,8 @@ def make_press(kvpress, cls: str, options: dict, ratio: float | None):
 
     kwargs = {k: build(v) for k, v in options.items()}
     press_cls = getattr(kvpress, cls)
+    if cls in CHANNEL_PRESSES:
+        return press_cls(**{CHANNEL_PRESSES[cls]: ratio, **kwargs})
     if ratio is not None and "compression_ratio" in inspect.signature(press_cls).parameters:
         kwargs = {"compression_ratio": ratio, **kwargs}
     return press_cls(**kwargs)
@@ -241,7 +262,11 @@ def main() -> None:
             for ratio in RATIOS if "compression_ratios" not in options else (None,):
                 press = make_press(kvpress, cls, options, ratio)
                 cell = {"press": cls, "options": options, "ratio": press.compression_ratio if ratio is None else ratio}
-                if cls in EAGER:
+                if cls in CHANNEL_PRESSES:
+                    cell["ratio"] = ratio  # the fraction of key channels
+                    cell["pruned_channels"] = pruned_channels(full, cache_rows(model, ids, press))
+                    cell["kept"] = [[list(range(len(ids)))] * CONFIG["num_key_value_heads"]] * len(full)
+                elif cls in EAGER:
                     cell["attn_implementation"] = "eager"
                     cell["kept"] = press_kept(eager, ids, eager_full, press)
                 else:

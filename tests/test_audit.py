@@ -146,15 +146,18 @@ def test_audit_items_are_the_donor_pair_items():
 
 def test_the_audit_runs_budgeted_and_every_query_policies(tiny_dir, tmp_path, monkeypatch, capsys):
     """H2O reads every prefill query, AdaKV keeps uneven counts per head, PyramidKV per layer, KVzip a
-    reconstruction pass: one item each."""
+    reconstruction pass, ThinK prunes key channels: one item each."""
     from eventkv.eviction import split_policy_specs
 
     out = tmp_path / "run"
-    specs = "observed,adakv(inner=snapkv(window=8,kernel=5,pooling=avg)),pyramidkv(window=8),kvzip,snapkv(window=8)"
+    specs = "observed,adakv(inner=snapkv(window=8,kernel=5,pooling=avg)),pyramidkv(window=8),kvzip,think(window=8)"
     args = ["audit", "--model", str(tiny_dir), "--items", "1", "--policy", specs, "--ratio", "0.5", "--window", "8"]
     code, text, err = run_cli(monkeypatch, capsys, *args, "--dtype", "float32", "--out", str(out), "--no-progress")
     assert code == 0, text + err
     rec = json.loads((out / "records.jsonl").read_text().splitlines()[0])
     assert set(rec["cells"]) == {f"{spec}@0.5" for spec in split_policy_specs(specs)}
     for spec, cell in rec["cells"].items():
-        assert all(0 < f < 1 for f in cell["kept_fraction"]), spec
+        if spec.startswith("think"):  # key channels pruned, every row kept
+            assert cell["kept_fraction"] == [1.0, 1.0] and not cell["source_evicted"]
+        else:
+            assert all(0 < f < 1 for f in cell["kept_fraction"]), spec

@@ -478,3 +478,23 @@ def test_kvzip_scores_are_the_model_attention_of_its_reconstruction_pass(llama):
     assert KVzip().needs_reconstruction and AdaKV(inner=KVzip()).needs_reconstruction
     with pytest.raises(OptionError, match="capture one"):
         KVzip().scores(caps[-1])
+
+
+def test_masked_readout_serves_pruned_key_channels_as_zeros(llama):
+    """Pruning key channels (ThinK) reads the same as serving keys whose pruned channels are 0."""
+    from eventkv.kv.rows import EventKV
+
+    lm, log = llama
+    ekv, caps = capture_prefill(lm.model, log, window=8)
+    query = tokenize_query(lm.tokenizer, lm.profile, "What is C?")
+    g = torch.Generator().manual_seed(0)
+    channels = [torch.rand(c.kv_heads, c.keys.shape[-1], generator=g) > 0.3 for c in caps]
+    zeroed = EventKV(
+        ekv.log, [k * ch[None, :, None, :] for k, ch in zip(ekv.keys, channels)], ekv.values, ekv.positions
+    )
+    a = read_out_masked(lm.model, ekv, {}, query, key_channels=channels, max_new_tokens=3, keep_logits=True)
+    b = read_out_masked(lm.model, zeroed, {}, query, max_new_tokens=3, keep_logits=True)
+    assert a.generation.tokens == b.generation.tokens
+    assert torch.allclose(torch.stack(a.generation.logits), torch.stack(b.generation.logits), atol=1e-6)
+    c = read_out_masked(lm.model, ekv, {}, query, max_new_tokens=3, keep_logits=True)
+    assert not torch.allclose(torch.stack(a.generation.logits), torch.stack(c.generation.logits))

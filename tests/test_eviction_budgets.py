@@ -254,3 +254,25 @@ def test_duo_attention_streams_the_heads_that_retrieve_least():
         keep_mask(DuoAttention(pattern=((0.1,), (0.2,))), c, 0.5)
     with pytest.raises(OptionError, match="^streaming 2"):
         DuoAttention(streaming=2)
+
+
+def test_think_prunes_the_key_channels_of_least_query_key_weight():
+    from eventkv.eviction.budgets import Composed
+    from eventkv.eviction.scorers import ThinK
+
+    c = capture(rows=10, window=6)
+    t = ThinK(window=4)
+    q = c.queries[:, -4:].double()
+    by_hand = q.pow(2).mean(dim=1).reshape(KV, QH // KV, D).mean(dim=1) * c.keys.double().pow(2).mean(dim=1)
+    assert torch.allclose(t.channel_scores(c), by_hand)
+    ch = t.key_channels(c, 0.3)  # int(8 * 0.3) = 2 channels pruned per head
+    assert ch.sum(dim=1).tolist() == [D - 2] * KV
+    for h in range(KV):
+        pruned = sorted(torch.nonzero(~ch[h]).flatten().tolist())
+        assert pruned == sorted(torch.argsort(by_hand[h])[:2].tolist())
+    assert bool(keep_mask(t, c, 0.3).all())  # every row kept
+    both = Composed(policies=(Knorm(), t))
+    assert torch.equal(keep_mask(both, c, 0.3), keep_mask(Knorm(), c, 0.3)) and torch.equal(
+        both.key_channels(c, 0.3), ch
+    )
+    assert Knorm().key_channels(c, 0.3) is None and Composed(policies=(Knorm(),)).key_channels(c, 0.3) is None

@@ -22,7 +22,7 @@ from eventkv.eviction import ExpectedAttention, Knorm, SnapKV, StreamingLLM, Tov
 from eventkv.eviction.budgets import AdaKV, ChunkKV, Composed, CriticalAdaKV, CriticalKV, PerLayerRatio, PyramidKV
 from eventkv.eviction.capture import capture_prefill
 from eventkv.eviction.policies import kept_count
-from eventkv.eviction.scorers import KeyDiff, ObservedAttention
+from eventkv.eviction.scorers import KeyDiff, ObservedAttention, ThinK
 from eventkv.kv.log import TokenizedLog
 
 DATA = Path(__file__).parent / "data" / "kvpress_parity"
@@ -47,6 +47,7 @@ POLICY = {
     "chunkkv_snapkv": ChunkKV(inner=SNAP, chunk=4),  # ChunkKVPress(SnapKV, chunk_length=4)
     "composed_snapkv_knorm": Composed(policies=(SNAP, Knorm())),  # ComposedPress([SnapKV, KnormPress()])
     "perlayer_snapkv": PerLayerRatio(inner=SNAP, ratios=(0.25, 0.75)),  # PerLayerCompressionPress(SnapKV, [.25, .75])
+    "think": ThinK(window=8),  # ThinKPress(key_channel_compression_ratio=r, window_size=8): channels, not rows
 }
 #: the presses that keep kvpress's kept_count rows in every head (the others vary it per layer or head)
 UNIFORM = {"streaming", "knorm", "snapkv", "tova", "expected", "observed", "keydiff", "criticalkv_snapkv"}
@@ -103,6 +104,13 @@ def test_each_policy_keeps_kvpress_rows(family, captures, key):
     for c in captures:
         mask = keep_mask(policy, c, ratio)
         scores = policy.scores(c)
+        channels = policy.key_channels(c, ratio)
+        if "pruned_channels" in cell:  # a channel press: the key channels it zeroed, per KV head
+            assert channels is not None
+            pruned = [sorted(torch.nonzero(~ch).flatten().tolist()) for ch in channels]
+            assert pruned == cell["pruned_channels"][c.layer], f"{family} {key} layer {c.layer}"
+        else:
+            assert channels is None
         for h in range(c.kv_heads):
             ours, theirs = _kept(mask[h]), set(cell["kept"][c.layer][h])
             assert len(ours) == len(theirs)

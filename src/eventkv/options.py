@@ -232,6 +232,7 @@ POLICIES: Registry = Registry(
         "keydiff": "eventkv.eviction.scorers:KeyDiff",
         "qfilter": "eventkv.eviction.scorers:QFilter",
         "kvzip": "eventkv.eviction.scorers:KVzip",
+        "think": "eventkv.eviction.scorers:ThinK",
         "adakv": "eventkv.eviction.budgets:AdaKV",
         "per-layer-ratio": "eventkv.eviction.budgets:PerLayerRatio",
         "per-layer": "eventkv.eviction.budgets:PerLayer",

@@ -441,6 +441,11 @@ class Composed(Policy):
     def budget(self, c: LayerCapture, ratio: float) -> torch.Tensor:
         return self.mask(c, ratio).sum(dim=1)
 
+    def key_channels(self, c: LayerCapture, ratio: float) -> torch.Tensor | None:
+        """The channels every member keeps (a member that prunes none counts as keeping all)."""
+        kept = [ch for p in self.policies if (ch := p.key_channels(c, ratio)) is not None]
+        return None if not kept else torch.stack(kept).all(dim=0)
+
 
 def _one_head(c: LayerCapture, head: int, rows: torch.Tensor) -> LayerCapture:
     """KV head ``head`` of ``c`` with only ``rows``: its keys, values, positions, events, and the queries of its

@@ -6,8 +6,9 @@ only inside :func:`head_masked`."""
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from transformers import AttentionInterface
@@ -93,19 +94,29 @@ def read_out_masked(
     cache: EventKV | ServedCache,
     masks: Sequence[torch.Tensor] | dict[int, torch.Tensor],
     query_ids: Sequence[int],
-    **options,
+    *,
+    key_channels: Sequence[torch.Tensor | None] | None = None,
+    **options: Any,
 ) -> Readout:
     """Answer a query from every row of ``cache`` — an EventKV (native serving of its global
     prefill) or a ServedCache holding every row (e.g. :func:`eventkv.kv.serve.serve` in ``isolated``
     mode over ``"all"``), rows at their positions — with each layer's heads restricted to their kept
     rows (``masks``: per layer ``[kv_heads, rows]`` bool, as :func:`eventkv.eviction.keep_mask`
-    gives). ``options`` go to :func:`eventkv.kv.readout.read_out`; with ``candidates`` the candidates
-    are scored, else the answer is generated.
+    gives). ``key_channels``: per layer ``[kv_heads, head_dim]`` bool, the key channels kept (the others read as
+    0 in every row, as ThinK prunes them: :meth:`eventkv.eviction.Policy.key_channels`), or None. ``options`` go to
+    :func:`eventkv.kv.readout.read_out`; with ``candidates`` the candidates are scored, else the answer is
+    generated.
 
     Raises:
         EventKVError: a mask of another head or row count than the cache's layer; as :func:`read_out`.
     """
     served = serve(cache, "all", "native") if not isinstance(cache, ServedCache) else cache
+    if key_channels is not None:
+        keys = [
+            k if ch is None else k * ch.to(device=k.device, dtype=k.dtype)[None, :, None, :]
+            for k, ch in zip(served.keys, key_channels)
+        ]
+        served = dataclasses.replace(served, keys=keys)
     by_layer = dict(masks) if isinstance(masks, dict) else dict(enumerate(masks))
     for layer, m in by_layer.items():
         shape = (served.keys[layer].shape[1], served.n_rows)

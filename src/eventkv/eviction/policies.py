@@ -136,6 +136,11 @@ class Policy:
         """``[kv_heads, rows]`` bool: the rows kept at ``ratio`` (:meth:`keep` of :meth:`budget`)."""
         return self.keep(c, self.budget(c, ratio))
 
+    def key_channels(self, c: LayerCapture, ratio: float) -> torch.Tensor | None:
+        """``[kv_heads, head_dim]`` bool: the key channels kept at ``ratio``, the others read as 0 in every row
+        (ThinK prunes channels, not rows); None (here): every channel."""
+        return None
+
     def checked_scores(self, c: LayerCapture) -> torch.Tensor:
         """:meth:`scores`, checked. Raises: OptionError: scores of the wrong shape, or nan."""
         s = self.scores(c)

@@ -4,7 +4,8 @@ compared with the NVIDIA kvpress 0.5.5 press of the same name (``tests/test_kvpr
 * :class:`ObservedAttention` — H2O's heavy hitters: the attention every prefill query paid a row, averaged;
 * :class:`KeyDiff` — keys least like the head's average key;
 * :class:`QFilter` — keys projected on the direction a head's queries share;
-* :class:`KVzip` — the attention a row draws while the model repeats its context.
+* :class:`KVzip` — the attention a row draws while the model repeats its context;
+* :class:`ThinK` — key channels pruned by their share of the window's query-key products (rows kept).
 
 Why not kvpress itself: see :mod:`eventkv.eviction.policies` (it pins transformers < 5.3 and patches every
 attention function process-wide).
@@ -18,7 +19,8 @@ from typing import ClassVar
 import torch
 
 from eventkv.errors import OptionError
-from eventkv.eviction.policies import LayerCapture, Policy, per_kv_head, window_attention
+from eventkv.eviction.policies import LayerCapture, Policy, kept_count, per_kv_head, top_rows, window_attention
+from eventkv.options import check_int
 
 
 @dataclass
@@ -141,3 +143,52 @@ class KVzip(Policy):
         att = torch.softmax(logits.masked_fill(~visible[None], float("-inf")), dim=-1)
         best = att[:, :, : c.rows].amax(dim=1)  # [q_heads, rows]
         return best.reshape(c.kv_heads, group, c.rows).amax(dim=1)
+
+
+@dataclass
+class ThinK(Policy):
+    """Key channels pruned, not rows (Xu et al., "ThinK: Thinner Key Cache by Query-Driven Pruning", arXiv
+    2407.21018, Section 3: a key channel matters by how much it adds to the observation window's query-key
+    products; kvpress's ThinKPress). Per KV head, channel ``d`` scores the mean of its squared window queries
+    (after RoPE, averaged over the GQA group) times the mean of its squared keys over every row; at ratio ``r``
+    the ``int(head_dim * r)`` lowest-scored channels are pruned — they read as 0 in every key
+    (:meth:`key_channels`; the audit's masked readout serves them so). Every row is kept (:meth:`mask`); compose
+    with a row policy (``Composed(policies=(SnapKV(), ThinK()))``) to evict rows too. ``r`` is the fraction of
+    key channels pruned: of the keys and values together, half that.
+
+    Raises:
+        OptionError: ``window`` not a whole number >= 1 (on construction); a capture with fewer queries (on
+            scoring).
+    """
+
+    name: ClassVar[str] = "think"
+    window: int = 32
+
+    def __post_init__(self) -> None:
+        check_int("window", self.window, "observe at least 1 query (a whole number; ThinK uses 32).")
+
+    def scores(self, c: LayerCapture) -> torch.Tensor:
+        return torch.zeros(c.kv_heads, c.rows, dtype=torch.float64, device=c.keys.device)
+
+    def mask(self, c: LayerCapture, ratio: float) -> torch.Tensor:
+        kept_count(c.rows, ratio)  # checks the ratio
+        return torch.ones(c.kv_heads, c.rows, dtype=torch.bool, device=c.keys.device)
+
+    def channel_scores(self, c: LayerCapture) -> torch.Tensor:
+        """``[kv_heads, head_dim]`` float64: each key channel's score."""
+        q, _ = c.need_queries(self.name)
+        if q.shape[1] < self.window:
+            raise OptionError(
+                "window", self.window, f"the capture holds {q.shape[1]} queries: capture at least the window."
+            )
+        q = q[:, -self.window :].double()
+        group = q.shape[0] // c.kv_heads
+        qn = q.pow(2).mean(dim=1).reshape(c.kv_heads, group, -1).mean(dim=1)
+        return qn.to(c.keys.device) * c.keys.double().pow(2).mean(dim=1)
+
+    def key_channels(self, c: LayerCapture, ratio: float) -> torch.Tensor:
+        kept_count(c.rows, ratio)
+        s = self.channel_scores(c)
+        dim = s.shape[-1]
+        # the lowest int(dim * ratio) pruned: keep the best dim - that, ties to the later channel
+        return top_rows(s, torch.arange(dim, device=s.device), dim - int(dim * ratio))

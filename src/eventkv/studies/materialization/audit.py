@@ -147,7 +147,7 @@ class EvictionAudit(Probe):
         a, b = item["values"]
         query = tokenize_query(rt.tokenizer, rt.profile, item["question"])
         cands = [rt.encode(" " + s) for s in self.states]
-        opts = {
+        opts: dict[str, Any] = {
             "candidates": cands,
             "candidate_texts": list(self.states),
             "answer_prefix_ids": rt.encode(self.answer_prefix),
@@ -197,11 +197,17 @@ class EvictionAudit(Probe):
                     elif not policy.needs_all_queries:  # the others read the last --window queries, as always
                         caps = [last_queries(c, self.window) for c in caps]
                     masks = [keep_mask(policy, c, ratio) for c in caps]
+                    channels = [policy.key_channels(c, ratio) for c in caps]  # ThinK prunes key channels
+                    pruned = None if all(ch is None for ch in channels) else channels
                     cell["source_kept_cells"].append(int(sum(int(m[:, rows].sum()) for m in masks)))
                     cell.setdefault("source_cells", []).append(int(sum(m[:, rows].numel() for m in masks)))
                     cell["kept_fraction"].append(round(float(np.mean([m.float().mean().item() for m in masks])), 6))
-                    answers["global"].append(logprobs(read_out_masked(rt.model, ekv, masks, query, **opts)))
-                    answers["isolated"].append(logprobs(read_out_masked(rt.model, iso, masks, query, **opts)))
+                    answers["global"].append(
+                        logprobs(read_out_masked(rt.model, ekv, masks, query, key_channels=pruned, **opts))
+                    )
+                    answers["isolated"].append(
+                        logprobs(read_out_masked(rt.model, iso, masks, query, key_channels=pruned, **opts))
+                    )
                 evicted = all(k == 0 for k in cell["source_kept_cells"])
                 d = donor_d(answers["global"][0], answers["global"][1], a, b)
                 outs = {c: _outcome(answers[c], a, b, outcome) for c in ("global", "isolated")}
