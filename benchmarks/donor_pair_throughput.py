@@ -274,6 +274,13 @@ def main() -> None:
         default=64,
         help="greedy tokens at most per answer of eventkv's ways (the study's script keeps its own cap, 160)",
     )
+    ap.add_argument(
+        "--query-at",
+        default="history",
+        choices=("history", "last-served"),
+        help="where eventkv's kv and isolated arms ask: after the whole history, or right after the served "
+        "events as the study's script does (its question then starts where the script's does)",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch threads (None: torch's own count)")
     ap.add_argument("--batch-pairs", type=int, default=1, help="also time kv,isolated N pairs at a time (N > 1)")
     ap.add_argument("--profile", action="store_true", help="print a cProfile of the eventkv ways")
@@ -312,8 +319,10 @@ def main() -> None:
     )
     rt = Runtime(lm.model, lm.tokenizer, lm.profile)
     probes = {
-        "eventkv all arms": DonorPair(max_new_tokens=args.max_new_tokens, arm_names=ALL_ARMS),
-        "eventkv kv,isolated": DonorPair(max_new_tokens=args.max_new_tokens, arm_names=LAZY_ARMS),
+        "eventkv all arms": DonorPair(max_new_tokens=args.max_new_tokens, arm_names=ALL_ARMS, query_at=args.query_at),
+        "eventkv kv,isolated": DonorPair(
+            max_new_tokens=args.max_new_tokens, arm_names=LAZY_ARMS, query_at=args.query_at
+        ),
     }
     study = DonorPair(max_new_tokens=args.max_new_tokens)
     items = study.items(args.seed, range(args.pairs + 1))

@@ -62,6 +62,12 @@ def donor_pair(
     states: str = typer.Option("ONLINE,OFFLINE", "--states", help="state words, comma-separated"),
     max_new_tokens: int = MAX_NEW_TOKENS_OPTION,
     arms: str = typer.Option("kv,isolated,text-all,kv-all", "--arms", help="arms to run (kv is required)"),
+    query_at: str = typer.Option(
+        "history",
+        "--query-at",
+        help="where the kv and isolated arms ask: history (after the whole history) or last-served (right after "
+        "the served events, as the study's scripts ask)",
+    ),
     *,
     readout: str,
     run: RunOptions,
@@ -79,6 +85,7 @@ def donor_pair(
         readout=readout,
         max_new_tokens=max_new_tokens,
         arm_names=comma_list(arms, "--arms"),
+        query_at=query_at,
     )
     run_probe_command(probe, run)
 

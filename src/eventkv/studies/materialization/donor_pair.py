@@ -117,6 +117,13 @@ def last_state(text: str, states: Sequence[str]) -> str | None:
     return next(s for s in states if s.upper() == word)
 
 
+#: where the kv and isolated arms' question starts: after the whole history (eventkv's default: the rows at their
+#: original positions, the question where a memory asks it), or right after the served {decoy, root} tokens (the
+#: first study's scripts: ``kv_causal.py`` and ``kv_poscontrol.py`` start the question at the largest served
+#: position + 1)
+QUERY_AT = ("history", "last-served")
+
+
 @register
 @dataclass
 class DonorPair(PairLayout, PairProbe):
@@ -140,6 +147,7 @@ class DonorPair(PairLayout, PairProbe):
     instruction: str = INSTRUCTION
     question: str = QUESTION
     answer_prefix: str = "Answer:"
+    query_at: str = "history"
 
     # ------------------------------------------------------------------ recipe
     def validate(self) -> None:
@@ -158,6 +166,8 @@ class DonorPair(PairLayout, PairProbe):
         if len(set(self.registers)) < 4:
             raise EventKVError("registers: give at least 4 distinct register names (decoy, source, root and a filler).")
         self.check_readout()
+        if self.query_at not in QUERY_AT:
+            raise OptionError("query_at", self.query_at, f"use one of {', '.join(QUERY_AT)}.")
         check_choices("arm_names", self.arm_names, ARM_NAMES, required=("kv",), flag="--arms", what="arms")
         if "kv-all" in self.arm_names and "text-all" not in self.arm_names:
             raise OptionError(
@@ -167,15 +177,28 @@ class DonorPair(PairLayout, PairProbe):
                 flag="--arms",
             )
 
+    def options(self) -> dict:
+        """Every option as a JSON-able dict, ``query_at`` only when it is not ``"history"``: a run folder's
+        identity at the default stays what it is without the key."""
+        opts = super().options()
+        if opts.get("query_at") == "history":
+            del opts["query_at"]
+        return opts
+
     def pair_arms(self) -> list[PairArm]:
         """The arms the engine answers: ``kv``, ``isolated`` and ``text-all`` among ``arm_names``."""
-        served = ("decoy", "root")
+        served, at = ("decoy", "root"), self.query_at
         table = {
             "kv": PairArm(
-                "kv", "main", served, "compact", description="global prefill, compact serving of {decoy, root}"
+                "kv",
+                "main",
+                served,
+                "compact",
+                query_at=at,
+                description="global prefill, compact serving of {decoy, root}",
             ),
             "isolated": PairArm(
-                "isolated", "main", served, "isolated", description="{decoy, root}, each encoded alone"
+                "isolated", "main", served, "isolated", query_at=at, description="{decoy, root}, each encoded alone"
             ),
             "text-all": PairArm("text-all", "main", "all", "prefill", description="all events as text: comprehension"),
         }
@@ -255,7 +278,7 @@ class DonorPair(PairLayout, PairProbe):
         if "kv-all" in self.arm_names:  # every event served through serve(); same rows => text-all's readouts
             served["kv-all"] = {"events": list(logs[0].event_ids), "rows": list(served["text-all"]["rows"])}
             check = {"rows_and_positions_equal": all(_serves_the_prefill(ekv) for ekv in ekvs)}
-        return {
+        rec = {
             "index": item["index"],
             "registers": item["registers"],
             "source_slot": item["source_slot"],
@@ -275,6 +298,9 @@ class DonorPair(PairLayout, PairProbe):
             "d": run.d,
             "kv_all_vs_text_all": check,
         }
+        if self.query_at != "history":  # where each arm asked (at the default: every arm at history_end)
+            rec["query_position"] = dict(run.query_position)
+        return rec
 
     # ------------------------------------------------------------------ statistics
     def summarize(self, records: Sequence[dict]) -> Summary:

@@ -26,6 +26,10 @@ class PairArm:
         swap: roles whose rows come from the *other* variant's prefill (compact only): the
             landing factorial serves the root of one variant beside the mention of the other.
         fixed_position: ask at the item's common query position (see the module docstring).
+        query_at: where the question starts when ``fixed_position`` is off: ``"history"`` (the first position
+            after the whole history, every served row at its original position) or ``"last-served"`` (right
+            after the last served token, as the first study's scripts place it: their ``_greedy_pos`` starts
+            the question at the largest served position + 1).
         description: one line for tables and docs.
     """
 
@@ -36,6 +40,7 @@ class PairArm:
     question: str = "main"
     swap: tuple[str, ...] = ()
     fixed_position: bool = False
+    query_at: str = "history"
     description: str = ""
 
     def arm(self, readouts: Sequence[Readout]) -> Arm:

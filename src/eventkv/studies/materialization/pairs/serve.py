@@ -118,7 +118,12 @@ def serve_arm(
         caches = [((v,), serve_mixed(pair[v], pair[1 - v], ids, swap)) for v in (0, 1)]
     else:
         caches = [((v,), serve(pair[v], ids, "compact")) for v in (0, 1)]
-    p = common if arm.fixed_position else log0.history_end
+    if arm.fixed_position:
+        p = common
+    elif arm.query_at == "last-served" and arm.served != "all":
+        p = max(log0.span(e).pos_start + log0.span(e).n_tokens for e in ids)  # the served tokens' end
+    else:
+        p = log0.history_end
     rec = {
         "events": ids if arm.served != "all" else "all",
         "swap": swap,
