@@ -41,7 +41,10 @@ def test_names_are_unique_and_listed(kind):
     "reg, message",
     [
         (PROBES, "unknown probe 'nope': use one of "),
-        (POLICIES, "--policy 'nope': use one of streaming, knorm, snapkv, tova, expected, random, event-topk, observed,"),
+        (
+            POLICIES,
+            "--policy 'nope': use one of streaming, knorm, snapkv, tova, expected, random, event-topk, observed,",
+        ),
         (BACKENDS, "--backend 'nope': use one of serial, process, ray."),
         (DIALOGUE_FORMATS, "--format 'nope': use locomo or realtalk."),
         (CARRIER_KINDS, "--kind 'nope': use one of passive, binding, directive, compute or auto."),
