@@ -192,3 +192,13 @@ def test_dated_events_over_http_the_client_and_the_mcp_tools(tmp_path):
             "[8 May 2023] I went hiking last week [the week of 1 May 2023].",
             "[8 May 2023] I went hiking yesterday [7 May 2023].",
         ]
+
+
+def test_a_when_that_names_no_one_day_is_refused():
+    for relative in ("yesterday", "3 days ago", "next Friday", "May 2023"):
+        with pytest.raises(OptionError, match="give the day itself"):
+            reference_date(relative)
+    assert reference_date("1:56 pm on 8 May, 2023") == datetime.datetime(2023, 5, 8, 13, 56)
+    # an expression right before a comma is read (dateparser's search alone misses it)
+    assert resolve_relative_dates("Last week, we met.", "2023-05-08") == "Last week [the week of 1 May 2023], we met."
+    assert resolve_relative_dates("Next month, I move.", "2023-05-08") == "Next month [June 2023], I move."

@@ -90,7 +90,8 @@ def reference_date(when: str | _dt.date | _dt.datetime) -> _dt.datetime:
     dateparser's default: give a datetime or an ISO date where the order matters).
 
     Raises:
-        OptionError: ``when`` is not a date, a datetime or a string dateparser reads as a date (the message names it).
+        OptionError: ``when`` is not a date, a datetime or a string dateparser reads as a date, or it is a relative
+            date or one without its day (``"yesterday"``, ``"May 2023"``: no one day); the message names it.
     """
     if isinstance(when, _dt.datetime):
         return when
@@ -101,6 +102,16 @@ def reference_date(when: str | _dt.date | _dt.datetime) -> _dt.datetime:
     parsed = dateparser.parse(when, languages=["en"]) if isinstance(when, str) and when.strip() else None
     if parsed is None:
         raise OptionError("when", when, "give a date such as '8 May 2023', '2023-05-08' or a datetime.")
+    # a relative date ("yesterday") or one without its day ("May 2023") reads differently against another day
+    other = dateparser.parse(when, languages=["en"], settings={"RELATIVE_BASE": parsed - _dt.timedelta(days=400)})
+    if other is None or other.date() != parsed.date():
+        raise OptionError(
+            "when",
+            when,
+            "give the day itself ('8 May 2023', '2023-05-08' or a datetime): a relative date ('yesterday') or one "
+            "without its day ('May 2023') is read against today's clock, so the same call would store another day "
+            "tomorrow.",
+        )
     return parsed
 
 
@@ -152,20 +163,22 @@ def relative_dates(text: str, when: str | _dt.date | _dt.datetime) -> list[Relat
     from dateparser.search import search_dates
 
     reference = reference_date(when)
-    found = search_dates(text, languages=["en"], settings={"RELATIVE_BASE": reference, "PREFER_DATES_FROM": "past"})
+    settings = {"RELATIVE_BASE": reference, "PREFER_DATES_FROM": "past"}
     out: list[RelativeDate] = []
-    cursor = 0
-    for span, _ in found or []:
-        start = text.find(span, cursor)
-        if start < 0:  # dateparser normalised the span's text: nothing to anchor it to
+    # dateparser joins expressions into one span ("three years ago, and tomorrow") and reads the whole as one date,
+    # and it misses one right before a comma ("Last week, we met"): each piece between joining words and
+    # punctuation is searched and read on its own
+    cuts = [0] + [x for m in _JOINS.finditer(text) for x in (m.start(), m.end())]
+    for s, e in zip(cuts[0::2], [*cuts[1::2], len(text)]):
+        if not text[s:e].strip():
             continue
-        cursor = start + len(span)
-        # dateparser joins expressions into one span ("three years ago, and tomorrow") and reads the whole as one
-        # date: each piece between joining words and punctuation is read on its own
-        cuts = [start] + [x for m in _JOINS.finditer(text, start, cursor) for x in (m.start(), m.end())]
-        bounds = [*cuts, cursor]
-        for s, e in zip(bounds[0::2], bounds[1::2]):
-            if text[s:e].strip() and (hit := _shortest(text, s, e, reference)) is not None:
+        cursor = s
+        for span, _ in search_dates(text[s:e], languages=["en"], settings=settings) or []:
+            start = text.find(span, cursor, e)
+            if start < 0:  # dateparser normalised the span's text: nothing to anchor it to
+                continue
+            cursor = start + len(span)
+            if (hit := _shortest(text, start, cursor, reference)) is not None:
                 out.append(hit)
     return out
 

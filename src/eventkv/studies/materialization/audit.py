@@ -39,6 +39,15 @@ if TYPE_CHECKING:
 CONDITIONS = ("full", "global", "isolated")
 
 
+def _windows(policy) -> list[int]:
+    """The observation windows ``policy`` and the policies inside it read (``inner``, ``policies``)."""
+    found = [policy.window] if isinstance(getattr(policy, "window", None), int) else []
+    for inner in [getattr(policy, "inner", None), *getattr(policy, "policies", ())]:
+        if inner is not None:
+            found += _windows(inner)
+    return found
+
+
 #: what KVzip's reconstruction pass asks before the history's tokens are read again (arXiv 2505.23416, Section 3)
 RECONSTRUCTION_PROMPT = "Repeat the previous context exactly."
 
@@ -96,12 +105,13 @@ class EvictionAudit(Probe):
         check_int("window", self.window, "observe at least 1 token.", flag="--window")
         check_int("sinks", self.sinks, "keep at least 0 sink positions.", minimum=0, flag="--sinks")
         for spec in self.policies:  # each policy checks its own parameters: refused here as in the library
-            window = getattr(self._policy(spec, 0), "window", 0)
-            if window > self.window:  # every policy reads the one capture of --window queries
+            window = max(_windows(self._policy(spec, 0)), default=0)
+            if window > self.window:  # every policy reads the one capture of --window queries, nested ones too
                 raise OptionError(
                     "window",
                     self.window,
-                    f"{spec} reads the last {window} queries: give --window {window} or more.",
+                    f"{spec} reads the last {window} queries (a policy inside it, when it names none: SnapKV's "
+                    f"default window is 32): give --window {window} or more, or the window in the spec.",
                     flag="--window",
                 )
         self._donor = DonorPair(
@@ -131,7 +141,12 @@ class EvictionAudit(Probe):
         from eventkv.eviction.policies import parse_policy_spec, policy_from_spec
 
         name, _ = parse_policy_spec(spec)
-        opts = {"streaming": {"sinks": self.sinks}, "snapkv": {"window": self.window}, "random": {"seed": index}}
+        opts = {
+            "streaming": {"sinks": self.sinks},
+            "snapkv": {"window": self.window},
+            "pyramidkv": {"window": self.window},
+            "random": {"seed": index},
+        }
         return policy_from_spec(spec, **opts.get(name, {}))
 
     def run_item(self, rt: Runtime, item: dict) -> dict:
