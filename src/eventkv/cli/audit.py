@@ -47,7 +47,7 @@ def audit(
             ratios.append(float(r))
         except ValueError:
             raise OptionError("ratios", r, "give compression ratios as numbers in [0, 1).", flag="--ratio") from None
-    from eventkv.eviction.policies import split_policy_specs
+    from eventkv.eviction.specs import split_policy_specs
 
     probe = EvictionAudit(policies=tuple(split_policy_specs(policy)), ratios=tuple(ratios), window=window, sinks=sinks)
     run_probe_command(probe, run)

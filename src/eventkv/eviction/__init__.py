@@ -3,7 +3,6 @@ position ids, and the per-(layer, head) keep masks they produce. See
 ``docs/eviction.md``."""
 
 from eventkv.eviction.policies import (
-    POLICIES,
     EventTopK,
     ExpectedAttention,
     Knorm,
@@ -16,11 +15,8 @@ from eventkv.eviction.policies import (
     UserPolicy,
     keep_mask,
     kept_count,
-    make_policy,
-    parse_policy_spec,
-    policy_from_spec,
-    split_policy_specs,
 )
+from eventkv.eviction.specs import POLICIES, make_policy, parse_policy_spec, policy_from_spec, split_policy_specs
 
 __all__ = [
     "POLICIES",

@@ -27,12 +27,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
 from eventkv.errors import OptionError
-from eventkv.options import POLICIES, check_int
+from eventkv.options import check_int
 
 
 @dataclass
@@ -529,114 +529,6 @@ class UserPolicy(Policy):
                 "policy scores", tuple(s.shape), f"return one score per (KV head, row): shape ({c.kv_heads}, {c.rows})."
             )
         return s
-
-
-def make_policy(name: str, **options) -> Policy:
-    """The registered policy ``name`` (:data:`POLICIES`) with ``options``.
-
-    Raises:
-        OptionError: an unknown name (the message lists the registered ones).
-    """
-    return POLICIES.get(name)(**options)
-
-
-def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """``(name, settings)`` of a policy spec: a registered name (:data:`POLICIES`) alone, or with settings in
-    parentheses, ``snapkv(window=64,kernel=5,pooling=avg)``. Each value is read as its field's type: whole
-    numbers, numbers, ``true`` / ``false``, text, a policy as a spec of its own
-    (``adakv(inner=snapkv(window=8,kernel=5),alpha=0.2)``, built here), or a list with ``/`` between its items
-    (``per-layer-ratio(inner=knorm,ratios=0.25/0.75)``, ``per-layer(policies=knorm/snapkv(window=8))``: an item
-    holds no ``/`` of its own); :func:`policy_from_spec` then builds the policy, whose
-    own checks apply.
-
-    Raises:
-        OptionError: an unknown name, a setting the policy does not have (the message lists those it has), a
-            value not of its field's type, a setting given twice, or a spec not of this form.
-    """
-    if not isinstance(spec, str):
-        raise OptionError("policy", spec, "give a policy name, e.g. snapkv or snapkv(window=64,kernel=5).")
-    text = spec.strip()
-    name, _, rest = text.partition("(")
-    name = name.strip()
-    cls = POLICIES.get(name)  # an unknown name: the registry's message lists the known ones
-    settings: dict[str, Any] = {}
-    if not rest:
-        if "(" in text or ")" in text:
-            raise OptionError("policy", spec, "close the settings' parenthesis: snapkv(window=64,kernel=5).")
-        return name, settings
-    if not rest.endswith(")") or not _balanced(rest[:-1]):
-        raise OptionError("policy", spec, "write settings as name(key=value,...), e.g. snapkv(window=64,kernel=5).")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init} if dataclasses.is_dataclass(cls) else {}
-    settable = {k: f for k, f in fields.items() if f.type in _SETTABLE}
-    for item in split_policy_specs(rest[:-1]):
-        key, eq, raw = (x.strip() for x in item.partition("="))
-        if not eq or key not in settable:
-            has = ", ".join(settable) or "none"
-            raise OptionError("policy", spec, f"{name} has no setting {key!r}: its settings are {has}.")
-        if key in settings:
-            raise OptionError("policy", spec, f"{key} is given twice.")
-        settings[key] = _setting(spec, key, raw, str(settable[key].type))
-    return name, settings
-
-
-#: the field types a spec can set, and how a value is written: a policy as a nested spec
-#: (``adakv(inner=snapkv(window=8,kernel=5))``), a list of numbers with ``/`` between them (``ratios=0.25/0.75``)
-_SETTABLE = ("int", "float", "bool", "str", "Policy", "tuple[float, ...]", "tuple[Policy, ...]", "float | None")
-
-
-def _balanced(text: str) -> bool:
-    """Whether every parenthesis of ``text`` closes, in order."""
-    depth = 0
-    for ch in text:
-        depth += {"(": 1, ")": -1}.get(ch, 0)
-        if depth < 0:
-            return False
-    return depth == 0
-
-
-def _setting(spec: str, key: str, raw: str, kind: str) -> Any:
-    kind = kind.removesuffix(" | None")
-    if kind == "Policy":
-        return policy_from_spec(raw)
-    if kind == "tuple[Policy, ...]":
-        return tuple(policy_from_spec(x) for x in raw.split("/"))
-    if kind == "tuple[float, ...]":
-        return tuple(_setting(spec, key, x, "float") for x in raw.split("/"))
-    try:
-        if kind == "bool":
-            if raw.lower() not in ("true", "false"):
-                raise ValueError(raw)
-            return raw.lower() == "true"
-        return {"int": int, "float": float, "str": str}[kind](raw)
-    except ValueError:
-        want = {"int": "a whole number", "float": "a number", "bool": "true or false", "str": "text"}[kind]
-        raise OptionError("policy", spec, f"{key} must be {want}, not {raw!r}.") from None
-
-
-def policy_from_spec(spec: str, **defaults: Any) -> Policy:
-    """The policy a spec names (:func:`parse_policy_spec`), its settings over ``defaults`` (settings a caller
-    gives every policy of that name, e.g. the audit's ``--sinks`` for streaming).
-
-    Raises:
-        OptionError: as :func:`parse_policy_spec`, and the policy's own checks of its settings.
-    """
-    name, settings = parse_policy_spec(spec)
-    return make_policy(name, **{**defaults, **settings})
-
-
-def split_policy_specs(text: str) -> list[str]:
-    """Comma-separated policy specs, the commas inside a spec's parentheses kept:
-    ``"streaming,snapkv(window=64,kernel=5),knorm"`` -> ``["streaming", "snapkv(window=64,kernel=5)", "knorm"]``."""
-    out, depth, cur = [], 0, ""
-    for ch in text:
-        depth += {"(": 1, ")": -1}.get(ch, 0)
-        if ch == "," and depth == 0:
-            out.append(cur.strip())
-            cur = ""
-        else:
-            cur += ch
-    out.append(cur.strip())
-    return [x for x in out if x]
 
 
 def kept_count(rows: int, ratio: float) -> int:

@@ -55,7 +55,7 @@ RECONSTRUCTION_PROMPT = "Repeat the previous context exactly."
 @dataclass
 class EvictionAudit(Probe):
     """Options (all part of a run's identity): ``policies`` (names, or names with settings:
-    ``snapkv(window=64,kernel=5,pooling=avg)``, :func:`eventkv.eviction.policies.parse_policy_spec`) and ``ratios``
+    ``snapkv(window=64,kernel=5,pooling=avg)``, :func:`eventkv.eviction.specs.parse_policy_spec`) and ``ratios``
     (compression ratios: fraction of rows evicted), ``window`` (observation window of the attention-based policies),
     ``sinks`` (StreamingLLM), ``states``, ``answer_prefix``, ``n_events``/``root_slot``/
     ``source_slots`` (the donor-pair layout)."""
@@ -85,7 +85,7 @@ class EvictionAudit(Probe):
         return {k: v for k, v in super().options().items() if not k.startswith("_")}
 
     def validate(self) -> None:
-        from eventkv.eviction.policies import POLICIES, parse_policy_spec
+        from eventkv.eviction.specs import POLICIES, parse_policy_spec
         from eventkv.options import check_int
         from eventkv.studies.materialization.donor_pair import DonorPair
 
@@ -138,7 +138,7 @@ class EvictionAudit(Probe):
     def _policy(self, spec: str, index: int):
         """The policy of ``spec`` (a name, or a name with settings), its settings over the audit's own for that
         name: ``sinks`` for streaming, ``window`` for snapkv, the item's index as random's seed."""
-        from eventkv.eviction.policies import parse_policy_spec, policy_from_spec
+        from eventkv.eviction.specs import parse_policy_spec, policy_from_spec
 
         name, _ = parse_policy_spec(spec)
         opts = {
