@@ -42,6 +42,17 @@ def _check_policy(name: str, value) -> None:
         raise OptionError(name, value, "give a policy, e.g. SnapKV(window=8, kernel=5).")
 
 
+def _check_policies(value, what: str) -> tuple[Policy, ...]:
+    """``value`` as a tuple of policies. Raises: OptionError: an empty one (``what`` says what to give) or a
+    non-policy in it."""
+    policies = tuple(value)
+    if not policies:
+        raise OptionError("policies", policies, what)
+    for p in policies:
+        _check_policy("policies", p)
+    return policies
+
+
 def _layer_of(c: LayerCapture, n: int, what: str) -> int:
     """``c.layer``, checked against the ``n`` per-layer entries given. Raises: OptionError: too few."""
     if c.layer >= n:
@@ -92,17 +103,7 @@ class AdaKV(Policy):
 
     def __post_init__(self) -> None:
         _check_policy("inner", self.inner)
-        a = self.alpha
-        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a <= 1:
-            raise OptionError("alpha", a, "give the safeguard fraction in [0, 1] (Ada-KV uses 0.2).")
-
-    @property
-    def needs_all_queries(self) -> bool:
-        return self.inner.needs_all_queries
-
-    @property
-    def needs_reconstruction(self) -> bool:
-        return self.inner.needs_reconstruction
+        _check_fraction("alpha", self.alpha, "the safeguard fraction (Ada-KV uses 0.2)")
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
         return self.inner.checked_scores(c)
@@ -142,14 +143,6 @@ class PerLayerRatio(Policy):
     def scores(self, c: LayerCapture) -> torch.Tensor:
         return self.inner.checked_scores(c)
 
-    @property
-    def needs_all_queries(self) -> bool:
-        return self.inner.needs_all_queries
-
-    @property
-    def needs_reconstruction(self) -> bool:
-        return self.inner.needs_reconstruction
-
     def budget(self, c: LayerCapture, ratio: float) -> torch.Tensor:
         if self.ratios:
             ratio = self.ratios[_layer_of(c, len(self.ratios), "ratios")]
@@ -172,19 +165,7 @@ class PerLayer(Policy):
     policies: tuple[Policy, ...] = ()
 
     def __post_init__(self) -> None:
-        self.policies = tuple(self.policies)
-        if not self.policies:
-            raise OptionError("policies", self.policies, "give one policy per layer.")
-        for p in self.policies:
-            _check_policy("policies", p)
-
-    @property
-    def needs_all_queries(self) -> bool:
-        return any(p.needs_all_queries for p in self.policies)
-
-    @property
-    def needs_reconstruction(self) -> bool:
-        return any(p.needs_reconstruction for p in self.policies)
+        self.policies = _check_policies(self.policies, "give one policy per layer.")
 
     def _at(self, c: LayerCapture) -> Policy:
         return self.policies[_layer_of(c, len(self.policies), "policies")]
@@ -240,14 +221,6 @@ class CriticalKV(Policy):
         e = self.epsilon
         if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 <= e < float("inf"):
             raise OptionError("epsilon", e, "give a finite number >= 0 (CriticalKV uses 1e-4).")
-
-    @property
-    def needs_all_queries(self) -> bool:
-        return self.inner.needs_all_queries
-
-    @property
-    def needs_reconstruction(self) -> bool:
-        return self.inner.needs_reconstruction
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
         s = self.inner.checked_scores(c)
@@ -365,14 +338,6 @@ class ChunkKV(Policy):
         _check_policy("inner", self.inner)
         check_int("chunk", self.chunk, "give the chunk length in rows, a whole number >= 1 (ChunkKV: 10-20).")
 
-    @property
-    def needs_all_queries(self) -> bool:
-        return self.inner.needs_all_queries
-
-    @property
-    def needs_reconstruction(self) -> bool:
-        return self.inner.needs_reconstruction
-
     def scores(self, c: LayerCapture) -> torch.Tensor:
         return self.inner.checked_scores(c)
 
@@ -411,19 +376,7 @@ class Composed(Policy):
     policies: tuple[Policy, ...] = ()
 
     def __post_init__(self) -> None:
-        self.policies = tuple(self.policies)
-        if not self.policies:
-            raise OptionError("policies", self.policies, "give the policies to apply, first to last.")
-        for p in self.policies:
-            _check_policy("policies", p)
-
-    @property
-    def needs_all_queries(self) -> bool:
-        return any(p.needs_all_queries for p in self.policies)
-
-    @property
-    def needs_reconstruction(self) -> bool:
-        return any(p.needs_reconstruction for p in self.policies)
+        self.policies = _check_policies(self.policies, "give the policies to apply, first to last.")
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
         return self.policies[0].checked_scores(c)

@@ -6,6 +6,7 @@ duration of the prefill — nothing else in the process is patched."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,8 +19,9 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from eventkv.eviction.policies import LayerCapture
 from eventkv.kv.log import HEADER_ID
+from eventkv.kv.model import check_context, model_device, model_forward
 from eventkv.kv.prefill import prefill
-from eventkv.kv.rows import EventKV
+from eventkv.kv.rows import EventKV, cache_from_rows, cache_kv
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -159,11 +161,6 @@ def capture_reconstruction(
     Raises:
         EventKVError: the pass past the model's context (:func:`eventkv.kv.model.check_context`).
     """
-    import dataclasses
-
-    from eventkv.kv.model import check_context, model_device, model_forward
-    from eventkv.kv.rows import cache_from_rows
-
     ids = list(prompt_ids) + [t for toks in log.event_tokens for t in toks]
     start = log.history_end
     check_context(start + len(ids), getattr(model.config, "max_position_embeddings", None), what="reconstruction")
@@ -173,8 +170,6 @@ def capture_reconstruction(
     positions = torch.arange(start, start + len(ids), device=device)[None]
     with _capturing(model, len(ids)) as seen:
         model_forward(model, input_ids, positions, cache, logits_to_keep=1)
-    from eventkv.kv.rows import cache_kv
-
     every_key, _ = cache_kv(cache)  # per layer [1, kv_heads, rows + R, head_dim]
     out = []
     for layer, c in enumerate(captures):

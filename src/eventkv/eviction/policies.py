@@ -112,17 +112,24 @@ class Policy:
 
     name: ClassVar[str] = ""
 
+    def members(self) -> tuple[Policy, ...]:
+        """The policies inside this one — a wrapper's ``inner`` field, a composition's ``policies`` — whose
+        needs the capture must meet too (here none; a subclass with such fields has them)."""
+        inner = getattr(self, "inner", None)
+        return ((inner,) if isinstance(inner, Policy) else ()) + tuple(getattr(self, "policies", ()))
+
     @property
     def needs_all_queries(self) -> bool:
         """Whether :meth:`scores` reads every prefill query, not only the observation window's (a capture
-        then needs ``window >= rows``)."""
-        return False
+        then needs ``window >= rows``): here, whether any of :meth:`members` does."""
+        return any(m.needs_all_queries for m in self.members())
 
     @property
     def needs_reconstruction(self) -> bool:
         """Whether :meth:`scores` reads a reconstruction pass's queries and keys (``LayerCapture.extra_keys``:
-        :func:`eventkv.eviction.capture.capture_reconstruction`) instead of the observation window's."""
-        return False
+        :func:`eventkv.eviction.capture.capture_reconstruction`) instead of the observation window's: here,
+        whether any of :meth:`members` does."""
+        return any(m.needs_reconstruction for m in self.members())
 
     def scores(self, c: LayerCapture) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
@@ -476,14 +483,6 @@ class EventTopK(Policy):
     def __post_init__(self) -> None:
         if not isinstance(self.inner, Policy):
             raise OptionError("inner", self.inner, "give a policy (e.g. Knorm()) whose scores are pooled per event.")
-
-    @property
-    def needs_all_queries(self) -> bool:
-        return self.inner.needs_all_queries
-
-    @property
-    def needs_reconstruction(self) -> bool:
-        return self.inner.needs_reconstruction
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
         ev = c.need_events(self.name)

@@ -40,11 +40,10 @@ CONDITIONS = ("full", "global", "isolated")
 
 
 def _windows(policy) -> list[int]:
-    """The observation windows ``policy`` and the policies inside it read (``inner``, ``policies``)."""
+    """The observation windows ``policy`` and the policies inside it (``Policy.members``) read."""
     found = [policy.window] if isinstance(getattr(policy, "window", None), int) else []
-    for inner in [getattr(policy, "inner", None), *getattr(policy, "policies", ())]:
-        if inner is not None:
-            found += _windows(inner)
+    for inner in policy.members():
+        found += _windows(inner)
     return found
 
 
