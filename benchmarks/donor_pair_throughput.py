@@ -276,10 +276,10 @@ def main() -> None:
     )
     ap.add_argument(
         "--query-at",
-        default="history",
-        choices=("history", "last-served"),
-        help="where eventkv's kv and isolated arms ask: after the whole history, or right after the served "
-        "events as the study's script does (its question then starts where the script's does)",
+        default="last-served",
+        choices=("last-served", "history"),
+        help="where eventkv's kv and isolated arms ask: right after the served events, where the study's script "
+        "asks (the probe's default), or after the whole history",
     )
     ap.add_argument("--threads", type=int, default=None, help="torch threads (None: torch's own count)")
     ap.add_argument("--batch-pairs", type=int, default=1, help="also time kv,isolated N pairs at a time (N > 1)")

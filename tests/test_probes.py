@@ -168,16 +168,17 @@ def test_donor_pair_positions_and_served_rows_on_tiny_model():
 def test_donor_pair_asks_after_the_served_events_where_the_study_does():
     rt = tiny_runtime("qwen2")
     item = DonorPair().items(0, [2])[0]
-    at_end = DonorPair(max_new_tokens=2).run_item(rt, item)
-    after = DonorPair(max_new_tokens=2, query_at="last-served").run_item(rt, item)
+    at_end = DonorPair(max_new_tokens=2, query_at="history").run_item(rt, item)
+    after = DonorPair(max_new_tokens=2).run_item(rt, item)  # the default: right after the served events
     root = after["served_positions"]["e13"]  # [first position, width] of the root, the last served event
     assert after["query_position"]["kv"] == after["query_position"]["isolated"] == root[0] + root[1]
-    assert "query_position" not in at_end  # the default: every arm asks at history_end, the record as it was
+    assert at_end["query_position"]["kv"] == at_end["query_position"]["isolated"] == at_end["history_end"]
     assert at_end["history_end"] > after["query_position"]["kv"]
     assert after["query_position"]["text-all"] == at_end["history_end"]
     assert after["arms"]["kv"]["A"]["logprobs"] != at_end["arms"]["kv"]["A"]["logprobs"]  # the readout moved
     assert after["arms"]["text-all"] == at_end["arms"]["text-all"]  # the whole history: the same question
-    assert "query_at" not in DonorPair().options() and DonorPair(query_at="last-served").options()["query_at"]
+    assert DonorPair().options()["query_at"] == "last-served"
+    assert DonorPair.record_version == 4  # version 3 asked after the whole history: its folders do not resume
     with pytest.raises(EventKVError, match="query_at 'end'"):
         DonorPair(query_at="end")
 
@@ -212,6 +213,7 @@ def test_donor_pair_options_keep_their_keys_and_order():
         "instruction",
         "question",
         "answer_prefix",
+        "query_at",
     ]
     assert DonorPair(**json.loads(json.dumps(probe.options()))) == probe
 

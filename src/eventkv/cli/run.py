@@ -63,10 +63,10 @@ def donor_pair(
     max_new_tokens: int = MAX_NEW_TOKENS_OPTION,
     arms: str = typer.Option("kv,isolated,text-all,kv-all", "--arms", help="arms to run (kv is required)"),
     query_at: str = typer.Option(
-        "history",
+        "last-served",
         "--query-at",
-        help="where the kv and isolated arms ask: history (after the whole history) or last-served (right after "
-        "the served events, as the study's scripts ask)",
+        help="where the kv and isolated arms ask: last-served (right after the served events, as the study's "
+        "scripts ask) or history (after the whole history, where a memory asks)",
     ),
     *,
     readout: str,

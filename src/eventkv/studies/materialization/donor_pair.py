@@ -117,11 +117,11 @@ def last_state(text: str, states: Sequence[str]) -> str | None:
     return next(s for s in states if s.upper() == word)
 
 
-#: where the kv and isolated arms' question starts: after the whole history (eventkv's default: the rows at their
-#: original positions, the question where a memory asks it), or right after the served {decoy, root} tokens (the
-#: first study's scripts: ``kv_causal.py`` and ``kv_poscontrol.py`` start the question at the largest served
-#: position + 1)
-QUERY_AT = ("history", "last-served")
+#: where the kv and isolated arms' question starts: right after the served {decoy, root} tokens (the default, as the
+#: first study's scripts ask: ``kv_causal.py`` and ``kv_poscontrol.py`` start the question at the largest served
+#: position + 1), or after the whole history (the rows at their original positions, the question where a memory
+#: asks it)
+QUERY_AT = ("last-served", "history")
 
 
 @register
@@ -136,6 +136,9 @@ class DonorPair(PairLayout, PairProbe):
     # the engine's options: the probe's order of forwards and its record's ``stopped``
     shared_prefix: ClassVar[bool] = True
     record_stopped: ClassVar[bool] = True
+    #: 4: the kv and isolated arms ask right after the served tokens (``query_at="last-served"``), where version 3
+    #: asked after the whole history; every record names each arm's ``query_position``
+    record_version: ClassVar[int] = 4
 
     root_slot: int = 13
     decoy: str = "independent"
@@ -147,7 +150,7 @@ class DonorPair(PairLayout, PairProbe):
     instruction: str = INSTRUCTION
     question: str = QUESTION
     answer_prefix: str = "Answer:"
-    query_at: str = "history"
+    query_at: str = "last-served"
 
     # ------------------------------------------------------------------ recipe
     def validate(self) -> None:
@@ -176,14 +179,6 @@ class DonorPair(PairLayout, PairProbe):
                 "kv-all is checked against text-all; add text-all or drop kv-all.",
                 flag="--arms",
             )
-
-    def options(self) -> dict:
-        """Every option as a JSON-able dict, ``query_at`` only when it is not ``"history"``: a run folder's
-        identity at the default stays what it is without the key."""
-        opts = super().options()
-        if opts.get("query_at") == "history":
-            del opts["query_at"]
-        return opts
 
     def pair_arms(self) -> list[PairArm]:
         """The arms the engine answers: ``kv``, ``isolated`` and ``text-all`` among ``arm_names``."""
@@ -298,8 +293,7 @@ class DonorPair(PairLayout, PairProbe):
             "d": run.d,
             "kv_all_vs_text_all": check,
         }
-        if self.query_at != "history":  # where each arm asked (at the default: every arm at history_end)
-            rec["query_position"] = dict(run.query_position)
+        rec["query_position"] = dict(run.query_position)
         return rec
 
     # ------------------------------------------------------------------ statistics
