@@ -91,7 +91,7 @@ def test_summary_statistics_on_hand_made_records():
         (["--policy", "snapkv(pooling=mean)"], "pooling"),
         (["--policy", "expected(use_vnorm=yes)"], "use_vnorm must be true or false"),
         (["--policy", "snapkv(window=64)", "--window", "32"], "snapkv(window=64) reads the last 64 queries"),
-        (["--policy", "adakv", "--window", "8"], "adakv reads the last 32 queries"),  # its SnapKV's default window
+        (["--policy", "adakv", "--window", "8"], "adakv reads the last 64 queries"),  # its SnapKV's default window
         (["--policy", "composed(policies=knorm/think)", "--window", "8"], "reads the last 32 queries"),
         (["--policy", "knorm,knorm"], "give distinct policies"),
     ],

@@ -255,6 +255,13 @@ def test_cpu_linear_smoke(tiny_dir):
         row = one(rf"{shape} +\d+ +\d+ +([\d.]+)x +([\d.e+-]+)$")
         assert float(row.group(1)) > 0 and float(row.group(2)) < 1e-3
     assert float(one(r"sum over the shapes of the best times, torch's kernel / oneDNN: ([\d.]+)x$").group(1)) > 0
+    bf16, _ = run_benchmark(
+        "cpu_linear.py", ["--model", str(tiny_dir), "--smoke", "--threads", "1", "--dtype", "bfloat16"], 300
+    )
+    bf16(r"model .* \(bfloat16, cpu\); .*; avx512_bf16 .*, AMX tiles .*; ONEDNN_MAX_CPU_ISA ")
+    row = bf16(r"\[2, 22\] +\d+ +\d+ +([\d.]+)x +([\d.e+-]+)$")
+    assert float(row.group(1)) > 0 and float(row.group(2)) < 1.0  # bf16 logits against float32's: bf16 rounding
+    assert float(bf16(r"sum over the shapes of the best times, bfloat16 / float32 \(oneDNN\): ([\d.]+)x$").group(1)) > 0
 
 
 @pytest.mark.slow

@@ -230,8 +230,8 @@ def test_ratio_zero_keeps_everything_and_bad_input_is_named():
         if name == "kvzip":  # a reconstruction pass's keys, after the history
             on = dataclasses.replace(c, extra_keys=torch.randn(KV, 3, D), extra_positions=torch.arange(100, 103))
         assert keep_mask(make_policy(name, **settings.get(name, {})), on, 0.0).all(), name
-    with pytest.raises(OptionError, match="window 32"):
-        SnapKV().scores(c)  # 32 > the 4 captured queries: refused, not silently shortened
+    with pytest.raises(OptionError, match="window 64"):
+        SnapKV().scores(c)  # 64 > the 4 captured queries: refused, not silently shortened
     for bad in (1.0, -0.1, True, "0.5", float("nan")):
         with pytest.raises(OptionError, match="ratio"):
             keep_mask(Knorm(), c, bad)

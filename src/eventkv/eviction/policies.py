@@ -288,8 +288,9 @@ class SnapKV(Policy):
     the same, and the mean is kvpress's scale, which CriticalKV's epsilon is added to), averaged over each
     GQA group's query heads, smoothed by 1D pooling (``kernel``, ``pooling`` max or avg, stride 1,
     same length; avg counts the zero padding, as SnapKV's code and kvpress do), and the window's
-    own rows are always kept. Defaults: window 32, kernel 7, max; kvpress's SnapKVPress uses window
-    64, kernel 5, avg (``SnapKV(window=64, kernel=5, pooling="avg")``).
+    own rows are always kept. Defaults: window 64, kernel 5, avg, those of SnapKV's own code
+    (``SnapKVCluster`` in the authors' repository) and of kvpress's SnapKVPress; the paper's Section 5 runs
+    ``SnapKV(window=32, kernel=7, pooling="max")``.
 
     Raises:
         OptionError: ``window`` or ``kernel`` not a whole number >= 1, ``pooling`` not max/avg (on
@@ -298,12 +299,12 @@ class SnapKV(Policy):
     """
 
     name: ClassVar[str] = "snapkv"
-    window: int = 32
-    kernel: int = 7
-    pooling: str = "max"
+    window: int = 64
+    kernel: int = 5
+    pooling: str = "avg"
 
     def __post_init__(self) -> None:
-        check_int("window", self.window, "observe at least 1 query (a whole number; SnapKV uses 32).")
+        check_int("window", self.window, "observe at least 1 query (a whole number; SnapKV uses 64).")
         check_int("kernel", self.kernel, "pool over at least 1 row (a whole number; 1 = no pooling).")
         if self.pooling not in ("max", "avg"):
             raise OptionError("pooling", self.pooling, "use max or avg.")

@@ -60,12 +60,14 @@ class EvictionAudit(Probe):
     ``source_slots`` (the donor-pair layout)."""
 
     name: ClassVar[str] = "audit"
-    record_version: ClassVar[int] = 1
+    #: 2: SnapKV's and PyramidKV's defaults are window 64, kernel 5, avg pooling (version 1: 32, 7, max) and
+    #: ``--window`` defaults to 64, so a bare ``snapkv`` names other rows than in version 1
+    record_version: ClassVar[int] = 2
     smoke_options: ClassVar[dict] = {"policies": ("streaming", "knorm"), "ratios": (0.5,), "window": 8}
 
     policies: tuple[str, ...] = ("streaming", "snapkv", "knorm")
     ratios: tuple[float, ...] = (0.5, 0.75)
-    window: int = 32
+    window: int = 64
     sinks: int = 4
     states: tuple[str, ...] = ("ONLINE", "OFFLINE")
     answer_prefix: str = "Answer:"
@@ -110,7 +112,7 @@ class EvictionAudit(Probe):
                     "window",
                     self.window,
                     f"{spec} reads the last {window} queries (a policy inside it, when it names none: SnapKV's "
-                    f"default window is 32): give --window {window} or more, or the window in the spec.",
+                    f"default window is 64): give --window {window} or more, or the window in the spec.",
                     flag="--window",
                 )
         self._donor = DonorPair(
