@@ -226,3 +226,14 @@ def test_encode_alone_equals_serving_each_event_alone(family):
         torch.testing.assert_close(a, b, atol=ROW_TOL, rtol=0)
     with pytest.raises(EventKVError, match="at least one event"):
         encode_alone(rt.model, rt.header_kv(probe.instruction), [])
+
+
+def test_decode_padding_only_where_mkl_sgemm_has_its_step():
+    from eventkv.kv.readout import decode_padding
+
+    cpu = torch.device("cpu")
+    # float32 on torch's kernel: 2 and 3 sequences decode as 4, others as they are
+    assert [decode_padding(n, cpu) for n in (1, 2, 3, 4, 8)] == [0, 2, 1, 0, 0]
+    assert [decode_padding(n, cpu, "onednn") for n in (2, 3)] == [0, 0]  # oneDNN has no such step
+    assert [decode_padding(n, cpu, "torch", torch.bfloat16) for n in (2, 3)] == [0, 0]  # bf16 runs on oneDNN
+    assert decode_padding(2, torch.device("meta")) == 0  # not a CPU: never padded

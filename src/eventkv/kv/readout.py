@@ -199,7 +199,8 @@ def read_out(
     gens = [i for i, f in enumerate(generate) if f]
     if gens:
         dev = where[gens[0]][0].mask.device
-        rows = gens + [gens[0]] * decode_padding(len(gens), dev, linear_kernel_of(model))
+        dtype = next(model.parameters()).dtype
+        rows = gens + [gens[0]] * decode_padding(len(gens), dev, linear_kernel_of(model), dtype)
         room = max(budgets[i] for i in gens)
         batch, _, q = where[gens[0]]
         if len(groups) == 1 and rows == list(range(batch.size)):
@@ -348,16 +349,22 @@ def _fill_candidates(out: Readout, per: list[list[float]], candidates, texts) ->
 #: weights. Measured on an AMD EPYC (2 threads, float32), one decode step of qwen2.5-coder-1.5b: 302 / 651 /
 #: 921 / 581 ms for 1 / 2 / 3 / 4 sequences. oneDNN's linears (`eventkv.models.kernels`, what a float32
 #: model gets on a CPU) have no such step: 385 / 586 / 706 / 950 ms on the same CPU, so they are not padded.
+#: A bfloat16 model's CPU linears run on oneDNN inside torch (with AMX tiles where the CPU has them) and have no
+#: such step either: 188 / 188 / 190 / 190 ms for 1-4 sequences on an Intel Xeon with AMX, 208 / 208 / 226 / 243
+#: ms with oneDNN held to AVX512-BF16 (``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``; qwen2.5-coder-1.5b, 2 threads,
+#: ``benchmarks/cpu_linear.py --dtype bfloat16``), so padding would only cost there: bfloat16 is not padded.
 #: Each sequence keeps its own rows, positions and mask, so the padding changes its tokens only by float
 #: rounding. A GPU batches any size well: no padding there.
 CPU_DECODE_MIN_BATCH = 4
 
 
-def decode_padding(n: int, device: torch.device, linear_kernel: str = "torch") -> int:
+def decode_padding(
+    n: int, device: torch.device, linear_kernel: str = "torch", dtype: torch.dtype = torch.float32
+) -> int:
     """How many padding sequences a greedy decode of ``n`` sequences on ``device`` gets
-    (:data:`CPU_DECODE_MIN_BATCH`): ``4 - n`` for 2 or 3 sequences on a CPU whose linears run on torch's
-    own kernel, else 0."""
-    if torch.device(device).type != "cpu" or linear_kernel != "torch":
+    (:data:`CPU_DECODE_MIN_BATCH`): ``4 - n`` for 2 or 3 sequences of a float32 model on a CPU whose linears
+    run on torch's own kernel (MKL sgemm), else 0 (oneDNN, bfloat16, a GPU)."""
+    if torch.device(device).type != "cpu" or linear_kernel != "torch" or dtype != torch.float32:
         return 0
     return CPU_DECODE_MIN_BATCH - n if 1 < n < CPU_DECODE_MIN_BATCH else 0
 
