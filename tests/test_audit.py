@@ -88,9 +88,11 @@ def test_summary_statistics_on_hand_made_records():
         (["--policy", "snapkv(win=8)"], "snapkv has no setting 'win': its settings are window, kernel, pooling"),
         (["--policy", "snapkv(kernel=five)"], "kernel must be a whole number, not 'five'"),
         (["--policy", "snapkv(window=8"], "write settings as name(key=value,...)"),
-        (["--policy", "snapkv(pooling=mean)"], "pooling"),
+        (["--policy", "snapkv(pooling=mean)"], "--policy 'snapkv(pooling=mean)': pooling 'mean': use max or avg."),
+        (["--policy", "streaming(sinks=-1)"], "--policy 'streaming(sinks=-1)': sinks -1"),  # not the --sinks flag
+        (["--policy", "snapkv(window=0)"], "--policy 'snapkv(window=0)': window 0"),
         (["--policy", "expected(use_vnorm=yes)"], "use_vnorm must be true or false"),
-        (["--policy", "snapkv(window=64)", "--window", "32"], "snapkv(window=64) reads the last 64 queries"),
+        (["--policy", "snapkv(window=64)", "--window", "32"], "snapkv(window=64) reads the last 64 queries: give"),
         (["--policy", "adakv", "--window", "8"], "adakv reads the last 64 queries"),  # its SnapKV's default window
         (["--policy", "composed(policies=knorm/think)", "--window", "8"], "reads the last 32 queries"),
         (["--policy", "knorm,knorm"], "give distinct policies"),

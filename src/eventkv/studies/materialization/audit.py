@@ -106,13 +106,20 @@ class EvictionAudit(Probe):
         check_int("window", self.window, "observe at least 1 token.", flag="--window")
         check_int("sinks", self.sinks, "keep at least 0 sink positions.", minimum=0, flag="--sinks")
         for spec in self.policies:  # each policy checks its own parameters: refused here as in the library
-            window = max(_windows(self._policy(spec, 0)), default=0)
+            try:
+                policy = self._policy(spec, 0)
+            except OptionError as e:  # a setting inside the spec: name the spec, not a flag the command lacks
+                if e.flag == "--policy":
+                    raise
+                raise OptionError("policies", spec, str(e), flag="--policy") from None
+            window = max(_windows(policy), default=0)
             if window > self.window:  # every policy reads the one capture of --window queries, nested ones too
+                nested = " (a policy inside it, when it names none: SnapKV's default window is 64)"
                 raise OptionError(
                     "window",
                     self.window,
-                    f"{spec} reads the last {window} queries (a policy inside it, when it names none: SnapKV's "
-                    f"default window is 64): give --window {window} or more, or the window in the spec.",
+                    f"{spec} reads the last {window} queries{nested if policy.members() else ''}: give --window "
+                    f"{window} or more, or the window in the spec.",
                     flag="--window",
                 )
         self._donor = DonorPair(
