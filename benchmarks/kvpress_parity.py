@@ -22,7 +22,7 @@ each press's context manager (kvpress compresses every layer's cache after its p
 kvpress's presses are of two kinds, and the kept rows of each kind are read so:
 
 * Presses that shrink the cache (every ``ScorerPress`` — StreamingLLM, Knorm, SnapKV, TOVA,
-  ExpectedAttention, ObservedAttention, KeyDiff, PyramidKV, CriticalKV — and the wrappers
+  ExpectedAttention, ObservedAttention, KeyDiff, LagKV, PyramidKV, CriticalKV — and the wrappers
   ChunkKV, PerLayerCompression and Composed): each row left in the compressed cache is found in
   the full cache by its exact key and value vectors.
 * Presses that mask rather than shrink (AdaKV, CriticalAdaKV: head-wise budgets, which a
@@ -93,6 +93,7 @@ PRESSES = (
     # presses that wrap others, vary budgets per layer or head, or read every query (see the docstring)
     ("observed", "ObservedAttentionPress", {}),  # H2O; eager attention (see the docstring)
     ("keydiff", "KeyDiffPress", {}),
+    ("lagkv", "LagKVPress", {"n_sink": 4, "lag_size": 8}),  # 61 rows: 6 scored partitions of 8, a tail of 9
     ("adakv_snapkv", "AdaKVPress", {"press": SNAPKV, "alpha_safeguard": 0.2}),  # masks (docstring)
     ("criticalkv_snapkv", "CriticalKVPress", {"press": SNAPKV, "epsilon": 1e-4, "first_stage_ratio": 0.5}),
     (

@@ -422,7 +422,7 @@ def eventkv_policies(n_layers: int) -> dict:
         PerLayerRatio,
         PyramidKV,
     )
-    from eventkv.eviction.scorers import KeyDiff, ObservedAttention
+    from eventkv.eviction.scorers import KeyDiff, LagKV, ObservedAttention
 
     snap = SnapKV(window=8, kernel=5, pooling="avg")
     return {
@@ -433,6 +433,7 @@ def eventkv_policies(n_layers: int) -> dict:
         "expected": ExpectedAttention(horizon=512, sinks=4),
         "observed": ObservedAttention(),
         "keydiff": KeyDiff(),
+        "lagkv": LagKV(sinks=4, lag=8),
         "adakv_snapkv": AdaKV(inner=snap, alpha=0.2),
         "criticalkv_snapkv": CriticalKV(inner=snap, epsilon=1e-4, first_stage=0.5),
         "criticaladakv_snapkv": CriticalAdaKV(inner=snap, alpha=0.2, epsilon=1e-4, first_stage=0.5),

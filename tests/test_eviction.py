@@ -498,3 +498,60 @@ def test_masked_readout_serves_pruned_key_channels_as_zeros(llama):
     assert torch.allclose(torch.stack(a.generation.logits), torch.stack(b.generation.logits), atol=1e-6)
     c = read_out_masked(lm.model, ekv, {}, query, max_new_tokens=3, keep_logits=True)
     assert not torch.allclose(torch.stack(a.generation.logits), torch.stack(c.generation.logits))
+
+
+def _lag_capture(rows: int, seed: int = 0) -> LayerCapture:
+    g = torch.Generator().manual_seed(seed)
+    keys, values = torch.randn(2, rows, 6, generator=g), torch.randn(2, rows, 6, generator=g)
+    return LayerCapture(0, keys, values, torch.arange(rows))
+
+
+def test_lagkv_scores_each_partition_against_the_next_one():
+    from eventkv.eviction.scorers import LagKV
+
+    c = _lag_capture(4 + 3 * 4 + 2)  # 4 sinks, partitions of 4: two scored, the third and 2 rows more the tail
+    policy = LagKV(sinks=4, lag=4, cross_scoring=True)
+    s = policy.scores(c)
+    assert s[:, :4].eq(1).all() and s[:, 12:].eq(1).all()  # sinks and tail always kept
+
+    def by_hand(states: np.ndarray, head: int, part: int) -> np.ndarray:  # the paper's rule, one partition
+        x = states[head, 4 + 4 * part : 8 + 4 * part]
+        ref = states[head, 8 + 4 * part : 12 + 4 * part]
+        normed = (x - ref.min(axis=0)) / (ref.max(axis=0) - ref.min(axis=0))
+        spread = normed.std(axis=1, ddof=1)
+        return np.exp(spread) / np.exp(spread).sum()
+
+    keys, values = c.keys.double().numpy(), c.values.double().numpy()
+    for head in range(2):
+        for part in range(2):
+            want = (by_hand(keys, head, part) + by_hand(values, head, part)) / 2
+            got = s[head, 4 + 4 * part : 8 + 4 * part].numpy()
+            assert np.allclose(got, want, rtol=1e-12, atol=0)
+    ranked = LagKV(sinks=4, lag=4).scores(c)  # the default: ranks within the partition
+    for head in range(2):
+        for part in range(2):
+            block = ranked[head, 4 + 4 * part : 8 + 4 * part]
+            assert sorted(block.tolist()) == [0, 0.25, 0.5, 0.75]
+            assert block.argsort().tolist() == s[head, 4 + 4 * part : 8 + 4 * part].argsort().tolist()
+    # ranks tie across partitions: 13 of 18 rows kept = 4 sinks + 6 tail + both rank-0.75 rows + one of the two
+    # rank-0.5 rows, the later partition's (ties keep the later row)
+    m = keep_mask(LagKV(sinks=4, lag=4), c, 0.25)
+    for head in range(2):
+        kept = set(torch.nonzero(m[head]).flatten().tolist())
+        top = {r for r in range(4, 12) if ranked[head, r] == 0.75}
+        second = sorted(r for r in range(4, 12) if ranked[head, r] == 0.5)
+        assert kept == set(range(4)) | set(range(12, 18)) | top | {second[1]} and second[1] >= 8
+
+
+def test_lagkv_keeps_sinks_and_latest_rows_when_too_short_and_never_scores_nan():
+    from eventkv.eviction.scorers import LagKV
+
+    c = _lag_capture(4 + 2 * 8 - 1)  # one row short of two partitions of 8: 9 of 19 kept, sinks then latest
+    m = keep_mask(LagKV(sinks=4, lag=8), c, 0.5)
+    assert [sorted(torch.nonzero(row).flatten().tolist()) for row in m] == [[0, 1, 2, 3] + list(range(14, 19))] * 2
+    flat = _lag_capture(4 + 3 * 4)
+    flat.keys[:, 8:12, 0] = 1.0  # a reference channel with no spread: normalized to 0, not divided by 0
+    assert torch.isfinite(LagKV(sinks=4, lag=4, cross_scoring=True).scores(flat)).all()
+    for bad, match in (({"lag": 0}, "lag 0"), ({"sinks": -1}, "sinks -1"), ({"cross_scoring": "yes"}, "cross")):
+        with pytest.raises(OptionError, match=match):
+            LagKV(**bad)

@@ -230,6 +230,7 @@ POLICIES: Registry = Registry(
         "event-topk": "eventkv.eviction.policies:EventTopK",
         "observed": "eventkv.eviction.scorers:ObservedAttention",
         "keydiff": "eventkv.eviction.scorers:KeyDiff",
+        "lagkv": "eventkv.eviction.scorers:LagKV",
         "qfilter": "eventkv.eviction.scorers:QFilter",
         "kvzip": "eventkv.eviction.scorers:KVzip",
         "think": "eventkv.eviction.scorers:ThinK",

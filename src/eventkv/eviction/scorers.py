@@ -78,6 +78,64 @@ class KeyDiff(Policy):
 
 
 @dataclass
+class LagKV(Policy):
+    """Lag-relative statistics (Liang et al., "LagKV: Lag-Relative Information of the KV Cache Tells Which
+    Tokens Are Important", arXiv 2504.04704, Section 3; kvpress's LagKVPress): no query is read. After the
+    first ``sinks`` rows the rows are cut into partitions of ``lag`` rows; each partition's keys and values are
+    min-max normalized per channel by the *next* partition's minimum and maximum (its lag reference), and a
+    row's score in each of K and V is the softmax, over its partition, of the standard deviation of its
+    normalized channels (Bessel-corrected); the row's score is the mean of the two. The sinks, the last whole
+    partition and the rows after it (it has no reference) are always kept. With ``cross_scoring`` False (the
+    paper's and kvpress's default) a row scores its rank within its partition over ``lag``, so every partition
+    keeps the same count and equal ranks of different partitions tie (the later row kept, as every tie here);
+    True compares the softmax scores across partitions. A layer of fewer than ``sinks + 2 * lag`` rows is not
+    partitioned: the sinks and then the latest rows are kept. A channel whose reference minimum equals its
+    maximum normalizes to 0 (kvpress divides by zero there and scores NaN).
+
+    Raises:
+        OptionError: ``sinks`` not a whole number >= 0, ``lag`` not one >= 1, ``cross_scoring`` not a bool
+            (on construction).
+    """
+
+    name: ClassVar[str] = "lagkv"
+    sinks: int = 4
+    lag: int = 128
+    cross_scoring: bool = False
+
+    def __post_init__(self) -> None:
+        check_int("sinks", self.sinks, "keep at least 0 sink rows (a whole number; LagKV uses 4).", minimum=0)
+        check_int("lag", self.lag, "give a partition of at least 1 row (a whole number; LagKV uses 128).")
+        if not isinstance(self.cross_scoring, bool):
+            raise OptionError("cross_scoring", self.cross_scoring, "give true or false.")
+
+    def scores(self, c: LayerCapture) -> torch.Tensor:
+        n, sinks, lag = c.rows, self.sinks, self.lag
+        out = torch.ones(c.kv_heads, n, dtype=torch.float64, device=c.keys.device)
+        if n < sinks + 2 * lag:  # too short to partition: the sinks, then the latest rows
+            if n > sinks:
+                out[:, sinks:] = torch.arange(n - sinks, dtype=torch.float64, device=out.device) / (n - sinks)
+            return out
+        parts = (n - sinks) // lag  # whole partitions; the last of them, and the rows after it, are the kept tail
+        end = sinks + (parts - 1) * lag
+        score = (self._partition_scores(c.keys, parts) + self._partition_scores(c.values, parts)) / 2
+        if not self.cross_scoring:  # rank within the partition: 0 for the lowest, (lag - 1) / lag for the highest
+            score = score.argsort(dim=-1).argsort(dim=-1).double() / lag
+        out[:, sinks:end] = score.reshape(c.kv_heads, -1)
+        return out
+
+    def _partition_scores(self, states: torch.Tensor, parts: int) -> torch.Tensor:
+        """``[kv_heads, parts - 1, lag]`` float64: each scored row's softmax (over its partition) of the standard
+        deviation of its channels, min-max normalized by the next partition's."""
+        kv_heads, _, dim = states.shape
+        x = states[:, self.sinks : self.sinks + parts * self.lag].double().reshape(kv_heads, parts, self.lag, dim)
+        ref = x[:, 1:]
+        low, high = ref.amin(dim=2, keepdim=True), ref.amax(dim=2, keepdim=True)
+        span = high - low
+        normed = torch.where(span > 0, (x[:, :-1] - low) / torch.where(span > 0, span, 1.0), 0.0)
+        return normed.std(dim=-1).softmax(dim=-1)
+
+
+@dataclass
 class QFilter(Policy):
     """Q-Filters (Godey et al., "Q-Filters: Leveraging Query-Key Geometry for Efficient Key-Value Cache
     Compression", arXiv 2503.02812, Sections 3-4): the queries of a head lie mostly along one direction, and a
