@@ -94,6 +94,9 @@ PRESSES = (
     ("observed", "ObservedAttentionPress", {}),  # H2O; eager attention (see the docstring)
     ("keydiff", "KeyDiffPress", {}),
     ("lagkv", "LagKVPress", {"n_sink": 4, "lag_size": 8}),  # 61 rows: 6 scored partitions of 8, a tail of 9
+    # lazy layers by the last query's attention (0.3: three of the four layers lazy, shares 0.19-0.41); no ratio is
+    # read, so its two cells are the same press
+    ("simlayerkv", "SimLayerKVPress", {"lazy_threshold": 0.3, "n_recent": 16, "n_initial": 4, "n_last": 1}),
     ("adakv_snapkv", "AdaKVPress", {"press": SNAPKV, "alpha_safeguard": 0.2}),  # masks (docstring)
     ("criticalkv_snapkv", "CriticalKVPress", {"press": SNAPKV, "epsilon": 1e-4, "first_stage_ratio": 0.5}),
     (

@@ -421,6 +421,7 @@ def eventkv_policies(n_layers: int) -> dict:
         CriticalKV,
         PerLayerRatio,
         PyramidKV,
+        SimLayerKV,
     )
     from eventkv.eviction.scorers import KeyDiff, LagKV, ObservedAttention
 
@@ -434,6 +435,7 @@ def eventkv_policies(n_layers: int) -> dict:
         "observed": ObservedAttention(),
         "keydiff": KeyDiff(),
         "lagkv": LagKV(sinks=4, lag=8),
+        "simlayerkv": SimLayerKV(threshold=0.3, recent=16),
         "adakv_snapkv": AdaKV(inner=snap, alpha=0.2),
         "criticalkv_snapkv": CriticalKV(inner=snap, epsilon=1e-4, first_stage=0.5),
         "criticaladakv_snapkv": CriticalAdaKV(inner=snap, alpha=0.2, epsilon=1e-4, first_stage=0.5),

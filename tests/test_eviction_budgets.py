@@ -276,3 +276,30 @@ def test_think_prunes_the_key_channels_of_least_query_key_weight():
         both.key_channels(c, 0.3), ch
     )
     assert Knorm().key_channels(c, 0.3) is None and Composed(policies=(Knorm(),)).key_channels(c, 0.3) is None
+
+
+def test_simlayerkv_keeps_first_and_latest_rows_of_lazy_layers_only():
+    from eventkv.eviction.budgets import SimLayerKV
+
+    g = torch.Generator().manual_seed(3)
+    rows, heads, kv_heads, dim = 30, 4, 2, 8
+    keys = torch.randn(kv_heads, rows, dim, generator=g)
+    queries = torch.randn(heads, 1, dim, generator=g)
+    c = LayerCapture(
+        0, keys, torch.randn(kv_heads, rows, dim, generator=g), torch.arange(rows), queries, torch.tensor([rows - 1])
+    )
+    # the share by hand: the last query's softmax over every row, averaged over the heads, on rows 0-3 and 21-28
+    k = keys.double().repeat_interleave(heads // kv_heads, dim=0)  # [heads, rows, dim]
+    att = torch.softmax((queries.double() @ k.transpose(1, 2))[:, 0] / dim**0.5, dim=-1).mean(dim=0)
+    share = float(att[:4].sum() + att[rows - 1 - 8 : rows - 1].sum())
+    below, above = SimLayerKV(threshold=share - 1e-9, recent=8), SimLayerKV(threshold=share + 1e-9, recent=8)
+    assert below.lazy(c) and not above.lazy(c)
+    kept = [sorted(torch.nonzero(h).flatten().tolist()) for h in keep_mask(below, c, 0.5)]
+    assert kept == [[0, 1, 2, 3, *range(rows - 7, rows)]] * kv_heads  # 4 initial + recent - last = 7 latest
+    assert keep_mask(below, c, 0.75).equal(keep_mask(below, c, 0.5))  # the ratio is not read ...
+    assert keep_mask(below, c, 0.0).all() and keep_mask(above, c, 0.5).all()  # ... but 0 keeps all; not lazy: all
+    assert keep_mask(SimLayerKV(threshold=1.0, recent=8), c, 0.5).all()  # threshold 1: off, as kvpress
+    assert keep_mask(SimLayerKV(threshold=0.0, recent=25), c, 0.5).all()  # 30 rows <= 4 + 25 + 1: too short
+    for bad, match in (({"threshold": 1.5}, "threshold 1.5"), ({"recent": 0}, "recent 0"), ({"last": 0}, "last 0")):
+        with pytest.raises(OptionError, match=match):
+            SimLayerKV(**bad)

@@ -19,7 +19,16 @@ import pytest
 import torch
 
 from eventkv.eviction import ExpectedAttention, Knorm, SnapKV, StreamingLLM, Tova, keep_mask
-from eventkv.eviction.budgets import AdaKV, ChunkKV, Composed, CriticalAdaKV, CriticalKV, PerLayerRatio, PyramidKV
+from eventkv.eviction.budgets import (
+    AdaKV,
+    ChunkKV,
+    Composed,
+    CriticalAdaKV,
+    CriticalKV,
+    PerLayerRatio,
+    PyramidKV,
+    SimLayerKV,
+)
 from eventkv.eviction.capture import capture_prefill
 from eventkv.eviction.policies import kept_count
 from eventkv.eviction.scorers import KeyDiff, LagKV, ObservedAttention, ThinK
@@ -41,6 +50,7 @@ POLICY = {
     "observed": ObservedAttention(),  # ObservedAttentionPress() (eager attention)
     "keydiff": KeyDiff(),  # KeyDiffPress()
     "lagkv": LagKV(sinks=4, lag=8),  # LagKVPress(n_sink=4, lag_size=8)
+    "simlayerkv": SimLayerKV(threshold=0.3, recent=16),  # SimLayerKVPress(0.3, n_recent=16, n_initial=4, n_last=1)
     "adakv_snapkv": AdaKV(inner=SNAP, alpha=0.2),  # AdaKVPress(SnapKV, alpha_safeguard=0.2)
     "criticalkv_snapkv": CriticalKV(inner=SNAP, epsilon=1e-4, first_stage=0.5),  # CriticalKVPress(SnapKV)
     "criticaladakv_snapkv": CriticalAdaKV(inner=SNAP, alpha=0.2, epsilon=1e-4, first_stage=0.5),

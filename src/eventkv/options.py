@@ -231,6 +231,7 @@ POLICIES: Registry = Registry(
         "observed": "eventkv.eviction.scorers:ObservedAttention",
         "keydiff": "eventkv.eviction.scorers:KeyDiff",
         "lagkv": "eventkv.eviction.scorers:LagKV",
+        "simlayerkv": "eventkv.eviction.budgets:SimLayerKV",
         "qfilter": "eventkv.eviction.scorers:QFilter",
         "kvzip": "eventkv.eviction.scorers:KVzip",
         "think": "eventkv.eviction.scorers:ThinK",

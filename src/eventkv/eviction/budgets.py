@@ -500,3 +500,60 @@ class DuoAttention(Policy):
 
     def budget(self, c: LayerCapture, ratio: float) -> torch.Tensor:
         return self.mask(c, ratio).sum(dim=1)
+
+
+@dataclass
+class SimLayerKV(Policy):
+    """Lazy layers keep only their first and latest rows (Zhang et al., "SimLayerKV: A Simple Framework for
+    Layer-Level KV Cache Reduction", arXiv 2410.13846, Section 3; kvpress's SimLayerKVPress): a layer is lazy
+    when the last ``last`` prefill queries put more than ``threshold`` of their softmax attention — averaged
+    over every query head and those queries, over the rows before them — on the first ``initial`` and the
+    latest ``recent`` of those rows. A lazy layer keeps its first ``initial`` rows and its latest
+    ``recent - last`` rows (kvpress's count), every KV head alike; any other layer keeps every row. The decision
+    is per layer, so the compression ratio is not read, except that a ratio of 0 keeps every row (as with every
+    policy); a layer of at most ``initial + recent + last`` rows is never compressed. The threshold is per model
+    family in the paper and kvpress (Llama 3 0.9, Llama 2 0.65, Mistral 0.8, Qwen 0.85); the default here is
+    0.9, and ``threshold=1`` turns the policy off, as in kvpress.
+
+    Raises:
+        OptionError: ``threshold`` not a number in [0, 1], ``initial``, ``recent`` or ``last`` not whole numbers
+            (``initial`` >= 0, the others >= 1) (on construction); a capture without the last ``last`` queries
+            (on scoring).
+    """
+
+    name: ClassVar[str] = "simlayerkv"
+    threshold: float = 0.9
+    initial: int = 4
+    recent: int = 1024
+    last: int = 1
+
+    def __post_init__(self) -> None:
+        _check_fraction("threshold", self.threshold, "the attention share that makes a layer lazy")
+        check_int("initial", self.initial, "keep at least 0 initial rows (SimLayerKV uses 4).", minimum=0)
+        check_int("recent", self.recent, "keep at least 1 recent row (SimLayerKV uses 1024).")
+        check_int("last", self.last, "read at least 1 last query (SimLayerKV uses 1).")
+
+    def lazy(self, c: LayerCapture) -> bool:
+        """Whether layer ``c`` is lazy: the share of the last queries' attention on the first and latest rows
+        before them, above ``threshold``; False for a layer too short to compress or with ``threshold`` 1."""
+        if self.threshold >= 1 or c.rows <= self.initial + self.recent + self.last:
+            return False
+        q, _ = c.need_queries(self.name)
+        if q.shape[1] < self.last:
+            raise OptionError("last", self.last, f"the capture holds {q.shape[1]} queries: capture at least last.")
+        att = window_attention(c, self.name, self.last)[:, :, : c.rows - self.last].mean(dim=(0, 1))
+        share = att[: self.initial].sum() + att[-self.recent :].sum()
+        return bool(share > self.threshold)
+
+    def scores(self, c: LayerCapture) -> torch.Tensor:
+        """1 for the first ``initial`` and the latest ``recent - last`` rows (row order), 0 for the others."""
+        s = torch.zeros(c.kv_heads, c.rows, dtype=torch.float64, device=c.keys.device)
+        s[:, : self.initial] = 1
+        if self.recent > self.last:
+            s[:, c.rows - (self.recent - self.last) :] = 1
+        return s
+
+    def budget(self, c: LayerCapture, ratio: float) -> torch.Tensor:
+        kept_count(c.rows, ratio)  # checks the ratio
+        n = c.rows if ratio == 0 or not self.lazy(c) else self.initial + self.recent - self.last
+        return torch.full((c.kv_heads,), n, dtype=torch.long, device=c.keys.device)
