@@ -300,6 +300,12 @@ def test_simlayerkv_keeps_first_and_latest_rows_of_lazy_layers_only():
     assert keep_mask(below, c, 0.0).all() and keep_mask(above, c, 0.5).all()  # ... but 0 keeps all; not lazy: all
     assert keep_mask(SimLayerKV(threshold=1.0, recent=8), c, 0.5).all()  # threshold 1: off, as kvpress
     assert keep_mask(SimLayerKV(threshold=0.0, recent=25), c, 0.5).all()  # 30 rows <= 4 + 25 + 1: too short
-    for bad, match in (({"threshold": 1.5}, "threshold 1.5"), ({"recent": 0}, "recent 0"), ({"last": 0}, "last 0")):
+    bad_settings = (
+        ({"threshold": 1.5}, "threshold 1.5"),
+        ({"recent": 0}, "recent 0"),
+        ({"last": 0}, "last 0"),
+        ({"recent": 2, "last": 5}, "recent 2: keep more recent rows than last queries"),
+    )
+    for bad, match in bad_settings:
         with pytest.raises(OptionError, match=match):
             SimLayerKV(**bad)

@@ -517,8 +517,8 @@ class SimLayerKV(Policy):
 
     Raises:
         OptionError: ``threshold`` not a number in [0, 1], ``initial``, ``recent`` or ``last`` not whole numbers
-            (``initial`` >= 0, the others >= 1) (on construction); a capture without the last ``last`` queries
-            (on scoring).
+            (``initial`` >= 0, the others >= 1), ``recent`` not above ``last`` (on construction); a capture without
+            the last ``last`` queries (on scoring).
     """
 
     name: ClassVar[str] = "simlayerkv"
@@ -532,6 +532,12 @@ class SimLayerKV(Policy):
         check_int("initial", self.initial, "keep at least 0 initial rows (SimLayerKV uses 4).", minimum=0)
         check_int("recent", self.recent, "keep at least 1 recent row (SimLayerKV uses 1024).")
         check_int("last", self.last, "read at least 1 last query (SimLayerKV uses 1).")
+        if self.recent <= self.last:
+            raise OptionError(
+                "recent",
+                self.recent,
+                f"keep more recent rows than last queries ({self.last}): a lazy layer keeps recent - last.",
+            )
 
     def lazy(self, c: LayerCapture) -> bool:
         """Whether layer ``c`` is lazy: the share of the last queries' attention on the first and latest rows
@@ -546,7 +552,8 @@ class SimLayerKV(Policy):
         return bool(share > self.threshold)
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
-        """1 for the first ``initial`` and the latest ``recent - last`` rows (row order), 0 for the others."""
+        """``[kv_heads, rows]`` float64: 1 for the first ``initial`` and the latest ``recent - last`` rows (row
+        order), 0 for the others."""
         s = torch.zeros(c.kv_heads, c.rows, dtype=torch.float64, device=c.keys.device)
         s[:, : self.initial] = 1
         if self.recent > self.last:
@@ -554,6 +561,12 @@ class SimLayerKV(Policy):
         return s
 
     def budget(self, c: LayerCapture, ratio: float) -> torch.Tensor:
+        """``[kv_heads]`` int64: ``initial + recent - last`` in every head of a lazy layer, else every row (and
+        every row at ``ratio`` 0); not ``kept_count``: the ratio is not read.
+
+        Raises:
+            OptionError: ``ratio`` outside [0, 1).
+        """
         kept_count(c.rows, ratio)  # checks the ratio
         n = c.rows if ratio == 0 or not self.lazy(c) else self.initial + self.recent - self.last
         return torch.full((c.kv_heads,), n, dtype=torch.long, device=c.keys.device)

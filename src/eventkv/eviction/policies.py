@@ -550,7 +550,8 @@ def keep_mask(policy: Policy, c: LayerCapture, ratio: float) -> torch.Tensor:
     """The rows a policy keeps at compression ratio ``ratio`` (fraction evicted): :meth:`Policy.mask`, by
     default :func:`kept_count` rows per KV head; a policy with per-layer or per-head budgets
     (``eventkv.eviction.budgets``) keeps other counts per head, ``kept_count`` on average over the layer's
-    heads (per-head budgets) or over the layers (per-layer budgets).
+    heads (per-head budgets) or over the layers (per-layer budgets; SimLayerKV, whose lazy layers set the count,
+    reads no ratio but 0).
 
     Returns:
         ``[kv_heads, rows]`` bool.

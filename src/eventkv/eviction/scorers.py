@@ -85,12 +85,13 @@ class LagKV(Policy):
     min-max normalized per channel by the *next* partition's minimum and maximum (its lag reference), and a
     row's score in each of K and V is the softmax, over its partition, of the standard deviation of its
     normalized channels (Bessel-corrected); the row's score is the mean of the two. The sinks, the last whole
-    partition and the rows after it (it has no reference) are always kept. With ``cross_scoring`` False (the
-    paper's and kvpress's default) a row scores its rank within its partition over ``lag``, so every partition
-    keeps the same count and equal ranks of different partitions tie (the later row kept, as every tie here);
-    True compares the softmax scores across partitions. A layer of fewer than ``sinks + 2 * lag`` rows is not
-    partitioned: the sinks and then the latest rows are kept. A channel whose reference minimum equals its
-    maximum normalizes to 0 (kvpress divides by zero there and scores NaN).
+    partition and the rows after it (it has no reference) score above every other row, so they are kept first
+    (where the budget holds fewer rows than they are, the latest of them, as every tie here). With
+    ``cross_scoring`` False (the paper's and kvpress's default) a row scores its rank within its partition over
+    ``lag``, so every partition keeps the same count and equal ranks of different partitions tie (the later row
+    kept, as every tie here); True compares the softmax scores across partitions. A layer of fewer than
+    ``sinks + 2 * lag`` rows is not partitioned: the sinks and then the latest rows are kept. A channel whose
+    reference minimum equals its maximum normalizes to 0 (kvpress divides by zero there and scores NaN).
 
     Raises:
         OptionError: ``sinks`` not a whole number >= 0, ``lag`` not one >= 1, ``cross_scoring`` not a bool
@@ -109,6 +110,8 @@ class LagKV(Policy):
             raise OptionError("cross_scoring", self.cross_scoring, "give true or false.")
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
+        """``[kv_heads, rows]`` float64: 1 for the sinks and the tail, the rank over ``lag`` (or with
+        ``cross_scoring`` the softmax score) for the partitioned rows; the short-layer ramp below ``sinks + 2 lag``."""
         n, sinks, lag = c.rows, self.sinks, self.lag
         out = torch.ones(c.kv_heads, n, dtype=torch.float64, device=c.keys.device)
         if n < sinks + 2 * lag:  # too short to partition: the sinks, then the latest rows
