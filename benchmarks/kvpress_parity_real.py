@@ -344,6 +344,7 @@ def kvpress_side(args) -> None:
             "tova": kvpress.TOVAPress(),
             "expected": kvpress.ExpectedAttentionPress(n_future_positions=512, n_sink=4),
             "keydiff": kvpress.KeyDiffPress(),
+            "lagkv": kvpress.LagKVPress(n_sink=4, lag_size=8),
             **{
                 f"criticalkv@{r:g}": kvpress.CriticalKVPress(
                     kvpress.SnapKVPress(compression_ratio=r, **snap), epsilon=1e-4, first_stage_ratio=0.5
@@ -495,7 +496,7 @@ def eventkv_side(args) -> None:
     from eventkv.eviction import Knorm, keep_mask
     from eventkv.eviction.budgets import _one_head, safeguard, top_cells
     from eventkv.eviction.capture import capture_prefill
-    from eventkv.eviction.policies import kept_count, top_rows
+    from eventkv.eviction.policies import kept_count, top_rows, window_attention
     from eventkv.kv.log import TokenizedLog
 
     transformers.utils.logging.disable_progress_bar()
@@ -627,6 +628,7 @@ def eventkv_side(args) -> None:
                             top_cells=top_cells,
                             kept_count=kept_count,
                             top_rows=top_rows,
+                            window_attention=window_attention,
                             dataclasses=dataclasses,
                         ),
                     )
@@ -715,7 +717,7 @@ def _explain(name, c, ratio, mask, theirs, same_heads, policy, ev_of, kvs_of, ce
             return " (all in SnapKV's window: kept count below the window, kvpress's window rows tie)"
         return ""
 
-    if name in ("streaming", "knorm", "snapkv", "tova", "expected", "observed", "keydiff"):
+    if name in ("streaming", "knorm", "snapkv", "tova", "expected", "observed", "keydiff", "lagkv"):
         kv = kvs_of(name if name != "streaming" else f"streaming@{ratio:g}")[c.layer]
         ev = ev_of(name, c)
         for h in diff_heads:
@@ -836,6 +838,19 @@ def _explain(name, c, ratio, mask, theirs, same_heads, policy, ev_of, kvs_of, ce
             s_ev[kept1.numpy()] = h_["Knorm"]().scores(sub)[0].numpy()
             f = head_finding(h, s_ev, kn[h], " (stage 2, Knorm on the same SnapKV rows)")
             out.append(f)
+    elif name == "simlayerkv":  # one decision per layer: lazy on one side only
+        att = h_["window_attention"](c, name, policy.last)[:, :, : rows - policy.last].mean(dim=(0, 1))
+        share = float(att[: policy.initial].sum() + att[-policy.recent :].sum())
+        margin = share - policy.threshold
+        out.append(
+            {
+                "class": "a:near" if abs(margin) <= NEAR_REL * policy.threshold else "b",
+                "heads": len(diff_heads),
+                "what": f"layer lazy on {'eventkv' if policy.lazy(c) else 'kvpress'}'s side only: eventkv's share "
+                f"{share:.7f} against the threshold {policy.threshold}",
+                "gap": {"ev": {"gap": margin, "rel": abs(margin) / policy.threshold}},
+            }
+        )
     else:
         raise SystemExit(f"no explanation rule for {name}")
     return out
