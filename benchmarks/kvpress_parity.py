@@ -181,20 +181,25 @@ def kept_indices(full, compressed) -> list[list[list[int]]]:
     return out
 
 
+def masked_by_head(masked, kv_heads: int) -> list[set[int]]:
+    """Per KV head the rows a masking press's ``masked_key_indices`` (``(batch, head, row)`` index tensors, or
+    None) names; also read by ``kvpress_parity_real.py``."""
+    heads: list[set[int]] = [set() for _ in range(kv_heads)]
+    if masked is not None:
+        batch, head, row = masked
+        if bool((batch != 0).any()):
+            raise SystemExit("a masked row of a batch other than the one prompt")
+        for h, r in zip(head.tolist(), row.tolist()):
+            heads[h].add(r)
+    return heads
+
+
 def masked_rows(model) -> list[list[set[int]]]:
     """Per layer and KV head, the rows the last run's masking press masked (``masked_key_indices``)."""
-    out = []
-    for layer in model.model.layers:
-        heads = [set() for _ in range(CONFIG["num_key_value_heads"])]
-        masked = getattr(layer.self_attn, "masked_key_indices", None)
-        if masked is not None:
-            batch, head, row = masked
-            if bool((batch != 0).any()):
-                raise SystemExit("a masked row of a batch other than the one prompt")
-            for h, r in zip(head.tolist(), row.tolist()):
-                heads[h].add(r)
-        out.append(heads)
-    return out
+    return [
+        masked_by_head(getattr(layer.self_attn, "masked_key_indices", None), CONFIG["num_key_value_heads"])
+        for layer in model.model.layers
+    ]
 
 
 def press_kept(model, ids: list[int], full, press) -> list[list[list[int]]]:

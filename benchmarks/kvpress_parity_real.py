@@ -212,13 +212,7 @@ def _kept_rows(lut, keys: torch.Tensor, values: torch.Tensor, masked) -> list[li
     """Per KV head the sorted full-cache rows of the compressed ``keys``/``values`` (``[heads, kept, d]``),
     less the rows ``masked`` (``masked_key_indices`` or None) names for the head."""
     kv = torch.cat([keys, values], dim=-1).contiguous().numpy()
-    gone = [set() for _ in range(kv.shape[0])]
-    if masked is not None:
-        batch, head, row = masked
-        if bool((batch != 0).any()):
-            raise SystemExit("a masked row of a batch other than the one prompt")
-        for h, r in zip(head.tolist(), row.tolist()):
-            gone[h].add(r)
+    gone = _tiny.masked_by_head(masked, kv.shape[0])
     out = []
     for h in range(kv.shape[0]):
         rows = [lut[h][kv[h, i].tobytes()] for i in range(kv.shape[1])]  # KeyError: a row not in the full cache

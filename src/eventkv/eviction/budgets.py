@@ -556,8 +556,7 @@ class SimLayerKV(Policy):
         order), 0 for the others."""
         s = torch.zeros(c.kv_heads, c.rows, dtype=torch.float64, device=c.keys.device)
         s[:, : self.initial] = 1
-        if self.recent > self.last:
-            s[:, c.rows - (self.recent - self.last) :] = 1
+        s[:, c.rows - (self.recent - self.last) :] = 1  # recent > last: checked on construction
         return s
 
     def budget(self, c: LayerCapture, ratio: float) -> torch.Tensor:

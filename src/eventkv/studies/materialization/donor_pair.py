@@ -463,9 +463,8 @@ def summarize_donor_pairs(records: Sequence[dict], probe: DonorPair) -> Summary:
     where = {
         "last-served": "right after the last served token (query_at last-served, where the first study asks)",
         "history": "after the whole history (query_at history, where a memory asks)",
-    }.get(str(getattr(probe, "query_at", "")))
-    if where:
-        notes.append(f"kv and isolated asked {where}; text-all after the whole history.")
+    }[probe.query_at]
+    notes.append(f"kv and isolated asked {where}; text-all after the whole history.")
     checks = [r["kv_all_vs_text_all"] for r in records if r.get("kv_all_vs_text_all")]
     if checks:
         same = sum(1 for c in checks if c["rows_and_positions_equal"])
