@@ -71,6 +71,13 @@ def check_int(field: str, value, allowed: str, *, minimum: int = 1, flag: str | 
     return value
 
 
+def check_bool(field: str, value, allowed: str, *, flag: str | None = None) -> bool:
+    """``value`` if it is a bool (not 1 or 0); else OptionError(field, value, allowed)."""
+    if not isinstance(value, bool):
+        raise OptionError(field, value, allowed, flag)
+    return value
+
+
 def check_optional_int(field: str, value, allowed: str, *, minimum: int = 1, flag: str | None = None) -> int | None:
     """Like :func:`check_int`, but None (the option left out) passes."""
     return None if value is None else check_int(field, value, allowed, minimum=minimum, flag=flag)

@@ -32,7 +32,7 @@ from typing import Callable, ClassVar
 import torch
 
 from eventkv.errors import OptionError
-from eventkv.options import check_int
+from eventkv.options import check_bool, check_int
 
 
 @dataclass
@@ -210,11 +210,6 @@ def per_kv_head(att: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return att.reshape(kv_heads, att.shape[0] // kv_heads, att.shape[-1]).mean(dim=1)
 
 
-def _check_bool(field_name: str, value, allowed: str) -> None:
-    if not isinstance(value, bool):
-        raise OptionError(field_name, value, allowed)
-
-
 def _sink_rows(c: LayerCapture, sinks: int) -> torch.Tensor:
     """``[rows]`` bool: the rows at the first ``sinks`` positions (all rows when there are fewer)."""
     sink = torch.zeros(c.rows, dtype=torch.bool, device=c.positions.device)
@@ -388,8 +383,8 @@ class ExpectedAttention(Policy):
     def __post_init__(self) -> None:
         check_int("horizon", self.horizon, "average RoPE over at least 1 future position (kvpress uses 512).")
         check_int("sinks", self.sinks, "keep 0 or more sink positions (a whole number; kvpress keeps 4).", minimum=0)
-        _check_bool("use_covariance", self.use_covariance, "give True or False.")
-        _check_bool("use_vnorm", self.use_vnorm, "give True or False.")
+        check_bool("use_covariance", self.use_covariance, "give True or False.")
+        check_bool("use_vnorm", self.use_vnorm, "give True or False.")
         if (
             isinstance(self.epsilon, bool)
             or not isinstance(self.epsilon, (int, float))

@@ -22,13 +22,12 @@ from eventkv.errors import OptionError
 from eventkv.eviction.policies import (
     LayerCapture,
     Policy,
-    _check_bool,
     kept_count,
     per_kv_head,
     top_rows,
     window_attention,
 )
-from eventkv.options import check_int
+from eventkv.options import check_bool, check_int
 
 
 @dataclass
@@ -114,7 +113,7 @@ class LagKV(Policy):
     def __post_init__(self) -> None:
         check_int("sinks", self.sinks, "keep at least 0 sink rows (a whole number; LagKV uses 4).", minimum=0)
         check_int("lag", self.lag, "give a partition of at least 1 row (a whole number; LagKV uses 128).")
-        _check_bool("cross_scoring", self.cross_scoring, "give true or false.")
+        check_bool("cross_scoring", self.cross_scoring, "give true or false.")
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
         """``[kv_heads, rows]`` float64: 1 for the sinks and the tail, the rank over ``lag`` (or with
