@@ -18,7 +18,7 @@ from eventkv.kv.log import tokenize_query
 from eventkv.kv.readout import read_out
 from eventkv.kv.serve import serve
 from eventkv.studies.materialization.donor_pair import DonorPair
-from eventkv.studies.materialization.pairs import PrefillCache, tokenize_pair
+from eventkv.studies.materialization.pairs import PrefillCache, leading_log, tokenize_pair
 
 FAMILIES = ["llama", "qwen2", "gemma3"]
 #: float32 on CPU: batched matmuls at other shapes round differently; measured differences here are ~1e-6
@@ -237,3 +237,33 @@ def test_decode_padding_only_where_mkl_sgemm_has_its_step():
     assert [decode_padding(n, cpu, "onednn") for n in (2, 3)] == [0, 0]  # oneDNN has no such step
     assert [decode_padding(n, cpu, "torch", torch.bfloat16) for n in (2, 3)] == [0, 0]  # bf16 runs on oneDNN
     assert decode_padding(2, torch.device("meta")) == 0  # not a CPU: never padded
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_packed_equals_prefill_batch_and_encode_alone(family):
+    """Events packed into a prefill's rows under a 4D mask: the jobs' rows are prefill_batch's and each
+    event's rows encode_alone's, within ROW_TOL; on Gemma 3 the histories pass its 16-row window, so a
+    packed event's window counted in the batch's rows rather than its own encoding's would show."""
+    from eventkv.kv.batched import encode_alone, prefill_packed
+
+    rt = tiny_runtime(family)
+    probe = DonorPair()
+    header = rt.header_kv(probe.instruction)
+    a, b = tokenize_pair(rt, probe.instruction, probe.items(3, [0])[0]["events"])
+    short = PrefillCache(rt, probe.instruction).prefill(leading_log(a, 4))
+    jobs = [(a, header), (leading_log(b, 9), short), (leading_log(a, 4), short)]  # the last computes nothing
+    events = [(a.event_tokens[i], a.span(a.event_ids[i]).pos_start) for i in (13, 0, 20, 5)]
+    alone = [(0, events[0][0], events[0][1]), (1, events[1][0], events[1][1]), (1, *events[2]), (2, *events[3])]
+    got, isolated = prefill_packed(rt.model, jobs, alone, max_context=rt.max_context)
+    want = prefill_batch(rt.model, jobs[:2], max_context=rt.max_context) + [short]
+    for g, w in zip(got, want):
+        assert g.n_rows == w.n_rows and torch.equal(g.positions, w.positions)
+        for x, y in zip(g.keys + g.values, w.keys + w.values):
+            torch.testing.assert_close(x, y, atol=ROW_TOL, rtol=0)
+    for (gk, gv, gp), (wk, wv, wp) in zip(isolated, encode_alone(rt.model, header, events)):
+        assert torch.equal(gp, wp)
+        for x, y in zip(gk + gv, wk + wv):
+            torch.testing.assert_close(x, y, atol=ROW_TOL, rtol=0)
+    assert prefill_packed(rt.model, jobs[:1], [])[1] == []
+    with pytest.raises(EventKVError, match="event 0 to encode alone names job 3 of 3"):
+        prefill_packed(rt.model, jobs, [(3, events[0][0], 5)])

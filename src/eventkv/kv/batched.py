@@ -23,14 +23,14 @@ import torch
 
 from eventkv.errors import EventKVError
 from eventkv.kv.log import HEADER_ID, TokenizedLog
-from eventkv.kv.model import check_context, model_device, model_forward
+from eventkv.kv.model import attention_masks, check_context, model_device, model_forward
 from eventkv.kv.prefill import prefill
 from eventkv.kv.rows import EventKV, cache_from_rows, cache_kv
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import DynamicCache, PreTrainedModel
 
-__all__ = ["encode_alone", "prefill_batch"]
+__all__ = ["IsolatedRows", "encode_alone", "prefill_batch", "prefill_packed"]
 
 
 @torch.inference_mode()
@@ -68,20 +68,7 @@ def prefill_batch(
         log, prefix = jobs[0]
         return [prefill(model, log, prefix=prefix, max_context=max_context, weights_digest=weights_digest)]
     device = model_device(model)
-    starts = []
-    for k, (log, prefix) in enumerate(jobs):
-        check_context(log.history_end, max_context)
-        p = 0 if prefix is None else prefix.n_rows
-        if prefix is not None and (
-            p > log.n_rows
-            or prefix.log.input_ids[:p] != log.input_ids[:p]
-            or prefix.positions.tolist() != log.position_ids[:p]
-        ):
-            raise EventKVError(
-                f"log {k}: the prefix EventKV's rows are not the first rows of this log "
-                f"(token ids or positions differ)."
-            )
-        starts.append(p)
+    starts = _prefix_rows(jobs, max_context)
     whole = [k for k, ((log, _), p) in enumerate(zip(jobs, starts)) if p == log.n_rows]
     if whole:  # nothing to compute for these: prefill() would feed no token either
         rest = [k for k in range(len(jobs)) if k not in whole]
@@ -96,7 +83,7 @@ def prefill_batch(
             by_job[k] = prefill(model, log, prefix=prefix, max_context=max_context, weights_digest=weights_digest)
         return [by_job[k] for k in range(len(jobs))]
     n_new = [log.n_rows - p for (log, _), p in zip(jobs, starts)]
-    big_p, big_n, b = max(starts), max(n_new), len(jobs)
+    big_p, big_n = max(starts), max(n_new)
 
     id_rows, pos_rows, mask_rows = [], [], []
     for (log, _), p, n in zip(jobs, starts, n_new):
@@ -107,26 +94,180 @@ def prefill_batch(
     ids = torch.tensor(id_rows, dtype=torch.long, device=device)
     pos = torch.tensor(pos_rows, dtype=torch.long, device=device)
     mask = torch.tensor(mask_rows, dtype=torch.bool, device=device)
-    if big_p:
-        ref = next(prefix for _, prefix in jobs if prefix is not None)  # its rows set the pad's dtype and shape
-        keys: list[torch.Tensor] = []
-        values: list[torch.Tensor] = []
-        for layer in range(ref.n_layers):
-            k0, v0 = ref.keys[layer], ref.values[layer]
-            pad_k = k0.new_zeros(b, k0.shape[1], big_p, k0.shape[3])
-            pad_v = v0.new_zeros(b, v0.shape[1], big_p, v0.shape[3])
-            for i, ((_, prefix), p) in enumerate(zip(jobs, starts)):
-                if prefix is not None:
-                    pad_k[i, :, big_p - p :] = prefix.keys[layer][0]
-                    pad_v[i, :, big_p - p :] = prefix.values[layer][0]
-            keys.append(pad_k)
-            values.append(pad_v)
-        cache = cache_from_rows(keys, values)
-    else:
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
+    cache = _left_padded_cache(jobs, starts, big_p)
     model_forward(model, ids, pos, cache, mask, logits_to_keep=1)
+    return _new_rows(jobs, n_new, big_p, cache, weights_digest)
+
+
+#: an event's rows encoded alone after a header, as :func:`eventkv.kv.serve.serve`'s ``isolated_memo`` holds them:
+#: keys and values per layer ``[1, kv_heads, n_tokens, head_dim]``, positions ``[n_tokens]`` (int64, CPU)
+IsolatedRows = tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]
+
+
+@torch.inference_mode()
+def prefill_packed(
+    model: PreTrainedModel,
+    jobs: Sequence[tuple[TokenizedLog, EventKV | None]],
+    alone: Sequence[tuple[int, Sequence[int], int]],
+    *,
+    max_context: int | None = None,
+    weights_digest: str = "unhashed",
+) -> tuple[list[EventKV], list[IsolatedRows]]:
+    """:func:`prefill_batch`'s forward with events encoded alone (:func:`encode_alone`) packed into its rows:
+    the isolated control of Study 1 ("Setting") computed in a prefill that runs anyway, so it costs its
+    tokens and not a forward of its own.
+
+    Each event rides in the row of the job it names, after that job's new tokens and at its own positions,
+    under a 4D attention mask: it sees the job's header rows and its own earlier tokens, nothing else,
+    and no token of the job sees it. Distances for sliding-window layers are those of the event's
+    unbatched encoding (``[header | event]``), so the rows equal :func:`encode_alone`'s, and every job's
+    rows :func:`prefill_batch`'s, up to float rounding (the matmuls run at other shapes and the
+    attention under an explicit mask; ``tests/test_batch_pairs.py`` states the tolerance).
+
+    Args:
+        model: a Hugging Face causal LM (eval mode) whose attention takes a 4D mask (``sdpa``, ``eager``).
+        jobs: ``(log, prefix)`` pairs as for :func:`prefill_batch`; a job whose prefix holds every row of
+            its log may carry events (its row then computes only theirs).
+        alone: ``(job index, token ids, first position)`` per event: encoded after that job's header
+            (its log's ``"<header>"`` span) at positions ``first, first + 1, ...``.
+        max_context, weights_digest: as for :func:`prefill_batch`.
+
+    Returns:
+        ``(EventKVs, isolated)``: one EventKV per job, in order, as :func:`prefill_batch` returns them, and
+        one :data:`IsolatedRows` per event of ``alone``, in order. With no event, :func:`prefill_batch`'s
+        EventKVs and an empty list.
+
+    Raises:
+        EventKVError: as :func:`prefill_batch`; an event with no tokens or naming no job; an attention
+            implementation that takes no 4D mask.
+    """
+    if not alone:
+        return prefill_batch(model, jobs, max_context=max_context, weights_digest=weights_digest), []
+    if not jobs:
+        raise EventKVError("prefill_packed got no logs: give at least one (log, prefix) pair.")
+    for k, (job, tokens, _) in enumerate(alone):
+        if not 0 <= job < len(jobs) or not tokens:
+            raise EventKVError(
+                f"event {k} to encode alone names job {job} of {len(jobs)} with {len(tokens)} tokens: "
+                "give a job index in range and at least one token."
+            )
+    device = model_device(model)
+    starts = _prefix_rows(jobs, max_context)
+    n_new = [log.n_rows - p for (log, _), p in zip(jobs, starts)]
+    segments: list[list[tuple[int, int]]] = [[] for _ in jobs]  # per row: (event, offset among the new tokens)
+    width = list(n_new)
+    for k, (job, tokens, _) in enumerate(alone):
+        segments[job].append((k, width[job]))
+        width[job] += len(tokens)
+    big_p, big_q, b = max(starts), max(width), len(jobs)
+    kv = big_p + big_q
+    j = torch.arange(big_q, device=device).unsqueeze(1)
+    key = torch.arange(kv, device=device).unsqueeze(0)
+    back = big_p + j - key  # [q, kv]: how many rows back each key lies, in a row's own layout
+    visible = torch.zeros(b, big_q, kv, dtype=torch.bool, device=device)
+    distance = back.expand(b, -1, -1).clone()
+    id_rows, pos_rows = [], []
+    for i, ((log, _), p) in enumerate(zip(jobs, starts)):
+        left, h = big_p - p, log.span(HEADER_ID).n_tokens
+        visible[i] = (key >= left) & (back >= 0)
+        ids, pos = list(log.input_ids[p:]), list(log.position_ids[p:])
+        for k, a in segments[i]:
+            _, tokens, first = alone[k]
+            m = len(tokens)
+            visible[i, a : a + m] = False
+            visible[i, a : a + m, left : left + h] = True
+            visible[i, a : a + m, big_p + a : big_p + a + m] = back[a : a + m, big_p + a : big_p + a + m] >= 0
+            # a header row's distance in the event's own encoding: h rows of header, then the event
+            distance[i, a : a + m, left : left + h] = h + (j[a : a + m] - a) - (key[:, left : left + h] - left)
+            ids += list(tokens)
+            pos += list(range(first, first + m))
+        last = pos[-1] if pos else log.position_ids[-1]
+        pad = big_q - len(ids)
+        id_rows.append(ids + [0] * pad)  # right pad: token 0, never attended to by a real token
+        pos_rows.append(pos + [last + 1 + t for t in range(pad)])
+    masks = attention_masks(model, visible, distance)
+    cache = _left_padded_cache(jobs, starts, big_p)
+    model_forward(
+        model,
+        torch.tensor(id_rows, dtype=torch.long, device=device),
+        torch.tensor(pos_rows, dtype=torch.long, device=device),
+        cache,
+        masks,
+        logits_to_keep=1,
+    )
+    ekvs = _new_rows(jobs, n_new, big_p, cache, weights_digest)
+    cache_keys, cache_values = cache_kv(cache)
+    isolated: list[IsolatedRows] = [([], [], torch.empty(0))] * len(alone)
+    for i, row in enumerate(segments):
+        for k, a in row:
+            _, tokens, first = alone[k]
+            s, e = big_p + a, big_p + a + len(tokens)
+            isolated[k] = (
+                [layer[i : i + 1, :, s:e].contiguous() for layer in cache_keys],
+                [layer[i : i + 1, :, s:e].contiguous() for layer in cache_values],
+                torch.arange(first, first + len(tokens), dtype=torch.long, device="cpu"),
+            )
+    return ekvs, isolated
+
+
+def _prefix_rows(jobs: Sequence[tuple[TokenizedLog, EventKV | None]], max_context: int | None) -> list[int]:
+    """Each job's prefix row count, after checking its history against the context and its prefix
+    against its log.
+
+    Raises:
+        EventKVError: a history longer than the context; a prefix that is not a prefix of its log.
+    """
+    starts = []
+    for k, (log, prefix) in enumerate(jobs):
+        check_context(log.history_end, max_context)
+        p = 0 if prefix is None else prefix.n_rows
+        if prefix is not None and (
+            p > log.n_rows
+            or prefix.log.input_ids[:p] != log.input_ids[:p]
+            or prefix.positions.tolist() != log.position_ids[:p]
+        ):
+            raise EventKVError(
+                f"log {k}: the prefix EventKV's rows are not the first rows of this log "
+                f"(token ids or positions differ)."
+            )
+        starts.append(p)
+    return starts
+
+
+def _left_padded_cache(
+    jobs: Sequence[tuple[TokenizedLog, EventKV | None]], starts: Sequence[int], big_p: int
+) -> DynamicCache:
+    """A cache of ``len(jobs)`` rows, row ``i`` holding ``big_p - starts[i]`` zero rows and then job ``i``'s
+    prefix rows (``[batch, kv_heads, big_p, head_dim]`` per layer); an empty cache when no job has a prefix."""
+    from transformers import DynamicCache
+
+    if not big_p:
+        return DynamicCache()
+    ref = next(prefix for _, prefix in jobs if prefix is not None)  # its rows set the pad's dtype and shape
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    for layer in range(ref.n_layers):
+        k0, v0 = ref.keys[layer], ref.values[layer]
+        pad_k = k0.new_zeros(len(jobs), k0.shape[1], big_p, k0.shape[3])
+        pad_v = v0.new_zeros(len(jobs), v0.shape[1], big_p, v0.shape[3])
+        for i, ((_, prefix), p) in enumerate(zip(jobs, starts)):
+            if prefix is not None:
+                pad_k[i, :, big_p - p :] = prefix.keys[layer][0]
+                pad_v[i, :, big_p - p :] = prefix.values[layer][0]
+        keys.append(pad_k)
+        values.append(pad_v)
+    return cache_from_rows(keys, values)
+
+
+def _new_rows(
+    jobs: Sequence[tuple[TokenizedLog, EventKV | None]],
+    n_new: Sequence[int],
+    big_p: int,
+    cache: DynamicCache,
+    weights_digest: str,
+) -> list[EventKV]:
+    """Each job's EventKV after a batched forward: its prefix's rows followed by the ``n_new[i]`` rows the
+    forward wrote at cache rows ``big_p ...`` of batch row ``i``."""
     out = []
     cache_keys, cache_values = cache_kv(cache)
     for i, ((log, prefix), n) in enumerate(zip(jobs, n_new)):

@@ -58,8 +58,9 @@ def attention_masks(
     Args:
         visible: ``[batch, q, kv]`` or ``[q, kv]`` bool: which keys (cache rows, then the new tokens) each
             new token may attend to.
-        distance: ``[q, kv]`` int64, how many cache rows back each key lies from each new token as an
-            unbatched forward would lay them out: a sliding-window layer hides keys ``window`` or more back.
+        distance: ``[q, kv]`` or ``[batch, q, kv]`` int64, how many cache rows back each key lies from each new
+            token as an unbatched forward would lay them out: a sliding-window layer hides keys ``window`` or
+            more back.
 
     Returns:
         ``[batch or 1, 1, q, kv]`` float in the model's dtype (0 = attend, the dtype's minimum = masked);

@@ -137,8 +137,9 @@ class DonorPair(PairLayout, PairProbe):
     shared_prefix: ClassVar[bool] = True
     record_stopped: ClassVar[bool] = True
     #: 4: the kv and isolated arms ask right after the served tokens (``query_at="last-served"``), where version 3
-    #: asked after the whole history; every record names each arm's ``query_position``
-    record_version: ClassVar[int] = 4
+    #: asked after the whole history; every record names each arm's ``query_position``; 5: the isolated
+    #: events ride in the shared prefill's forward (the pair engine's version 4), which moves rows by float rounding
+    record_version: ClassVar[int] = 5
 
     root_slot: int = 13
     decoy: str = "independent"

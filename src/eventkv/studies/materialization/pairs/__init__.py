@@ -59,7 +59,13 @@ from eventkv.studies.materialization.pairs.scoring import (
     log_odds,
     outcome,
 )
-from eventkv.studies.materialization.pairs.serve import encode_isolated, serve_arm, serve_mixed
+from eventkv.studies.materialization.pairs.serve import (
+    encode_isolated,
+    isolated_events,
+    leading_rows,
+    serve_arm,
+    serve_mixed,
+)
 from eventkv.studies.materialization.pairs.tables import (
     D_CAPTION,
     arm_table,
@@ -93,7 +99,9 @@ __all__ = [
     "encode_isolated",
     "event_id",
     "events_read",
+    "isolated_events",
     "leading_log",
+    "leading_rows",
     "log_odds",
     "outcome",
     "outcome_tables",

@@ -11,6 +11,7 @@ from typing import Callable, Sequence, cast
 
 from eventkv.errors import EventKVError
 from eventkv.kv.log import TokenizedLog, tokenize_query
+from eventkv.kv.model import takes_4d_masks
 from eventkv.kv.readout import read_out
 from eventkv.kv.rows import EventKV
 from eventkv.kv.serve import ServedCache
@@ -18,7 +19,7 @@ from eventkv.probes.base import Runtime
 from eventkv.studies.materialization.pairs.arms import PairArm, events_read
 from eventkv.studies.materialization.pairs.prefill import PrefillCache, leading_log, shared_log, tokenize_pair
 from eventkv.studies.materialization.pairs.scoring import donor_d, outcome
-from eventkv.studies.materialization.pairs.serve import encode_isolated, serve_arm
+from eventkv.studies.materialization.pairs.serve import isolated_events, leading_rows, serve_arm
 
 #: one served cache of a batch: ``(item, arm name, variants it answers, served cache)``
 Entry = tuple[int, str, tuple[int, ...], ServedCache]
@@ -163,10 +164,12 @@ def run_pairs(
     items' prefills run in rounds, each round of every item in one :func:`eventkv.kv.batched.prefill_batch`
     forward (the shared events; both variants' leads, which continue them — with ``shared_prefix``,
     else variant A's lead and then B's, which continues A's rows; then the rest of each history when
-    an arm reads everything); every event an isolated arm serves is encoded alone in one
-    :func:`eventkv.kv.batched.encode_alone` forward; and the served caches of every item are read out
-    together, one :func:`read_out` per question and query length (caches are left-padded, each with
-    its own positions; no padding goes between a cache's rows and its query). :func:`run_pair` is
+    an arm reads everything); every event an isolated arm serves is encoded alone after the header —
+    taken from its prefill when it is a history's first event, else packed into the first round's
+    forward under a 4D mask (:func:`eventkv.kv.batched.prefill_packed`; a forward of its own,
+    :func:`eventkv.kv.batched.encode_alone`, for a model that takes no 4D mask); and the served caches
+    of every item are read out together, one :func:`read_out` per question and query length (caches are
+    left-padded, each with its own positions; no padding goes between a cache's rows and its query). :func:`run_pair` is
     this function on one item; with more, the records equal one item's at a time up to float
     rounding (the matmuls run at other shapes; tested on tiny models).
 
@@ -192,12 +195,13 @@ def run_pairs(
     caches = list(caches) if caches is not None else [PrefillCache(rt, instruction) for _ in items]
     used = sorted({a.history for a in arms})
     logs, jobs = _plan_prefills(rt, items, arms, used, instruction, shared_prefix, whole)
+    memo = _IsolatedMemo(rt, instruction, isolated_events(items, arms, logs))
     # the planned rounds prefill both variants of every used history: no None is left
     ekvs = cast(
         "list[dict[str, list[EventKV]]]",
-        _prefill_rounds(rt, caches, jobs, [{h: [None, None] for h in used} for _ in items]),
+        _prefill_rounds(rt, caches, jobs, [{h: [None, None] for h in used} for _ in items], memo),
     )
-    memo = encode_isolated(rt, instruction, items, arms, logs)
+    memo.finish(ekvs)
     entries: list[Entry] = []
     served_rec: list[dict] = [{} for _ in items]
     qpos: list[dict] = [{} for _ in items]
@@ -257,16 +261,53 @@ def _plan_prefills(
     return logs, jobs
 
 
+class _IsolatedMemo(dict):
+    """The ``isolated_memo`` of a batch (:func:`eventkv.kv.serve.serve`'s: rows keyed by event id, first
+    position and token ids) and how each event an isolated arm serves gets its rows, cheapest first:
+
+    1. an event right after the header is its prefill's own rows (:func:`leading_rows`);
+    2. the others ride in the first prefill round's forward (``pending``, taken by :func:`_prefill_rounds`,
+       which packs them with :func:`eventkv.kv.batched.prefill_packed`) when the model takes a 4D mask;
+    3. whatever is left (no 4D mask, or no round computed anything) is encoded in a forward of its own
+       (:func:`eventkv.kv.batched.encode_alone`) by :meth:`finish`.
+    """
+
+    def __init__(self, rt: Runtime, instruction: str, wanted: dict[tuple, tuple[int, list[int], int]]) -> None:
+        super().__init__()
+        self.rt, self.instruction, self.wanted = rt, instruction, wanted
+        h = len(rt.header_ids(instruction))
+        self.pending = {k: w for k, w in wanted.items() if k[1] != h} if wanted and takes_4d_masks(rt.model) else {}
+
+    def finish(self, ekvs: Sequence[dict[str, list[EventKV]]]) -> None:
+        """Fill in every wanted event the prefill rounds did not encode (steps 1 and 3 above)."""
+        from eventkv.kv.batched import encode_alone
+
+        for k, (i, _, _) in self.wanted.items():
+            if k not in self:
+                rows = leading_rows(k, [e for pair in ekvs[i].values() for e in pair])
+                if rows is not None:
+                    self[k] = rows
+        rest = {k: (tokens, first) for k, (_, tokens, first) in self.wanted.items() if k not in self}
+        if rest:
+            self.update(
+                zip(rest, encode_alone(self.rt.model, self.rt.header_kv(self.instruction), list(rest.values())))
+            )
+
+
 def _prefill_rounds(
     rt: Runtime,
     caches: Sequence[PrefillCache],
     jobs: list[list[list[tuple[str, TokenizedLog]]]],
     ekvs: list[dict[str, list[EventKV | None]]],
+    memo: _IsolatedMemo | None = None,
 ) -> list[dict[str, list[EventKV | None]]]:
     """Run the planned prefills round by round, each round of every item in one
     :func:`eventkv.kv.batched.prefill_batch` forward (a prefill an item's cache already holds is
-    reused); fills and returns ``ekvs`` (per item and history, the variants' latest EventKVs)."""
-    from eventkv.kv.batched import prefill_batch
+    reused); fills and returns ``ekvs`` (per item and history, the variants' latest EventKVs). The first
+    round that computes anything also encodes ``memo``'s pending isolated events
+    (:func:`eventkv.kv.batched.prefill_packed`), longest first, each in the row that is then the shortest,
+    and puts their rows in ``memo``."""
+    from eventkv.kv.batched import prefill_packed
 
     for r in range(max(len(j) for j in jobs)):
         todo: list[tuple[int, str, TokenizedLog, EventKV]] = []
@@ -279,12 +320,25 @@ def _prefill_rounds(
                 else:
                     todo.append((i, what, log, prefix))
         if todo:
-            made = prefill_batch(
+            alone: list[tuple[int, list[int], int]] = []
+            keys: list[tuple] = []
+            if memo is not None and memo.pending:
+                width = [log.n_rows - prefix.n_rows for _, _, log, prefix in todo]
+                for k, (_, tokens, first) in sorted(memo.pending.items(), key=lambda kw: -len(kw[1][1])):
+                    row = width.index(min(width))
+                    width[row] += len(tokens)
+                    alone.append((row, tokens, first))
+                    keys.append(k)
+                memo.pending = {}
+            made, isolated = prefill_packed(
                 rt.model,
                 [(log, prefix) for _, _, log, prefix in todo],
+                alone,
                 max_context=rt.max_context,
                 weights_digest=rt.weights_digest,
             )
+            if memo is not None:
+                memo.update(zip(keys, isolated))
             done += [(i, what, caches[i].add(ekv)) for (i, what, _, _), ekv in zip(todo, made)]
         for i, what, ekv in done:
             if what != "shared":

@@ -163,8 +163,10 @@ class PairProbe(Probe):
     #: 2: lazy prefill splits each history's forward at the last event a subset arm reads,
     #: which moves the rows of text arms by float rounding against version-1 records; 3: a pair's two
     #: variants are prefilled in one batched forward where they continue the same rows, and isolated
-    #: events are encoded together, which moves rows by float rounding against version 2
-    record_version: ClassVar[int] = 3
+    #: events are encoded together, which moves rows by float rounding against version 2; 4: isolated events
+    #: ride in the first prefill round's forward under a 4D mask (a history's first event is its prefill's
+    #: own rows), which moves the rows of that round and of the isolated arm by float rounding
+    record_version: ClassVar[int] = 4
     #: prefill the variants' common leading events once, as their own prefix (see :func:`run_pairs`)
     shared_prefix: ClassVar[bool] = False
     #: record whether each generation ended on a stop token (``stopped``)

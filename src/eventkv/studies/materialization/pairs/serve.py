@@ -1,12 +1,13 @@
 """Serving a donor pair's arms (Study 1, "Donor pair"): the served cache of each arm of an item
 from its history's two prefills (:func:`serve_arm`), compact serving with rows swapped in from the
-other variant (:func:`serve_mixed`, the landing factorial), and every isolated event of a batch
-encoded in one forward (:func:`encode_isolated`)."""
+other variant (:func:`serve_mixed`, the landing factorial), and the events isolated arms serve
+(:func:`isolated_events`; taken from a prefill where they come first, :func:`leading_rows`; or encoded in one
+forward of their own, :func:`encode_isolated`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -16,6 +17,9 @@ from eventkv.kv.rows import EventKV
 from eventkv.kv.serve import ServedCache, serve
 from eventkv.probes.base import Runtime
 from eventkv.studies.materialization.pairs.arms import PairArm, event_id, served_ids
+
+if TYPE_CHECKING:
+    from eventkv.kv.batched import IsolatedRows
 
 
 def serve_mixed(own: EventKV, other: EventKV, served: Sequence[str], swap: Sequence[str]) -> ServedCache:
@@ -52,15 +56,13 @@ def serve_mixed(own: EventKV, other: EventKV, served: Sequence[str], swap: Seque
     )
 
 
-def encode_isolated(
-    rt: Runtime, instruction: str, items: Sequence[dict], arms: Sequence[PairArm], logs: list[dict]
-) -> dict[tuple, tuple]:
-    """Every event an isolated arm serves, over all items and variants, encoded alone after the
-    header in one forward (:func:`eventkv.kv.batched.encode_alone`), as an ``isolated_memo`` for
-    :func:`eventkv.kv.serve.serve` (keyed by event id, first position and token ids)."""
-    from eventkv.kv.batched import encode_alone
-
-    wanted: dict[tuple, tuple[list[int], int]] = {}
+def isolated_events(
+    items: Sequence[dict], arms: Sequence[PairArm], logs: list[dict]
+) -> dict[tuple, tuple[int, list[int], int]]:
+    """Every event an isolated arm serves, over all items and variants, keyed as an ``isolated_memo`` of
+    :func:`eventkv.kv.serve.serve` is (event id, first position, token ids): ``(item index, token ids,
+    first position)`` each, the first item that serves it."""
+    wanted: dict[tuple, tuple[int, list[int], int]] = {}
     for i, item in enumerate(items):
         for arm in arms:
             if arm.encoding != "isolated":
@@ -68,10 +70,49 @@ def encode_isolated(
             for log in logs[i][arm.history]:
                 for e in served_ids(item, arm, logs[i][arm.history][0]):
                     tokens = log.event_tokens[log.event_ids.index(e)]
-                    wanted.setdefault((e, log.span(e).pos_start, tuple(tokens)), (list(tokens), log.span(e).pos_start))
+                    wanted.setdefault(
+                        (e, log.span(e).pos_start, tuple(tokens)), (i, list(tokens), log.span(e).pos_start)
+                    )
+    return wanted
+
+
+def leading_rows(key: tuple, prefills: Sequence[EventKV]) -> IsolatedRows | None:
+    """The isolated encoding of the event ``key`` names (as :func:`isolated_events` keys it) taken from a
+    prefill whose first event it is: an event right after the header, encoded alone after the header, is
+    the same computation as the prefill's own rows for it (rows equal up to float rounding). None when no
+    prefill in ``prefills`` begins with it.
+
+    Returns:
+        keys and values per layer ``[1, kv_heads, n_tokens, head_dim]`` (views of the prefill's rows),
+        positions ``[n_tokens]`` int64 — or None.
+    """
+    e, first, tokens = key
+    for ekv in prefills:
+        log = ekv.log
+        if log.event_ids[:1] == [e] and tuple(log.event_tokens[0]) == tokens and log.span(e).pos_start == first:
+            s = log.span(e)
+            return (
+                [k[:, :, s.row_start : s.row_end] for k in ekv.keys],
+                [v[:, :, s.row_start : s.row_end] for v in ekv.values],
+                ekv.positions[s.row_start : s.row_end],
+            )
+    return None
+
+
+def encode_isolated(
+    rt: Runtime, instruction: str, items: Sequence[dict], arms: Sequence[PairArm], logs: list[dict]
+) -> dict[tuple, tuple]:
+    """Every event an isolated arm serves, over all items and variants (:func:`isolated_events`), encoded
+    alone after the header in one forward of its own (:func:`eventkv.kv.batched.encode_alone`), as an
+    ``isolated_memo`` for :func:`eventkv.kv.serve.serve`. The pair engine packs these events into its
+    prefill rounds instead (:func:`eventkv.kv.batched.prefill_packed`) where the model takes a 4D mask."""
+    from eventkv.kv.batched import encode_alone
+
+    wanted = isolated_events(items, arms, logs)
     if not wanted:
         return {}
-    return dict(zip(wanted, encode_alone(rt.model, rt.header_kv(instruction), list(wanted.values()))))
+    events = [(tokens, first) for _, tokens, first in wanted.values()]
+    return dict(zip(wanted, encode_alone(rt.model, rt.header_kv(instruction), events)))
 
 
 def serve_arm(
