@@ -15,7 +15,9 @@ PCG64 with a fixed seed (the same on every CPU), a fixed prompt of token ids, an
 * ``config.json``: the config keyword arguments (both families);
 * ``<family>.safetensors``: the weights (float32), so eventkv's test loads exactly these;
 * ``kept_rows.json``: the token ids, the versions, and per family, press and compression ratio
-  the rows kvpress kept, per layer and KV head (sorted row indices).
+  the rows kvpress kept, per layer and KV head (sorted row indices) — every press of ``PRESSES`` at
+  every ratio of ``RATIOS``, and the ``EDGE`` cells at their own ratios (SnapKV keeping fewer rows
+  than its window, StreamingLLM with more sinks than kept rows and with sinks near the row count).
 
 How the kept rows are read: the prompt runs once without a press (the full cache) and once inside
 each press's context manager (kvpress compresses every layer's cache after its prefill forward).
@@ -121,6 +123,15 @@ PRESSES = (
 )
 # the presses that need attention weights, and so the eager attention
 EAGER = {"ObservedAttentionPress"}
+# edge cells, each at one ratio of its own: where kvpress's kept rows come out of an exact tie of its own making
+EDGE = (
+    # 6 of 61 rows kept, fewer than the window's 8: every window row has the same padded score
+    ("snapkv_below_window", "SnapKVPress", {"window_size": 8, "kernel_size": 5}, 0.9),
+    # 6 rows kept, fewer than the 10 sinks: the zeroed slice n_sink:6 is empty, every row scores 1
+    ("streaming_sinks_over_kept", "StreamingLLMPress", {"n_sink": 10}, 0.9),
+    # 60 sinks of 61 rows, 30 kept: the same empty slice
+    ("streaming_sinks_near_rows", "StreamingLLMPress", {"n_sink": 60}, 0.5),
+)
 
 
 FAMILIES = ("llama", "qwen2")
@@ -267,20 +278,20 @@ def main() -> None:
         eager = build_model(family, "eager")
         eager_full = cache_rows(eager, ids)
         cells = {}
-        for name, cls, options in PRESSES:
-            for ratio in RATIOS if "compression_ratios" not in options else (None,):
-                press = make_press(kvpress, cls, options, ratio)
-                cell = {"press": cls, "options": options, "ratio": press.compression_ratio if ratio is None else ratio}
-                if cls in CHANNEL_PRESSES:
-                    cell["ratio"] = ratio  # the fraction of key channels
-                    cell["pruned_channels"] = pruned_channels(full, cache_rows(model, ids, press))
-                    cell["kept"] = [[list(range(len(ids)))] * CONFIG["num_key_value_heads"]] * len(full)
-                elif cls in EAGER:
-                    cell["attn_implementation"] = "eager"
-                    cell["kept"] = press_kept(eager, ids, eager_full, press)
-                else:
-                    cell["kept"] = press_kept(model, ids, full, press)
-                cells[f"{name}@{cell['ratio']:g}"] = cell
+        runs = [(n, c, o, r) for n, c, o in PRESSES for r in (RATIOS if "compression_ratios" not in o else (None,))]
+        for name, cls, options, ratio in runs + list(EDGE):
+            press = make_press(kvpress, cls, options, ratio)
+            cell = {"press": cls, "options": options, "ratio": press.compression_ratio if ratio is None else ratio}
+            if cls in CHANNEL_PRESSES:
+                cell["ratio"] = ratio  # the fraction of key channels
+                cell["pruned_channels"] = pruned_channels(full, cache_rows(model, ids, press))
+                cell["kept"] = [[list(range(len(ids)))] * CONFIG["num_key_value_heads"]] * len(full)
+            elif cls in EAGER:
+                cell["attn_implementation"] = "eager"
+                cell["kept"] = press_kept(eager, ids, eager_full, press)
+            else:
+                cell["kept"] = press_kept(model, ids, full, press)
+            cells[f"{name}@{cell['ratio']:g}"] = cell
         models[family] = cells
         state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
         save_file(state, str(args.out / f"{family}.safetensors"))

@@ -5,10 +5,12 @@ an environment with kvpress installed: a tiny random Llama and a tiny random Qwe
 2 layers and 2 KV heads each, their weights stored there, 61 fixed token ids, and per model, press
 and compression ratio (0.3, 0.75) the rows kvpress kept in each (layer, KV head) cell — for the
 scoring presses, the wrappers with budgets per layer or per head (AdaKV, CriticalAdaKV, PyramidKV, a ratio
-per layer, SimLayerKV's lazy layers), ChunkKV and a composition. Here eventkv loads the same weights and ids,
-computes every policy's keep masks with kvpress's settings, and compares cell by cell: identical, except inside
-a tie of Knorm in layer 0, where kvpress's order is its rounding's, and inside LagKV's exact cross-partition rank
-ties, where kvpress's ``topk`` picks in no stated order (docs/eviction.md).
+per layer, SimLayerKV's lazy layers), ChunkKV and a composition; and three edge cells where kvpress's own
+scores tie exactly (SnapKV keeping fewer rows than its window, StreamingLLM with more sinks than kept rows).
+Here eventkv loads the same weights and ids, computes every policy's keep masks with kvpress's settings, and
+compares cell by cell: identical, except inside a tie of Knorm in layer 0, where kvpress's order is its
+rounding's, inside LagKV's exact cross-partition rank ties, and inside the edge cells' ties, where kvpress's
+``topk`` picks in no stated order and eventkv keeps its stated rows (docs/eviction.md).
 """
 
 from __future__ import annotations
@@ -61,6 +63,13 @@ POLICY = {
     "perlayer_snapkv": PerLayerRatio(inner=SNAP, ratios=(0.25, 0.75)),  # PerLayerCompressionPress(SnapKV, [.25, .75])
     "think": ThinK(window=8),  # ThinKPress(key_channel_compression_ratio=r, window_size=8): channels, not rows
 }
+#: the edge cells (the fixture script's EDGE, each at its own ratio) and eventkv's policy with each press's settings:
+#: kvpress's own scores tie exactly there, and its ``topk`` picks inside the tie
+EDGE = {
+    "snapkv_below_window": SNAP,  # 6 rows kept, fewer than the window's 8
+    "streaming_sinks_over_kept": StreamingLLM(sinks=10),  # StreamingLLMPress(n_sink=10) at 0.9: 6 kept
+    "streaming_sinks_near_rows": StreamingLLM(sinks=60),  # StreamingLLMPress(n_sink=60) at 0.5: 30 kept
+}
 #: the presses that keep kvpress's kept_count rows in every head (the others vary it per layer or head)
 UNIFORM = {"streaming", "knorm", "snapkv", "tova", "expected", "observed", "keydiff", "criticalkv_snapkv"}
 
@@ -97,7 +106,8 @@ def test_the_fixture_covers_every_comparable_policy():
     assert set(FIXTURE["models"]) == set(FAMILIES)
     for cells in FIXTURE["models"].values():
         presses = {key.split("@")[0] for key in cells}
-        assert presses == set(POLICY) and len(cells) == 2 * len(POLICY) - 1  # the per-layer ratios: one cell
+        # the per-layer ratios: one cell; an edge cell: one ratio
+        assert presses == set(POLICY) | set(EDGE) and len(cells) == 2 * len(POLICY) - 1 + len(EDGE)
         # kvpress's kept count, max(1, int(rows * (1 - r))): 42 of 61 at 0.3, where rows - floor(r * rows) is 43
         assert {len(h) for h in cells["knorm@0.3"]["kept"][0]} == {42} == {kept_count(61, 0.3)}
     assert FIXTURE["versions"]["kvpress"] == "0.5.5"
@@ -108,7 +118,7 @@ def _kept(mask_row: torch.Tensor) -> set[int]:
     return set(torch.nonzero(mask_row).flatten().tolist())
 
 
-@pytest.mark.parametrize("key", sorted(FIXTURE["models"]["llama"]))
+@pytest.mark.parametrize("key", sorted(k for k in FIXTURE["models"]["llama"] if k.split("@")[0] not in EDGE))
 def test_each_policy_keeps_kvpress_rows(family, captures, key):
     cell = FIXTURE["models"][family][key]
     name, ratio = key.split("@")[0], cell["ratio"]
@@ -169,7 +179,7 @@ def test_the_differing_cells_are_exactly_the_documented_ties(family, captures):
     7 in llama) and none of any other policy (Knorm's layer-0 ties happen to be kept alike)."""
     differ: dict[str, int] = {}
     for key, cell in FIXTURE["models"][family].items():
-        if "pruned_channels" in cell:
+        if "pruned_channels" in cell or key.split("@")[0] in EDGE:
             continue
         for c in captures:
             mask = keep_mask(POLICY[key.split("@")[0]], c, cell["ratio"])
@@ -177,3 +187,28 @@ def test_the_differing_cells_are_exactly_the_documented_ties(family, captures):
                 if _kept(mask[h]) != set(cell["kept"][c.layer][h]):
                     differ[key.split("@")[0]] = differ.get(key.split("@")[0], 0) + 1
     assert differ == {"lagkv": {"llama": 7, "qwen2": 8}[family]}
+
+
+@pytest.mark.parametrize("key", sorted(k for k in FIXTURE["models"]["llama"] if k.split("@")[0] in EDGE))
+def test_edge_cells_kvpress_picks_inside_its_tie_and_eventkv_keeps_its_stated_rows(family, captures, key):
+    """Where kvpress's scores tie exactly by construction, its ``topk`` picks inside the tie in no stated order,
+    and eventkv keeps the rows its rule states. SnapKV keeping fewer rows than its window: kvpress pads every
+    window row to the same score; eventkv keeps the latest rows. StreamingLLM with more sinks than kept rows, or
+    sinks near the row count: kvpress zeroes the slice ``n_sink : kept``, empty here, so every row scores 1;
+    eventkv keeps the earliest positions, sinks first. Every edge cell differs, and only inside the tie."""
+    cell = FIXTURE["models"][family][key]
+    name, ratio, rows = key.split("@")[0], cell["ratio"], len(IDS)
+    n = kept_count(rows, ratio)
+    if name == "snapkv_below_window":
+        tie, stated = set(range(rows - 8, rows)), set(range(rows - n, rows))
+    else:
+        tie, stated = set(range(rows)), set(range(n))
+    differ = 0
+    for c in captures:
+        mask = keep_mask(EDGE[name], c, ratio)
+        for h in range(c.kv_heads):
+            theirs = set(cell["kept"][c.layer][h])
+            assert len(theirs) == n and theirs <= tie, f"{family} {key} layer {c.layer} head {h}"
+            assert _kept(mask[h]) == stated, f"{family} {key} layer {c.layer} head {h}"
+            differ += theirs != stated
+    assert differ == 4  # 2 layers x 2 KV heads
