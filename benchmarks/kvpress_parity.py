@@ -25,8 +25,10 @@ kvpress's presses are of two kinds, and the kept rows of each kind are read so:
 
 * Presses that shrink the cache (every ``ScorerPress`` — StreamingLLM, Knorm, SnapKV, TOVA,
   ExpectedAttention, ObservedAttention, KeyDiff, LagKV, PyramidKV, CriticalKV — and the wrappers
-  ChunkKV, PerLayerCompression and Composed): each row left in the compressed cache is found in
-  the full cache by its exact key and value vectors.
+  ChunkKV, PerLayerCompression and Composed, and Finch with ``rerotate_keys=False``): each row left in
+  the compressed cache is found in the full cache by its exact key and value vectors. Finch reads its
+  window (the question) from a delimiter token before it, which its embedding hook removes: its cells run
+  on a copy of the model with one more embedding row, the delimiter's (``finch_kept``).
 * Presses that mask rather than shrink (AdaKV, CriticalAdaKV: head-wise budgets, which a
   rectangular cache cannot hold): the cache keeps all rows, and the press records the evicted
   ones on each attention module as ``module.masked_key_indices`` = (batch, KV head, row) index
@@ -113,6 +115,9 @@ PRESSES = (
     ("perlayer_snapkv", "PerLayerCompressionPress", {"press": SNAPKV, "compression_ratios": [0.25, 0.75]}),
     # prunes key channels, not rows: the ratio is the fraction of channels; its cells hold the pruned channels
     ("think", "ThinKPress", {"window_size": 8}),
+    # the question's window: the last FINCH_WINDOW ids, after a delimiter (see finch_kept); kept rows, not re-rotated
+    ("finch", "FinchPress", {"rerotate_keys": False}),
+    ("finch_chunked", "FinchPress", {"rerotate_keys": False, "chunk_length": 40}),  # chunks of 40 and 21 rows
     # Not covered, though kvpress 0.5.5 has them: AdaKV/ChunkKV over ObservedAttention (AdaKV refuses
     # eager attention, ChunkKV refuses attention weights); QFilterPress and FastKVzipPress (their
     # filters / gates are downloaded from the Hugging Face hub per named model); DuoAttentionPress
@@ -121,6 +126,8 @@ PRESSES = (
     # name, which these random models lack, to rerun the model on reconstruction prompts); the
     # other presses (ThinK's key-channel pruning, decoding-time presses, ...) are out of this scope.
 )
+# FinchPress's window: the ids after its delimiter token, which its embedding hook finds and removes
+FINCH_WINDOW = 8
 # the presses that need attention weights, and so the eager attention
 EAGER = {"ObservedAttentionPress"}
 # edge cells, each at one ratio of its own: where kvpress's kept rows come out of an exact tie of its own making
@@ -238,6 +245,18 @@ def pruned_channels(full, compressed) -> list[list[list[int]]]:
     return out
 
 
+def finch_kept(family: str, ids: list[int], full, press) -> list[list[list[int]]]:
+    """The rows a FinchPress keeps of ``ids`` whose last FINCH_WINDOW ids are the question: a copy of the model with
+    one more embedding row, the delimiter, put before the question; the press's hook reads the window from it and
+    removes it, so the model prefills exactly ``ids`` (its cache is ``full``'s)."""
+    model = build_model(family)
+    delimiter = CONFIG["vocab_size"]
+    model.resize_token_embeddings(delimiter + 1)
+    press.delimiter_token_id = delimiter
+    cut = len(ids) - FINCH_WINDOW
+    return press_kept(model, ids[:cut] + [delimiter] + ids[cut:], full, press)
+
+
 def make_press(kvpress, cls: str, options: dict, ratio: float | None):
     """The kvpress press ``cls(**options)``, its nested presses built, ``ratio`` given as the docstring says."""
 
@@ -286,6 +305,8 @@ def main() -> None:
                 cell["ratio"] = ratio  # the fraction of key channels
                 cell["pruned_channels"] = pruned_channels(full, cache_rows(model, ids, press))
                 cell["kept"] = [[list(range(len(ids)))] * CONFIG["num_key_value_heads"]] * len(full)
+            elif cls == "FinchPress":
+                cell["kept"] = finch_kept(family, ids, full, press)
             elif cls in EAGER:
                 cell["attn_implementation"] = "eager"
                 cell["kept"] = press_kept(eager, ids, eager_full, press)

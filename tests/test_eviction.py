@@ -221,7 +221,7 @@ def test_ratio_zero_keeps_everything_and_bad_input_is_named():
     settings = {
         name: {"inner": small} for name in ("adakv", "per-layer-ratio", "criticalkv", "criticaladakv", "chunkkv")
     }
-    settings |= {"snapkv": {"window": 4}, "pyramidkv": {"window": 4}}
+    settings |= {"snapkv": {"window": 4}, "pyramidkv": {"window": 4}, "finch": {"window": 4}}
     settings |= {"per-layer": {"policies": (Knorm(),)}, "composed": {"policies": (small, Knorm())}}
     # what some policies read besides: the model's depth, the output projection, every prefill query
     c = dataclasses.replace(c, n_layers=2, out_proj=torch.randn(QH * D, QH * D))

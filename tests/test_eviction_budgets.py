@@ -309,3 +309,39 @@ def test_simlayerkv_keeps_first_and_latest_rows_of_lazy_layers_only():
     for bad, match in bad_settings:
         with pytest.raises(OptionError, match=match):
             SimLayerKV(**bad)
+
+
+def test_finch_weighs_each_window_query_by_the_rows_before_it_and_keeps_per_chunk():
+    from eventkv.eviction.scorers import Finch
+
+    c = capture(rows=24, window=6)  # positions 0, 2, ..., 46; the last 6 captured queries
+    f = Finch(window=4)
+    # by hand: the last 4 queries' softmax attention (causal by position), each times the rows before it,
+    # averaged over the window and each GQA group; the window's 4 rows above every other
+    q, k = c.queries[:, -4:].double(), c.keys.double().repeat_interleave(QH // KV, dim=0)
+    logits = q @ k.transpose(1, 2) / D**0.5  # [QH, 4, 24]
+    qrow = torch.arange(20, 24)  # the queries' rows: positions 40..46 are rows 20..23
+    logits = logits.masked_fill(torch.arange(24)[None, None, :] > qrow[None, :, None], float("-inf"))
+    att = torch.softmax(logits, dim=-1)[:, :, :20] * qrow.double()[None, :, None]  # 20, 21, 22, 23 rows before
+    by_hand = att.mean(dim=1).reshape(KV, QH // KV, 20).mean(dim=1)
+    s = f.scores(c)
+    assert torch.allclose(s[:, :20], by_hand) and bool(torch.isinf(s[:, 20:]).all())
+    assert torch.equal(keep_mask(f, c, 0.5), top_rows(s, c.positions, 12))
+    # chunks of 10, 10 and 4 rows in position order: each keeps kept_count of its own (5, 5, 2 at 0.5)
+    chunked = Finch(window=4, chunk=10)
+    m = keep_mask(chunked, c, 0.5)
+    for lo, hi, n in ((0, 10, 5), (10, 20, 5), (20, 24, 2)):
+        assert m[:, lo:hi].sum(dim=1).tolist() == [n] * KV
+        assert torch.equal(m[:, lo:hi], top_rows(s[:, lo:hi], c.positions[lo:hi], n))
+    assert chunked.budget(c, 0.5).tolist() == [12] * KV and f.budget(c, 0.5).tolist() == [12] * KV
+    assert kept(m)[0][-2:] == [22, 23]  # the last chunk keeps the latest 2 of the window's 4 equal rows
+    with pytest.raises(OptionError, match=r"chunk 8: a chunk must hold more than window / \(1 - ratio\) = 8"):
+        keep_mask(Finch(window=4, chunk=8), c, 0.5)
+    with pytest.raises(OptionError, match="window 0"):
+        Finch(window=0)
+    with pytest.raises(OptionError, match="chunk 0"):
+        Finch(chunk=0)
+    with pytest.raises(OptionError, match="the capture holds 6 queries"):
+        Finch(window=8).scores(c)
+    assert policy_from_spec("finch(window=4,chunk=10)") == chunked
+    assert policy_from_spec("finch(chunk=none)") == Finch()

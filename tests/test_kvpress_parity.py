@@ -10,7 +10,8 @@ scores tie exactly (SnapKV keeping fewer rows than its window, StreamingLLM with
 Here eventkv loads the same weights and ids, computes every policy's keep masks with kvpress's settings, and
 compares cell by cell: identical, except inside a tie of Knorm in layer 0, where kvpress's order is its
 rounding's, inside LagKV's exact cross-partition rank ties, and inside the edge cells' ties, where kvpress's
-``topk`` picks in no stated order and eventkv keeps its stated rows (docs/eviction.md).
+``topk`` picks in no stated order and eventkv keeps its stated rows, and inside chunked Finch's window
+where a chunk keeps fewer rows than the window holds (docs/eviction.md).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from eventkv.eviction.budgets import (
 )
 from eventkv.eviction.capture import capture_prefill
 from eventkv.eviction.policies import kept_count
-from eventkv.eviction.scorers import KeyDiff, LagKV, ObservedAttention, ThinK
+from eventkv.eviction.scorers import Finch, KeyDiff, LagKV, ObservedAttention, ThinK
 from eventkv.kv.log import TokenizedLog
 
 DATA = Path(__file__).parent / "data" / "kvpress_parity"
@@ -62,6 +63,8 @@ POLICY = {
     "composed_snapkv_knorm": Composed(policies=(SNAP, Knorm())),  # ComposedPress([SnapKV, KnormPress()])
     "perlayer_snapkv": PerLayerRatio(inner=SNAP, ratios=(0.25, 0.75)),  # PerLayerCompressionPress(SnapKV, [.25, .75])
     "think": ThinK(window=8),  # ThinKPress(key_channel_compression_ratio=r, window_size=8): channels, not rows
+    "finch": Finch(window=8),  # FinchPress(rerotate_keys=False), its question the last 8 ids
+    "finch_chunked": Finch(window=8, chunk=40),  # FinchPress(rerotate_keys=False, chunk_length=40)
 }
 #: the edge cells (the fixture script's EDGE, each at its own ratio) and eventkv's policy with each press's settings:
 #: kvpress's own scores tie exactly there, and its ``topk`` picks inside the tie
@@ -71,7 +74,7 @@ EDGE = {
     "streaming_sinks_near_rows": StreamingLLM(sinks=60),  # StreamingLLMPress(n_sink=60) at 0.5: 30 kept
 }
 #: the presses that keep kvpress's kept_count rows in every head (the others vary it per layer or head)
-UNIFORM = {"streaming", "knorm", "snapkv", "tova", "expected", "observed", "keydiff", "criticalkv_snapkv"}
+UNIFORM = {"streaming", "knorm", "snapkv", "tova", "expected", "observed", "keydiff", "criticalkv_snapkv", "finch"}
 
 
 FAMILIES = {"llama": "Llama", "qwen2": "Qwen2"}
@@ -141,13 +144,18 @@ def test_each_policy_keeps_kvpress_rows(family, captures, key):
             if ours == theirs:
                 continue
             # the documented differences: which rows of an exact tie at the kept/evicted boundary stay
-            boundary = scores[h][mask[h]].min()
+            boundary = scores[h][mask[h]].min() if name != "finch_chunked" else float("inf")  # a chunk's own boundary
             tie = set(torch.nonzero(scores[h] == boundary).flatten().tolist())
             where = f"{family} {key} layer {c.layer} head {h}: eventkv only {sorted(ours - theirs)}, kvpress only "
-            assert (name == "knorm" and c.layer == 0) or name == "lagkv", where + f"{sorted(theirs - ours)}"
+            # Finch in chunks: the last chunk (21 rows at 0.75: 5 kept) holds fewer than the window's 8 equal rows
+            assert (name == "knorm" and c.layer == 0) or name in ("lagkv", "finch_chunked"), (
+                where + f"{sorted(theirs - ours)}"
+            )
             assert ours ^ theirs <= tie, where + f"{sorted(theirs - ours)} (the tie is rows {sorted(tie)})"
             if name == "knorm":
                 assert len({IDS[r] for r in tie}) == 1  # a tie of one token id's rows (RoPE keeps the key norm)
+            elif name == "finch_chunked":
+                assert tie == set(range(53, 61))  # the window: the question's 8 rows
             else:  # LagKV ranks rows within each partition of 8 after 4 sinks: a tie is one rank, one row a partition
                 assert len({(r - 4) // 8 for r in tie}) == len(tie) == 6
 
@@ -175,8 +183,9 @@ def test_knorm_ties_are_exactly_one_token_ids_rows_in_layer_0(captures):
 
 
 def test_the_differing_cells_are_exactly_the_documented_ties(family, captures):
-    """233 of the 248 row cells identical: per model, the cells that differ are LagKV's (8 of its 8 in qwen2,
-    7 in llama) and none of any other policy (Knorm's layer-0 ties happen to be kept alike)."""
+    """257 of the 280 row cells identical: per model, the cells that differ are LagKV's (8 of its 8 in qwen2,
+    7 in llama) and chunked Finch's at 0.75 (its last chunk keeps 5 of the window's 8 equal rows: all 4 cells),
+    and none of any other policy (Knorm's layer-0 ties happen to be kept alike)."""
     differ: dict[str, int] = {}
     for key, cell in FIXTURE["models"][family].items():
         if "pruned_channels" in cell or key.split("@")[0] in EDGE:
@@ -186,7 +195,7 @@ def test_the_differing_cells_are_exactly_the_documented_ties(family, captures):
             for h in range(c.kv_heads):
                 if _kept(mask[h]) != set(cell["kept"][c.layer][h]):
                     differ[key.split("@")[0]] = differ.get(key.split("@")[0], 0) + 1
-    assert differ == {"lagkv": {"llama": 7, "qwen2": 8}[family]}
+    assert differ == {"lagkv": {"llama": 7, "qwen2": 8}[family], "finch_chunked": 4}
 
 
 @pytest.mark.parametrize("key", sorted(k for k in FIXTURE["models"]["llama"] if k.split("@")[0] in EDGE))

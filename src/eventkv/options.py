@@ -242,6 +242,7 @@ POLICIES: Registry = Registry(
         "qfilter": "eventkv.eviction.scorers:QFilter",
         "kvzip": "eventkv.eviction.scorers:KVzip",
         "think": "eventkv.eviction.scorers:ThinK",
+        "finch": "eventkv.eviction.scorers:Finch",
         "adakv": "eventkv.eviction.budgets:AdaKV",
         "per-layer-ratio": "eventkv.eviction.budgets:PerLayerRatio",
         "per-layer": "eventkv.eviction.budgets:PerLayer",

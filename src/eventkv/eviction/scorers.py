@@ -5,7 +5,8 @@ compared with the NVIDIA kvpress 0.5.5 press of the same name (``tests/test_kvpr
 * :class:`KeyDiff` — keys least like the head's average key;
 * :class:`QFilter` — keys projected on the direction a head's queries share;
 * :class:`KVzip` — the attention a row draws while the model repeats its context;
-* :class:`ThinK` — key channels pruned by their share of the window's query-key products (rows kept).
+* :class:`ThinK` — key channels pruned by their share of the window's query-key products (rows kept);
+* :class:`Finch` — the rows the question attends to, the attention normalized by each query's row count.
 
 Why not kvpress itself: see :mod:`eventkv.eviction.policies` (it pins transformers < 5.3 and patches every
 attention function process-wide).
@@ -259,3 +260,81 @@ class ThinK(Policy):
         dim = s.shape[-1]
         # the lowest int(dim * ratio) pruned: keep the best dim - that, ties to the later channel
         return top_rows(s, torch.arange(dim, device=s.device), dim - int(dim * ratio))
+
+
+@dataclass
+class Finch(Policy):
+    """Prompt-guided window attention (Corallo and Papotti, "FINCH: Prompt-guided Key-Value Cache Compression for
+    Large Language Models", TACL 12, 2024, Section 3; kvpress's FinchPress): the rows the question attends to. The
+    observation window is the last ``window`` captured queries — the question, where the capture ends with it
+    (a prompt of context then question, prefilled together, as Finch's is); in the audit the memory has not seen
+    the question, so the window is the history's end. Each window query's softmax attention to the rows before the
+    window is multiplied by the number of rows before that query (Finch's normalization: a later query spreads
+    its attention over more rows; kvpress's count, the query's own row excluded), averaged over the window and
+    over each GQA group's query heads, with no pooling; the window's rows are always kept. With ``chunk`` the
+    rows in position order are cut into chunks of ``chunk`` (Finch's chunked prefill), and each chunk keeps
+    ``kept_count(its rows, ratio)`` of its own by these scores. Row selection only: kvpress's ``rerotate_keys``
+    moves the kept keys to contiguous positions, which eventkv's serving does when asked
+    (``positions="contiguous"``).
+
+    Raises:
+        OptionError: ``window`` not a whole number >= 1, ``chunk`` not None or one >= 1 (on construction); a
+            capture with fewer than ``window`` queries or not more rows than ``window`` (on scoring); a ``chunk``
+            of at most ``window / (1 - ratio)`` rows, where a chunk's budget could not hold the window (kvpress
+            refuses it too), on masking.
+    """
+
+    name: ClassVar[str] = "finch"
+    window: int = 64
+    chunk: int | None = None
+
+    def __post_init__(self) -> None:
+        check_int("window", self.window, "observe at least 1 query (a whole number: the question's tokens).")
+        if self.chunk is not None:
+            check_int("chunk", self.chunk, "give the chunk length in rows (a whole number >= 1), or None for none.")
+
+    def scores(self, c: LayerCapture) -> torch.Tensor:
+        queries, qpos = c.need_queries(self.name)
+        if queries.shape[1] < self.window:
+            raise OptionError(
+                "window", self.window, f"the capture holds {queries.shape[1]} queries: capture at least the window."
+            )
+        if c.rows <= self.window:
+            raise OptionError(
+                "window",
+                self.window,
+                f"the layer has {c.rows} rows: the window must leave rows before it to score "
+                f"(give a window below {c.rows}).",
+            )
+        att = window_attention(c, self.name, self.window)  # [q_heads, window, rows]
+        qpos = qpos[-self.window :]
+        in_window = c.positions >= qpos.min()
+        before = (c.positions[None, :] < qpos[:, None]).sum(dim=1).double()  # [window]: rows before each query
+        votes = (att[:, :, ~in_window] * before[None, :, None]).mean(dim=1)  # [q_heads, prefix rows]
+        s = torch.full((c.kv_heads, c.rows), float("inf"), dtype=torch.float64, device=votes.device)
+        s[:, ~in_window] = per_kv_head(votes, c.kv_heads)
+        return s
+
+    def mask(self, c: LayerCapture, ratio: float) -> torch.Tensor:
+        if self.chunk is None:
+            return super().mask(c, ratio)
+        kept_count(c.rows, ratio)  # checks the ratio
+        if self.chunk <= self.window / (1 - ratio):
+            raise OptionError(
+                "chunk",
+                self.chunk,
+                f"a chunk must hold more than window / (1 - ratio) = {self.window / (1 - ratio):g} rows, so its "
+                "budget can keep the window: give a longer chunk or a shorter window.",
+            )
+        s = self.checked_scores(c)
+        order = torch.argsort(c.positions, stable=True)  # rows by position
+        keep = torch.zeros(c.kv_heads, c.rows, dtype=torch.bool, device=s.device)
+        for i in range(0, c.rows, self.chunk):
+            rows = order[i : i + self.chunk]
+            keep[:, rows] = top_rows(s[:, rows], c.positions[rows], kept_count(len(rows), ratio))
+        return keep
+
+    def budget(self, c: LayerCapture, ratio: float) -> torch.Tensor:
+        if self.chunk is None:
+            return super().budget(c, ratio)
+        return self.mask(c, ratio).sum(dim=1)

@@ -27,7 +27,8 @@ def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
     numbers, numbers, ``true`` / ``false``, text, a policy as a spec of its own
     (``adakv(inner=snapkv(window=8,kernel=5),alpha=0.2)``, built here), or a list with ``/`` between its items
     (``per-layer-ratio(inner=knorm,ratios=0.25/0.75)``, ``per-layer(policies=knorm/snapkv(window=8))``: an item
-    holds no ``/`` of its own); :func:`policy_from_spec` then builds the policy, whose
+    holds no ``/`` of its own), and ``none`` for a setting that may be unset (``finch(chunk=none)``);
+    :func:`policy_from_spec` then builds the policy, whose
     own checks apply.
 
     Raises:
@@ -62,7 +63,17 @@ def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
 
 #: the field types a spec can set, and how a value is written: a policy as a nested spec
 #: (``adakv(inner=snapkv(window=8,kernel=5))``), a list of numbers with ``/`` between them (``ratios=0.25/0.75``)
-_SETTABLE = ("int", "float", "bool", "str", "Policy", "tuple[float, ...]", "tuple[Policy, ...]", "float | None")
+_SETTABLE = (
+    "int",
+    "float",
+    "bool",
+    "str",
+    "Policy",
+    "tuple[float, ...]",
+    "tuple[Policy, ...]",
+    "float | None",
+    "int | None",
+)
 
 
 def _balanced(text: str) -> bool:
@@ -76,6 +87,8 @@ def _balanced(text: str) -> bool:
 
 
 def _setting(spec: str, key: str, raw: str, kind: str) -> Any:
+    if kind.endswith(" | None") and raw.lower() == "none":  # a setting that may be left unset: none
+        return None
     kind = kind.removesuffix(" | None")
     if kind == "Policy":
         return policy_from_spec(raw)

@@ -145,7 +145,7 @@ class EvictionAudit(Probe):
 
     def _policy(self, spec: str, index: int):
         """The policy of ``spec`` (a name, or a name with settings), its settings over the audit's own for that
-        name: ``sinks`` for streaming, ``window`` for snapkv, the item's index as random's seed."""
+        name: ``sinks`` for streaming, ``window`` for snapkv, pyramidkv and finch, the item's index as random's seed."""
         from eventkv.eviction.specs import parse_policy_spec, policy_from_spec
 
         name, _ = parse_policy_spec(spec)
@@ -153,6 +153,7 @@ class EvictionAudit(Probe):
             "streaming": {"sinks": self.sinks},
             "snapkv": {"window": self.window},
             "pyramidkv": {"window": self.window},
+            "finch": {"window": self.window},
             "random": {"seed": index},
         }
         return policy_from_spec(spec, **opts.get(name, {}))
