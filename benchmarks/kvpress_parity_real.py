@@ -14,8 +14,10 @@ Both sides run the models in float32, sdpa attention (eager only for ObservedAtt
 attention weights). A cell is one (model, prompt, press, ratio, layer, KV head): its kept rows.
 
 The presses and settings are those of ``benchmarks/kvpress_parity.py`` (SnapKV window 8, kernel 5, ...),
-except ChunkKV's ``chunk_length`` (16 here, 4 there: 4 is too short a phrase for real prompts) and
-PerLayerCompression's ratios (one per layer here: 0.25 on even layers, 0.75 on odd ones, mean 0.5).
+except ChunkKV's ``chunk_length`` (16 here, 4 there: 4 is too short a phrase for real prompts),
+PerLayerCompression's ratios (one per layer here: 0.25 on even layers, 0.75 on odd ones, mean 0.5) and chunked
+Finch's ``chunk_length`` (96 here, 40 there: FinchPress asserts ``chunk_length > window / (1 - ratio)``, 80 at
+0.9). Finch's window (the question: the last 8 ids) is set on the press directly, with no delimiter token.
 
 kvpress's side, how the kept rows are read: one no-press prefill per (model, prompt), with a forward hook
 on every attention module that, at that layer, runs each press's own ``forward_hook`` (the code kvpress's
@@ -66,12 +68,18 @@ LENGTHS = (61, 307, 853)
 RATIOS = (0.25, 0.5, 0.9)
 HEADER = 4  # eventkv's side: ids[:4] the header, the rest three events
 CHUNK = 16
+FINCH_CHUNK = 96
 NEAR_REL = 2.0**-13  # 1.2e-4 of the score (1024 float32 ulps): a near-tie (see the docstring)
 
 # (cell name, kvpress class, options): kvpress_parity.py's presses (a script beside this one, importing nothing
 # of eventkv either), with ChunkKV's chunk 16 and per-layer ratios for each model's depth; ThinK, which prunes key
 # channels rather than rows, is compared there only
-_REAL_OPTIONS = {"chunkkv_snapkv": {"chunk_length": CHUNK}, "perlayer_snapkv": {"compression_ratios": "alternating"}}
+_REAL_OPTIONS = {
+    "chunkkv_snapkv": {"chunk_length": CHUNK},
+    "perlayer_snapkv": {"compression_ratios": "alternating"},
+    # FinchPress asserts chunk_length > window / (1 - ratio): 80 at 0.9 with its window of 8
+    "finch_chunked": {"chunk_length": FINCH_CHUNK},
+}
 PRESSES = tuple(
     (name, cls, {**options, **_REAL_OPTIONS.get(name, {})})
     for name, cls, options in _tiny.PRESSES
@@ -79,7 +87,7 @@ PRESSES = tuple(
 )
 EAGER = {"ObservedAttentionPress"}
 #: the scoring presses whose identical cells' boundary margins are reported
-MARGIN_PRESSES = ("knorm", "snapkv", "tova", "expected", "observed", "keydiff")
+MARGIN_PRESSES = ("knorm", "snapkv", "tova", "expected", "observed", "keydiff", "finch")
 
 
 def perlayer_ratios(n_layers: int) -> list[float]:
@@ -193,7 +201,12 @@ def make_press(kvpress, cls: str, options: dict, ratio: float | None, n_layers: 
     press_cls = getattr(kvpress, cls)
     if ratio is not None and "compression_ratio" in inspect.signature(press_cls).parameters:
         kwargs = {"compression_ratio": ratio, **kwargs}
-    return press_cls(**kwargs)
+    press = press_cls(**kwargs)
+    if cls == "FinchPress":
+        # its window, the question's last FINCH_WINDOW ids, set directly: the delimiter hook would only set it
+        # (and drop the delimiter); with an id no prompt holds the hook never fires, in either way of running
+        press.window_size, press.delimiter_token_id = _tiny.FINCH_WINDOW, -1
+    return press
 
 
 def _row_lookup(keys: torch.Tensor, values: torch.Tensor) -> list[dict[bytes, int]]:
@@ -346,6 +359,7 @@ def kvpress_side(args) -> None:
                 for r in args.ratios
             },
             **{f"streaming@{r:g}": kvpress.StreamingLLMPress(compression_ratio=r, n_sink=4) for r in args.ratios},
+            "finch": make_press(kvpress, "FinchPress", {"rerotate_keys": False}, 0.5, n_layers),  # scores: no ratio
         }
         m_out = {"dir": mdir, "n_layers": n_layers, "kv_heads": cfg.num_key_value_heads, "prompts": {}}
         for n in args.lengths:
@@ -418,7 +432,7 @@ def eventkv_policies(n_layers: int) -> dict:
         PyramidKV,
         SimLayerKV,
     )
-    from eventkv.eviction.scorers import KeyDiff, LagKV, ObservedAttention
+    from eventkv.eviction.scorers import Finch, KeyDiff, LagKV, ObservedAttention
 
     snap = SnapKV(window=8, kernel=5, pooling="avg")
     return {
@@ -438,6 +452,8 @@ def eventkv_policies(n_layers: int) -> dict:
         "chunkkv_snapkv": ChunkKV(inner=snap, chunk=CHUNK),
         "composed_snapkv_knorm": Composed(policies=(snap, Knorm())),
         "perlayer_snapkv": PerLayerRatio(inner=snap, ratios=tuple(perlayer_ratios(n_layers))),
+        "finch": Finch(window=8),
+        "finch_chunked": Finch(window=8, chunk=FINCH_CHUNK),
     }
 
 
@@ -548,14 +564,14 @@ def eventkv_side(args) -> None:
                 return ev_scores[(name, c.layer)]
 
             # the score noise between the two sides (finite entries)
-            for name in ("knorm", "snapkv", "tova", "expected", "observed", "keydiff"):
+            for name in ("knorm", "snapkv", "tova", "expected", "observed", "keydiff", "finch"):
                 rel = []
                 kv = kvs_of(name)
                 for c in caps:
                     e = ev_of(name, c)
                     fin = np.isfinite(e)
                     k = kv[c.layer]
-                    if name == "snapkv":
+                    if name in ("snapkv", "finch"):
                         fin &= np.arange(c.rows)[None, :] < c.rows - 8
                     if name == "expected":
                         fin &= np.arange(c.rows)[None, :] >= 4
@@ -708,16 +724,22 @@ def _explain(name, c, ratio, mask, theirs, same_heads, policy, ev_of, kvs_of, ce
 
     def window_note(e_rows, k_rows, window=8):
         if all(r >= rows - window for r in e_rows + k_rows):
-            return " (all in SnapKV's window: kept count below the window, kvpress's window rows tie)"
+            return " (all in the window: kept count below the window, kvpress's window rows tie)"
         return ""
 
-    if name in ("streaming", "knorm", "snapkv", "tova", "expected", "observed", "keydiff", "lagkv"):
+    if name in ("streaming", "knorm", "snapkv", "tova", "expected", "observed", "keydiff", "lagkv", "finch"):
         kv = kvs_of(name if name != "streaming" else f"streaming@{ratio:g}")[c.layer]
         ev = ev_of(name, c)
         for h in diff_heads:
             f = head_finding(h, ev[h], kv[h])
-            if name == "snapkv":
+            if name in ("snapkv", "finch"):
                 f["what"] += window_note(f["eventkv_only"], f["kvpress_only"])
+            out.append(f)
+    elif name == "finch_chunked":  # per-chunk budgets over Finch's scores
+        kv, ev = kvs_of("finch")[c.layer], ev_of("finch", c)
+        for h in diff_heads:
+            f = head_finding(h, ev[h], kv[h])
+            f["what"] += window_note(f["eventkv_only"], f["kvpress_only"])
             out.append(f)
     elif name in ("pyramidkv", "perlayer_snapkv"):
         kv, ev = kvs_of("snapkv")[c.layer], ev_of("snapkv", c)
