@@ -90,3 +90,40 @@ def test_bad_input(tmp_path):
         prefill_many([a, c])
     assert prefill_many([]) == []
     a.close()
+
+
+def test_the_memories_commit_side_by_side(tmp_path, monkeypatch):
+    """Each memory's segment write waits at a barrier for the others': only commits that run side by side pass it
+    (one at a time, the first would wait out the barrier's timeout and break it). A failing commit keeps the
+    others' rows and is raised after them."""
+    import threading
+
+    from eventkv.errors import OutOfSpace
+    from eventkv.memory.store import Store
+
+    lm = tiny_lm("llama")
+    mems = _memories(lm, tmp_path, "s")
+    barrier = threading.Barrier(len(mems), timeout=60)
+    write = Store.write_segment
+
+    def meet_then_write(store, *args, **kwargs):
+        barrier.wait()
+        return write(store, *args, **kwargs)
+
+    monkeypatch.setattr(Store, "write_segment", meet_then_write)
+    assert all(c > 0 for c in prefill_many(mems)) and not any(m.pending for m in mems)
+    monkeypatch.setattr(Store, "write_segment", write)
+    # the second of three memories runs out of space: the first and third keep their rows, its events stay pending
+    more = _memories(lm, tmp_path, "f")
+
+    def full_for_f1(store, *args, **kwargs):
+        if store.directory.name == "f1":
+            raise OutOfSpace("no space left on the test's device")
+        return write(store, *args, **kwargs)
+
+    monkeypatch.setattr(Store, "write_segment", full_for_f1)
+    with pytest.raises(OutOfSpace, match="no space left"):
+        prefill_many(more)
+    assert [bool(m.pending) for m in more] == [False, True, False]
+    for m in [*mems, *more]:
+        m.close()

@@ -7,6 +7,7 @@ which every write goes all or nothing (a new segment fsynced before the transact
 from __future__ import annotations
 
 import builtins
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Self, Sequence, cast
 
@@ -450,7 +451,8 @@ def prefill_many(memories: Sequence[MemoryCore]) -> list[int]:
     each row at its own history's position) where more than one has pending events inside the model's context; a
     memory whose history passes its ``window`` is prefilled alone (windowed). Each memory's rows equal its own
     ``prefill()``'s up to float rounding (the matmuls run at another shape) and are committed as
-    that call commits them: one new segment per memory, all or nothing per memory.
+    that call commits them: one new segment per memory, all or nothing per memory; the memories' commits run
+    side by side, one thread each (each writes and fsyncs its own store).
 
     What a service does when queries on several memories with pending events are answered together: one forward
     instead of one per memory.
@@ -490,10 +492,17 @@ def prefill_many(memories: Sequence[MemoryCore]) -> list[int]:
         max_context=lm.profile.max_context,
         weights_digest=lm.profile.weights_digest,
     )
+    # each memory commits to its own store: the commits run side by side, so one memory's segment fsync (and a
+    # quantized format's encoding, torch work that releases the GIL) does not wait for another's
+    with ThreadPoolExecutor(max_workers=len(batch), thread_name_prefix="eventkv-commit") as pool:
+        commits = [
+            pool.submit(mem._commit_prefill, ekv, prefix.n_rows if prefix is not None else 0, seqs)
+            for (_, mem, (_, prefix, seqs)), ekv in zip(batch, rows)
+        ]
     failed: BaseException | None = None
-    for (k, mem, (_, prefix, seqs)), ekv in zip(batch, rows):
+    for (k, _, _), commit in zip(batch, commits):
         try:
-            out[k] = mem._commit_prefill(ekv, prefix.n_rows if prefix is not None else 0, seqs)
+            out[k] = commit.result()
         except Exception as exc:  # this memory's rows are not kept; the others' are
             failed = failed or exc
     if failed is not None:
