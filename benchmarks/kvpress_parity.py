@@ -17,7 +17,10 @@ PCG64 with a fixed seed (the same on every CPU), a fixed prompt of token ids, an
 * ``kept_rows.json``: the token ids, the versions, and per family, press and compression ratio
   the rows kvpress kept, per layer and KV head (sorted row indices) — every press of ``PRESSES`` at
   every ratio of ``RATIOS``, and the ``EDGE`` cells at their own ratios (SnapKV keeping fewer rows
-  than its window, StreamingLLM with more sinks than kept rows and with sinks near the row count).
+  than its window, StreamingLLM with more sinks than kept rows and with sinks near the row count) — and
+  the ``DECODING`` cells: DecodingPress over Knorm, StreamingLLM and SnapKV, 20 forced tokens fed after the
+  prompt, the positions each layer and KV head holds at the end (each layer's rows are followed through
+  every cut by a hook that runs before the press's own and sees the rows it cuts).
 
 How the kept rows are read: the prompt runs once without a press (the full cache) and once inside
 each press's context manager (kvpress compresses every layer's cache after its prefill forward).
@@ -257,6 +260,68 @@ def finch_kept(family: str, ids: list[int], full, press) -> list[list[list[int]]
     return press_kept(model, ids[:cut] + [delimiter] + ids[cut:], full, press)
 
 
+# compression during decoding (DecodingPress): the prompt, then DECODE_STEPS forced tokens one at a time, the cache
+# cut every DECODE_INTERVAL steps to DECODE_TARGET rows per KV head, the window the last DECODE_BUFFER steps
+DECODE_STEPS, DECODE_INTERVAL, DECODE_TARGET, DECODE_BUFFER = 20, 8, 30, 8
+DECODING = (
+    ("decoding_knorm", "KnormPress", {}),
+    ("decoding_streaming", "StreamingLLMPress", {"n_sink": 4}),
+    ("decoding_snapkv", "SnapKVPress", {"window_size": 4, "kernel_size": 5}),
+)
+
+
+def forced_ids() -> list[int]:
+    """The tokens fed after the prompt in the decoding cells (PCG64(SEED + 2))."""
+    rng = np.random.default_rng(SEED + 2)
+    return rng.integers(0, CONFIG["vocab_size"], DECODE_STEPS).tolist()
+
+
+def decoding_positions(model, ids: list[int], forced: list[int], press) -> list[list[list[int]]]:
+    """Per layer and KV head, the positions a DecodingPress's cache holds after ``forced`` is fed one token a step
+    after the prompt (explicit position ids: the true positions). Each layer's rows are followed through every cut:
+    a hook registered before the press's own runs first and sees the layer's rows before the press cuts them; the
+    rows left are found among those by their exact key and value."""
+    from transformers import DynamicCache
+
+    kv_heads = CONFIG["num_key_value_heads"]
+    before: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def snapshot(module, args, kwargs, output):
+        layer = kwargs["past_key_values"].layers[module.layer_idx]
+        before[module.layer_idx] = (layer.keys[0].clone(), layer.values[0].clone())
+        return output
+
+    hooks = [m.self_attn.register_forward_hook(snapshot, with_kwargs=True) for m in model.model.layers]
+    n = len(ids)
+    positions = [[list(range(n)) for _ in range(kv_heads)] for _ in model.model.layers]
+    cache = DynamicCache()
+    try:
+        with torch.no_grad(), press(model):
+            model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+            for step, token in enumerate(forced):
+                pos = n + step
+                model(
+                    torch.tensor([[token]]), position_ids=torch.tensor([[pos]]), past_key_values=cache, use_cache=True
+                )
+                for i, layer in enumerate(cache.layers):
+                    bk, bv = before[i]
+                    for h in range(kv_heads):
+                        grown = positions[i][h] + [pos]
+                        if layer.keys.shape[2] == bk.shape[1]:  # not cut this step
+                            positions[i][h] = grown
+                            continue
+                        full = torch.cat([bk[h], bv[h]], dim=-1)
+                        left = torch.cat([layer.keys[0, h], layer.values[0, h]], dim=-1)
+                        same = (left[:, None, :] == full[None, :, :]).all(-1)  # [left, before]
+                        if not bool((same.sum(1) == 1).all()):
+                            raise SystemExit("a row left after a cut matches no single row before it")
+                        positions[i][h] = [grown[j] for j in same.float().argmax(1).tolist()]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return positions
+
+
 def make_press(kvpress, cls: str, options: dict, ratio: float | None):
     """The kvpress press ``cls(**options)``, its nested presses built, ``ratio`` given as the docstring says."""
 
@@ -313,11 +378,30 @@ def main() -> None:
             else:
                 cell["kept"] = press_kept(model, ids, full, press)
             cells[f"{name}@{cell['ratio']:g}"] = cell
+        for name, cls, options in DECODING:
+            base = make_press(kvpress, cls, options, None)
+            press = kvpress.DecodingPress(
+                base_press=base,
+                compression_interval=DECODE_INTERVAL,
+                target_size=DECODE_TARGET,
+                hidden_states_buffer_size=DECODE_BUFFER,
+            )
+            cells[name] = {
+                "press": "DecodingPress",
+                "options": {
+                    "base_press": {"press": cls, "options": options},
+                    "compression_interval": DECODE_INTERVAL,
+                    "target_size": DECODE_TARGET,
+                    "hidden_states_buffer_size": DECODE_BUFFER,
+                },
+                "forced_ids": forced_ids(),
+                "positions": decoding_positions(model, ids, forced_ids(), press),
+            }
         models[family] = cells
         state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
         save_file(state, str(args.out / f"{family}.safetensors"))
         for key, cell in cells.items():
-            print(family, key, [len(h) for layer in cell["kept"] for h in layer])
+            print(family, key, [len(h) for layer in cell.get("kept", cell.get("positions")) for h in layer])
     fixture = {
         "made_by": "benchmarks/kvpress_parity.py",
         "versions": {

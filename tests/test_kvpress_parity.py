@@ -11,7 +11,8 @@ Here eventkv loads the same weights and ids, computes every policy's keep masks 
 compares cell by cell: identical, except inside a tie of Knorm in layer 0, where kvpress's order is its
 rounding's, inside LagKV's exact cross-partition rank ties, and inside the edge cells' ties, where kvpress's
 ``topk`` picks in no stated order and eventkv keeps its stated rows, and inside chunked Finch's window
-where a chunk keeps fewer rows than the window holds (docs/eviction.md).
+where a chunk keeps fewer rows than the window holds; and compression during decoding (DecodingPress), where
+Knorm keeps kvpress's rows and index-based rules differ for the stated reasons (docs/eviction.md).
 """
 
 from __future__ import annotations
@@ -73,6 +74,13 @@ EDGE = {
     "streaming_sinks_over_kept": StreamingLLM(sinks=10),  # StreamingLLMPress(n_sink=10) at 0.9: 6 kept
     "streaming_sinks_near_rows": StreamingLLM(sinks=60),  # StreamingLLMPress(n_sink=60) at 0.5: 30 kept
 }
+#: the decoding cells (the fixture script's DECODING: DecodingPress over each press, its forced tokens fed after the
+#: prompt) and eventkv's policy of each, decoded by eventkv.eviction.decoding with the same schedule
+DECODING = {
+    "decoding_knorm": Knorm(),
+    "decoding_streaming": StreamingLLM(sinks=4),
+    "decoding_snapkv": SnapKV(window=4, kernel=5, pooling="avg"),
+}
 #: the presses that keep kvpress's kept_count rows in every head (the others vary it per layer or head)
 UNIFORM = {"streaming", "knorm", "snapkv", "tova", "expected", "observed", "keydiff", "criticalkv_snapkv", "finch"}
 
@@ -86,8 +94,8 @@ def family(request):
 
 
 @pytest.fixture(scope="module")
-def captures(family):
-    """Each layer's capture of the fixture's prompt on ``family``'s stored weights."""
+def fixture_model(family):
+    """``family``'s stored weights as a model (as :func:`captures` loads them)."""
     import transformers
     from safetensors.torch import load_file
 
@@ -98,10 +106,16 @@ def captures(family):
     got = model.load_state_dict(load_file(str(DATA / f"{family}.safetensors")), strict=False)
     assert got.missing_keys == ["lm_head.weight"] and not got.unexpected_keys  # lm_head is tied to the embedding
     model.tie_weights()
+    return model
+
+
+@pytest.fixture(scope="module")
+def captures(fixture_model):
+    """Each layer's capture of the fixture's prompt on ``family``'s stored weights."""
     # the ids as a header and three events: contiguous positions 0..60, the prompt kvpress saw
     log = TokenizedLog(IDS[:4], ["e0", "e1", "e2"], [IDS[4:20], IDS[20:40], IDS[40:]])
     # every query captured: expected attention's statistics are over the whole prefill, as kvpress's
-    _, caps = capture_prefill(model, log, window=len(IDS))
+    _, caps = capture_prefill(fixture_model, log, window=len(IDS))
     return caps
 
 
@@ -110,7 +124,8 @@ def test_the_fixture_covers_every_comparable_policy():
     for cells in FIXTURE["models"].values():
         presses = {key.split("@")[0] for key in cells}
         # the per-layer ratios: one cell; an edge cell: one ratio
-        assert presses == set(POLICY) | set(EDGE) and len(cells) == 2 * len(POLICY) - 1 + len(EDGE)
+        assert presses == set(POLICY) | set(EDGE) | set(DECODING)
+        assert len(cells) == 2 * len(POLICY) - 1 + len(EDGE) + len(DECODING)
         # kvpress's kept count, max(1, int(rows * (1 - r))): 42 of 61 at 0.3, where rows - floor(r * rows) is 43
         assert {len(h) for h in cells["knorm@0.3"]["kept"][0]} == {42} == {kept_count(61, 0.3)}
     assert FIXTURE["versions"]["kvpress"] == "0.5.5"
@@ -121,7 +136,9 @@ def _kept(mask_row: torch.Tensor) -> set[int]:
     return set(torch.nonzero(mask_row).flatten().tolist())
 
 
-@pytest.mark.parametrize("key", sorted(k for k in FIXTURE["models"]["llama"] if k.split("@")[0] not in EDGE))
+@pytest.mark.parametrize(
+    "key", sorted(k for k in FIXTURE["models"]["llama"] if k.split("@")[0] not in EDGE and k not in DECODING)
+)
 def test_each_policy_keeps_kvpress_rows(family, captures, key):
     cell = FIXTURE["models"][family][key]
     name, ratio = key.split("@")[0], cell["ratio"]
@@ -188,7 +205,7 @@ def test_the_differing_cells_are_exactly_the_documented_ties(family, captures):
     and none of any other policy (Knorm's layer-0 ties happen to be kept alike)."""
     differ: dict[str, int] = {}
     for key, cell in FIXTURE["models"][family].items():
-        if "pruned_channels" in cell or key.split("@")[0] in EDGE:
+        if "pruned_channels" in cell or key.split("@")[0] in EDGE or key in DECODING:
             continue
         for c in captures:
             mask = keep_mask(POLICY[key.split("@")[0]], c, cell["ratio"])
@@ -221,3 +238,36 @@ def test_edge_cells_kvpress_picks_inside_its_tie_and_eventkv_keeps_its_stated_ro
             assert _kept(mask[h]) == stated, f"{family} {key} layer {c.layer} head {h}"
             differ += theirs != stated
     assert differ == 4  # 2 layers x 2 KV heads
+
+
+def test_decoding_cells(family, fixture_model):
+    """Compression during decoding (DecodingPress: 20 forced tokens after the prompt, a cut every 8 steps to 30
+    rows per KV head, a window of the last 8 steps): Knorm keeps kvpress's rows in every cell but inside a tie of
+    one token id's layer-0 keys. StreamingLLM and SnapKV differ in every cell, for the stated reasons: kvpress
+    gathers the kept rows in ``topk`` order, not position order, so from the second cut on a rule that reads rows
+    by index (StreamingLLM's sinks and recent rows, SnapKV's window) reads other rows; and kvpress rotates every
+    buffered query by the current step's angle. eventkv keeps the sinks and the latest rows (checked)."""
+    from eventkv.eviction.decoding import DecodingCompression, decode_compressed
+
+    differ = {}
+    for name, policy in DECODING.items():
+        cell = FIXTURE["models"][family][name]
+        opts = cell["options"]
+        assert (opts["compression_interval"], opts["target_size"], opts["hidden_states_buffer_size"]) == (8, 30, 8)
+        run = decode_compressed(fixture_model, IDS, DecodingCompression(policy, 8, 30, 8), forced=cell["forced_ids"])
+        assert run.cuts == 2
+        seq = IDS + cell["forced_ids"]
+        for layer, p in enumerate(run.positions):
+            for h in range(p.shape[0]):
+                ours, theirs = set(p[h].tolist()), set(cell["positions"][layer][h])
+                assert len(ours) == len(theirs) == 34  # 30 after the second cut, then 4 more steps
+                if name == "decoding_streaming":  # sinks, then the latest 26 at each cut: 51-76, then 77-80
+                    assert ours == {0, 1, 2, 3, *range(51, 81)}
+                if ours == theirs:
+                    continue
+                differ[name] = differ.get(name, 0) + 1
+                if name == "decoding_knorm":  # a tie: each row only one side keeps has a twin of its token id
+                    assert layer == 0
+                    assert sorted(seq[r] for r in ours - theirs) == sorted(seq[r] for r in theirs - ours)
+    knorm = {"llama": {}, "qwen2": {"decoding_knorm": 1}}[family]
+    assert differ == {**knorm, "decoding_streaming": 4, "decoding_snapkv": 4}

@@ -52,7 +52,12 @@ def _attention_modules(model) -> list:
 
 
 @contextmanager
-def _capturing(model: PreTrainedModel, window: int) -> Iterator[dict[Any, Any]]:
+def capturing(model: PreTrainedModel, window: int) -> Iterator[dict[Any, Any]]:
+    """A scope in which every forward of ``model`` records, per layer index, its queries after RoPE (``"q"``:
+    ``[q_heads, <= window, head_dim]`` float32 on the CPU, the latest ``window`` over the scope's forwards, appended
+    forward by forward), the attention's scale (``"scaling"``) and the first forward's rotary cos/sin (``"rope"``).
+    A caller may pop a layer's ``"q"`` to start its window again. The model's attention implementation is restored
+    on exit."""
     global _ACTIVE
     previous = model.config._attn_implementation
     _ACTIVE = {"__window__": window}
@@ -102,7 +107,7 @@ def capture_prefill(
     Raises:
         EventKVError: as :func:`eventkv.kv.prefill.prefill`.
     """
-    with _capturing(model, window) as seen:
+    with capturing(model, window) as seen:
         ekv = prefill(model, log, max_context=max_context)
     # the eviction rules compute on the CPU (eventkv.eviction.policies): what they read is copied there
     positions = torch.tensor(log.position_ids, dtype=torch.long, device="cpu")
@@ -168,7 +173,7 @@ def capture_reconstruction(
     cache = cache_from_rows([k.clone() for k in ekv.keys], [v.clone() for v in ekv.values])
     input_ids = torch.tensor([ids], device=device)
     positions = torch.arange(start, start + len(ids), device=device)[None]
-    with _capturing(model, len(ids)) as seen:
+    with capturing(model, len(ids)) as seen:
         model_forward(model, input_ids, positions, cache, logits_to_keep=1)
     every_key, _ = cache_kv(cache)  # per layer [1, kv_heads, rows + R, head_dim]
     out = []
