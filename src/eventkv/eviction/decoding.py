@@ -139,7 +139,8 @@ def decode_compressed(
     ids = torch.tensor([list(prompt_ids)], device=device)
     logits = model_forward(model, ids, torch.arange(n, device=device)[None], cache, logits_to_keep=1)
     keys, values = cache_kv(cache)
-    positions = [torch.arange(n, dtype=torch.long).expand(k.shape[1], -1).clone() for k in keys]
+    # each head's positions live on the CPU, where the policies score
+    positions = [torch.arange(n, dtype=torch.long, device="cpu").expand(k.shape[1], -1).clone() for k in keys]
     steps = len(forced) if forced is not None else max_new_tokens
     out_tokens: list[int] = []
     out_logits: list[torch.Tensor] = []
@@ -163,7 +164,8 @@ def decode_compressed(
                 cache,
                 logits_to_keep=1,
             )
-            positions = [torch.cat([p, torch.full((p.shape[0], 1), pos, dtype=torch.long)], dim=1) for p in positions]
+            grown = torch.full((positions[0].shape[0], 1), pos, dtype=torch.long, device="cpu")
+            positions = [torch.cat([p, grown], dim=1) for p in positions]
             buffered = (buffered + [pos])[-compression.buffer :]
             since += 1
             if since < compression.interval:
@@ -207,7 +209,7 @@ def _cut(
     kv_heads, rows = positions.shape
     if rows <= compression.target_rows:
         return keys, values, positions
-    qpos = torch.tensor(query_positions, dtype=torch.long)
+    qpos = torch.tensor(query_positions, dtype=torch.long, device="cpu")
     group = 0 if queries is None else queries.shape[0] // kv_heads
     kept = []
     for h in range(kv_heads):
