@@ -96,6 +96,12 @@ def test_summary_statistics_on_hand_made_records():
         (["--policy", "adakv", "--window", "8"], "adakv reads the last 64 queries"),  # its SnapKV's default window
         (["--policy", "composed(policies=knorm/think)", "--window", "8"], "reads the last 32 queries"),
         (["--policy", "knorm,knorm"], "give distinct policies"),
+        # a chunk too short for the window at a ratio: refused before any model work, named by its spec
+        (
+            ["--policy", "finch(window=8,chunk=16)", "--ratio", "0.5"],
+            "--policy 'finch(window=8,chunk=16)': chunk 16: a chunk must hold more than window / (1 - ratio) = 16",
+        ),
+        (["--policy", "composed(policies=knorm/finch(chunk=10))"], "chunk 10: a chunk must hold more than"),
     ],
 )
 def test_audit_option_errors(extra, message, tmp_path, monkeypatch, capsys):

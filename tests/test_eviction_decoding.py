@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.eviction import Knorm, SnapKV, StreamingLLM
+from eventkv.eviction import ExpectedAttention, Knorm, SnapKV, StreamingLLM
 from eventkv.eviction.budgets import AdaKV
 from eventkv.eviction.decoding import DecodingCompression, decode_compressed
 from eventkv.eviction.policies import top_rows
+from eventkv.eviction.scorers import Finch, ObservedAttention
 from eventkv.kv.model import model_forward
 from eventkv.testing import tiny_model
 
@@ -83,13 +84,25 @@ def test_the_schedule_cuts_every_interval_and_heads_keep_their_own_rows():
     # SnapKV scores from the buffered steps' queries: its window must fit the steps between cuts
     snap = decode_compressed(model, PROMPT, DecodingCompression(SnapKV(window=4), 8, 30), forced=FORCED)
     assert snap.cuts == 2 and all(p.shape[1] == 34 for p in snap.positions)
-    with pytest.raises(OptionError, match="window 16: the capture holds 8 queries"):
-        decode_compressed(model, PROMPT, DecodingCompression(SnapKV(window=16), 8, 30), forced=FORCED)
+    with pytest.raises(OptionError, match=r"its window of 16 queries is longer than the 8 steps a cut sees"):
+        DecodingCompression(SnapKV(window=16), 8, 30)
+    with pytest.raises(OptionError, match=r"\(interval 32, buffer 4\): give interval and buffer of 8 or more"):
+        DecodingCompression(SnapKV(window=8), 32, 30, buffer=4)
+    # Finch without chunks is a scoring policy; the question's window is the buffered steps' queries
+    fin = decode_compressed(model, PROMPT, DecodingCompression(Finch(window=4), 8, 30), forced=FORCED)
+    assert fin.cuts == 2 and all(p.shape[1] == 34 for p in fin.positions)
+    # expected attention rotates queries by RoPE frequencies a decode step does not capture: refused at the cut
+    with pytest.raises(OptionError, match="cannot score from what a decode step captures"):
+        decode_compressed(model, PROMPT, DecodingCompression(ExpectedAttention(), 8, 30), forced=FORCED)
 
 
 def test_bad_input_is_named():
-    with pytest.raises(OptionError, match="policy 'adakv': it chooses rows by its own mask and budget"):
+    with pytest.raises(OptionError, match="policy 'adakv': it chooses rows by a rule of its own"):
         DecodingCompression(AdaKV())
+    with pytest.raises(OptionError, match="policy 'finch': it chooses rows by a rule of its own"):
+        DecodingCompression(Finch(chunk=100))
+    with pytest.raises(OptionError, match="policy 'observed': it reads every prefill query"):
+        DecodingCompression(ObservedAttention())
     with pytest.raises(OptionError, match="policy 'knorm'"):
         DecodingCompression("knorm")  # type: ignore[arg-type]
     for field in ("interval", "target_rows", "buffer"):

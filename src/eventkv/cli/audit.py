@@ -25,7 +25,10 @@ def audit(
     model: str = MODEL_OPTION,
     items: int = typer.Option(24, "--items", help="donor pairs"),
     window: int = typer.Option(
-        64, "--window", help="observation window of snapkv and expected attention (tokens at the end of the history)"
+        64,
+        "--window",
+        help="observation window (tokens at the end of the history) every policy reads; the window of a bare "
+        "snapkv, pyramidkv or finch",
     ),
     sinks: int = typer.Option(4, "--sinks", help="attention sinks kept by streaming"),
     seed: int = typer.Option(0, "--seed", help="item seed (the donor-pair probe's pairs for the same seed)"),

@@ -40,16 +40,18 @@ class DecodingCompression:
 
     Attributes:
         policy: scores each KV head's rows (:meth:`Policy.scores`); each head keeps its ``target_rows`` best
-            (:meth:`Policy.keep`). A policy that chooses rows by a rule of its own (:meth:`Policy.mask` or
-            :meth:`Policy.budget` replaced: per-layer or per-head budgets, chunks, compositions) is refused:
-            during decoding the budget is a row count, the same in every head.
+            (:meth:`Policy.keep`). A policy that chooses rows by a rule of its own (per-layer or per-head budgets,
+            chunks, compositions: :attr:`Policy.keeps_by_scores` False) is refused, as kvpress's DecodingPress takes
+            scorer presses only: during decoding the budget is a row count, the same in every head; so is one that
+            reads every prefill query (H2O) or a reconstruction pass (KVzip).
         interval: decoding steps between cuts (512, kvpress's default).
         target_rows: rows each KV head keeps at a cut (2048); a layer at or under it is left whole.
         buffer: the queries of at most this many latest steps form the observation window (256).
 
     Raises:
-        OptionError: a non-policy or a policy with its own selection rule; ``interval``, ``target_rows`` or
-            ``buffer`` not a whole number >= 1.
+        OptionError: a non-policy, a policy with its own selection rule (:attr:`Policy.keeps_by_scores` False) or
+            one that reads every prefill query or a reconstruction pass; ``interval``, ``target_rows`` or ``buffer``
+            not a whole number >= 1; a policy ``window`` longer than ``interval`` or ``buffer``.
     """
 
     policy: Policy
@@ -60,17 +62,33 @@ class DecodingCompression:
     def __post_init__(self) -> None:
         if not isinstance(self.policy, Policy):
             raise OptionError("policy", self.policy, "give an eviction policy (eventkv.eviction), e.g. Knorm().")
-        own = [m for m in ("mask", "budget") if getattr(type(self.policy), m) is not getattr(Policy, m)]
-        if own:
+        if not self.policy.keeps_by_scores:
             raise OptionError(
                 "policy",
                 self.policy.name,
-                f"it chooses rows by its own {' and '.join(own)}; decoding compression keeps each KV head's "
-                "target_rows best rows by a policy's scores: give a scoring policy (knorm, snapkv, streaming, ...).",
+                "it chooses rows by a rule of its own (budgets per layer or head, chunks, a composition); decoding "
+                "compression keeps each KV head's target_rows best rows by a policy's scores: give a scoring policy "
+                "(knorm, snapkv, streaming, tova, keydiff, finch without chunks, ...).",
+            )
+        if self.policy.needs_all_queries or self.policy.needs_reconstruction:
+            raise OptionError(
+                "policy",
+                self.policy.name,
+                "it reads every prefill query or a reconstruction pass, which a decode step does not have: give a "
+                "policy that scores from the latest queries or the keys (knorm, snapkv, streaming, ...).",
             )
         check_int("interval", self.interval, "cut the cache every N decoding steps (a whole number >= 1).")
         check_int("target_rows", self.target_rows, "keep at least 1 row per KV head (a whole number).")
         check_int("buffer", self.buffer, "keep the queries of at least 1 step as the window (a whole number).")
+        window = getattr(self.policy, "window", None)
+        if isinstance(window, int) and window > min(self.interval, self.buffer):
+            raise OptionError(
+                "policy",
+                self.policy.name,
+                f"its window of {window} queries is longer than the {min(self.interval, self.buffer)} steps a cut "
+                f"sees (interval {self.interval}, buffer {self.buffer}): give interval and buffer of {window} or "
+                "more, or a shorter window.",
+            )
 
 
 @dataclass
@@ -120,7 +138,7 @@ def decode_compressed(
         EventKVError: an empty prompt; a model with sliding-window layers (a cut changes the row distances its
             window is counted in).
         OptionError: ``max_new_tokens`` not a whole number >= 1; a policy that cannot score from what a decode
-            step captures (e.g. a window longer than ``interval`` or ``buffer``: the message says which).
+            step captures (expected attention's RoPE frequencies, event-level scoring's events), at the first cut.
     """
     if not prompt_ids:
         raise EventKVError("decode_compressed got an empty prompt: give at least one token id.")
@@ -223,7 +241,15 @@ def _cut(
             scaling=scaling,
             n_layers=n_layers,
         )
-        mask = compression.policy.keep(c, compression.target_rows)[0]
+        try:
+            mask = compression.policy.keep(c, compression.target_rows)[0]
+        except OptionError as e:
+            raise OptionError(
+                "policy",
+                compression.policy.name,
+                f"it cannot score from what a decode step captures (each step's queries and the rows' keys, values "
+                f"and positions; no RoPE frequencies, no events): {e}",
+            ) from None
         kept.append(torch.nonzero(mask).flatten())  # ascending row index: ascending position within the head
     idx = torch.stack(kept).to(keys.device)  # [kv_heads, target_rows]
     gather = idx[None, :, :, None].expand(1, -1, -1, keys.shape[-1])

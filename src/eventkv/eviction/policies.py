@@ -131,6 +131,19 @@ class Policy:
         whether any of :meth:`members` does."""
         return any(m.needs_reconstruction for m in self.members())
 
+    @property
+    def keeps_by_scores(self) -> bool:
+        """Whether the kept rows are each KV head's best by :meth:`scores`, a count per head (:meth:`keep`), with no
+        selection rule of its own — what a row-count budget can drive (compression during decoding,
+        :mod:`eventkv.eviction.decoding`). Here: whether the class keeps this base's :meth:`budget` and :meth:`mask`."""
+        return type(self).mask is Policy.mask and type(self).budget is Policy.budget
+
+    def check_ratio(self, ratio: float) -> None:
+        """Raises OptionError when this policy cannot apply ``ratio`` — checked before any model work (the audit
+        does, for each of its ratios); here: whatever :meth:`members` refuse."""
+        for m in self.members():
+            m.check_ratio(ratio)
+
     def scores(self, c: LayerCapture) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
 

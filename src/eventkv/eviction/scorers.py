@@ -291,7 +291,9 @@ class Finch(Policy):
     def __post_init__(self) -> None:
         check_int("window", self.window, "observe at least 1 query (a whole number: the question's tokens).")
         if self.chunk is not None:
-            check_int("chunk", self.chunk, "give the chunk length in rows (a whole number >= 1), or None for none.")
+            check_int(
+                "chunk", self.chunk, "give the chunk length in rows (a whole number >= 1), or none for no chunks."
+            )
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
         queries, qpos = c.need_queries(self.name)
@@ -315,17 +317,24 @@ class Finch(Policy):
         s[:, ~in_window] = per_kv_head(votes, c.kv_heads)
         return s
 
+    @property
+    def keeps_by_scores(self) -> bool:
+        return self.chunk is None  # in chunks, each chunk keeps a count of its own
+
+    def check_ratio(self, ratio: float) -> None:
+        if self.chunk is not None and self.chunk <= self.window / (1 - ratio):
+            raise OptionError(
+                "chunk",
+                self.chunk,
+                f"a chunk must hold more than window / (1 - ratio) = {self.window / (1 - ratio):g} rows at ratio "
+                f"{ratio:g}, so its budget can keep the window: give a longer chunk or a shorter window.",
+            )
+
     def mask(self, c: LayerCapture, ratio: float) -> torch.Tensor:
         if self.chunk is None:
             return super().mask(c, ratio)
         kept_count(c.rows, ratio)  # checks the ratio
-        if self.chunk <= self.window / (1 - ratio):
-            raise OptionError(
-                "chunk",
-                self.chunk,
-                f"a chunk must hold more than window / (1 - ratio) = {self.window / (1 - ratio):g} rows, so its "
-                "budget can keep the window: give a longer chunk or a shorter window.",
-            )
+        self.check_ratio(ratio)
         s = self.checked_scores(c)
         order = torch.argsort(c.positions, stable=True)  # rows by position
         keep = torch.zeros(c.kv_heads, c.rows, dtype=torch.bool, device=s.device)

@@ -112,6 +112,11 @@ class EvictionAudit(Probe):
                 if e.flag == "--policy":
                     raise
                 raise OptionError("policies", spec, str(e), flag="--policy") from None
+            for ratio in self.ratios:  # a setting that cannot apply a ratio (Finch's chunk): before any model work
+                try:
+                    policy.check_ratio(ratio)
+                except OptionError as e:
+                    raise OptionError("policies", spec, str(e), flag="--policy") from None
             window = max(_windows(policy), default=0)
             if window > self.window:  # every policy reads the one capture of --window queries, nested ones too
                 nested = " (a policy inside it, when it names none: SnapKV's default window is 64)"
