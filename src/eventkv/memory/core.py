@@ -469,8 +469,7 @@ def prefill_many(memories: Sequence[MemoryCore]) -> list[int]:
     from eventkv.kv.windowed import plan_chunks
 
     if len({id(m) for m in memories}) != len(memories):
-        seen: set[int] = set()
-        twice = next(m for m in memories if id(m) in seen or seen.add(id(m)))
+        twice = next(m for k, m in enumerate(memories) if any(m is n for n in memories[:k]))
         raise OptionError("memories", str(twice.directory), "it is given twice: give each memory once.")
     if len({id(m.lm.model) for m in memories}) > 1:
         raise OptionError("memories", len(memories), "give memories of one model (one forward serves one model).")
