@@ -16,9 +16,10 @@ greedy decode:
   full   every stored row, where the history fits the model's context (original positions);
          past the context there is no full arm: the model cannot attend to the whole history.
 
-Per size and arm: per-query latency (median ms, lazy prefill excluded) and KV bytes served (rows x
-2 x layers x kv heads x head dim x dtype bytes). Per selector: the needle's recall (its turn is in
-the served set) and the answer hit rate (the code appears in the answer) of the rows arm.
+Per size and arm: per-query latency (median ms, lazy prefill excluded), KV bytes served (rows x
+2 x layers x kv heads x head dim x dtype bytes) and the answer hit rate (the code appears in the answer), the
+arms on the first selector's served set. Per selector: the needle's recall (its turn is in the served set)
+and the answer hit rate of the rows arm.
 
 Row formats. ``--rows`` (default ``native``) lists the formats the memory's rows are stored in
 (``EventMemory.create(..., rows=...)``: ``native``, ``int8``, ``int4``; docs/memory.md, "Row
@@ -143,13 +144,14 @@ def ask(mem: EventMemory, question: str, select, new_tokens: int, **how):
 def measure(grown: Grown, codes: dict[str, str], selectors: list[str], args, fits: bool, controls: bool):
     """Every planted needle asked of ``grown``'s memory: per selector the rows arm; on the first selector's
     served set the rows arm's latency and, with ``controls``, the text arm's and (where the history ``fits``)
-    the full arm's. Returns ``(latency ms, rows served, recall, hits)``: per arm, per arm, per selector, per
-    selector, one entry per needle."""
+    the full arm's, each arm's answer read out. Returns ``(latency ms, rows served, recall, hits, arm hits)``: per
+    arm, per arm, per selector, per selector, per arm (on the first selector's served set), one entry per needle."""
     mem = grown.mem
     lat: dict[str, list[float]] = {"rows": [], "text": [], "full": []}
     served_rows: dict[str, list[int]] = {"rows": [], "text": [], "full": []}
     recall: dict[str, list[bool]] = {s: [] for s in selectors}
     hits: dict[str, list[bool]] = {s: [] for s in selectors}
+    arm_hits: dict[str, list[bool]] = {"rows": [], "text": [], "full": []}
     for locker, eid in grown.planted.items():
         q = f"What is the access code of locker {locker}?"
         for s in selectors:
@@ -160,16 +162,19 @@ def measure(grown: Grown, codes: dict[str, str], selectors: list[str], args, fit
             if s == selectors[0]:  # the latency arms are measured on the first selector's served set
                 lat["rows"].append(ms)
                 served_rows["rows"].append(ans.n_rows_served)
+                arm_hits["rows"].append(codes[locker] in ans.text)
                 if not controls:
                     continue
                 ms, ans = ask(mem, q, ids, args.new_tokens, mode="text")
                 lat["text"].append(ms)
                 served_rows["text"].append(ans.n_rows_served)
+                arm_hits["text"].append(codes[locker] in ans.text)
                 if fits:
                     ms, ans = ask(mem, q, "all", args.new_tokens)
                     lat["full"].append(ms)
                     served_rows["full"].append(ans.n_rows_served)
-    return lat, served_rows, recall, hits
+                    arm_hits["full"].append(codes[locker] in ans.text)
+    return lat, served_rows, recall, hits, arm_hits
 
 
 def row_bytes(lm) -> int:
@@ -241,7 +246,7 @@ def main() -> None:
                 stats = mem.stats()
                 rows = stats.rows
                 fits = ctx is None or rows + 64 + args.new_tokens <= ctx
-                lat, served_rows, recall, hits = measure(grown, codes, selectors, args, fits, controls=native)
+                lat, served_rows, recall, hits, arm_hits = measure(grown, codes, selectors, args, fits, controls=native)
                 results[fmt][size] = r = {
                     "rows": rows,
                     "fits": fits,
@@ -250,6 +255,7 @@ def main() -> None:
                     "bytes": {a: statistics.median(v) * per_row for a, v in served_rows.items() if v},
                     "recall": {s: sum(v) / len(v) for s, v in recall.items() if v},
                     "hits": {s: sum(v) / len(v) for s, v in hits.items() if v},
+                    "arm_hits": {a: sum(v) / len(v) for a, v in arm_hits.items() if v},
                     "n": len(grown.planted),
                     "disk": stats.bytes_on_disk,
                     "segments": directory_bytes(mem.directory / SEGMENTS),
@@ -265,7 +271,7 @@ def main() -> None:
                         if a in r["lat"]:
                             print(
                                 f"  {a:5s} median {r['lat'][a]:8.0f} ms per query, "
-                                f"KV bytes served {r['bytes'][a]:>14,.0f}"
+                                f"KV bytes served {r['bytes'][a]:>14,.0f}, answer has the code {r['arm_hits'][a]:.2f}"
                             )
                         else:
                             print(f"  {a:5s} n/a (the history passes the model's context)")

@@ -294,6 +294,11 @@ def test_memory_scale_row_formats_smoke(tmp_path):
         ]
         assert len([m for m in stores if m]) == 2
     assert len([ln for ln in lines if re.match(r"  rows  median +\d+ ms per query$", ln)]) == 2  # int4's blocks
+    # native's blocks: every arm timed and its answer read out (both sizes fit the tiny model's context)
+    arm = r"  (rows|text|full) +median +\d+ ms per query, KV bytes served +[\d,]+, answer has the code ([\d.]+)$"
+    read = [re.match(arm, ln) for ln in lines]
+    assert sorted(m.group(1) for m in read if m) == ["full", "full", "rows", "rows", "text", "text"]
+    assert all(0 <= float(m.group(2)) <= 1 for m in read if m)
     one(r"rows latency, largest vs smallest history: [\d.]+x \(1200 vs 600 tokens\)$")
     one(r"full vs rows KV bytes at 1200: [\d.]+x$")
     one(r"recall bm25: 600: [\d.]+, 1200: [\d.]+$")
