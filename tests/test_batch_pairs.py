@@ -267,3 +267,20 @@ def test_prefill_packed_equals_prefill_batch_and_encode_alone(family):
     assert prefill_packed(rt.model, jobs[:1], [])[1] == []
     with pytest.raises(EventKVError, match="event 0 to encode alone names job 3 of 3"):
         prefill_packed(rt.model, jobs, [(3, events[0][0], 5)])
+
+
+def test_isolated_events_without_a_4d_mask_take_a_forward_of_their_own(monkeypatch):
+    """For a model that takes no 4D mask the engine encodes the isolated events in a forward of their own
+    (encode_isolated), not packed into a prefill round: the records are the packed run's up to float rounding."""
+    import eventkv.studies.materialization.pairs.engine as engine
+
+    rt = tiny_runtime("llama")
+    probe = DonorPair(max_new_tokens=4)
+    items = probe.items(0, [0, 1])
+    packed = probe.run_batch(rt, items)
+    monkeypatch.setattr(engine, "takes_4d_masks", lambda model: False)
+    calls = []
+    own = engine.encode_isolated
+    monkeypatch.setattr(engine, "encode_isolated", lambda *a: calls.append(len(a[2])) or own(*a))
+    _close(probe.run_batch(rt, items), packed)
+    assert calls == [2]  # each item's root (its decoy comes first in its history: the prefill's own rows)

@@ -218,6 +218,33 @@ def window_attention(c: LayerCapture, who: str, window: int | None = None) -> to
     return torch.softmax(logits, dim=-1)
 
 
+def observation_window(c: LayerCapture, who: str, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The observation window of SnapKV-style rules, checked: the last ``window`` captured queries' attention
+    (:func:`window_attention`), their positions, and which rows the window itself holds.
+
+    Returns:
+        ``(att [q_heads, window, rows] float64, query positions [window], in_window [rows] bool)``.
+
+    Raises:
+        OptionError: a capture with fewer than ``window`` queries, or a layer of no more rows than ``window``
+            (nothing before the window to score, as kvpress refuses).
+    """
+    queries, qpos = c.need_queries(who)
+    if queries.shape[1] < window:
+        raise OptionError(
+            "window", window, f"the capture holds {queries.shape[1]} queries: capture at least the window."
+        )
+    if c.rows <= window:
+        raise OptionError(
+            "window",
+            window,
+            f"the layer has {c.rows} rows: the window must leave rows before it to score "
+            f"(give a window below {c.rows}).",
+        )
+    qpos = qpos[-window:]
+    return window_attention(c, who, window), qpos, c.positions >= qpos.min()
+
+
 def per_kv_head(att: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """``[q_heads, rows]`` -> ``[kv_heads, rows]`` by averaging each GQA group's query heads."""
     return att.reshape(kv_heads, att.shape[0] // kv_heads, att.shape[-1]).mean(dim=1)
@@ -318,20 +345,7 @@ class SnapKV(Policy):
             raise OptionError("pooling", self.pooling, "use max or avg.")
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
-        queries, qpos = c.need_queries(self.name)
-        if queries.shape[1] < self.window:
-            raise OptionError(
-                "window", self.window, f"the capture holds {queries.shape[1]} queries: capture at least the window."
-            )
-        if c.rows <= self.window:
-            raise OptionError(
-                "window",
-                self.window,
-                f"the layer has {c.rows} rows: the window must leave rows before it to score "
-                f"(give a window below {c.rows}).",
-            )
-        att = window_attention(c, self.name, self.window)  # [q_heads, window, rows]
-        in_window = c.positions >= qpos[-self.window :].min()
+        att, _, in_window = observation_window(c, self.name, self.window)
         # the window's mean, as kvpress (the paper sums: the same order, but CriticalKV adds an epsilon to it)
         votes = att[:, :, ~in_window].mean(dim=1)  # [q_heads, prefix rows]
         votes = per_kv_head(votes, c.kv_heads)

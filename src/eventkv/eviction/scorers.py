@@ -24,11 +24,12 @@ from eventkv.eviction.policies import (
     LayerCapture,
     Policy,
     kept_count,
+    observation_window,
     per_kv_head,
     top_rows,
     window_attention,
 )
-from eventkv.options import check_bool, check_int
+from eventkv.options import check_bool, check_int, check_optional_int
 
 
 @dataclass
@@ -290,27 +291,12 @@ class Finch(Policy):
 
     def __post_init__(self) -> None:
         check_int("window", self.window, "observe at least 1 query (a whole number: the question's tokens).")
-        if self.chunk is not None:
-            check_int(
-                "chunk", self.chunk, "give the chunk length in rows (a whole number >= 1), or none for no chunks."
-            )
+        check_optional_int(
+            "chunk", self.chunk, "give the chunk length in rows (a whole number >= 1), or none for no chunks."
+        )
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
-        queries, qpos = c.need_queries(self.name)
-        if queries.shape[1] < self.window:
-            raise OptionError(
-                "window", self.window, f"the capture holds {queries.shape[1]} queries: capture at least the window."
-            )
-        if c.rows <= self.window:
-            raise OptionError(
-                "window",
-                self.window,
-                f"the layer has {c.rows} rows: the window must leave rows before it to score "
-                f"(give a window below {c.rows}).",
-            )
-        att = window_attention(c, self.name, self.window)  # [q_heads, window, rows]
-        qpos = qpos[-self.window :]
-        in_window = c.positions >= qpos.min()
+        att, qpos, in_window = observation_window(c, self.name, self.window)  # att: [q_heads, window, rows]
         before = (c.positions[None, :] < qpos[:, None]).sum(dim=1).double()  # [window]: rows before each query
         votes = (att[:, :, ~in_window] * before[None, :, None]).mean(dim=1)  # [q_heads, prefix rows]
         s = torch.full((c.kv_heads, c.rows), float("inf"), dtype=torch.float64, device=votes.device)

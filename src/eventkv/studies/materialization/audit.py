@@ -108,15 +108,12 @@ class EvictionAudit(Probe):
         for spec in self.policies:  # each policy checks its own parameters: refused here as in the library
             try:
                 policy = self._policy(spec, 0)
+                for ratio in self.ratios:  # a setting that cannot apply a ratio (Finch's chunk)
+                    policy.check_ratio(ratio)
             except OptionError as e:  # a setting inside the spec: name the spec, not a flag the command lacks
                 if e.flag == "--policy":
                     raise
                 raise OptionError("policies", spec, str(e), flag="--policy") from None
-            for ratio in self.ratios:  # a setting that cannot apply a ratio (Finch's chunk): before any model work
-                try:
-                    policy.check_ratio(ratio)
-                except OptionError as e:
-                    raise OptionError("policies", spec, str(e), flag="--policy") from None
             window = max(_windows(policy), default=0)
             if window > self.window:  # every policy reads the one capture of --window queries, nested ones too
                 nested = " (a policy inside it, when it names none: SnapKV's default window is 64)"

@@ -19,7 +19,7 @@ from eventkv.probes.base import Runtime
 from eventkv.studies.materialization.pairs.arms import PairArm, events_read
 from eventkv.studies.materialization.pairs.prefill import PrefillCache, leading_log, shared_log, tokenize_pair
 from eventkv.studies.materialization.pairs.scoring import donor_d, outcome
-from eventkv.studies.materialization.pairs.serve import isolated_events, leading_rows, serve_arm
+from eventkv.studies.materialization.pairs.serve import encode_isolated, isolated_events, leading_rows, serve_arm
 
 #: one served cache of a batch: ``(item, arm name, variants it answers, served cache)``
 Entry = tuple[int, str, tuple[int, ...], ServedCache]
@@ -269,7 +269,7 @@ class _IsolatedMemo(dict):
     2. the others ride in the first prefill round's forward (``pending``, taken by :func:`_prefill_rounds`,
        which packs them with :func:`eventkv.kv.batched.prefill_packed`) when the model takes a 4D mask;
     3. whatever is left (no 4D mask, or no round computed anything) is encoded in a forward of its own
-       (:func:`eventkv.kv.batched.encode_alone`) by :meth:`finish`.
+       (:func:`encode_isolated`) by :meth:`finish`.
     """
 
     def __init__(self, rt: Runtime, instruction: str, wanted: dict[tuple, tuple[int, list[int], int]]) -> None:
@@ -280,18 +280,12 @@ class _IsolatedMemo(dict):
 
     def finish(self, ekvs: Sequence[dict[str, list[EventKV]]]) -> None:
         """Fill in every wanted event the prefill rounds did not encode (steps 1 and 3 above)."""
-        from eventkv.kv.batched import encode_alone
-
         for k, (i, _, _) in self.wanted.items():
             if k not in self:
                 rows = leading_rows(k, [e for pair in ekvs[i].values() for e in pair])
                 if rows is not None:
                     self[k] = rows
-        rest = {k: (tokens, first) for k, (_, tokens, first) in self.wanted.items() if k not in self}
-        if rest:
-            self.update(
-                zip(rest, encode_alone(self.rt.model, self.rt.header_kv(self.instruction), list(rest.values())))
-            )
+        self.update(encode_isolated(self.rt, self.instruction, {k: w for k, w in self.wanted.items() if k not in self}))
 
 
 def _prefill_rounds(

@@ -100,15 +100,14 @@ def leading_rows(key: tuple, prefills: Sequence[EventKV]) -> IsolatedRows | None
 
 
 def encode_isolated(
-    rt: Runtime, instruction: str, items: Sequence[dict], arms: Sequence[PairArm], logs: list[dict]
-) -> dict[tuple, tuple]:
-    """Every event an isolated arm serves, over all items and variants (:func:`isolated_events`), encoded
-    alone after the header in one forward of its own (:func:`eventkv.kv.batched.encode_alone`), as an
-    ``isolated_memo`` for :func:`eventkv.kv.serve.serve`. The pair engine packs these events into its
-    prefill rounds instead (:func:`eventkv.kv.batched.prefill_packed`) where the model takes a 4D mask."""
+    rt: Runtime, instruction: str, wanted: dict[tuple, tuple[int, list[int], int]]
+) -> dict[tuple, IsolatedRows]:
+    """The events of ``wanted`` (as :func:`isolated_events` gives them) encoded alone after the header in one forward
+    of their own (:func:`eventkv.kv.batched.encode_alone`), as an ``isolated_memo`` for
+    :func:`eventkv.kv.serve.serve`. The pair engine packs these events into its prefill rounds instead
+    (:func:`eventkv.kv.batched.prefill_packed`) where the model takes a 4D mask, and comes here for the rest."""
     from eventkv.kv.batched import encode_alone
 
-    wanted = isolated_events(items, arms, logs)
     if not wanted:
         return {}
     events = [(tokens, first) for _, tokens, first in wanted.values()]
