@@ -19,6 +19,7 @@ from eventkv.kv.quant import (
     encode_rows,
     error_bound,
     pack_int4,
+    param_dtype,
     split_rows,
     unpack_int4,
 )
@@ -69,7 +70,7 @@ def test_rows_read_back_within_the_bound(fmt, dtype, head_dim):
     rows=st.integers(0, 100),
     head=st.integers(0, 40),
     fmt=st.sampled_from(QUANTIZED),
-    scale=st.floats(1e-3, 1e3),
+    scale=st.floats(1e-3, 1e4),
     seed=st.integers(0, 2**16),
 )
 def test_any_write_reads_back_within_the_bound(rows, head, fmt, scale, seed):
@@ -78,6 +79,27 @@ def test_any_write_reads_back_within_the_bound(rows, head, fmt, scale, seed):
     (k,), (v,) = decode_rows(encode_rows([keys], [values], fmt, native_head=head), fmt, 1)
     assert ((k - keys).abs() <= error_bound(keys, fmt, native_head=head, kind="keys")).all()
     assert ((v - values).abs() <= error_bound(values, fmt, native_head=head, kind="values")).all()
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_values_past_float16s_range_keep_float32_params(fmt):
+    """A group minimum past +-65504 is an infinity in float16 and would read back as NaN: such a write keeps its
+    scales and minima in float32; every other write in float16."""
+    keys, values = kv(rows=70, head_dim=32, seed=31)
+    big = keys * 1e3  # this seed's outlier channel reaches -65,973
+    assert float(big.abs().amax()) > 65504 and param_dtype(big) == torch.float32 and param_dtype(keys) == torch.float16
+    tensors = encode_rows([big, keys], [values, values * 1e5], fmt, native_head=3)
+    assert tensors["keys.0.minimum"].dtype == torch.float32 and tensors["values.0.minimum"].dtype == torch.float16
+    assert tensors["keys.1.scale"].dtype == torch.float16 and tensors["values.1.scale"].dtype == torch.float32
+    k, v = decode_rows(tensors, fmt, 2)
+    for got, want, kind in (
+        (k[0], big, "keys"),
+        (k[1], keys, "keys"),
+        (v[0], values, "values"),
+        (v[1], values * 1e5, "values"),
+    ):
+        assert bool(got.isfinite().all())
+        assert bool(((got - want).abs() <= error_bound(want, fmt, native_head=3, kind=kind)).all())
 
 
 def test_constant_groups_and_the_split():

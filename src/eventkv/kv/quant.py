@@ -16,7 +16,8 @@ A row format is one of :data:`ROW_FORMATS`:
     full precision (its "residual", section 4). Stored rows are written once and never rewritten, so here the rows
     of a write that do not fill a whole key group (its last ``rows mod group``) stay native, as do the rows of the
     instruction header (``native_head``: every served set serves them);
-  - scales and minima in float16 (KIVI's own kernels keep them in half precision); a value is reconstructed as
+  - scales and minima in float16 (KIVI's own kernels keep them in half precision), or in float32 for a layer's
+    keys or values of one write that reach past float16's range (:func:`param_dtype`); a value is reconstructed as
     ``minimum + q * scale`` and is within ``scale / 2`` of the original (plus the rounding of the result into the
     native dtype: :func:`error_bound`).
 
@@ -71,15 +72,24 @@ def value_group(head_dim: int, group: int = GROUP) -> int:
     return group if head_dim % group == 0 else head_dim
 
 
-def _params(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """float16 scale and minimum of groups ranging ``[lo, hi]`` (float32). A constant group gets scale 1 (every
-    value is its minimum)."""
+def param_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of the scales and minima of ``x``'s groups: :data:`PARAM_DTYPE`, or float32 where a value of ``x``
+    lies past float16's finite range (+-65504), whose minimum float16 would turn into an infinity and every value of
+    its group into NaN on reading."""
+    if x.numel() and float(x.abs().amax()) > torch.finfo(PARAM_DTYPE).max:
+        return torch.float32
+    return PARAM_DTYPE
+
+
+def _params(lo: torch.Tensor, hi: torch.Tensor, bits: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and minimum in ``dtype`` of groups ranging ``[lo, hi]`` (float32). A constant group gets scale 1
+    (every value is its minimum)."""
     levels = (1 << bits) - 1
-    minimum = lo.to(PARAM_DTYPE)
-    # float16 rounding: the minimum must not pass the group's lowest value (it would be clamped, not rounded)
+    minimum = lo.to(dtype)
+    # rounding into dtype: the minimum must not pass the group's lowest value (it would be clamped, not rounded)
     minimum = torch.where(minimum.float() > lo, torch.nextafter(minimum, torch.full_like(minimum, -torch.inf)), minimum)
-    scale = ((hi - minimum.float()) / levels).to(PARAM_DTYPE)
-    # float16 rounding: the scale must still reach the group's maximum from the rounded minimum
+    scale = ((hi - minimum.float()) / levels).to(dtype)
+    # rounding into dtype: the scale must still reach the group's maximum from the rounded minimum
     short = minimum.float() + scale.float() * levels < hi
     scale = torch.where(short, torch.nextafter(scale, torch.full_like(scale, torch.inf)), scale)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -93,8 +103,8 @@ def _codes(x: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: in
 
 def _quantize_along(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes, scale and minimum of ``x`` (float32, its groups along ``dim``): codes flattened back to ``[kv_heads,
-    rows, head_dim]`` and packed for 4 bits; scale and minimum without ``dim``."""
-    scale, minimum = _params(x.amin(dim=dim), x.amax(dim=dim), bits)
+    rows, head_dim]`` and packed for 4 bits; scale and minimum without ``dim``, in :func:`param_dtype`."""
+    scale, minimum = _params(x.amin(dim=dim), x.amax(dim=dim), bits, param_dtype(x))
     # the group axis folded back into the axis it was cut from: rows (keys, dim 2) or channels (values, dim 3)
     codes = _codes(x, scale.unsqueeze(dim), minimum.unsqueeze(dim), bits).flatten(dim - 1, dim)
     return (pack_int4(codes) if bits == 4 else codes), scale, minimum
@@ -125,7 +135,8 @@ def quantize_keys(keys: torch.Tensor, bits: int, group: int = GROUP) -> tuple[to
 
     Returns:
         ``(codes, scale, minimum)``: codes ``[kv_heads, rows, head_dim]`` uint8 (``head_dim // 2`` packed for 4 bits),
-        scale and minimum ``[kv_heads, rows // group, head_dim]`` float16.
+        scale and minimum ``[kv_heads, rows // group, head_dim]``
+        float16 (float32 past float16's range: :func:`param_dtype`).
     """
     h, n, d = keys.shape
     return _quantize_along(keys.float().reshape(h, n // group, group, d), 2, bits)
@@ -154,7 +165,7 @@ def quantize_values(
 
     Returns:
         ``(codes, scale, minimum)``: codes as :func:`quantize_keys`; scale and minimum ``[kv_heads, rows, head_dim //
-        value_group]`` float16.
+        value_group]`` float16 (or float32: :func:`param_dtype`).
     """
     h, n, d = values.shape
     g = value_group(d, group)
