@@ -96,6 +96,9 @@ def test_summary_statistics_on_hand_made_records():
         (["--policy", "adakv", "--window", "8"], "adakv reads the last 64 queries"),  # its SnapKV's default window
         (["--policy", "composed(policies=knorm/think)", "--window", "8"], "reads the last 32 queries"),
         (["--policy", "knorm,knorm"], "give distinct policies"),
+        # a wrapper that keeps rows by its inner's scores, around ThinK (whose scores rank no rows)
+        (["--policy", "adakv(inner=think(window=8))"], "adakv keeps rows by its inner's scores, and think ranks no"),
+        (["--policy", "chunkkv(inner=think)"], "or apply think after one: composed(policies=snapkv/think)"),
         # a chunk too short for the window at a ratio: refused before any model work, named by its spec
         (
             ["--policy", "finch(window=8,chunk=16)", "--ratio", "0.5"],
@@ -171,3 +174,38 @@ def test_the_audit_runs_budgeted_and_every_query_policies(tiny_dir, tmp_path, mo
             assert cell["kept_fraction"] == [1.0, 1.0] and not cell["source_evicted"]
         else:
             assert all(0 < f < 1 for f in cell["kept_fraction"]), spec
+    summary = (out / "summary.md").read_text()
+    assert "rows kept (mean)" in summary
+    assert "think(window=8): the ratio is the fraction of key channels pruned; every row is kept." in summary
+    assert "pyramidkv(window=8): the ratio is the fraction of rows evicted over all layers together" in summary
+
+
+def test_settings_the_model_or_the_history_cannot_meet(tiny_dir, tmp_path, monkeypatch, capsys):
+    """Per-layer lists are checked against the model's layer count once it is loaded, before the run directory
+    is made; a window longer than the history and a spec's setting the history cannot meet name the spec."""
+    from transformers import AutoConfig
+
+    layers = AutoConfig.from_pretrained(tiny_dir).num_hidden_layers
+    base = ["audit", "--model", str(tiny_dir), "--items", "1", "--ratio", "0.5", "--dtype", "float32", "--no-progress"]
+    for spec, says in [
+        (
+            "per-layer(policies=knorm/knorm/knorm)",
+            f"policies 3: per-layer takes one entry per layer and the model has {layers}",
+        ),
+        (
+            "per-layer-ratio(inner=knorm,ratios=0.5)",
+            f"ratios 1: per-layer-ratio takes one entry per layer and the model has {layers}",
+        ),
+    ]:
+        out = tmp_path / "refused"
+        code, text, err = run_cli(monkeypatch, capsys, *base, "--policy", spec, "--window", "8", "--out", str(out))
+        assert code == 2 and f"--policy '{spec}'" in err and says in err and "Traceback" not in text + err, err
+        assert not out.exists()
+    code, text, err = run_cli(monkeypatch, capsys, *base, "--policy", "snapkv", "--window", "5000", "--out", str(out))
+    assert code == 2 and "snapkv reads the last 5000 queries and pair 0's history has" in err, err
+    assert "give a window of at most" in err and "Traceback" not in text + err
+    spec = "expected(sinks=5000)"
+    code, text, err = run_cli(
+        monkeypatch, capsys, *base, "--policy", spec, "--window", "8", "--out", str(tmp_path / "s")
+    )
+    assert code == 2 and f"--policy '{spec}': sinks 5000" in err and "Traceback" not in text + err, err

@@ -12,8 +12,8 @@ import torch
 
 from eventkv.errors import OptionError
 from eventkv.eviction import LayerCapture, Policy, SnapKV, keep_mask, kept_count, policy_from_spec
-from eventkv.eviction.budgets import AdaKV, PerLayer, PerLayerRatio
-from eventkv.eviction.policies import Knorm, UserPolicy, last_queries, top_rows, window_attention
+from eventkv.eviction.budgets import AdaKV, ChunkKV, Composed, CriticalKV, DuoAttention, PerLayer, PerLayerRatio
+from eventkv.eviction.policies import EventTopK, Knorm, UserPolicy, last_queries, top_rows, window_attention
 from eventkv.eviction.scorers import KeyDiff, ObservedAttention, QFilter
 
 KV, QH, D = 2, 4, 8
@@ -148,8 +148,17 @@ def test_a_ratio_per_layer_and_a_policy_per_layer():
     assert p.budget(c0, 0.5).tolist() == [kept_count(12, 0.25)] * KV
     assert kept(keep_mask(p, c1, 0.0)) == kept(keep_mask(Knorm(), c1, 0.75))
     assert kept(keep_mask(PerLayerRatio(inner=Knorm()), c1, 0.5)) == kept(keep_mask(Knorm(), c1, 0.5))
-    with pytest.raises(OptionError, match="give one per layer: layer 2 has none"):
-        keep_mask(p, dataclasses.replace(c1, layer=2), 0.5)
+    with pytest.raises(OptionError, match=r"give one entry per layer: layer 2 has none \(give 4, one per layer"):
+        keep_mask(p, dataclasses.replace(c1, layer=2, n_layers=4), 0.5)
+    # checked up front for a model of n layers: exactly one entry per layer
+    with pytest.raises(OptionError, match="^ratios 2: per-layer-ratio takes one entry per layer and the model has 30"):
+        p.check_layers(30)
+    with pytest.raises(OptionError, match="^policies 2: per-layer takes one entry per layer and the model has 3 "):
+        AdaKV(inner=PerLayer(policies=(Knorm(), Knorm()))).check_layers(3)
+    p.check_layers(2)
+    PerLayerRatio(inner=Knorm()).check_layers(7)  # no list: the audit's ratio in every layer
+    with pytest.raises(OptionError, match="^pattern 1: duo takes one entry per layer"):
+        DuoAttention(pattern=((1.0, 0.0),)).check_layers(2)
     with pytest.raises(OptionError, match="^ratio 1.0"):
         PerLayerRatio(ratios=(0.5, 1.0))
     both = PerLayer(policies=(Knorm(), SnapKV(window=4, kernel=1)))
@@ -171,9 +180,14 @@ def test_specs_nest_policies_and_list_values():
         policies=(Knorm(), SnapKV(window=8))
     )
     assert isinstance(policy_from_spec("adakv"), Policy)
+    # a list inside a list item: the item's own parentheses hold its "/"
+    assert policy_from_spec("composed(policies=per-layer-ratio(inner=knorm,ratios=0.25/0.75)/snapkv)") == Composed(
+        policies=(PerLayerRatio(inner=Knorm(), ratios=(0.25, 0.75)), SnapKV())
+    )
     for bad, says in [
         ("adakv(inner=snapkv(window=8)", "write settings as name(key=value"),
-        ("adakv(inner=nope)", "nope"),
+        ("adakv(inner=nope)", "policy 'adakv(inner=nope)': its inner: policy 'nope': use one of"),
+        ("composed(policies=)", "policy 'composed(policies=)': its policies: policy '': use one of"),
         ("per-layer-ratio(ratios=0.25/x)", "ratios must be a number, not 'x'"),
         ("adakv(alpha=2)", "alpha 2"),
     ]:
@@ -213,7 +227,7 @@ def test_chunks_are_kept_whole_by_their_mean_summed_score():
 
 
 def test_composed_policies_compound_and_critical_kv_needs_the_output_projection():
-    from eventkv.eviction.budgets import Composed, CriticalKV
+    from eventkv.eviction.budgets import CriticalKV
 
     c = capture(rows=20)
     m = keep_mask(Composed(policies=(Knorm(), KeyDiff())), c, 0.5)
@@ -227,7 +241,6 @@ def test_composed_policies_compound_and_critical_kv_needs_the_output_projection(
 
 
 def test_duo_attention_streams_the_heads_that_retrieve_least():
-    from eventkv.eviction.budgets import DuoAttention
 
     c = capture(rows=40, window=8)
     # a pattern: head 1 retrieves, head 0 streams; half the heads stream
@@ -257,7 +270,6 @@ def test_duo_attention_streams_the_heads_that_retrieve_least():
 
 
 def test_think_prunes_the_key_channels_of_least_query_key_weight():
-    from eventkv.eviction.budgets import Composed
     from eventkv.eviction.scorers import ThinK
 
     c = capture(rows=10, window=6)
@@ -276,6 +288,25 @@ def test_think_prunes_the_key_channels_of_least_query_key_weight():
         both.key_channels(c, 0.3), ch
     )
     assert Knorm().key_channels(c, 0.3) is None and Composed(policies=(Knorm(),)).key_channels(c, 0.3) is None
+    # a wrapper keeping rows by its inner's scores refuses ThinK (its scores rank no rows: the wrapper would keep
+    # the latest rows by its tie rule); ThinK after a row policy keeps pruning its channels inside any wrapper
+    for wrap in (
+        lambda p: AdaKV(inner=p),
+        lambda p: ChunkKV(inner=p, chunk=4),
+        lambda p: CriticalKV(inner=p),
+        lambda p: PerLayerRatio(inner=p),
+        lambda p: EventTopK(inner=p),
+        lambda p: AdaKV(inner=Composed(policies=(p, Knorm()))),
+        lambda p: AdaKV(inner=PerLayer(policies=(Knorm(), p))),
+    ):
+        with pytest.raises(OptionError, match="ranks no rows .* composed\\(policies=snapkv/think\\)"):
+            wrap(t)
+    for wrapped in (AdaKV(inner=both), ChunkKV(inner=both, chunk=4), PerLayerRatio(inner=both)):
+        assert torch.equal(wrapped.key_channels(c, 0.3), ch)
+    per_layer = PerLayer(policies=(t, Knorm()))  # a layer of ThinK: every row kept, its channels pruned
+    assert torch.equal(per_layer.key_channels(c, 0.3), ch) and bool(keep_mask(per_layer, c, 0.3).all())
+    assert per_layer.key_channels(dataclasses.replace(c, layer=1), 0.3) is None
+    assert "key channels" in t.ratio_use() and "key channels" in per_layer.ratio_use()
 
 
 def test_simlayerkv_keeps_first_and_latest_rows_of_lazy_layers_only():

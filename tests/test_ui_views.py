@@ -7,6 +7,7 @@ import pytest
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("jinja2")
+pytest.importorskip("fastapi")
 
 from cli_fixtures import run_cli  # noqa: E402
 from service_fixtures import LiveApp  # noqa: E402

@@ -36,10 +36,23 @@ from eventkv.eviction.policies import (
 )
 from eventkv.options import check_int
 
+#: how a policy with Ada-KV's per-head budgets reads the compression ratio (:meth:`Policy.ratio_use`)
+_SHARED_BY_HEADS = "the fraction of each layer's rows evicted, shared out unevenly among its KV heads"
+
 
 def _check_policy(name: str, value) -> None:
     if not isinstance(value, Policy):
         raise OptionError(name, value, "give a policy, e.g. SnapKV(window=8, kernel=5).")
+
+
+def _check_per_layer(what: str, given: int, n_layers: int, policy: Policy) -> None:
+    """Raises OptionError unless ``given`` entries of ``what`` match a model of ``n_layers`` layers."""
+    if given != n_layers:
+        raise OptionError(
+            what,
+            given,
+            f"{policy.name} takes one entry per layer and the model has {n_layers} layers: give {n_layers}.",
+        )
 
 
 def _check_policies(value, what: str) -> tuple[Policy, ...]:
@@ -56,7 +69,8 @@ def _check_policies(value, what: str) -> tuple[Policy, ...]:
 def _layer_of(c: LayerCapture, n: int, what: str) -> int:
     """``c.layer``, checked against the ``n`` per-layer entries given. Raises: OptionError: too few."""
     if c.layer >= n:
-        raise OptionError(what, n, f"give one per layer: layer {c.layer} has none (give at least {c.layer + 1}).")
+        fix = f"give {c.n_layers}, one per layer of the model" if c.n_layers else f"give at least {c.layer + 1}"
+        raise OptionError(what, n, f"give one entry per layer: layer {c.layer} has none ({fix}).")
     return c.layer
 
 
@@ -102,7 +116,7 @@ class AdaKV(Policy):
     alpha: float = 0.2
 
     def __post_init__(self) -> None:
-        _check_policy("inner", self.inner)
+        self.check_inner("inner", self.inner, "snapkv")
         _check_fraction("alpha", self.alpha, "the safeguard fraction (Ada-KV uses 0.2)")
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
@@ -117,6 +131,9 @@ class AdaKV(Policy):
     def budget(self, c: LayerCapture, ratio: float) -> torch.Tensor:
         """``[kv_heads]``: the rows each head keeps under :meth:`mask` (they sum to ``heads * kept_count``)."""
         return self.mask(c, ratio).sum(dim=1)
+
+    def ratio_use(self) -> str:
+        return _SHARED_BY_HEADS
 
 
 @dataclass
@@ -135,7 +152,7 @@ class PerLayerRatio(Policy):
     ratios: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
-        _check_policy("inner", self.inner)
+        self.check_inner("inner", self.inner, "snapkv")
         self.ratios = tuple(self.ratios)
         for r in self.ratios:
             kept_count(1, r)  # raises OptionError naming the bad ratio
@@ -150,6 +167,19 @@ class PerLayerRatio(Policy):
 
     def mask(self, c: LayerCapture, ratio: float) -> torch.Tensor:
         return self.inner.keep(c, self.budget(c, ratio))
+
+    def key_channels(self, c: LayerCapture, ratio: float) -> torch.Tensor | None:
+        if self.ratios:
+            ratio = self.ratios[_layer_of(c, len(self.ratios), "ratios")]
+        return self.inner.key_channels(c, ratio)
+
+    def check_layers(self, n_layers: int) -> None:
+        if self.ratios:
+            _check_per_layer("ratios", len(self.ratios), n_layers, self)
+        super().check_layers(n_layers)
+
+    def ratio_use(self) -> str:
+        return "not read: each layer evicts its own ratio of the list" if self.ratios else self.inner.ratio_use()
 
 
 @dataclass
@@ -178,6 +208,20 @@ class PerLayer(Policy):
 
     def mask(self, c: LayerCapture, ratio: float) -> torch.Tensor:
         return self._at(c).mask(c, ratio)
+
+    def key_channels(self, c: LayerCapture, ratio: float) -> torch.Tensor | None:
+        return self._at(c).key_channels(c, ratio)
+
+    def ranks_rows(self) -> bool:
+        return all(p.ranks_rows() for p in self.policies)
+
+    def check_layers(self, n_layers: int) -> None:
+        _check_per_layer("policies", len(self.policies), n_layers, self)
+        super().check_layers(n_layers)
+
+    def ratio_use(self) -> str:
+        uses = sorted({u for p in self.policies if (u := p.ratio_use())})
+        return f"as each layer's policy reads it ({'; '.join(uses)})" if uses else ""
 
 
 def _value_effect(c: LayerCapture, who: str) -> torch.Tensor:
@@ -216,7 +260,7 @@ class CriticalKV(Policy):
     first_stage: float = 0.5
 
     def __post_init__(self) -> None:
-        _check_policy("inner", self.inner)
+        self.check_inner("inner", self.inner, "snapkv")
         _check_fraction("first_stage", self.first_stage, "the share of the budget kept by the inner scores alone")
         e = self.epsilon
         if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 <= e < float("inf"):
@@ -265,6 +309,9 @@ class CriticalAdaKV(CriticalKV):
         first = (budgets.double() * self.first_stage).long().clamp(min=safe)
         outright = top_rows(s, c.positions, first)
         return top_rows(torch.where(outright, float("inf"), self.scores(c)), c.positions, budgets)
+
+    def ratio_use(self) -> str:
+        return _SHARED_BY_HEADS
 
 
 def _check_fraction(name: str, value, what: str) -> None:
@@ -315,6 +362,9 @@ class PyramidKV(SnapKV):
             keep = round(bottom - c.layer * step)
         return torch.full((c.kv_heads,), keep, dtype=torch.long, device=c.keys.device)
 
+    def ratio_use(self) -> str:
+        return "the fraction of rows evicted over all layers together: lower layers keep more, higher fewer"
+
 
 @dataclass
 class ChunkKV(Policy):
@@ -335,7 +385,7 @@ class ChunkKV(Policy):
     chunk: int = 20
 
     def __post_init__(self) -> None:
-        _check_policy("inner", self.inner)
+        self.check_inner("inner", self.inner, "snapkv")
         check_int("chunk", self.chunk, "give the chunk length in rows, a whole number >= 1 (ChunkKV: 10-20).")
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
@@ -394,10 +444,11 @@ class Composed(Policy):
     def budget(self, c: LayerCapture, ratio: float) -> torch.Tensor:
         return self.mask(c, ratio).sum(dim=1)
 
-    def key_channels(self, c: LayerCapture, ratio: float) -> torch.Tensor | None:
-        """The channels every member keeps (a member that prunes none counts as keeping all)."""
-        kept = [ch for p in self.policies if (ch := p.key_channels(c, ratio)) is not None]
-        return None if not kept else torch.stack(kept).all(dim=0)
+    def ranks_rows(self) -> bool:
+        return self.policies[0].ranks_rows()
+
+    def ratio_use(self) -> str:
+        return f"applied by each of its {len(self.policies)} policies in turn, so the evictions compound"
 
 
 def _one_head(c: LayerCapture, head: int, rows: torch.Tensor) -> LayerCapture:
@@ -501,6 +552,15 @@ class DuoAttention(Policy):
     def budget(self, c: LayerCapture, ratio: float) -> torch.Tensor:
         return self.mask(c, ratio).sum(dim=1)
 
+    def check_layers(self, n_layers: int) -> None:
+        if self.pattern is not None:
+            _check_per_layer("pattern", len(self.pattern), n_layers, self)
+
+    def ratio_use(self) -> str:
+        if self.streaming is not None:
+            return "not read: a fixed fraction of the KV heads streams (streaming=)"
+        return "the fraction of each layer's rows evicted, by streaming the fewest heads that reach it"
+
 
 @dataclass
 class SimLayerKV(Policy):
@@ -569,3 +629,6 @@ class SimLayerKV(Policy):
         kept_count(c.rows, ratio)  # checks the ratio
         n = c.rows if ratio == 0 or not self.lazy(c) else self.initial + self.recent - self.last
         return torch.full((c.kv_heads,), n, dtype=torch.long, device=c.keys.device)
+
+    def ratio_use(self) -> str:
+        return "not read (but 0 keeps every row): a lazy layer keeps its first and latest rows, another every row"

@@ -118,6 +118,39 @@ class Policy:
         inner = getattr(self, "inner", None)
         return ((inner,) if isinstance(inner, Policy) else ()) + tuple(getattr(self, "policies", ()))
 
+    def ranks_rows(self) -> bool:
+        """Whether :meth:`scores` ranks the rows, so that a wrapper keeping rows by them (``inner`` of AdaKV,
+        ChunkKV, CriticalKV, a ratio per layer, event-level top-k) keeps something: False for a policy that keeps
+        every row and scores them alike (ThinK prunes key channels), whose scores would leave such a wrapper
+        keeping the latest rows by its tie rule."""
+        return True
+
+    def check_inner(self, field_name: str, value: object, example: str) -> None:
+        """Raises OptionError unless ``value`` is a policy whose scores rank rows (:meth:`ranks_rows`), for a
+        field ``field_name`` this policy keeps rows by; ``example`` names a policy to give."""
+        if not isinstance(value, Policy):
+            raise OptionError(field_name, value, f"give a policy, e.g. {example}.")
+        if not value.ranks_rows():
+            raise OptionError(
+                field_name,
+                value.name,
+                f"{self.name} keeps rows by its {field_name}'s scores, and {value.name} ranks no rows (think keeps "
+                f"every row and prunes key channels): give a row policy, e.g. {example}, or apply think after one: "
+                "composed(policies=snapkv/think).",
+            )
+
+    def check_layers(self, n_layers: int) -> None:
+        """Raises OptionError when a per-layer setting of this policy or of :meth:`members` does not give one
+        entry per layer of a model of ``n_layers`` layers — checked before any model work (the audit does, once
+        the model is loaded)."""
+        for m in self.members():
+            m.check_layers(n_layers)
+
+    def ratio_use(self) -> str:
+        """How this policy reads the compression ratio when not as the fraction of each KV head's rows evicted
+        (a sentence for the audit's summary); empty when it does (here: what :meth:`members` say)."""
+        return next((u for m in self.members() if (u := m.ratio_use())), "")
+
     @property
     def needs_all_queries(self) -> bool:
         """Whether :meth:`scores` reads every prefill query, not only the observation window's (a capture
@@ -158,8 +191,10 @@ class Policy:
 
     def key_channels(self, c: LayerCapture, ratio: float) -> torch.Tensor | None:
         """``[kv_heads, head_dim]`` bool: the key channels kept at ``ratio``, the others read as 0 in every row
-        (ThinK prunes channels, not rows); None (here): every channel."""
-        return None
+        (ThinK prunes channels, not rows); None: every channel. Here: the channels every one of :meth:`members`
+        keeps (a member that prunes none counts as keeping all), None when none prunes."""
+        kept = [ch for m in self.members() if (ch := m.key_channels(c, ratio)) is not None]
+        return None if not kept else torch.stack(kept).all(dim=0)
 
     def checked_scores(self, c: LayerCapture) -> torch.Tensor:
         """:meth:`scores`, checked. Raises: OptionError: scores of the wrong shape, or nan."""
@@ -504,8 +539,7 @@ class EventTopK(Policy):
     inner: Policy = field(default_factory=Knorm)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.inner, Policy):
-            raise OptionError("inner", self.inner, "give a policy (e.g. Knorm()) whose scores are pooled per event.")
+        self.check_inner("inner", self.inner, "knorm (its scores are pooled per event)")
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
         ev = c.need_events(self.name)

@@ -237,7 +237,15 @@ class ThinK(Policy):
         check_int("window", self.window, "observe at least 1 query (a whole number; ThinK uses 32).")
 
     def scores(self, c: LayerCapture) -> torch.Tensor:
+        """``[kv_heads, rows]`` zeros: every row alike (:meth:`ranks_rows` is False, so no wrapper keeps rows by
+        them)."""
         return torch.zeros(c.kv_heads, c.rows, dtype=torch.float64, device=c.keys.device)
+
+    def ranks_rows(self) -> bool:
+        return False
+
+    def ratio_use(self) -> str:
+        return "the fraction of key channels pruned; every row is kept"
 
     def mask(self, c: LayerCapture, ratio: float) -> torch.Tensor:
         kept_count(c.rows, ratio)  # checks the ratio

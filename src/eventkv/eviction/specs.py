@@ -26,10 +26,10 @@ def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
     parentheses, ``snapkv(window=64,kernel=5,pooling=avg)``. Each value is read as its field's type: whole
     numbers, numbers, ``true`` / ``false``, text, a policy as a spec of its own
     (``adakv(inner=snapkv(window=8,kernel=5),alpha=0.2)``, built here), or a list with ``/`` between its items
-    (``per-layer-ratio(inner=knorm,ratios=0.25/0.75)``, ``per-layer(policies=knorm/snapkv(window=8))``: an item
-    holds no ``/`` of its own), and ``none`` for a setting that may be unset (``finch(chunk=none)``);
-    :func:`policy_from_spec` then builds the policy, whose
-    own checks apply.
+    (``per-layer-ratio(inner=knorm,ratios=0.25/0.75)``, ``per-layer(policies=knorm/snapkv(window=8))``; a ``/``
+    inside an item's parentheses belongs to that item), and ``none`` for a setting that may be unset
+    (``finch(chunk=none)``); :func:`policy_from_spec` then builds the policy, whose own checks apply. A list of
+    lists (duo's ``pattern``) is given from Python.
 
     Raises:
         OptionError: an unknown name, a setting the policy does not have (the message lists those it has), a
@@ -76,6 +76,18 @@ _SETTABLE = (
 )
 
 
+def _split_outside_parentheses(text: str, sep: str) -> list[str]:
+    """``text`` cut at each ``sep`` outside parentheses, so a list item may hold a spec with a list of its own
+    (``composed(policies=per-layer-ratio(inner=knorm,ratios=0.25/0.75)/snapkv)``)."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == sep and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return parts + [text[start:]]
+
+
 def _balanced(text: str) -> bool:
     """Whether every parenthesis of ``text`` closes, in order."""
     depth = 0
@@ -90,10 +102,13 @@ def _setting(spec: str, key: str, raw: str, kind: str) -> Any:
     if kind.endswith(" | None") and raw.lower() == "none":  # a setting that may be left unset: none
         return None
     kind = kind.removesuffix(" | None")
-    if kind == "Policy":
-        return policy_from_spec(raw)
-    if kind == "tuple[Policy, ...]":
-        return tuple(policy_from_spec(x) for x in raw.split("/"))
+    if kind in ("Policy", "tuple[Policy, ...]"):
+        items = _split_outside_parentheses(raw, "/") if kind == "tuple[Policy, ...]" else [raw]
+        try:
+            built = tuple(policy_from_spec(x) for x in items)
+        except OptionError as e:  # a policy inside this spec: name the whole spec too
+            raise OptionError("policy", spec, f"its {key}: {e}") from None
+        return built if kind == "tuple[Policy, ...]" else built[0]
     if kind == "tuple[float, ...]":
         return tuple(_setting(spec, key, x, "float") for x in raw.split("/"))
     try:

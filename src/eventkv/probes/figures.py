@@ -16,10 +16,11 @@ def pyplot():
     return plt
 
 
-def save_figure(fig, path: str | Path) -> Path:
-    """Lay out ``fig``, write it to ``path`` (PNG, 110 dpi), close it and return the path."""
+def save_figure(fig, path: str | Path, rect: tuple[float, float, float, float] | None = None) -> Path:
+    """Lay out ``fig`` (within ``rect``, figure fractions ``(left, bottom, right, top)``: room left for a figure
+    legend), write it to ``path`` (PNG, 110 dpi), close it and return the path."""
     path = Path(path)
-    fig.tight_layout()
+    fig.tight_layout(rect=rect)
     fig.savefig(path, dpi=110)
     pyplot().close(fig)
     return path

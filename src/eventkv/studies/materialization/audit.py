@@ -134,6 +134,19 @@ class EvictionAudit(Probe):
             arm_names=("kv",),
         )
 
+    def check_model(self, rt: Runtime) -> None:
+        """Each policy's per-layer settings (a list per layer: ``per-layer``, ``per-layer-ratio``, duo's
+        ``pattern``) against the model's layer count, before the run directory is made.
+
+        Raises:
+            OptionError: naming the spec (``--policy``) and the model's layer count.
+        """
+        for spec in self.policies:
+            try:
+                self._policy(spec, 0).check_layers(rt.profile.num_layers)
+            except OptionError as e:
+                raise OptionError("policies", spec, f"{e} ({rt.profile.name})", flag="--policy") from None
+
     def arms(self) -> list[Arm]:
         return [
             Arm("full", "all", "native", ("logits",), "every row of the global prefill"),
@@ -192,6 +205,17 @@ class EvictionAudit(Probe):
         captured, isolated, full, rebuilt = [], [], [], []
         # a policy that reads every prefill query (H2O's) gets them all captured; KVzip's, a reconstruction pass
         made = [self._policy(p, item["index"]) for p in self.policies]
+        shortest = min(log.n_rows for log in logs)
+        for spec, policy in zip(self.policies, made):
+            window = max(_windows(policy), default=0)
+            if window > shortest:  # the capture holds at most the history's rows as queries
+                raise OptionError(
+                    "window",
+                    window,
+                    f"{spec} reads the last {window} queries and pair {item['index']}'s history has {shortest} rows: "
+                    f"give a window of at most {shortest} (--window, or the window in the spec).",
+                    flag="--window",
+                )
         every = any(p.needs_all_queries for p in made)
         repeat = RECONSTRUCTION_PROMPT if any(p.needs_reconstruction for p in made) else None
         for log in logs:
@@ -222,8 +246,13 @@ class EvictionAudit(Probe):
                         caps = rebuilt[n]
                     elif not policy.needs_all_queries:  # the others read the last --window queries, as always
                         caps = [last_queries(c, self.window) for c in caps]
-                    masks = [keep_mask(policy, c, ratio) for c in caps]
-                    channels = [policy.key_channels(c, ratio) for c in caps]  # ThinK prunes key channels
+                    try:
+                        masks = [keep_mask(policy, c, ratio) for c in caps]
+                        channels = [policy.key_channels(c, ratio) for c in caps]  # ThinK prunes key channels
+                    except OptionError as e:  # a setting of the spec that this history cannot meet: name the spec
+                        if e.flag == "--policy":
+                            raise
+                        raise OptionError("policies", pname, str(e), flag="--policy") from None
                     pruned = None if all(ch is None for ch in channels) else channels
                     cell["source_kept_cells"].append(int(sum(int(m[:, rows].sum()) for m in masks)))
                     cell.setdefault("source_cells", []).append(int(sum(m[:, rows].numel() for m in masks)))
@@ -251,26 +280,49 @@ class EvictionAudit(Probe):
         return summarize_audit(records, self)
 
     def figure(self, records: Sequence[dict], path) -> None:
+        import textwrap
+
         from eventkv.probes.figures import pyplot, save_figure
 
         s = self.summarize(records).data
         plt = pyplot()
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-        for k, pname in enumerate(self.policies):
-            color = f"C{k}"  # one colour per policy: solid = global kept rows, dashed = isolated
+        # one small panel per policy spec (any number of them stays readable), the same axes and legend in each
+        cols = min(4, len(self.policies))
+        rows = -(-len(self.policies) // cols)
+        fig, axes = plt.subplots(
+            rows, cols, figsize=(3.0 * cols, 2.5 * rows + 0.6), sharex=True, sharey=True, squeeze=False
+        )
+        for ax, pname in zip(axes.flat, self.policies):
             cells = [c for c in s["cells"] if c["policy"] == pname]
             xs = [c["ratio"] for c in cells]
-            ax1.plot(xs, [c["accuracy"]["global"]["rate"] for c in cells], "o-", color=color, label=f"{pname} global")
-            ax1.plot(
-                xs, [c["accuracy"]["isolated"]["rate"] for c in cells], "o--", color=color, label=f"{pname} isolated"
-            )
-            ax2.plot(xs, [c["false_negative"]["rate"] for c in cells], "o-", color=color, label=pname)
-        ax1.axhline(s["full"]["rate"], color="grey", lw=1, label="full cache")
-        ax1.set(xlabel="compression ratio (fraction of rows evicted)", ylabel="accuracy (pair follows)", ylim=(0, 1))
-        ax2.set(xlabel="compression ratio", ylabel="ablation false negatives", ylim=(0, 1))
-        ax1.legend(fontsize=7)
-        ax2.legend(fontsize=7)
-        save_figure(fig, path)
+            ax.axhline(s["full"]["rate"], color="grey", lw=1)
+            ax.plot(xs, [c["accuracy"]["global"]["rate"] for c in cells], "o-", color="C0")
+            ax.plot(xs, [c["accuracy"]["isolated"]["rate"] for c in cells], "s--", color="C1")
+            ax.plot(xs, [c["false_negative"]["rate"] for c in cells], "x:", color="C3")
+            ax.set_title("\n".join(textwrap.wrap(pname, 34)[:3]), fontsize=8)
+            ax.set_ylim(-0.03, 1.03)
+            ax.tick_params(labelsize=7)
+        for ax in axes.flat[len(self.policies) :]:
+            ax.axis("off")
+        for ax in axes[-1]:
+            ax.set_xlabel("compression ratio", fontsize=8)
+        for ax in axes[:, 0]:
+            ax.set_ylabel("rate of pairs", fontsize=8)
+        handles = [
+            plt.Line2D([], [], color="grey", lw=1),
+            plt.Line2D([], [], color="C0", marker="o"),
+            plt.Line2D([], [], color="C1", marker="s", ls="--"),
+            plt.Line2D([], [], color="C3", marker="x", ls=":"),
+        ]
+        labels = [
+            "accuracy, full cache",
+            "accuracy, kept rows (global prefill)",
+            "accuracy, kept rows re-encoded (isolated)",
+            "ablation false negatives",
+        ]
+        height = 2.5 * rows + 0.6  # inches: 0.6 above the panels for the legend
+        fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 1.0), ncol=2, fontsize=8, frameon=False)
+        save_figure(fig, path, rect=(0, 0, 1, 1 - 0.6 / height))
 
 
 def _outcome(lps: Sequence[dict], a: str, b: str, outcome) -> str:
@@ -295,6 +347,7 @@ def summarize_audit(records: Sequence[dict], probe: EvictionAudit | None = None)
         acc = {c: wilson(sum(v), n) for c, v in held.items()}
         evicted = wilson(sum(x["source_evicted"] for x in cs), n)
         kept_share = [k / t for x in cs for k, t in zip(x["source_kept_cells"], x.get("source_cells", [])) if t]
+        rows_kept = [f for x in cs for f in x.get("kept_fraction", [])]
         fn = wilson(sum(x["false_negative"] for x in cs), n)
         g_only = sum(g and not i for g, i in zip(held["global"], held["isolated"]))
         i_only = sum(i and not g for g, i in zip(held["global"], held["isolated"]))
@@ -309,6 +362,7 @@ def summarize_audit(records: Sequence[dict], probe: EvictionAudit | None = None)
                 "accuracy": {c: acc[c].__dict__ for c in acc},
                 "source_evicted": evicted.__dict__,
                 "source_cells_kept": float(np.mean(kept_share)) if kept_share else None,
+                "rows_kept": float(np.mean(rows_kept)) if rows_kept else None,
                 "false_negative": fn.__dict__,
                 "mcnemar_p": mc.p_value,
                 "global_only": g_only,
@@ -335,6 +389,7 @@ def summarize_audit(records: Sequence[dict], probe: EvictionAudit | None = None)
                 ratio,
                 acc["global"].describe(2),
                 acc["isolated"].describe(2),
+                f"{np.mean(rows_kept):.3f}" if rows_kept else "n/a",
                 evicted.describe(2),
                 f"{np.mean(kept_share):.3f}" if kept_share else "n/a",
                 fn.describe(2),
@@ -350,6 +405,7 @@ def summarize_audit(records: Sequence[dict], probe: EvictionAudit | None = None)
                 "ratio",
                 "accuracy, kept rows (global)",
                 "accuracy, kept rows re-encoded (isolated)",
+                "rows kept (mean)",
                 "source evicted",
                 "source cells kept (mean)",
                 "ablation false negatives",
@@ -364,10 +420,17 @@ def summarize_audit(records: Sequence[dict], probe: EvictionAudit | None = None)
         "An ablation false negative: the policy evicted every row of the source in every layer and head, accuracy "
         "held on the kept rows of the global prefill, and the kept rows still lean toward the source's value "
         "(d > 0). The isolated column is the same eviction under chunked/streaming encoding.",
-        "Compression ratio: the fraction of rows evicted per layer and KV head (the header counts as rows).",
+        "Compression ratio: the fraction of rows evicted per layer and KV head (the header counts as rows), unless "
+        "a note below says otherwise for a policy; rows kept: the share of (layer, KV head, row) cells kept, mean "
+        "over pairs and variants.",
         "Source cells kept: the share of the source's (layer, KV head, row) cells the policy kept, mean over pairs and "
         "variants; a per-head policy rarely evicts every cell, so read it beside the source-evicted rate.",
     ]
+    if probe is not None:
+        for spec in probe.policies:
+            use = probe._policy(spec, 0).ratio_use()
+            if use:
+                notes.append(f"{spec}: the ratio is {use}.")
     if n and full.rate < 0.75:
         notes.insert(
             0,
