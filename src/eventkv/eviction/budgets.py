@@ -559,7 +559,7 @@ class DuoAttention(Policy):
     def ratio_use(self) -> str:
         if self.streaming is not None:
             return "not read: a fixed fraction of the KV heads streams (streaming=)"
-        return "the fraction of each layer's rows evicted, by streaming the fewest heads that reach it"
+        return "the least fraction of each layer's rows evicted: the fewest whole heads reaching it stream (often more)"
 
 
 @dataclass
