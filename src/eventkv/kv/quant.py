@@ -12,18 +12,20 @@ A row format is one of :data:`ROW_FORMATS`:
     minimum (groups along the rows);
   - **values per token**: each (KV head, row) of each run of ``group`` consecutive channels shares one scale and
     minimum (groups along ``head_dim``);
-  - **full precision where KIVI keeps it**: KIVI keeps the most recent tokens, which do not fill a key group yet, in
-    full precision (its "residual", section 4). Stored rows are written once and never rewritten, so here the rows
-    of a write that do not fill a whole key group (its last ``rows mod group``) stay native, as do the rows of the
-    instruction header (``native_head``: every served set serves them);
+  - **full precision where a key group cannot form**: KIVI keeps the most recent tokens, which do not fill a key
+    group yet, in full precision (its "residual", section 4). Stored rows are written once and never rewritten, so
+    here the keys of a write's rows that do not fill a whole key group (its last ``rows mod group``) stay native;
+    their values, grouped within each row, are quantized like every other row's (a write of one short event still
+    stores its values in ``bits``). The instruction header's rows (``native_head``: every served set serves them)
+    stay native, keys and values;
   - scales and minima in float16 (KIVI's own kernels keep them in half precision), or in float32 for a layer's
     keys or values of one write that reach past float16's range (:func:`param_dtype`); a value is reconstructed as
     ``minimum + q * scale`` and is within ``scale / 2`` of the original (plus the rounding of the result into the
     native dtype: :func:`error_bound`).
 
   ``int4`` packs two values per byte (the lower-indexed channel in the low nibble). At ``group`` 32 a value costs
-  ``bits + 32 / group`` bits against 16 in bfloat16: ``int8`` 1.78x and ``int4`` 3.56x smaller than bfloat16 rows
-  (3.56x and 7.1x than float32), before the native rows.
+  ``bits + 32 / group`` bits against 16 in bfloat16: ``int8`` 1.78x and ``int4`` 3.2x smaller than bfloat16 rows
+  (3.56x and 6.4x than float32), before the native rows.
 
 Why not a library: transformers' ``QuantizedCache`` (``cache_utils.QuantizedLayer``) is a decode-time cache whose
 backends (optimum-quanto, HQQ) quantize keys and values along the same axis -- "in contrast to what was described
@@ -182,11 +184,12 @@ def dequantize_values(
     return _dequantize_along(q.reshape(h, n, groups, d // groups), scale, minimum, 3).reshape(h, n, d).to(dtype)
 
 
-def split_rows(n_rows: int, native_head: int, group: int = GROUP) -> tuple[int, int]:
-    """``(head, quantized)``: a write of ``n_rows`` rows keeps its first ``min(native_head, n_rows)`` rows native,
-    quantizes the next whole key groups of ``group`` rows, and keeps the rest (fewer than ``group``) native."""
+def split_rows(n_rows: int, native_head: int, group: int = GROUP, kind: str = "keys") -> tuple[int, int]:
+    """``(head, quantized)``: a write of ``n_rows`` rows keeps its first ``min(native_head, n_rows)`` rows native
+    and quantizes the rest: for ``keys`` (groups along the rows) the next whole groups of ``group`` rows, the last
+    ``rows mod group`` staying native; for ``values`` (groups along the channels of each row) every one."""
     head = min(max(native_head, 0), n_rows)
-    return head, (n_rows - head) // group * group
+    return head, (n_rows - head) // group * group if kind == "keys" else n_rows - head
 
 
 def encode_rows(
@@ -227,8 +230,8 @@ def encode_rows(
         n, d = k.shape[1], k.shape[2]
         if bits == 4 and d % 2:
             raise OptionError("rows", fmt, f"int4 packs two channels per byte: head_dim {d} is odd; use int8.")
-        head, quantized = split_rows(n, native_head, group)
         for name, x, quantize in (("keys", k, quantize_keys), ("values", v, quantize_values)):
+            head, quantized = split_rows(n, native_head, group, name)
             x = x.detach().to("cpu")
             codes, scale, minimum = quantize(x[:, head : head + quantized], bits, group)
             out[f"{name}.{i}.head"] = own(x[:, :head])
@@ -275,7 +278,7 @@ def error_bound(
         return bound
     bits = BITS[fmt]
     x = original.detach().to("cpu")
-    head, quantized = split_rows(x.shape[1], native_head, group)
+    head, quantized = split_rows(x.shape[1], native_head, group, kind)
     part = x[:, head : head + quantized]
     if kind == "keys":
         _, scale, minimum = quantize_keys(part, bits, group)

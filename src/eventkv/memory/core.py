@@ -370,14 +370,17 @@ class MemoryCore:
 
     def _lazy_prefill(self) -> EventKV | None:
         """The stored history's rows with every pending event prefilled and committed (a read's lazy
-        prefill); on a full disk the rows computed here are returned unkept and the events stay pending
-        (the next query or :meth:`prefill` retries), so a full disk never fails a read. None: no events."""
+        prefill): the rows as committed, which in a quantized row format are the stored rows read back, so
+        the query that commits them answers as every later one and a reopened memory do. On a full disk the
+        rows computed here are returned unkept and the events stay pending (the next query or :meth:`prefill`
+        retries), so a full disk never fails a read. None: no events."""
         ekv, start, seqs = self._pending()
         if seqs:
             try:
                 self._commit(None, (ekv, start, seqs), bump=False)
             except OutOfSpace:
-                pass  # used from memory; the next query or prefill() retries the commit
+                return ekv  # used from memory; the next query or prefill() retries the commit
+            return self._ekv
         return ekv
 
     def _rows_prefilled(self) -> EventKV:

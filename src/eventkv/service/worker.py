@@ -356,8 +356,9 @@ class ModelWorker:
             self._open[directory] = mem
             self._evict()
         self._open.move_to_end(directory)
-        if self.max_hot is not None:  # the rows of the memories used longest ago kept packed only
-            for cold in list(self._open.values())[: max(0, len(self._open) - self.max_hot)]:
+        if self.max_hot is not None:  # the quantized memories used longest ago keep their packed tensors only
+            quantized = [m for m in self._open.values() if m.store.rows_format != "native"]
+            for cold in quantized[: max(0, len(quantized) - self.max_hot)]:
                 self.released += cold.release_rows() > 0
         return mem
 
