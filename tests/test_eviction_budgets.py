@@ -307,6 +307,10 @@ def test_think_prunes_the_key_channels_of_least_query_key_weight():
     assert torch.equal(per_layer.key_channels(c, 0.3), ch) and bool(keep_mask(per_layer, c, 0.3).all())
     assert per_layer.key_channels(dataclasses.replace(c, layer=1), 0.3) is None
     assert "key channels" in t.ratio_use() and "key channels" in per_layer.ratio_use()
+    assert "knorm: the fraction of each KV head's rows evicted" in per_layer.ratio_use()  # the evicting layers too
+    assert "compound" not in both.ratio_use() and "think: the fraction of key channels" in both.ratio_use()
+    assert "row evictions compound" in Composed(policies=(Knorm(), SnapKV(window=4))).ratio_use()
+    assert PerLayer(policies=(Knorm(), SnapKV())).ratio_use() == "" and Knorm().ratio_use() == ""
 
 
 def test_simlayerkv_keeps_first_and_latest_rows_of_lazy_layers_only():

@@ -93,7 +93,7 @@ def donor_pair(
 def report(
     directory: Path = typer.Argument(
         ...,
-        help="a run directory: the --out of 'eventkv run' or 'eventkv splice', "
+        help="a run directory: the --out of 'eventkv run', 'splice', 'audit', 'harvest' or 'memory eval', "
         "or a probe folder DIR/<probe> of 'eventkv contract'",
     ),
 ) -> None:

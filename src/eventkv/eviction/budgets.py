@@ -36,6 +36,8 @@ from eventkv.eviction.policies import (
 )
 from eventkv.options import check_int
 
+#: what the compression ratio is for most policies (:meth:`Policy.ratio_use` returns "" for it)
+ROWS_EVICTED = "the fraction of each KV head's rows evicted"
 #: how a policy with Ada-KV's per-head budgets reads the compression ratio (:meth:`Policy.ratio_use`)
 _SHARED_BY_HEADS = "the fraction of each layer's rows evicted, shared out unevenly among its KV heads"
 
@@ -220,8 +222,10 @@ class PerLayer(Policy):
         super().check_layers(n_layers)
 
     def ratio_use(self) -> str:
-        uses = sorted({u for p in self.policies if (u := p.ratio_use())})
-        return f"as each layer's policy reads it ({'; '.join(uses)})" if uses else ""
+        if not any(p.ratio_use() for p in self.policies):
+            return ""
+        uses = dict.fromkeys(f"{p.name}: {p.ratio_use() or ROWS_EVICTED}" for p in self.policies)
+        return f"as each layer's policy reads it ({'; '.join(uses)})"
 
 
 def _value_effect(c: LayerCapture, who: str) -> torch.Tensor:
@@ -448,7 +452,9 @@ class Composed(Policy):
         return self.policies[0].ranks_rows()
 
     def ratio_use(self) -> str:
-        return f"applied by each of its {len(self.policies)} policies in turn, so the evictions compound"
+        uses = "; ".join(f"{p.name}: {p.ratio_use() or ROWS_EVICTED}" for p in self.policies)
+        compound = ", so the row evictions compound" if sum(p.ranks_rows() for p in self.policies) > 1 else ""
+        return f"applied by each of its policies in turn ({uses}){compound}"
 
 
 def _one_head(c: LayerCapture, head: int, rows: torch.Tensor) -> LayerCapture:

@@ -145,7 +145,7 @@ class EvictionAudit(Probe):
             try:
                 self._policy(spec, 0).check_layers(rt.profile.num_layers)
             except OptionError as e:
-                raise OptionError("policies", spec, f"{e} ({rt.profile.name})", flag="--policy") from None
+                raise OptionError("policies", spec, str(e), flag="--policy") from None
 
     def arms(self) -> list[Arm]:
         return [
@@ -289,8 +289,8 @@ class EvictionAudit(Probe):
         # one small panel per policy spec (any number of them stays readable), the same axes and legend in each
         cols = min(4, len(self.policies))
         rows = -(-len(self.policies) // cols)
-        fig, axes = plt.subplots(
-            rows, cols, figsize=(3.0 * cols, 2.5 * rows + 0.6), sharex=True, sharey=True, squeeze=False
+        fig, axes = plt.subplots(  # at least 7.5 inches wide: the legend's two columns fit
+            rows, cols, figsize=(max(3.0 * cols, 7.5), 2.5 * rows + 0.6), sharex=True, sharey=True, squeeze=False
         )
         for ax, pname in zip(axes.flat, self.policies):
             cells = [c for c in s["cells"] if c["policy"] == pname]
@@ -299,7 +299,10 @@ class EvictionAudit(Probe):
             ax.plot(xs, [c["accuracy"]["global"]["rate"] for c in cells], "o-", color="C0")
             ax.plot(xs, [c["accuracy"]["isolated"]["rate"] for c in cells], "s--", color="C1")
             ax.plot(xs, [c["false_negative"]["rate"] for c in cells], "x:", color="C3")
-            ax.set_title("\n".join(textwrap.wrap(pname, 34)[:3]), fontsize=8)
+            lines = textwrap.wrap(pname, 34)
+            if len(lines) > 3:  # a long spec (a list per layer): its first lines, then an ellipsis
+                lines = [*lines[:2], lines[2][:33] + "…"]
+            ax.set_title("\n".join(lines), fontsize=8)
             ax.set_ylim(-0.03, 1.03)
             ax.tick_params(labelsize=7)
         for ax in axes.flat[len(self.policies) :]:
