@@ -38,6 +38,13 @@ from eventkv.options import check_int
 
 #: what the compression ratio is for most policies (:meth:`Policy.ratio_use` returns "" for it)
 ROWS_EVICTED = "the fraction of each KV head's rows evicted"
+
+
+def _reading(policy: Policy) -> str:
+    """``name: how it reads the ratio``, for a member named in its wrapper's :meth:`Policy.ratio_use`."""
+    return f"{policy.name}: {policy.ratio_use() or ROWS_EVICTED}"
+
+
 #: how a policy with Ada-KV's per-head budgets reads the compression ratio (:meth:`Policy.ratio_use`)
 _SHARED_BY_HEADS = "the fraction of each layer's rows evicted, shared out unevenly among its KV heads"
 
@@ -162,18 +169,19 @@ class PerLayerRatio(Policy):
     def scores(self, c: LayerCapture) -> torch.Tensor:
         return self.inner.checked_scores(c)
 
+    def _ratio(self, c: LayerCapture, ratio: float) -> float:
+        """Layer ``c``'s own ratio from the list, or ``ratio`` (the audit's) when the list is empty."""
+        return self.ratios[_layer_of(c, len(self.ratios), "ratios")] if self.ratios else ratio
+
     def budget(self, c: LayerCapture, ratio: float) -> torch.Tensor:
-        if self.ratios:
-            ratio = self.ratios[_layer_of(c, len(self.ratios), "ratios")]
-        return torch.full((c.kv_heads,), kept_count(c.rows, ratio), dtype=torch.long, device=c.keys.device)
+        n = kept_count(c.rows, self._ratio(c, ratio))
+        return torch.full((c.kv_heads,), n, dtype=torch.long, device=c.keys.device)
 
     def mask(self, c: LayerCapture, ratio: float) -> torch.Tensor:
         return self.inner.keep(c, self.budget(c, ratio))
 
     def key_channels(self, c: LayerCapture, ratio: float) -> torch.Tensor | None:
-        if self.ratios:
-            ratio = self.ratios[_layer_of(c, len(self.ratios), "ratios")]
-        return self.inner.key_channels(c, ratio)
+        return self.inner.key_channels(c, self._ratio(c, ratio))
 
     def check_layers(self, n_layers: int) -> None:
         if self.ratios:
@@ -224,7 +232,7 @@ class PerLayer(Policy):
     def ratio_use(self) -> str:
         if not any(p.ratio_use() for p in self.policies):
             return ""
-        uses = dict.fromkeys(f"{p.name}: {p.ratio_use() or ROWS_EVICTED}" for p in self.policies)
+        uses = dict.fromkeys(_reading(p) for p in self.policies)
         return f"as each layer's policy reads it ({'; '.join(uses)})"
 
 
@@ -452,7 +460,7 @@ class Composed(Policy):
         return self.policies[0].ranks_rows()
 
     def ratio_use(self) -> str:
-        uses = "; ".join(f"{p.name}: {p.ratio_use() or ROWS_EVICTED}" for p in self.policies)
+        uses = "; ".join(_reading(p) for p in self.policies)
         compound = ", so the row evictions compound" if sum(p.ranks_rows() for p in self.policies) > 1 else ""
         return f"applied by each of its policies in turn ({uses}){compound}"
 
