@@ -321,3 +321,24 @@ def test_memory_scale_row_formats_smoke(tmp_path):
         return re.sub(r" +\d+ ms|[\d.]+x|grown in \d+ s", "#", text)
 
     assert timings_blanked("\n".join(alone)) == timings_blanked("\n\n".join(kept))
+
+
+@pytest.mark.slow
+def test_question_budgets_smoke():
+    """The per-question budget benchmark on the shipped demo dialogue: every fixed budget and adaptive rule has
+    a table line with rows, recall and precision, each adaptive rule its nearest fixed budget and interval."""
+    from eventkv.studies.materialization.memory_eval import DEMO_DATA
+
+    args = ["--data", DEMO_DATA, "--model", "smollm2-135m", "--conversations", "1", "--questions-per-conversation"]
+    args += ["6", "--max-tokens", "600", "--bm25-ratios", "0.5", "--dense-margins", "0.1"]
+    one, lines = run_benchmark("question_budgets.py", args, 300)
+    n = int(one(r"(\d+) questions of categories 1-4 from 1 conversations; cap 0.1").group(1))
+    assert n >= 1
+    rows = [ln for ln in lines if ln.startswith("| bm25") or ln.startswith("| dense")]
+    assert len(rows) == 2 * 12 + 2  # 12 fixed budgets per selector and the two adaptive rules
+    for ln in rows:
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        assert float(cells[1]) >= 0 and 0 <= float(cells[2]) <= 1 and 0 <= float(cells[3]) <= 1
+    assert int(one(r"\| bm25 fixed 10% \| (\d+) \|").group(1)) > 0  # a 0.5% budget of a short demo history fits no turn
+    one(r"\| bm25 >= 0.5 x best \| \d+ \| [\d.]+ \| [\d.]+ \| [\d.]+% \(\d+\) \| [+-][\d.]+ \[[+-][\d.]+, [+-][\d.]+\]")
+    one(r"\| dense >= best - 0.1 \| \d+ \| [\d.]+ \| [\d.]+ \| [\d.]+% \(\d+\) \| [+-][\d.]+ \[")

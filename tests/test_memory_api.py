@@ -51,6 +51,7 @@ def test_the_protocol_lists_the_shared_verbs():
         "prefill",
         "query",
         "rebase",
+        "rows_format",
         "search",
         "select",
         "stats",
@@ -122,6 +123,7 @@ def scenario(mem) -> dict:
     out["view"] = mem.view_ids()
     out["stats"] = dataclasses.replace(mem.stats(), bytes_on_disk=0)
     out["version"] = mem.version
+    out["rows_format"] = mem.rows_format
     return out
 
 

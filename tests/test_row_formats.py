@@ -6,6 +6,8 @@ of native rows, the upkeep verbs in every format, checksums over what is stored,
 from __future__ import annotations
 
 import json
+import shutil
+import sqlite3
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eventkv.errors import EventKVError, OptionError, StoreDamaged
+from eventkv.files import sha256_file
 from eventkv.kv.quant import (
     ROW_FORMATS,
     decode_rows,
@@ -238,6 +241,31 @@ def test_bad_formats_are_refused(tmp_path):
     (tmp_path / "b" / MANIFEST).write_text(json.dumps({**manifest, "rows": "int2"}))
     with pytest.raises(EventKVError, match="stores its rows as 'int2', this eventkv reads native, int8, int4"):
         EventMemory.open(tmp_path / "b", lm)
+
+
+def test_a_store_is_read_in_its_own_format_only(tmp_path):
+    """Opening with another ``rows`` is refused naming the store's format; a segment whose file holds another format
+    than the manifest's (copied in from another store, its database row made to match) is refused as damage."""
+    lm = tiny_lm("llama")
+    for fmt in ("native", "int4"):
+        with EventMemory.create(tmp_path / fmt, lm, namespace="t", rows=fmt) as mem:
+            mem.add(EVENTS, prefill=True)
+    with pytest.raises(OptionError, match=r"rows 'int8': the memory in .* stores its rows as int4 .* rows='int4'"):
+        EventMemory.open(tmp_path / "int4", lm, rows="int8")
+    with pytest.raises(OptionError, match="rows 'int3': give native"):
+        EventMemory.open(tmp_path / "int4", lm, rows="int3")
+    with EventMemory.open(tmp_path / "int4", lm, rows="int4") as mem, EventMemory.open(tmp_path / "native", lm) as nat:
+        assert mem.rows_format == "int4" and nat.rows_format == "native"
+    foreign = sorted((tmp_path / "int4" / SEGMENTS).glob("*.safetensors"))[-1]
+    target = sorted((tmp_path / "native" / SEGMENTS).glob("*.safetensors"))[-1]
+    shutil.copyfile(foreign, target)
+    with sqlite3.connect(tmp_path / "native" / "memory.sqlite") as db:
+        db.execute(
+            "UPDATE segments SET sha256 = ?, bytes = ? WHERE file LIKE ?",
+            (sha256_file(target), target.stat().st_size, f"%{target.name}"),
+        )
+    with pytest.raises(StoreDamaged, match="holds rows in format 'int4' but the store's manifest says 'native'"):
+        EventMemory.open(tmp_path / "native", lm)
 
 
 @pytest.mark.parametrize("fmt", ROW_FORMATS)

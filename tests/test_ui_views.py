@@ -120,6 +120,7 @@ def test_memory_import_builds_a_memory_from_a_conversation(tmp_path, lm, monkeyp
     turns = load_locomo(DEMO_DATA)[0].turns
     sessions = len({t.session for t in turns})
     app = create_app(Settings(lm, tmp_path))
+    run = (monkeypatch, capsys)
     with LiveApp(app) as live, httpx.Client(base_url=live.url, timeout=120) as http:
         code, out, err = run_cli(
             monkeypatch, capsys, "memory", "import", "demo", "--server", live.url, "--id", "demo", "--with-headers"
@@ -145,6 +146,15 @@ def test_memory_import_builds_a_memory_from_a_conversation(tmp_path, lm, monkeyp
         ]
         code, _, err = run_cli(monkeypatch, capsys, "memory", "import", "demo", "--server", live.url, "--id", "demo")
         assert code == 2 and "with other events" in err  # the same id, built without headers
+        # a memory keeps its row format: a resumed import adds in it; another --rows is refused, naming it
+        http.post("/v1/memories", json={"id": "q4", "rows": "int4"})  # created empty, before any import
+        code, _, err = run_cli(*run, "memory", "import", "demo", "--server", live.url, "--id", "q4", "--rows", "int8")
+        assert code == 2 and "stores its rows as int4, not --rows int8" in err and "Traceback" not in err
+        code, out, err = run_cli(
+            *run, "memory", "import", "demo", "--server", live.url, "--id", "q4", "--max-turns", "3"
+        )
+        assert code in (0, None) and "3 events" in out, err
+        assert http.get("/v1/memories/q4").json()["rows"] == "int4"
         for bad, says in (
             (("--server", "127.0.0.1:9", "--id", "y"), "--server '127.0.0.1:9': give the server's URL"),
             (("--server", "http://127.0.0.1:9", "--id", "y"), "cannot be reached"),

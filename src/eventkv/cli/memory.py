@@ -168,7 +168,12 @@ def memory_import(
     resolve_dates: bool = typer.Option(
         False, "--resolve-dates/--no-resolve-dates", help="follow relative dates with the date they mean"
     ),
-    rows: str = typer.Option("native", "--rows", help="the memory's row format: native, int8 or int4"),
+    rows: Optional[str] = typer.Option(
+        None,
+        "--rows",
+        help="the memory's row format: native, int8 or int4 (default: native for a new memory; an existing one "
+        "keeps its own, and another value is refused)",
+    ),
     namespace: str = typer.Option("default", "--namespace", help="the namespace the memory is created in"),
     token_file: Optional[Path] = typer.Option(
         None, "--token-file", help="the server's bearer token: the first token of the file (eventkv serve's format)"
@@ -202,7 +207,8 @@ def memory_import(
                 flag="--id",
             )
         check_name(namespace, "namespace")
-        check_row_format(rows)
+        if rows is not None:
+            check_row_format(rows)
         if not re.match(r"^https?://[^/\s]+", server):
             raise OptionError("server", server, "give the server's URL, e.g. http://127.0.0.1:8000.", flag="--server")
         convs = load_locomo(DEMO_DATA if data == "demo" else data)
@@ -240,13 +246,15 @@ def memory_import(
         )
 
 
-def import_sessions(server: str, memory: str, namespace: str, token, rows: str, sessions: list, prefill: bool):
+def import_sessions(server: str, memory: str, namespace: str, token, rows: str | None, sessions: list, prefill: bool):
     """Add ``sessions`` (``[(session, [MemoryEvent, ...]), ...]``) to memory ``memory`` on ``server``, one add
-    per session: a new memory is created; an existing one whose events are a prefix of these (same ids and
-    texts, in order: an import stopped part-way) gets the sessions it lacks. Returns ``(events, stats)``.
+    per session: a new memory is created (in row format ``rows``; None: the server's default, native); an
+    existing one whose events are a prefix of these (same ids and texts, in order: an import stopped part-way)
+    gets the sessions it lacks, in its own row format. Returns ``(events, stats)``.
 
     Raises:
-        EventKVError: the memory exists with other events (or another row format); whatever the server refuses.
+        EventKVError: the memory exists with other events, or in another row format than a given ``rows`` (the
+            message names its format); whatever the server refuses.
     """
     from eventkv.client import Client
     from eventkv.errors import Conflict, EventKVError, NotFound
@@ -263,9 +271,11 @@ def import_sessions(server: str, memory: str, namespace: str, token, rows: str, 
                 f"memory {memory!r} already exists in namespace {namespace!r} with other events: give another --id, "
                 "or delete it (DELETE /v1/memories/ID)."
             )
-        if len(have) and client.http.get(f"/v1/memories/{memory}").json().get("rows") != rows:
+        stored = client.rows_format
+        if rows is not None and stored != rows:
             raise EventKVError(
-                f"memory {memory!r} stores its rows in another format than --rows {rows}: give that one."
+                f"memory {memory!r} stores its rows as {stored}, not --rows {rows} (a memory keeps the format it was "
+                f"created with): give --rows {stored} or leave --rows out to add to it, or import into a new --id."
             )
         done, seen = len(have), 0
         for session, events in sessions:

@@ -352,6 +352,11 @@ class Client:
         """The memory's write counter (what ``expected_version`` compares with)."""
         return self._call("GET", self._base)["version"]
 
+    @property
+    def rows_format(self) -> str:
+        """The format the memory's store keeps its rows in (``native``, ``int8`` or ``int4``), chosen at create."""
+        return self._call("GET", self._base).get("rows", "native")
+
     def stats(self) -> MemoryStats:
         """As :meth:`EventMemory.stats`."""
         return MemoryStats(**self._call("GET", self._base)["stats"])

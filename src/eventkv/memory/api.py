@@ -50,6 +50,11 @@ class MemoryAPI(Protocol):
         """The write counter: bumped by every committed write that changes the events."""
         ...
 
+    @property
+    def rows_format(self) -> str:
+        """The format the store keeps its rows in (``native``, ``int8`` or ``int4``), chosen at create."""
+        ...
+
     def add(
         self, events: Iterable[MemoryEvent | dict | str] | MemoryEvent | dict | str, *, prefill: bool = False
     ) -> list[Added]: ...

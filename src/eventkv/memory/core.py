@@ -63,6 +63,12 @@ class MemoryCore:
         return self.store.manifest["namespace"]
 
     @property
+    def rows_format(self) -> str:
+        """The format the store keeps its rows in (``native``, ``int8`` or ``int4``: ``docs/memory.md``, "Row
+        formats"), chosen at create and recorded in the manifest; every reader reads the store in it."""
+        return self.store.rows_format
+
+    @property
     def version(self) -> int:
         """The store's write counter: bumped by every committed write that changes the events (add,
         update, delete, forget, pin, carrier, rebase) — not by a prefill, which only computes rows, so

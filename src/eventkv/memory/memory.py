@@ -165,6 +165,7 @@ class EventMemory(MemoryUpkeep):
         verify: str | None = None,
         selector: Selector | str = "bm25",
         window: PrefillWindow | None = None,
+        rows: str | None = None,
     ) -> "EventMemory":
         """Open a memory written by :meth:`create`, check it was made by ``lm`` and load its rows.
 
@@ -173,7 +174,8 @@ class EventMemory(MemoryUpkeep):
         ``EVENTKV_MEMORY_VERIFY=size``: its size only).
 
         A store of schema 1 (before event checksums) is upgraded first (``docs/memory.md``).
-        ``selector``, ``window``: as :meth:`create`.
+        ``selector``, ``window``: as :meth:`create`. ``rows``: the row format the caller expects (None: the
+        store's own, recorded at :meth:`create` and kept for the memory's life); another one is refused.
 
         Raises:
             StoreDamaged: the manifest, the database (SQLite's ``quick_check``, an event's checksum,
@@ -182,12 +184,23 @@ class EventMemory(MemoryUpkeep):
             EventKVError: no memory in ``directory``; one made by other weights, tokenizer, chat
                 template or dtype (the message names both values: stale KV is refused, never used);
                 a store of a newer schema.
-            OptionError: an unknown selector, a window larger than the model's context.
+            OptionError: an unknown selector, a window larger than the model's context; ``rows`` not a row
+                format, or not the store's (the message names the store's).
         """
         selector = selector_for(selector)
         window = check_window(window, lm.profile.max_context)
+        if rows is not None:
+            check_row_format(rows)
         store = Store.open(directory, verify=verify)
         try:
+            if rows is not None and rows != store.rows_format:
+                raise OptionError(
+                    "rows",
+                    rows,
+                    f"the memory in {str(store.directory)!r} stores its rows as {store.rows_format} (a memory keeps "
+                    f"the format it was created with): open it with rows={store.rows_format!r} or without rows=, or "
+                    f"create a new memory with rows={rows!r}.",
+                )
             check_identity(store.directory, store.manifest, lm)
             mem = cls(store, lm, selector, window)
             mem._load_rows()

@@ -375,8 +375,8 @@ class MemoryAnswer:
             none), ``serve`` (building the served cache) and ``decode`` (generation and scoring).
         plan: the plan the answer was served by (``select``, ``mode``, ``positions`` as resolved, ``order``;
             for a selector's choice ``selector``, ``k``, ``budget``, ``budget_rows``, ``neighbours``,
-            ``with_headers``; for ``blend`` ``recompute`` and ``blend_schedule``):
-            :func:`eventkv.memory.answer.query_plan`.
+            ``with_headers``; for ``blend`` ``recompute`` and ``blend_schedule``; ``rows``, the memory's row
+            format): :func:`eventkv.memory.answer.query_plan`.
     """
 
     text: str

@@ -62,7 +62,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from eventkv.errors import EventKVError, OutOfSpace, PurgePending, StoreLocked
 from eventkv.files import directory_bytes, fsync_path, out_of_space, sha256_file, write_json_atomic
@@ -553,14 +554,24 @@ class Store:
         dequantized into the native dtype), positions ``[rows]``, and the tensors the file holds.
 
         Raises:
-            StoreDamaged: a file that does not read as safetensors, or does not hold ``n_layers`` layers
-                of ``row['n_rows']`` rows and their positions.
+            StoreDamaged: a file that does not read as safetensors, holds rows of another format than the store's
+                (its metadata's ``rows``; absent = ``native``), or does not hold ``n_layers`` layers of
+                ``row['n_rows']`` rows and their positions.
         """
         seg = row["file"]
         try:
-            t = load_file(self.directory / seg)
+            with safe_open(self.directory / seg, framework="pt") as f:
+                written = (f.metadata() or {}).get("rows", "native")
+                t = {name: f.get_tensor(name) for name in f.keys()}
         except Exception as exc:  # safetensors raises its own error type for a malformed file
             raise damaged(self.directory, f"segment {seg!r} does not read ({type(exc).__name__}: {exc})") from None
+        if written != self.rows_format:  # read as another format, its tensors would be decoded wrongly or not at all
+            raise damaged(
+                self.directory,
+                f"segment {seg!r} holds rows in format {written!r} but the store's manifest says {self.rows_format!r} "
+                "(a store keeps one row format for its life: a segment from another store was copied in, or the "
+                "manifest was edited)",
+            )
         try:
             keys, values = decode_rows(t, self.rows_format, n_layers)
             n = int(t["positions"].shape[0])
