@@ -565,8 +565,9 @@ def test_relevance_order_serves_each_contiguous_arm_as_the_memory_query_does():
 
 
 def test_readout_groups_keep_relevance_plans_apart():
-    """Plans served in relevance order batch only with plans of the same selector and budget, never with
-    a plan in history order; with max_padding 1 everything else shares a batch."""
+    """Plans served in relevance order are served as one query only with plans of the same selector and budget,
+    never with a plan in history order; every query of a readout is read out in one batch, which with max_padding 1
+    holds every arm of the question."""
     from eventkv.studies.materialization.memory_eval import ArmPlan
 
     probe = _probe(max_padding=1.0)
@@ -579,7 +580,10 @@ def test_readout_groups_keep_relevance_plans_apart():
         "f": ArmPlan(["y"], "text", "contiguous"),
         "g": ArmPlan([], "compact", "contiguous", None, ("bm25", 0.1)),
     }
-    assert probe._groups(plans, {"x": 5, "y": 3}, 10, 2) == [["a", "d"], ["b"], ["c"], ["f", "e"]]
+    assert probe._readouts(plans, {"x": 5, "y": 3}, 10, 2) == [[["f", "e"], ["a", "d"], ["b"], ["c"]]]
+    split = _probe(max_padding=0.0)._readouts(plans, {"x": 5, "y": 3}, 10, 2)  # equal lengths only
+    assert split == [[["f"]], [["a"], ["b"], ["c"], ["e"]], [["d"]]]
+    assert _probe(batch_arms=False)._readouts(plans, {"x": 5, "y": 3}, 10, 2) == [[[n]] for n in "abcdef"]
 
 
 @pytest.mark.slow

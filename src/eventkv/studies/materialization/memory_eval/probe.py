@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Sequence, cast
 from eventkv.errors import EventKVError, OptionError
 from eventkv.kv.quant import check_row_format
 from eventkv.kv.serve import SERVE_ORDERS, PositionMode, ServeMode
+from eventkv.memory.answer import answer_prepared
 from eventkv.memory.query import MemoryQuery, QueryOptions
 from eventkv.options import (
     DIALOGUE_FORMATS,
@@ -103,9 +104,10 @@ class MemoryEval(DialogueData, Probe):
     batch's size, per arm); a skipped slot: ``skipped`` with the reason."""
 
     name: ClassVar[str] = "memory-eval"
-    #: 6: an int8/int4 memory quantizes the values of every row after the header (5 kept each write's last
-    #: ``rows mod 32`` value rows native), so its answers differ; a folder of another version does not resume
-    record_version: ClassVar[int] = 6
+    #: 7: a question's arms that need different serving keywords (positions, blend's schedule) share one batched
+    #: readout (6 read each key's arms out apart), so greedy answers move by float rounding; 6: an int8/int4 memory
+    #: quantizes the values of every row after the header. A folder of another version does not resume
+    record_version: ClassVar[int] = 7
     smoke_options: ClassVar[dict] = {
         "data": DEMO_DATA,
         "conversations": 1,
@@ -398,51 +400,21 @@ class MemoryEval(DialogueData, Probe):
                 positions, relevance = "contiguous", (a.selector or "", a.budget or 0.0)
             plans[a.name] = ArmPlan(served, SERVE_MODE[a.kind], positions, BLEND_SCHEDULE.get(a.kind), relevance)
         answers, serve_ms, readout_ms, batch = {}, {}, {}, {}
-        for group in self._groups(plans, n_rows, history_rows, header):
-            first = plans[group[0]]
-            # the arm's positions, always given: the memory's default is not the arm's
-            options = QueryOptions(positions=cast(PositionMode, first.positions))
-            if first.mode == "blend" and self.recompute is not None:
-                options = options.with_(recompute=self.recompute)
-            if first.schedule is not None:
-                options = options.with_(blend_schedule=first.schedule)
-            selects: list[list[str] | str | None]
-            question, selects, messages = prompt, [plans[a].served for a in group], None
-            if first.relevance is not None:
-                # the memory selects the set again, as served_set did (same question, selector and shaping), so
-                # each shaping unit (a turn with its neighbours and session header) is laid out as one block at
-                # its turn's rank (relevance_order); the question selects and ranks, the prompt is read as the
-                # one user message (the same token ids as question=prompt: eventkv.memory.chat.chat_tail_ids)
-                selector, budget = first.relevance
-                options = options.with_(
-                    order="relevance",
-                    selector=selector,
-                    budget=budget,
-                    k=self.k,
-                    neighbours=self.neighbours,
-                    with_headers=self.with_headers,
-                )
-                messages = [{"role": "user", "content": prompt}]
-                question, selects = qa.question, [None] * len(group)
-            query = MemoryQuery(
-                question,
-                plans=[(s, cast(ServeMode, plans[a].mode)) for s, a in zip(selects, group)],
-                options=options,
-                candidates=candidates,
-                max_new_tokens=self.max_new_tokens,
-                messages=messages,
-            )
-            outs = mem.ask(query)
-            for name, ans in zip(group, outs):
-                if first.relevance is not None and sorted(ans.served_ids) != sorted(plans[name].served):
-                    raise EventKVError(
-                        f"selector {first.relevance[0]!r} served another set for arm {name!r} when asked again with "
-                        "the same question: a selector must rank deterministically; run with --order log."
-                    )
-                answers[name] = ans
-                serve_ms[name] = round(ans.timings_ms["serve"], 3)
-                readout_ms[name] = round(ans.timings_ms["decode"], 3)
-                batch[name] = len(group)
+        for readout in self._readouts(plans, n_rows, history_rows, header):
+            # each serving key's arms served as one query, every query of the readout read out in one batch
+            prepared = [mem.prepare_query(self._query(qa, prompt, candidates, plans, group)) for group in readout]
+            for group, outs in zip(readout, answer_prepared(mem.lm, prepared)):
+                for name, ans in zip(group, outs):
+                    relevance = plans[name].relevance
+                    if relevance is not None and sorted(ans.served_ids) != sorted(plans[name].served):
+                        raise EventKVError(
+                            f"selector {relevance[0]!r} served another set for arm {name!r} when asked again with "
+                            "the same question: a selector must rank deterministically; run with --order log."
+                        )
+                    answers[name] = ans
+                    serve_ms[name] = round(ans.timings_ms["serve"], 3)
+                    readout_ms[name] = round(ans.timings_ms["decode"], 3)
+                    batch[name] = sum(len(g) for g in readout)
         arms = {}
         row_bytes = self._kv_row_bytes(rt)
         for a in specs:
@@ -483,25 +455,64 @@ class MemoryEval(DialogueData, Probe):
             **({"timing": {"serve": serve_ms, "readout": readout_ms, "batch": batch}} if self.timing else {}),
         }
 
-    def _groups(self, plans: dict[str, ArmPlan], n_rows: dict, history_rows: int, header: int) -> list[list[str]]:
-        """The arm names in readout batches: arms with an empty served set left out; arms needing other
-        serving keywords (positions, blend's recompute and schedule, the selector and budget of a set served
-        in relevance order) apart; within those, :func:`length_groups` (``batch_arms=False``: one arm a batch)."""
-        keyed: dict[tuple, list[str]] = {}
-        for name, plan in plans.items():
-            if plan.served != "all" and not plan.served:
-                continue
-            keyed.setdefault((plan.positions, plan.mode == "blend", plan.schedule, plan.relevance), []).append(name)
+    def _query(self, qa, prompt: str, candidates, plans: dict[str, ArmPlan], group: list[str]) -> MemoryQuery:
+        """The arms ``group`` of a question, which share one serving key (:meth:`_readouts`), as one query."""
+        first = plans[group[0]]
+        # the arm's positions, always given: the memory's default is not the arm's
+        options = QueryOptions(positions=cast(PositionMode, first.positions))
+        if first.mode == "blend" and self.recompute is not None:
+            options = options.with_(recompute=self.recompute)
+        if first.schedule is not None:
+            options = options.with_(blend_schedule=first.schedule)
+        selects: list[list[str] | str | None]
+        question, selects, messages = prompt, [plans[a].served for a in group], None
+        if first.relevance is not None:
+            # the memory selects the set again, as served_set did (same question, selector and shaping), so
+            # each shaping unit (a turn with its neighbours and session header) is laid out as one block at
+            # its turn's rank (relevance_order); the question selects and ranks, the prompt is read as the
+            # one user message (the same token ids as question=prompt: eventkv.memory.chat.chat_tail_ids)
+            selector, budget = first.relevance
+            options = options.with_(
+                order="relevance",
+                selector=selector,
+                budget=budget,
+                k=self.k,
+                neighbours=self.neighbours,
+                with_headers=self.with_headers,
+            )
+            messages = [{"role": "user", "content": prompt}]
+            question, selects = qa.question, [None] * len(group)
+        return MemoryQuery(
+            question,
+            plans=[(s, cast(ServeMode, plans[a].mode)) for s, a in zip(selects, group)],
+            options=options,
+            candidates=candidates,
+            max_new_tokens=self.max_new_tokens,
+            messages=messages,
+        )
+
+    def _readouts(
+        self, plans: dict[str, ArmPlan], n_rows: dict, history_rows: int, header: int
+    ) -> list[list[list[str]]]:
+        """The arm names of a question in readouts: arms with an empty served set left out; the others in batches by
+        length (:func:`length_groups` over every arm; ``batch_arms=False``: one arm a readout), each split by the
+        serving keywords its arms need (positions, blend's recompute and schedule, the selector and budget of a set
+        served in relevance order) into groups served as one query each; a readout's queries are read out in one
+        batch (:func:`eventkv.memory.answer_prepared`)."""
+        names = [n for n, p in plans.items() if p.served == "all" or p.served]
+        if not self.batch_arms:
+            return [[[n]] for n in names]
+        lengths = [
+            header + (history_rows if plans[n].served == "all" else sum(n_rows[i] for i in plans[n].served))
+            for n in names
+        ]
         out = []
-        for names in keyed.values():
-            if not self.batch_arms:
-                out += [[n] for n in names]
-                continue
-            lengths = [
-                header + (history_rows if plans[n].served == "all" else sum(n_rows[i] for i in plans[n].served))
-                for n in names
-            ]
-            out += [[names[i] for i in g] for g in length_groups(lengths, self.max_padding)]
+        for g in length_groups(lengths, self.max_padding):
+            keyed: dict[tuple, list[str]] = {}
+            for i in g:
+                p = plans[names[i]]
+                keyed.setdefault((p.positions, p.mode == "blend", p.schedule, p.relevance), []).append(names[i])
+            out.append(list(keyed.values()))
         return out
 
     # ------------------------------------------------------------------ statistics
