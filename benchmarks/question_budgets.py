@@ -45,7 +45,8 @@ from eventkv.stats import cluster_bootstrap
 from eventkv.studies.materialization.dialogue import load_locomo, truncate
 from eventkv.studies.materialization.memory_eval import history_events
 
-LOCOMO_DEV = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "locomo" / "locomo10-dev.json")
+#: where the workplace keeps LoCoMo's development split, relative to the repository root (read there, never copied)
+LOCOMO_DEV = "../shared/data/locomo/locomo10-dev.json"
 FIXED = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.07, 0.08, 0.1)
 
 
@@ -65,7 +66,7 @@ def served(order, rows, cap_rows, neighbours, headers) -> list[int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b", help="whose tokenizer counts an event's rows")
-    ap.add_argument("--data", default=LOCOMO_DEV)
+    ap.add_argument("--data", default=LOCOMO_DEV, help=f"a LoCoMo-format JSON file (default: {LOCOMO_DEV})")
     ap.add_argument("--conversations", type=int, default=7)
     ap.add_argument("--questions-per-conversation", type=int, default=15)
     ap.add_argument("--max-tokens", type=int, default=16000, help="history tokens per conversation; 0: all")
@@ -76,6 +77,8 @@ def main() -> None:
     ap.add_argument("--dense-margins", type=float, nargs="+", default=[0.05, 0.1, 0.15, 0.2, 0.25])
     ap.add_argument("--out", default=None, help="write every per-question value as JSON")
     args = ap.parse_args()
+    if not Path(args.data).is_file():
+        ap.error(f"--data {args.data!r}: no such file: give the path of a LoCoMo-format JSON file.")
 
     tok = tokenizer_of(args.model)
     bm25, dense = BM25Selector(), DenseSelector()
@@ -118,7 +121,7 @@ def main() -> None:
                 precision[(sel, (kind, x))].append(hit / len(ids) if ids else 0.0)
                 used[(sel, (kind, x))].append(sum(rows[i] for i in got))
             clusters.append(c)
-        print(f"conversation {c}: {len(clusters)} questions, {time.perf_counter() - t0:.0f} s", flush=True)
+        print(f"conversation {c}: {len(clusters)} questions so far, {time.perf_counter() - t0:.0f} s", flush=True)
 
     def name(sel, rule):
         kind, x = rule
@@ -127,7 +130,14 @@ def main() -> None:
         return f"bm25 >= {x:g} x best" if kind == "ratio" else f"dense >= best - {x:g}"
 
     print(f"\n{len(clusters)} questions of categories 1-4 from {len(set(clusters))} conversations; cap {args.cap:g}")
-    print("| rule | served rows (mean) | recall | precision | nearest fixed (rows) | recall - fixed [95%] |")
+    if len(set(clusters)) < 3:
+        print(
+            f"(with {len(set(clusters))} conversation(s) the cluster bootstrap has almost nothing to resample: the "
+            "intervals show the spread between these conversations, not a 95% interval; use more conversations)"
+        )
+    print(
+        "| rule | served rows (mean) | recall | precision | nearest fixed budget: rows, recall | recall - fixed [95%] |"
+    )
     print("|---|---|---|---|---|---|")
     table = []
     for sel, rule in rules:
@@ -138,15 +148,18 @@ def main() -> None:
             "recall": round(float(np.mean(recall[(sel, rule)])), 4),
             "precision": round(float(np.mean(precision[(sel, rule)])), 4),
         }
-        extra = "| | "
+        extra = "| | |"
         if rule[0] != "fixed":
             near = min(FIXED, key=lambda b: abs(np.mean(used[(sel, ("fixed", b))]) - m_rows))
             diff = [a - b for a, b in zip(recall[(sel, rule)], recall[(sel, ("fixed", near))])]
             boot = cluster_bootstrap(diff, clusters)
             line["nearest_fixed"] = near
             line["recall_minus_fixed"] = [round(boot.estimate, 4), round(boot.low, 4), round(boot.high, 4)]
-            near_rows = np.mean(used[(sel, ("fixed", near))])
-            extra = f"| {100 * near:g}% ({near_rows:.0f}) | {boot.estimate:+.3f} [{boot.low:+.3f}, {boot.high:+.3f}] |"
+            near_rows, near_recall = np.mean(used[(sel, ("fixed", near))]), np.mean(recall[(sel, ("fixed", near))])
+            extra = (
+                f"| {100 * near:g}%: {near_rows:.0f}, {near_recall:.3f} "
+                f"| {boot.estimate:+.3f} [{boot.low:+.3f}, {boot.high:+.3f}] |"
+            )
         table.append(line)
         print(f"| {line['rule']} | {m_rows:.0f} | {line['recall']:.3f} | {line['precision']:.3f} {extra}")
     if args.out:

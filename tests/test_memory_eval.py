@@ -66,8 +66,11 @@ def test_eval_runs_resumes_and_reports(tiny_dir, tmp_path, monkeypatch, capsys):
         assert set(x["timing"]) == {"serve", "readout", "batch"} and set(x["timing"]["serve"]) == read
         assert all(1 <= x["arms"][a]["n_tokens"] <= 3 for a in read) and {"full", "gold"} <= read
         assert all(x["arms"][a]["rows"] == 0 and x["arms"][a]["f1"] == 0.0 for a in set(x["arms"]) - read)
-        # --positions original: every arm that serves rows says so (the memory's own default is contiguous)
-        assert {x["arms"][a]["positions"] for a in read if not a.startswith("text:")} == {"original"}
+        # --positions original: every arm that serves rows says so (the memory's own default is contiguous); the
+        # arms re-prefilled as text (text, gold) sit right after the header, and say so
+        prefilled = {a for a in read if a.startswith("text:") or a == "gold"}
+        assert {x["arms"][a]["positions"] for a in read - prefilled} == {"original"}
+        assert {x["arms"][a]["positions"] for a in prefilled} == {"contiguous"}
     assert (out / "summary.md").read_text().startswith("# memory-eval")
     assert sorted(p.name for p in (out / "memories").iterdir()) == ["c0", "c1"]
     assert run_cli(monkeypatch, capsys, *args)[0] == 0  # resume: nothing recomputed

@@ -153,8 +153,12 @@ def test_memory_import_builds_a_memory_from_a_conversation(tmp_path, lm, monkeyp
         code, out, err = run_cli(
             *run, "memory", "import", "demo", "--server", live.url, "--id", "q4", "--max-turns", "3"
         )
-        assert code in (0, None) and "3 events" in out, err
+        assert code in (0, None) and "3 events (3 added)" in out, err
         assert http.get("/v1/memories/q4").json()["rows"] == "int4"
+        code, out, err = run_cli(
+            *run, "memory", "import", "demo", "--server", live.url, "--id", "q4", "--max-turns", "3"
+        )
+        assert code in (0, None) and "3 events (none added: it held them all)" in out, err
         for bad, says in (
             (("--server", "127.0.0.1:9", "--id", "y"), "--server '127.0.0.1:9': give the server's URL"),
             (("--server", "http://127.0.0.1:9", "--id", "y"), "cannot be reached"),

@@ -159,7 +159,9 @@ def memory_redact(
 def memory_import(
     data: str = typer.Argument(..., help="LoCoMo-format JSON, or 'demo': a tiny invented file shipped with eventkv"),
     server: str = typer.Option(..., "--server", help="the eventkv server, e.g. http://127.0.0.1:8000"),
-    memory: str = typer.Option(..., "--id", help="the new memory's id"),
+    memory: str = typer.Option(
+        ..., "--id", help="the memory's id: created when absent; an import stopped part-way gets the sessions it lacks"
+    ),
     conversation: int = typer.Option(1, "--conversation", help="which conversation of the file (1 = the first)"),
     max_turns: int = typer.Option(0, "--max-turns", help="the conversation's first N turns (0: every turn)"),
     with_headers: bool = typer.Option(
@@ -234,14 +236,15 @@ def memory_import(
             token = granted[0]
         sessions = history_events(conv, with_headers, resolve_dates)
         try:
-            n, stats = import_sessions(server, memory, namespace, token, rows, sessions, prefill)
+            n, added, stats = import_sessions(server, memory, namespace, token, rows, sessions, prefill)
         except httpx.HTTPError as exc:
             raise EventKVError(
                 f"the server at {server} cannot be reached ({type(exc).__name__}: {exc}): start it with "
                 "`eventkv serve`, or give its URL with --server."
             ) from None
         typer.echo(
-            f"memory {memory!r} in namespace {namespace!r}: {n} events, {stats.rows} rows; "
+            f"memory {memory!r} in namespace {namespace!r}: {n} events "
+            f"({f'{added} added' if added else 'none added: it held them all'}), {stats.rows} rows; "
             f"inspect it at {server.rstrip('/')}/ui/memory/{memory}?ns={namespace}"
         )
 
@@ -250,7 +253,7 @@ def import_sessions(server: str, memory: str, namespace: str, token, rows: str |
     """Add ``sessions`` (``[(session, [MemoryEvent, ...]), ...]``) to memory ``memory`` on ``server``, one add
     per session: a new memory is created (in row format ``rows``; None: the server's default, native); an
     existing one whose events are a prefix of these (same ids and texts, in order: an import stopped part-way)
-    gets the sessions it lacks, in its own row format. Returns ``(events, stats)``.
+    gets the sessions it lacks, in its own row format. Returns ``(events, events added, stats)``.
 
     Raises:
         EventKVError: the memory exists with other events, or in another row format than a given ``rows`` (the
@@ -284,4 +287,4 @@ def import_sessions(server: str, memory: str, namespace: str, token, rows: str |
             if todo:
                 client.add(todo, prefill=prefill)
                 typer.echo(f"session {session}: {len(todo)} events", err=True)
-        return len(planned), client.stats()
+        return len(planned), len(planned) - done, client.stats()
