@@ -148,11 +148,12 @@ def dialogue(llama, tmp_path):
 
 def test_neighbours_and_headers_by_hand(dialogue):
     mem = dialogue
-    assert mem.select(QUESTION, k=1) == ["c"]
+    assert mem.select(QUESTION, k=1, with_headers=False) == ["c"]
     assert mem.select(QUESTION, k=1, with_headers=True) == ["h2", "c"]  # the session date comes with it
+    assert mem.select(QUESTION, k=1) == ["h2", "c"]  # the default serves group headers
     assert mem.select(QUESTION, k=1, neighbours=1) == ["h2", "c", "d"]
     # c +-2 reaches b, whose group header is h1
-    assert mem.select(QUESTION, k=1, neighbours=2) == ["b", "h2", "c", "d"]
+    assert mem.select(QUESTION, k=1, neighbours=2, with_headers=False) == ["b", "h2", "c", "d"]
     assert mem.select(QUESTION, k=1, neighbours=2, with_headers=True) == ["h1", "b", "h2", "c", "d"]
     # a header ranked for itself is its own header
     assert mem.select("session June", k=1, with_headers=True) == ["h2"]
@@ -163,7 +164,7 @@ def test_neighbours_and_headers_by_hand(dialogue):
 
 
 def test_budgets_by_hand(dialogue):
-    mem = dialogue
+    mem = dialogue  # the hand cases serve no group header unless asked (with_headers=True)
     rows = {r.id: r.n_rows for r in mem.list()}
     total = sum(rows.values())
     # ranked: c, a (both say Caroline), then h1, b, h2, d (no shared word: history order)
@@ -171,31 +172,33 @@ def test_budgets_by_hand(dialogue):
     assert rows["d"] < min(rows["a"], rows["h1"], rows["b"], rows["h2"])  # the hand case needs it
     budget = rows["c"] + rows["d"]
     # c fits; a, h1, b, h2 do not fit what is left; d does: the fill goes on past a unit that does not fit
-    assert mem.select(QUESTION, k=None, budget_rows=budget) == ["c", "d"]
-    assert mem.select(QUESTION, k=1, budget_rows=budget) == ["c"]  # k and the budget both hold
-    assert mem.select(QUESTION, k=None, budget_rows=total) == [e.id for e in DIALOGUE]
-    assert mem.select(QUESTION, k=None, budget=1.0) == [e.id for e in DIALOGUE]
+    assert mem.select(QUESTION, k=None, budget_rows=budget, with_headers=False) == ["c", "d"]
+    assert mem.select(QUESTION, k=1, budget_rows=budget, with_headers=False) == ["c"]  # k and the budget both hold
+    assert mem.select(QUESTION, k=None, budget_rows=total, with_headers=False) == [e.id for e in DIALOGUE]
+    assert mem.select(QUESTION, k=None, budget=1.0, with_headers=False) == [e.id for e in DIALOGUE]
     # a fraction is floor(fraction * the view's rows)
     for fraction in (0.05, 0.2, 0.5, 0.75):
         n = max(1, math.floor(Fraction(repr(fraction)) * total))
-        assert mem.select(QUESTION, k=None, budget=fraction) == mem.select(QUESTION, k=None, budget_rows=n)
+        assert mem.select(QUESTION, k=None, budget=fraction, with_headers=False) == mem.select(
+            QUESTION, k=None, budget_rows=n, with_headers=False
+        )
     # with headers, the units are {h2, c}, {h1, a}, {h1}, {h1, b}, {h2}, {h2, d}: of these only the
     # headers themselves fit rows(c) + rows(d) (checked: h1 + h2 do, and no unit with a turn does)
     assert rows["h1"] + rows["h2"] <= budget < rows["h1"] + rows["h2"] + rows["d"]
     assert rows["h2"] + rows["c"] > budget
     assert mem.select(QUESTION, k=None, budget_rows=budget, with_headers=True) == ["h1", "h2"]
     smallest = min(rows.values())
-    assert mem.select(QUESTION, k=None, budget_rows=smallest - 1) == []
+    assert mem.select(QUESTION, k=None, budget_rows=smallest - 1, with_headers=False) == []
     with pytest.raises(EventKVError, match="no event fits the budget"):
-        mem.query(QUESTION, k=None, budget_rows=smallest - 1, max_new_tokens=1)
+        mem.query(QUESTION, k=None, budget_rows=smallest - 1, max_new_tokens=1, with_headers=False)
     assert mem.select(QUESTION, k=None, budget_rows=rows["h2"] + rows["c"], with_headers=True) == ["h2", "c"]
     # a pin is always served and counts against the budget
     mem.pin("b")
-    assert mem.select(QUESTION, k=None, budget_rows=rows["b"] + rows["c"]) == ["b", "c"]
+    assert mem.select(QUESTION, k=None, budget_rows=rows["b"] + rows["c"], with_headers=False) == ["b", "c"]
     with pytest.raises(EventKVError, match=f"pinned events need {rows['b']} rows, over the budget of 1 rows"):
-        mem.select(QUESTION, budget_rows=1)
+        mem.select(QUESTION, budget_rows=1, with_headers=False)
     with pytest.raises(EventKVError, match="pinned events need"):
-        mem.query(QUESTION, budget=1 / total, max_new_tokens=1)
+        mem.query(QUESTION, budget=1 / total, max_new_tokens=1, with_headers=False)
 
 
 def test_the_default_budget_is_fixed_in_rows_and_bounded_by_the_context():
@@ -282,10 +285,10 @@ def test_a_selector_per_call_equals_a_memory_made_with_it(llama, tmp_path, dialo
         for options in cases:
             assert dialogue.select(QUESTION, selector=Reverse(), **options) == rev.select(QUESTION, **options)
             assert rev.select(QUESTION, selector="bm25", **options) == dialogue.select(QUESTION, **options)
-        assert dialogue.select(QUESTION, k=1, selector=Reverse()) == ["d"]
+        assert dialogue.select(QUESTION, k=1, selector=Reverse(), with_headers=False) == ["d"]
         assert dialogue.selector.name == "bm25"  # a per-call selector is not kept
         a = dialogue.query(QUESTION, k=2, selector=Reverse(), max_new_tokens=1)
-        assert a.served_ids == rev.query(QUESTION, k=2, max_new_tokens=1).served_ids == ["c", "d"]
+        assert a.served_ids == rev.query(QUESTION, k=2, max_new_tokens=1).served_ids == ["h2", "c", "d"]
 
 
 # the memory's view under random pins, questions, budgets (rows and fractions), neighbours, headers

@@ -213,7 +213,7 @@ def test_neighbours_headers_and_pins_in_a_memory(llama, tmp_path):
         assert mem.query(QUESTION, k=1, neighbours=1, **kw).served_ids == ["x4", "x1", "x2", "x3"]
     with EventMemory.create(tmp_path / "h", llama, namespace="t") as mem:
         mem.add(headed)
-        assert [x.id for x in mem.search(QUESTION, k=2)] == ["a1", "b2"]
+        assert [x.id for x in mem.search(QUESTION, k=2, with_headers=False)] == ["a1", "b2"]
         # each event after its group header
         assert mem.query(QUESTION, k=2, with_headers=True, **kw).served_ids == ["h2", "b2", "h1", "a1"]
 
@@ -285,7 +285,7 @@ def test_order_over_http_and_in_the_client(llama, tmp_path):
             "budget": None,
             "budget_rows": None,
             "neighbours": 0,
-            "with_headers": False,
+            "with_headers": True,
             "rows": "native",
         }
         # no positions given: the default (contiguous here), recorded in the answer's plan, the client's and the

@@ -387,7 +387,7 @@ class Client:
         selector: Selector | str | None = None,
         budget: float | None = None,
         neighbours: int = 0,
-        with_headers: bool = False,
+        with_headers: bool = True,
     ) -> builtins.list[str]:
         """As :meth:`EventMemory.select` (``selector``: a registered name; the server answers 422 for
         another).
@@ -414,7 +414,7 @@ class Client:
         selector: Selector | str | None = None,
         budget: float | None = None,
         neighbours: int = 0,
-        with_headers: bool = False,
+        with_headers: bool = True,
     ) -> builtins.list[Hit]:
         """As :meth:`EventMemory.search` (``POST .../search``; ``selector`` as in :meth:`select`).
 
@@ -446,7 +446,7 @@ class Client:
         selector: Selector | str | None = None,
         budget: float | None = None,
         neighbours: int = 0,
-        with_headers: bool = False,
+        with_headers: bool = True,
         # serving positions and the served rows' order under contiguous positions
         positions: PositionMode | None = None,
         order: ServeOrder = "log",

@@ -94,7 +94,7 @@ class MemoryAPI(Protocol):
         selector: Selector | str | None = None,
         budget: float | None = None,
         neighbours: int = 0,
-        with_headers: bool = False,
+        with_headers: bool = True,
     ) -> builtins.list[str]: ...
 
     def search(
@@ -106,7 +106,7 @@ class MemoryAPI(Protocol):
         selector: Selector | str | None = None,
         budget: float | None = None,
         neighbours: int = 0,
-        with_headers: bool = False,
+        with_headers: bool = True,
     ) -> builtins.list[Hit]: ...
 
     def query(
@@ -123,7 +123,7 @@ class MemoryAPI(Protocol):
         selector: Selector | str | None = None,
         budget: float | None = None,
         neighbours: int = 0,
-        with_headers: bool = False,
+        with_headers: bool = True,
         # serving positions and the served rows' order under contiguous positions
         positions: PositionMode | None = None,
         order: ServeOrder = "log",

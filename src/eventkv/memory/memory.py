@@ -367,7 +367,7 @@ class EventMemory(MemoryUpkeep):
         selector: Selector | str | None = None,
         budget: float | None = None,
         neighbours: int = 0,
-        with_headers: bool = False,
+        with_headers: bool = True,
     ) -> builtins.list[str]:
         """The served set for a question (``docs/memory.md``, "Selection and shaping"): the view's events
         ranked by a selector (a patched event ranked and served as its latest patch), the best ``k`` served
@@ -405,7 +405,7 @@ class EventMemory(MemoryUpkeep):
         selector: Selector | str | None = None,
         budget: float | None = None,
         neighbours: int = 0,
-        with_headers: bool = False,
+        with_headers: bool = True,
     ) -> builtins.list[Hit]:
         """The events :meth:`select` would serve for ``query``, ranked, with their texts and scores: the
         search verb of an agent that composes its own prompt from the events (mem0's ``search``).
@@ -445,7 +445,7 @@ class EventMemory(MemoryUpkeep):
         selector: Selector | str | None = None,
         budget: float | None = None,
         neighbours: int = 0,
-        with_headers: bool = False,
+        with_headers: bool = True,
         keep_logits: bool = False,
         positions: PositionMode | None = None,
         order: ServeOrder = "log",

@@ -84,7 +84,9 @@ class QueryOptions:
         neighbours: w >= 0: the events ``+-w`` around each chosen event in the view (history order) are
             served with it.
         with_headers: serve the group header of every served event: an event tagged ``"header"`` heads the
-            events after it until the next header.
+            events after it until the next header (default True: a memory without header events is served the
+            same either way; on LoCoMo served session headers answered temporal questions better, docs/memory.md
+            "The default plan").
         mode: how the served events are served (:mod:`eventkv.kv.serve`): ``compact`` | ``native`` |
             ``isolated`` | ``text`` | ``blend`` (the single plan of ``query``, HTTP, chat and MCP).
         positions: ``"contiguous"``: the header at its positions, the served rows re-rotated to the positions
@@ -109,7 +111,7 @@ class QueryOptions:
     selector: Selector | str | None = None
     budget: float | None = None
     neighbours: int = 0
-    with_headers: bool = False
+    with_headers: bool = True
     mode: ServeMode = "compact"
     positions: PositionMode | None = None
     order: ServeOrder = "log"

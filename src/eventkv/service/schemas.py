@@ -142,7 +142,7 @@ class Shaping(_Body):
     selector: SelectorName | None = Field(None, description="a registered selector (null: the memory's)")
     budget: BudgetFraction | None = Field(None, description="the budget as a fraction of the view's rows")
     neighbours: Neighbours = Field(0, description="events served on each side of every chosen one")
-    with_headers: bool = Field(False, description="serve the group header (tag 'header') of every served event")
+    with_headers: bool = Field(True, description="serve the group header (tag 'header') of every served event")
 
     def options(self, **serving: Any) -> QueryOptions:
         """The body's shaping, with ``serving`` (mode, positions, order, ...), as the memory's one options
