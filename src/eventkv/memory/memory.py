@@ -58,7 +58,7 @@ from eventkv.memory.answer import (
 )
 from eventkv.memory.api import MemoryAPI, SelectSpec
 from eventkv.memory.identity import check_identity, model_identity
-from eventkv.memory.query import MemoryQuery, Plan, QueryOptions, Selection, check_question
+from eventkv.memory.query import MemoryQuery, Plan, QueryOptions, Selection, check_question, served_positions
 from eventkv.memory.records import (
     Added,
     Hit,
@@ -563,7 +563,8 @@ class EventMemory(MemoryUpkeep):
             sequences.append(sequence)
         records = {r.id: r for r in self._recs}
         positions = cast(PositionMode, options.positions)  # resolved above
-        where = "contiguous" if all(mode == "text" for _, mode in plans) else positions  # text: contiguous
+        # the question follows the served rows where every plan places them contiguously
+        where = "contiguous" if all(served_positions(m, positions) == "contiguous" for _, m in plans) else positions
         end = self._history_end() if where == "original" else served_end(len(self.header_ids), records, served_ids)
         q = question_ids(self.lm, question, end, query.max_new_tokens, where, query.messages)
         t0 = time.perf_counter()

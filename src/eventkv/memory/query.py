@@ -171,7 +171,7 @@ class QueryOptions:
         plan: dict[str, Any] = {
             "select": list(select) if isinstance(select, (list, tuple)) else select,
             "mode": mode,
-            "positions": "contiguous" if mode == "text" else self.positions,
+            "positions": served_positions(mode, cast(PositionMode, self.positions)),
             "order": self.order,
         }
         if select is None:
@@ -249,6 +249,12 @@ class MemoryQuery:
     def plan_list(self) -> list:
         """The plans as given, or the single plan ``[(select, options.mode)]``."""
         return [(self.select, self.options.mode)] if self.plans is None else list(self.plans)
+
+
+def served_positions(mode: str, positions: PositionMode) -> PositionMode:
+    """Where a plan of serving ``mode`` places its rows under ``positions``: ``text`` re-prefills the served
+    events right after the header, so it is ``"contiguous"`` whatever ``positions`` says."""
+    return "contiguous" if mode == "text" else positions
 
 
 def check_question(question) -> None:
