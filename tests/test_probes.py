@@ -181,7 +181,7 @@ def test_donor_pair_asks_after_the_served_events_where_the_study_does():
     notes = DonorPair().summarize([after]).notes + DonorPair(query_at="history").summarize([at_end]).notes
     assert sum("asked right after the last served token" in n for n in notes) == 1
     assert sum("asked after the whole history (query_at history" in n for n in notes) == 1
-    assert DonorPair.record_version == 5  # version 3 asked after the whole history: its folders do not resume
+    assert DonorPair.record_version == 6  # version 3 asked after the whole history: its folders do not resume
     with pytest.raises(EventKVError, match="query_at 'end'"):
         DonorPair(query_at="end")
 

@@ -44,14 +44,14 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Sequence, ca
 import torch
 
 from eventkv.errors import EventKVError, OptionError
-from eventkv.kv.model import check_context, takes_4d_masks
+from eventkv.kv.model import check_context, layer_types, takes_4d_masks
 from eventkv.kv.serve import ServedCache
 from eventkv.models.encoding import encode
 from eventkv.models.kernels import linear_kernel_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
-from eventkv.kv.decoding import GREEDY, Decoding, Sampler, TextWatch
+from eventkv.kv.decoding import GREEDY, Decoding, PromptLookup, Sampler, TextWatch
 from eventkv.kv.stacked import Batch, CandidateTree, merge, stack
 
 
@@ -126,6 +126,7 @@ def read_out(
     max_context: int | None = None,
     keep_logits: bool = False,
     decoding: Decoding | Sequence[Decoding | None] | None = None,
+    lookup: Sequence[Sequence[int] | None] | None = None,
 ) -> list[Readout]:
     """Answer one query, or one query per cache, from several served caches in batched forwards.
 
@@ -147,14 +148,19 @@ def read_out(
         decoding: how each generating cache decodes (:class:`Decoding`: sampling, stop strings, a
             step callback): one for every cache, or one per cache (None: greedy); default greedy.
             Each sequence samples from its own generator, so its answer does not depend on the batch.
+        lookup: per served cache, the token ids its greedy answer may copy from (e.g. the served
+            text and the query), or None: prompt-lookup decoding (:class:`~eventkv.kv.decoding.PromptLookup`),
+            several tokens verified per forward where the answer quotes them. The answer is the greedy
+            one up to the rounding of a forward of several tokens (models with sliding-window layers or
+            without a 4D mask decode one token per forward). None (default): no drafts.
 
     Returns:
         one Readout per served cache, in order.
 
     Raises:
         EventKVError: ``generate`` or ``score`` not one flag per served cache, empty query, per-cache
-            queries or budgets not one per cache, empty candidate, or history + query beyond the
-            model's context; stop strings or a step callback without a tokenizer.
+            queries, budgets or lookup sources not one per cache, empty candidate, or history + query
+            beyond the model's context; stop strings or a step callback without a tokenizer.
         OptionError: a bad :class:`Decoding` (:meth:`Decoding.check`), or not one per served cache.
     """
     n = len(served)
@@ -166,6 +172,11 @@ def read_out(
     decodings = _decodings(decoding, n)
     queries = _queries(query_ids, n)
     budgets = _budgets(max_new_tokens, n)
+    if lookup is not None and len(lookup) != n:
+        raise EventKVError(
+            f"read_out got {n} served caches but {len(lookup)} lookup sources: give one per served cache "
+            "(None: no drafts)."
+        )
     if any(score) and (not candidates or any(len(c) == 0 for c in candidates)):
         raise EventKVError("candidate scoring needs at least one candidate and no empty candidate.")
     longest = max([len(c) for c in candidates], default=0) + len(answer_prefix_ids)
@@ -200,7 +211,11 @@ def read_out(
     if gens:
         dev = where[gens[0]][0].mask.device
         dtype = next(model.parameters()).dtype
-        rows = gens + [gens[0]] * decode_padding(len(gens), dev, linear_kernel_of(model), dtype)
+        kernel = linear_kernel_of(model)
+        rows = gens + [gens[0]] * decode_padding(len(gens), dev, kernel, dtype)
+        # finished sequences leave the batch (a long answer then decodes alone, not with the rows of every
+        # short one), except on a kernel that decodes 2-3 sequences slower than 4 (decode_padding's case)
+        drop = decode_padding(2, dev, kernel, dtype) == 0
         room = max(budgets[i] for i in gens)
         batch, _, q = where[gens[0]]
         if len(groups) == 1 and rows == list(range(batch.size)):
@@ -218,6 +233,8 @@ def read_out(
             tokenizer,
             keep_logits,
             [decodings[i] for i in gens] + [GREEDY] * pad,
+            drop_finished=drop,
+            lookup=None if lookup is None else [lookup[i] for i in gens] + [None] * pad,
         )
         for i, g in zip(gens, done):
             out[i].generation = g
@@ -382,6 +399,7 @@ def _generate(
     decided: Callable[[list[int]], bool] | None = None,
     drop_finished: bool = False,
     on_drop: Callable[[torch.Tensor], None] | None = None,
+    lookup: Sequence[Sequence[int] | None] | None = None,
 ) -> list[Generation]:
     """The decode loop, the one place tokens are generated step by step: sequence ``r`` of ``batch``
     decodes from ``logits[r]`` (``[batch, vocab]``, its last fed token's) up to ``max_new[r]`` tokens
@@ -391,43 +409,55 @@ def _generate(
     read) so the batch never has to be copied; with ``drop_finished`` it leaves the batch instead
     (:meth:`Batch.keep`, then ``on_drop(idx)`` with the batch rows ``[kept]`` that stay, for state the
     caller holds per batch row). A sequence with a budget of 0 and greedy decoding is a padding
-    sequence (:func:`decode_padding`): fed, never waited for. Returns one Generation per sequence."""
+    sequence (:func:`decode_padding`): fed, never waited for.
+
+    ``lookup[r]``, where given, are the token ids sequence ``r`` drafts from (:class:`PromptLookup`,
+    greedy sequences only, on a model without sliding-window layers that takes a 4D mask): a step
+    then feeds each sequence's token and its draft in one forward, keeps the draft's tokens up to the
+    first one its own argmax disagrees with, and masks the rows of the rest out of every later step
+    (the sequence's next positions follow its kept tokens). Returns one Generation per sequence."""
     decodings = list(decodings or [GREEDY] * len(max_new))
     gens = [Generation(tokens=[]) for _ in max_new]
     done = [m <= 0 for m in max_new]
     samplers = [Sampler(d) if d.samples else None for d in decodings]
     watches = [TextWatch(tokenizer, d.stop) if d.watches_text else None for d in decodings]
+    drafters = _drafters(model, lookup, samplers, stops)
+
+    def emit(r: int, t: int, row: torch.Tensor) -> int:
+        """Sequence ``r`` takes token ``t`` (its sampler's draw instead, when it samples) from the
+        logits ``row`` ``[vocab]``; returns the token it is fed."""
+        g = gens[r]
+        if done[r]:
+            return t
+        sampler, watch = samplers[r], watches[r]
+        if sampler is not None:
+            t = sampler.draw(row)
+        if keep_logits:
+            g.logits.append(row)
+        piece = ""
+        if t in stops:
+            g.stopped = True
+            done[r] = True
+        else:
+            g.tokens.append(t)
+            done[r] = len(g.tokens) >= max_new[r] or (decided is not None and decided(g.tokens))
+            if watch is not None:
+                piece = watch.step(g.tokens)
+                if watch.stop is not None:
+                    g.stop_string, done[r] = watch.stop, True
+        if watch is not None:
+            if done[r]:
+                piece += watch.rest()
+            on_step = decodings[r].on_step
+            if on_step is not None:
+                on_step(piece)
+        return t
+
     seqs = list(range(len(gens)))  # the sequence in each batch row
     step = 0
     while not all(done):
         toks = torch.argmax(logits, dim=-1).tolist()
-        feed = []
-        for j, r in enumerate(seqs):
-            g, t = gens[r], int(toks[j])
-            if not done[r]:
-                sampler, watch = samplers[r], watches[r]
-                if sampler is not None:
-                    t = sampler.draw(logits[j])
-                if keep_logits:
-                    g.logits.append(logits[j])
-                piece = ""
-                if t in stops:
-                    g.stopped = True
-                    done[r] = True
-                else:
-                    g.tokens.append(t)
-                    done[r] = len(g.tokens) >= max_new[r] or (decided is not None and decided(g.tokens))
-                    if watch is not None:
-                        piece = watch.step(g.tokens)
-                        if watch.stop is not None:
-                            g.stop_string, done[r] = watch.stop, True
-                if watch is not None:
-                    if done[r]:
-                        piece += watch.rest()
-                    on_step = decodings[r].on_step
-                    if on_step is not None:
-                        on_step(piece)
-            feed.append(t)
+        feed = [emit(r, int(toks[j]), logits[j]) for j, r in enumerate(seqs)]
         if all(done):
             break
         if drop_finished and any(done[r] for r in seqs):
@@ -437,15 +467,60 @@ def _generate(
             if on_drop is not None:
                 on_drop(idx)
             seqs, feed = [seqs[j] for j in kept], [feed[j] for j in kept]
-        ids = torch.tensor(feed, dtype=torch.long, device=logits.device).unsqueeze(1)
-        logits = batch.forward(model, ids, offset + step, logits_to_keep=1)[:, -1]
-        step += 1
+        drafts = [
+            dr.draft(gens[r].tokens, max_new[r] - len(gens[r].tokens)) if (dr := drafters[r]) and not done[r] else []
+            for r in seqs
+        ]
+        q = 1 + max(len(d) for d in drafts)
+        ids = torch.tensor([[t] + d + [t] * (q - 1 - len(d)) for t, d in zip(feed, drafts)], device=logits.device)
+        out = batch.forward(model, ids, offset + step, logits_to_keep=q)
+        step += q
+        if q == 1:
+            logits = out[:, -1]
+            continue
+        nexts = []
+        for j, (r, d) in enumerate(zip(seqs, drafts)):
+            kept_n = 0
+            while kept_n < len(d) and not done[r] and int(torch.argmax(out[j, kept_n])) == d[kept_n]:
+                emit(r, d[kept_n], out[j, kept_n])
+                kept_n += 1
+            nexts.append(out[j, kept_n])
+            dropped = q - 1 - kept_n  # the rows of the draft's rejected tokens and of its padding
+            if dropped:
+                batch.mask[j, batch.mask.shape[1] - dropped :] = False
+                batch.next_position[j] -= dropped
+        logits = torch.stack(nexts)
     for g, watch in zip(gens, watches):
         if watch is not None:
             g.text = watch.text  # cut at its stop string
         elif tokenizer is not None:
             g.text = cast(str, tokenizer.decode(g.tokens, skip_special_tokens=True))  # one sequence: one text
     return gens
+
+
+def _drafters(
+    model: PreTrainedModel,
+    lookup: Sequence[Sequence[int] | None] | None,
+    samplers: Sequence[Sampler | None],
+    stops: set[int],
+) -> list[PromptLookup | None]:
+    """One :class:`PromptLookup` per sequence that drafts: given a source, greedy, on a model whose
+    attention takes the masked-out rows of a rejected draft exactly (a 4D mask, no sliding window: a
+    window counts rows, and masked rows would shorten it)."""
+    if lookup is None:
+        return [None] * len(samplers)
+    if len(lookup) != len(samplers):
+        raise EventKVError(
+            f"prompt lookup got {len(lookup)} sources for {len(samplers)} sequences: give one per sequence "
+            "(None: no drafts)."
+        )
+    types, window = layer_types(model)
+    if not takes_4d_masks(model) or (window is not None and "sliding_attention" in types):
+        return [None] * len(samplers)
+    return [
+        PromptLookup(src, stops) if src is not None and len(src) > 0 and sampler is None else None
+        for src, sampler in zip(lookup, samplers)
+    ]
 
 
 @torch.inference_mode()
@@ -462,6 +537,7 @@ def generate_from(
     decided: Callable[[list[int]], bool] | None = None,
     drop_finished: bool = False,
     on_drop: Callable[[torch.Tensor], None] | None = None,
+    lookup: Sequence[Sequence[int] | None] | None = None,
 ) -> list[Generation]:
     """Decoding from rows already in a batch (a prompt prefilled but for its last token, rows edited
     by a study): ``ids`` ``[batch, q]`` are fed after each sequence's rows (at ``next_position +
@@ -483,6 +559,8 @@ def generate_from(
         drop_finished: finished sequences leave the batch (the rows are copied, the forwards shrink)
             instead of being fed on; ``on_drop(idx)`` is then called with the batch rows that stay
             (``[kept]`` int64, indices into the batch before the drop).
+        lookup: per sequence, token ids its greedy continuation may copy from, or None: prompt-lookup
+            drafts, as :func:`read_out` takes them (the rows of rejected drafts stay in ``batch``, masked).
 
     Returns:
         one Generation per sequence, in batch order.
@@ -513,6 +591,7 @@ def generate_from(
         decided,
         drop_finished,
         on_drop,
+        lookup,
     )
 
 

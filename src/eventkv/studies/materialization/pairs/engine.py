@@ -97,6 +97,7 @@ def run_pair(
     shared_prefix: bool = False,
     record_stopped: bool = False,
     whole: bool = False,
+    prompt_lookup: bool = False,
 ) -> PairRun:
     """Run every arm on both variants of one item and score each arm as a donor pair (Study 1,
     "Donor pair"): the one donor-pair engine of the pair probes. One batched readout answers all
@@ -121,6 +122,9 @@ def run_pair(
         record_stopped: record ``stopped`` (the generation ended on a stop token) per answer.
         whole: prefill every history to its end even when no arm reads past the lead (the lead is
             still computed first, so the answers are byte-identical to the lazy run's).
+        prompt_lookup: greedy answers draft from their history's text and question
+            (:class:`eventkv.kv.decoding.PromptLookup`): the same answers up to the rounding of a
+            forward of several tokens, in fewer decode forwards where an answer quotes the history.
 
     Returns:
         a :class:`PairRun` (its :meth:`PairRun.record` is the contract probes' record part).
@@ -142,6 +146,7 @@ def run_pair(
         shared_prefix=shared_prefix,
         record_stopped=record_stopped,
         whole=whole,
+        prompt_lookup=prompt_lookup,
     )[0]
 
 
@@ -159,6 +164,7 @@ def run_pairs(
     shared_prefix: bool = False,
     record_stopped: bool = False,
     whole: bool = False,
+    prompt_lookup: bool = False,
 ) -> list[PairRun]:
     """:func:`run_pair` on several items at once: the
     items' prefills run in rounds, each round of every item in one :func:`eventkv.kv.batched.prefill_batch`
@@ -178,7 +184,7 @@ def run_pairs(
         parses: one answer parser per item.
         caches: one :class:`PrefillCache` per item (default: new ones).
         arms, instruction, readouts, max_new_tokens, answer_prefix, shared_prefix, record_stopped,
-            whole: as for :func:`run_pair`, the same for every item.
+            whole, prompt_lookup: as for :func:`run_pair`, the same for every item.
 
     Returns:
         one :class:`PairRun` per item, in order.
@@ -212,7 +218,7 @@ def run_pairs(
                 rt, item, arm, logs[i][arm.history], ekvs[i][arm.history], common, memo
             )
             entries += [(i, arm.name, vs, sc) for vs, sc in caches_i]
-    results = _read_out_entries(rt, items, arms, entries, readouts, max_new_tokens, answer_prefix)
+    results = _read_out_entries(rt, items, arms, entries, readouts, max_new_tokens, answer_prefix, prompt_lookup)
     # every arm serves both variants of its item (one cache each, or one for both): no None is left
     answers = cast("list[dict[str, list[dict]]]", _answers(items, arms, entries, results, parses, record_stopped))
     runs = []
@@ -349,9 +355,11 @@ def _read_out_entries(
     readouts: Sequence[str],
     max_new_tokens: int,
     answer_prefix: str,
+    prompt_lookup: bool = False,
 ) -> list:
     """The readout of every served cache, in ``entries`` order: one :func:`read_out` per question,
-    query length and candidate list over all items.
+    query length and candidate list over all items; with ``prompt_lookup``, each cache's greedy
+    answer drafts from its variant's whole history text followed by its question.
 
     Raises:
         EventKVError: an arm's question the item does not have.
@@ -368,6 +376,15 @@ def _read_out_entries(
             queries[i, q] = tokenize_query(rt.tokenizer, rt.profile, items[i]["questions"][q])
         key = (q, len(queries[i, q]), tuple(cand_texts[i]), tuple(map(tuple, cands[i])))
         groups.setdefault(key, []).append(k)
+    sources: dict[tuple[int, str, int], list[int]] = {}  # (item, history, variant) -> its text's token ids
+
+    def source(k: int, q: str) -> list[int]:
+        i, name, vs, _ = entries[k]
+        key = (i, next(a for a in arms if a.name == name).history, vs[0])
+        if key not in sources:
+            sources[key] = rt.encode("".join(items[i]["histories"][key[1]][key[2]]))
+        return sources[key] + queries[i, q]
+
     results: list = [None] * len(entries)
     for (q, _, texts, cand_ids), ks in groups.items():
         res = read_out(
@@ -383,6 +400,7 @@ def _read_out_entries(
             stop_token_ids=rt.stop_token_ids,
             tokenizer=rt.tokenizer,
             max_context=rt.max_context,
+            lookup=[source(k, q) for k in ks] if prompt_lookup else None,
         )
         for k, x in zip(ks, res):
             results[k] = x

@@ -173,6 +173,8 @@ class PairProbe(Probe):
     record_stopped: ClassVar[bool] = False
     #: prefill every history to its end even when no arm needs it (see :func:`run_pairs`'s ``whole``)
     prefill_whole: ClassVar[bool] = False
+    #: greedy answers draft from their history's text (see :func:`run_pairs`'s ``prompt_lookup``)
+    prompt_lookup: ClassVar[bool] = False
     batches_items: ClassVar[bool] = True
 
     if TYPE_CHECKING:  # declared by every subclass (a ``@dataclass``), read by the members below
@@ -226,7 +228,7 @@ class PairProbe(Probe):
     def answer(self, rt: Runtime, requests: Sequence[PairRequest]) -> list[PairRun]:
         """:func:`run_pairs` over ``requests`` with this probe's arms and options (instruction,
         readouts, max new tokens, answer prefix, ``shared_prefix``, ``record_stopped``,
-        ``prefill_whole``): one :class:`PairRun` per request, in order."""
+        ``prefill_whole``, ``prompt_lookup``): one :class:`PairRun` per request, in order."""
         return run_pairs(
             rt,
             [r.pair for r in requests],
@@ -239,6 +241,7 @@ class PairProbe(Probe):
             shared_prefix=self.shared_prefix,
             record_stopped=self.record_stopped,
             whole=self.prefill_whole,
+            prompt_lookup=self.prompt_lookup,
         )
 
     def run_item(self, rt: Runtime, item: dict) -> dict:
