@@ -265,7 +265,9 @@ def test_a_registered_selector_just_works(latest_selector):
     turns that fit the budget (hand rule: from the end, while the rows fit int(0.3 * history rows))."""
     from probe_fixtures import tiny_runtime
 
-    probe = _probe(selectors=("bm25", "latest"), controls=("latest",), budgets=(0.3,), timing=False)
+    probe = _probe(
+        selectors=("bm25", "latest"), controls=("latest",), budgets=(0.3,), timing=False, with_headers=False
+    )  # dated turns: the served set is the selector's alone, no session header beside it
     rt = tiny_runtime("llama")
     rec = probe.run_item(rt, probe.items(0, [0])[0])
     assert list(rec["arms"]) == ["rows:bm25@30%", "rows:latest@30%", "text:latest@30%", "isolated:latest@30%"] + [

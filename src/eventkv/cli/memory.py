@@ -53,9 +53,10 @@ def memory_eval(
     ),
     neighbours: int = typer.Option(0, "--neighbours", help="also serve the W turns either side of each selected one"),
     with_headers: bool = typer.Option(
-        False,
+        True,
         "--with-headers/--no-headers",
-        help="session header events carrying the date (turns undated), served with every served turn",
+        help="session header events carrying the date (turns undated), served with every served turn, as the "
+        "memory's default plan serves them; --no-headers: the date written in every turn",
     ),
     resolve_dates: bool = typer.Option(
         False,
