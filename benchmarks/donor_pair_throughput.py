@@ -31,10 +31,11 @@ the kernel's share of the ratio from the rest. ``--linear`` sets eventkv's kerne
 oneDNN for float32 on a CPU).
 
 Prints one line per pair and way, then per way: mean seconds per pair, pairs per hour, tokens per
-pair through the model's decoder — one-token decode steps (times the rows of the batch) and the
-tokens of multi-token forwards (histories, questions, candidates: prefill) — and the ratio of its
-pairs per hour to the baseline's; then per way where a pair's wall time goes: the seconds in the decoder's
-prefill forwards, in its one-token decode forwards, and the rest (LM head, serving, scoring, Python), so a
+pair through the model's decoder — decode steps (forwards of one token, or of a token and its
+prompt-lookup draft, times the rows of the batch) and the tokens of the other multi-token forwards
+(histories, questions, candidates: prefill) — and the ratio of its pairs per hour to the baseline's;
+then per way where a pair's wall time goes: the seconds in the decoder's prefill forwards, in its
+decode forwards, and the rest (LM head, serving, scoring, Python), so a
 reader sees where a ratio comes from. Model load and one warm-up pair per way are excluded.
 ``--profile`` prints a cProfile of the eventkv ways.
 """
@@ -54,6 +55,7 @@ from pathlib import Path
 import torch
 
 from eventkv.errors import EventKVError
+from eventkv.kv.decoding import DRAFT_TOKENS
 from eventkv.models import load
 from eventkv.options import check_batch_pairs
 from eventkv.probes import Runtime
@@ -61,6 +63,8 @@ from eventkv.studies.materialization.donor_pair import DonorPair
 
 ALL_ARMS = ("kv", "isolated", "text-all", "kv-all")
 LAZY_ARMS = ("kv", "isolated")
+#: the most tokens a decode forward feeds a sequence: its token and a prompt-lookup draft
+DECODE_Q = 1 + DRAFT_TOKENS
 
 
 def study_pair(rt: Runtime, probe: DonorPair, item: dict) -> float:
@@ -95,13 +99,15 @@ def study_pair(rt: Runtime, probe: DonorPair, item: dict) -> float:
 
 class ForwardCount:
     """Tokens through ``model``'s decoder while :attr:`active`: ``prefill``, the tokens of multi-token
-    forwards (``[batch, q]`` with q > 1 counts batch x q, padding included), and ``decoded``, the
-    one-token forwards (counting batch); and the wall seconds of each kind, ``prefill_s`` and ``decode_s``
+    forwards (``[batch, q]`` with q > ``decode_q`` counts batch x q, padding included), and ``decoded``, the
+    decode forwards (counting batch): one token, or for eventkv's readouts (``decode_q`` = :data:`DECODE_Q`)
+    a token and its prompt-lookup draft; and the wall seconds of each kind, ``prefill_s`` and ``decode_s``
     (from the decoder's forward pre-hook to its forward hook, the device synchronized on CUDA). Hooks on the
     decoder (``model.model``), so the forwards that skip the LM head count too; the LM head's own time falls
     outside both (it is counted with the rest of a pair's time)."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, decode_q: int = 1) -> None:
+        self.decode_q = decode_q
         self.prefill = self.decoded = 0
         self.prefill_s = self.decode_s = 0.0
         self.active = False
@@ -117,13 +123,14 @@ class ForwardCount:
         if x is None:
             x = args[0] if args else kwargs["inputs_embeds"]
         batch, q = x.shape[0], x.shape[1]
-        if q > 1:
+        multi = q > self.decode_q
+        if multi:
             self.prefill += batch * q
         else:
             self.decoded += batch
         if x.is_cuda:
             torch.cuda.synchronize(x.device)
-        self._started = (time.perf_counter(), q > 1)
+        self._started = (time.perf_counter(), multi)
 
     def _done(self, module, args, output) -> None:
         if self._started is None:
@@ -328,7 +335,7 @@ def main() -> None:
     items = study.items(args.seed, range(args.pairs + 1))
     warm, timed = items[0], items[1:]
 
-    count = ForwardCount(rt.model)
+    count = ForwardCount(rt.model, DECODE_Q)
     ways = {REIMPLEMENTED: lambda it: _counted(count, lambda: study_pair(rt, study, it))}
     for name, probe in probes.items():
         ways[name] = lambda it, p=probe: _counted(count, lambda: _timed(lambda: p.run_item(rt, it)))
@@ -398,8 +405,8 @@ def main() -> None:
     base = statistics.mean(secs[baseline])
     print(f"\nbaseline of the ratios: {baseline}")
     print(
-        "decode steps: one-token forwards x their batch rows (padding rows too); "
-        "prefill: the tokens of multi-token forwards"
+        "decode steps: decode forwards (a token, or a token and its prompt-lookup draft) x their batch rows "
+        "(padding rows too); prefill: the tokens of the other multi-token forwards"
     )
     print(f"{'way':<32} {'s/pair':>8} {'pairs/hour':>11} {'decode/pair':>13} {'prefill/pair':>13} {'vs baseline':>12}")
     for name, s in secs.items():
@@ -408,7 +415,7 @@ def main() -> None:
         prefilled = statistics.mean(p for _, p in tokens[name])
         print(f"{name:<32} {mean:8.2f} {3600 / mean:11.0f} {decoded:13.0f} {prefilled:13.0f} {base / mean:11.2f}x")
     print(
-        "\nwhere a pair's wall time goes: the decoder's multi-token forwards (prefill), its one-token forwards "
+        "\nwhere a pair's wall time goes: the decoder's multi-token forwards (prefill), its decode forwards "
         "(decode), and the rest (LM head, serving, scoring, Python)"
     )
     print(f"{'way':<32} {'s/pair':>8} {'prefill s':>10} {'decode s':>10} {'rest s':>8} {'decode share':>13}")
