@@ -142,7 +142,7 @@ def test_prompt_lookup_drafts():
     assert lookup.draft([42], room=5) == []
     assert lookup.draft([5], room=0) == []
     for bad in (0, -1, 2.5, True):
-        with pytest.raises(OptionError, match="draft_tokens"):
+        with pytest.raises(OptionError, match="tokens"):
             PromptLookup([1, 2], stops=set(), tokens=bad)
 
 
@@ -169,3 +169,45 @@ def test_donor_pairs_answer_the_same_with_and_without_drafts():
             for v in "AB":
                 assert a["arms"][arm][v]["text"] == b["arms"][arm][v]["text"], (arm, v)
         assert all(abs(a["d"][k] - b["d"][k]) <= TOL for k in a["d"])
+
+
+def test_generate_from_refuses_a_wrong_count_of_sources_before_any_forward(model):
+    prompt = prompts(model)
+    with torch.no_grad():
+        out = model(input_ids=prompt[:, :-1], use_cache=True)
+    keys, values = cache_kv(out.past_key_values)
+    batch = Batch.of_rows(keys, values, prompt.shape[1] - 1)
+    rows = batch.mask.shape[1]
+    with pytest.raises(EventKVError, match="2 sequences but 1 lookup sources"):
+        generate_from(model, batch, prompt[:, -1:], max_new_tokens=4, lookup=[[1, 2]])
+    assert batch.mask.shape[1] == rows  # nothing was fed
+
+
+def test_a_control_drafts_the_same_tokens_in_both_variants():
+    """The kv and isolated arms serve the same events in both variants: their drafts come from those
+    events' text, not from the history that holds the variant's own source."""
+    from probe_fixtures import tiny_runtime
+
+    from eventkv.kv import readout
+    from eventkv.studies.materialization.donor_pair import ARM_NAMES, DonorPair
+
+    rt = tiny_runtime("llama")
+    probe = DonorPair(arm_names=ARM_NAMES, max_new_tokens=6)
+    seen = []
+    original = readout.read_out
+
+    def spy(*args, **kw):
+        seen.append(kw.get("lookup"))
+        return original(*args, **kw)
+
+    item = probe.items(3, [0])[0]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("eventkv.studies.materialization.pairs.engine.read_out", spy)
+        probe.run_item(rt, item)
+    sources = [s for call in seen for s in call]
+    assert len(sources) == 5  # kv's two variants, isolated's one cache for both, text-all's two
+    text_all = sorted(sources, key=len)[-2:]
+    assert text_all[0] != text_all[1]  # the whole histories differ by the source event
+    served = sorted(sources, key=len)[:-2]
+    assert all(len(s) < len(text_all[0]) for s in served)
+    assert len({tuple(s) for s in served}) <= 2  # kv's and isolated's served text: the same in both variants

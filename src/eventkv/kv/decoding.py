@@ -239,9 +239,9 @@ class PromptLookup:
     ) -> None:
         from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
-        for name, v in (("tokens", tokens), ("ngram", ngram)):
+        for name, v, what in (("tokens", tokens, "draft tokens"), ("ngram", ngram, "an n-gram length")):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise OptionError(f"draft_{name}", v, "give a whole number of tokens >= 1 (prompt lookup).")
+                raise OptionError(name, v, f"give a whole number >= 1 ({what} of prompt lookup).")
         self.source, self.stops = [int(t) for t in source], set(stops)
         # max_length only caps the candidates' end; the readout caps a draft by the sequence's budget
         self._search = PromptLookupCandidateGenerator(

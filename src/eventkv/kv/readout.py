@@ -566,7 +566,8 @@ def generate_from(
         one Generation per sequence, in batch order.
 
     Raises:
-        EventKVError: budgets not one per sequence; stop strings or a step callback without a tokenizer.
+        EventKVError: budgets or lookup sources not one per sequence (checked before any forward); stop
+            strings or a step callback without a tokenizer.
         OptionError: a bad :class:`Decoding`, or not one per sequence.
     """
     n = batch.size
@@ -576,6 +577,11 @@ def generate_from(
             "or one per sequence."
         )
     budgets = _budgets(max_new_tokens, n)
+    if lookup is not None and len(lookup) != n:
+        raise EventKVError(
+            f"generate_from got a batch of {n} sequences but {len(lookup)} lookup sources: give one per sequence "
+            "(None: no drafts)."
+        )
     logits = batch.forward(model, ids, 0, logits_to_keep=1)[:, -1]
     stops = set(int(t) for t in stop_token_ids)
     return _generate(

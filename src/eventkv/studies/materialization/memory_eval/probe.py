@@ -82,8 +82,8 @@ class MemoryEval(DialogueData, Probe):
     (``contiguous`` (default) | ``original`` | ``both``), ``order`` (``log`` | ``relevance``: the order the text
     arms and the ``/contiguous`` arms serve their sets in; the package docstring), ``neighbours``,
     ``with_headers`` (default on, the memory's default plan: a header event before each session, the turns
-    undated; off: the date in every turn), ``resolve_dates`` (each relative date expression of a turn followed by the date it means
-    against its session's date: :func:`eventkv.memory.dates.resolve_relative_dates`; the turns kept by
+    undated; off: the date in every turn), ``resolve_dates`` (each relative date expression of a turn followed
+    by the date it means against its session's date: :func:`eventkv.memory.dates.resolve_relative_dates`; the turns kept by
     ``max_tokens`` are the same either way), ``categories`` (LoCoMo categories the questions are drawn from; empty =
     every category), ``rows`` (the memories' row format, :data:`eventkv.kv.quant.ROW_FORMATS`; ``kv_bytes`` stays
     the served rows' native bytes), ``k`` (at most ``k`` events ranked per served set besides the budget; None = fill

@@ -122,7 +122,7 @@ def run_pair(
         record_stopped: record ``stopped`` (the generation ended on a stop token) per answer.
         whole: prefill every history to its end even when no arm reads past the lead (the lead is
             still computed first, so the answers are byte-identical to the lazy run's).
-        prompt_lookup: greedy answers draft from their history's text and question
+        prompt_lookup: greedy answers draft from the text of the events their arm serves and the question
             (:class:`eventkv.kv.decoding.PromptLookup`): the same answers up to the rounding of a
             forward of several tokens, in fewer decode forwards where an answer quotes the history.
 
@@ -359,7 +359,7 @@ def _read_out_entries(
 ) -> list:
     """The readout of every served cache, in ``entries`` order: one :func:`read_out` per question,
     query length and candidate list over all items; with ``prompt_lookup``, each cache's greedy
-    answer drafts from its variant's whole history text followed by its question.
+    answer drafts from the text of the events its arm serves (every event for text) and its question.
 
     Raises:
         EventKVError: an arm's question the item does not have.
@@ -376,14 +376,21 @@ def _read_out_entries(
             queries[i, q] = tokenize_query(rt.tokenizer, rt.profile, items[i]["questions"][q])
         key = (q, len(queries[i, q]), tuple(cand_texts[i]), tuple(map(tuple, cands[i])))
         groups.setdefault(key, []).append(k)
-    sources: dict[tuple[int, str, int], list[int]] = {}  # (item, history, variant) -> its text's token ids
+    sources: dict[tuple[int, str, int], list[int]] = {}  # (item, arm, variant) -> its served text's token ids
 
     def source(k: int, q: str) -> list[int]:
+        """The served events' text (in history order) and the question: an arm that serves the same events
+        in both variants drafts the same tokens in both, so a control stays bitwise the same across them."""
         i, name, vs, _ = entries[k]
-        key = (i, next(a for a in arms if a.name == name).history, vs[0])
-        if key not in sources:
-            sources[key] = rt.encode("".join(items[i]["histories"][key[1]][key[2]]))
-        return sources[key] + queries[i, q]
+        if (i, name, vs[0]) not in sources:
+            arm = next(a for a in arms if a.name == name)
+            events = items[i]["histories"][arm.history][vs[0]]
+            if arm.served == "all" or arm.encoding == "prefill":
+                slots = list(range(len(events)))
+            else:
+                slots = sorted(items[i]["roles"][arm.history][r] for r in arm.served)
+            sources[i, name, vs[0]] = rt.encode("".join(events[s] for s in slots))
+        return sources[i, name, vs[0]] + queries[i, q]
 
     results: list = [None] * len(entries)
     for (q, _, texts, cand_ids), ks in groups.items():
