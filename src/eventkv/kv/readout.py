@@ -172,11 +172,7 @@ def read_out(
     decodings = _decodings(decoding, n)
     queries = _queries(query_ids, n)
     budgets = _budgets(max_new_tokens, n)
-    if lookup is not None and len(lookup) != n:
-        raise EventKVError(
-            f"read_out got {n} served caches but {len(lookup)} lookup sources: give one per served cache "
-            "(None: no drafts)."
-        )
+    _check_lookup(lookup, n, f"read_out got {n} served caches")
     if any(score) and (not candidates or any(len(c) == 0 for c in candidates)):
         raise EventKVError("candidate scoring needs at least one candidate and no empty candidate.")
     longest = max([len(c) for c in candidates], default=0) + len(answer_prefix_ids)
@@ -278,6 +274,13 @@ def _budgets(max_new_tokens: int | Sequence[int], n: int) -> list[int]:
             f"read_out got {n} served caches but {len(budgets)} max_new_tokens: give one budget or one per cache."
         )
     return budgets
+
+
+def _check_lookup(lookup: Sequence[Sequence[int] | None] | None, n: int, what: str) -> None:
+    """Raises EventKVError unless ``lookup`` is None or holds one source per sequence (``what`` names the
+    caller's unit, e.g. ``"read_out got 2 served caches"``)."""
+    if lookup is not None and len(lookup) != n:
+        raise EventKVError(f"{what} but {len(lookup)} lookup sources: give one per sequence (None: no drafts).")
 
 
 def q_len_extra(query_ids: Sequence[int], max_new_tokens: int, longest: int) -> int:
@@ -506,14 +509,10 @@ def _drafters(
 ) -> list[PromptLookup | None]:
     """One :class:`PromptLookup` per sequence that drafts: given a source, greedy, on a model whose
     attention takes the masked-out rows of a rejected draft exactly (a 4D mask, no sliding window: a
-    window counts rows, and masked rows would shorten it)."""
+    window counts rows, and masked rows would shorten it). ``lookup`` holds one source per sequence
+    (:func:`read_out` and :func:`generate_from` check it before any forward)."""
     if lookup is None:
         return [None] * len(samplers)
-    if len(lookup) != len(samplers):
-        raise EventKVError(
-            f"prompt lookup got {len(lookup)} sources for {len(samplers)} sequences: give one per sequence "
-            "(None: no drafts)."
-        )
     types, window = layer_types(model)
     if not takes_4d_masks(model) or (window is not None and "sliding_attention" in types):
         return [None] * len(samplers)
@@ -577,11 +576,7 @@ def generate_from(
             "or one per sequence."
         )
     budgets = _budgets(max_new_tokens, n)
-    if lookup is not None and len(lookup) != n:
-        raise EventKVError(
-            f"generate_from got a batch of {n} sequences but {len(lookup)} lookup sources: give one per sequence "
-            "(None: no drafts)."
-        )
+    _check_lookup(lookup, n, f"generate_from got a batch of {n} sequences")
     logits = batch.forward(model, ids, 0, logits_to_keep=1)[:, -1]
     stops = set(int(t) for t in stop_token_ids)
     return _generate(
