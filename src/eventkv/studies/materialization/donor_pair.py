@@ -139,7 +139,7 @@ class DonorPair(PairLayout, PairProbe):
     #: 4: the kv and isolated arms ask right after the served tokens (``query_at="last-served"``), where version 3
     #: asked after the whole history; every record names each arm's ``query_position``; 5: the isolated
     #: events ride in the shared prefill's forward (the pair engine's version 4), which moves rows by float rounding;
-    #: 6: greedy answers draft from the history's text (prompt lookup) and finished answers leave the decode
+    #: 6: greedy answers draft from their arm's served text (prompt lookup) and finished answers leave the decode
     #: batch, which moves the generated answers' logits by float rounding (rows and candidate scores unchanged)
     record_version: ClassVar[int] = 6
     prompt_lookup: ClassVar[bool] = True

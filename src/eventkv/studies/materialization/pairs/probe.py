@@ -173,7 +173,7 @@ class PairProbe(Probe):
     record_stopped: ClassVar[bool] = False
     #: prefill every history to its end even when no arm needs it (see :func:`run_pairs`'s ``whole``)
     prefill_whole: ClassVar[bool] = False
-    #: greedy answers draft from their history's text (see :func:`run_pairs`'s ``prompt_lookup``)
+    #: greedy answers draft from the text their arm serves (see :func:`run_pairs`'s ``prompt_lookup``)
     prompt_lookup: ClassVar[bool] = False
     batches_items: ClassVar[bool] = True
 
