@@ -2,6 +2,7 @@
 under the run folder, resume, option errors, and the summary's statistics on hand-made records."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -463,7 +464,7 @@ def test_precision_served_turns_and_f1_by_turns_on_hand_made_records():
     # precision at 10% from one conversation's two questions: no interval, its n beside it
     assert "| bm25 | 10% | 0.500 [0.500, 0.500] | 0.667 [n/a: one conversation] (n=2) | 1.3 | 10.0% | 3 |" in md
     assert "| 1-5 | 0.550 | 4 |" in md and "| gold (evidence: 2.0 turns, mean) | 0.500 | 3 |" in md
-    assert "2 empty served sets left out" in md
+    assert "2 served sets without a turn (empty, or session headers alone) left out" in md
     assert "| 1-5 | 0.600 (2) | 0.500 (2) |" in md and "| 41-80 | 0.900 (1) |  |" in md
 
 
@@ -654,6 +655,14 @@ def test_a_redacted_run_keeps_no_dataset_text_and_reports_and_resumes(tiny_dir, 
     assert run_cli(monkeypatch, capsys, "report", str(src))[0] == 0
     assert run_cli(monkeypatch, capsys, "report", str(dst))[0] == 0
     assert (dst / "summary.md").read_text() == (src / "summary.md").read_text()
+    # reported where the data file is not (a relative --data, a reader without LoCoMo): from the records alone
+    moved = tmp_path / "moved"
+    shutil.copytree(dst, moved)
+    manifest = json.loads((moved / "manifest.json").read_text())
+    manifest["identity"]["options"]["data"] = "../nowhere/locomo10.json"
+    (moved / "manifest.json").write_text(json.dumps(manifest))
+    assert run_cli(monkeypatch, capsys, "report", str(moved))[0] == 0
+    assert (moved / "summary.md").read_text() == (src / "summary.md").read_text()
     assert run_cli(monkeypatch, capsys, *args[:-1], str(dst))[0] == 0  # resumed into the redacted folder
     again = _records(dst)
     assert [r["index"] for r in again] == [r["index"] for r in whole]

@@ -232,6 +232,13 @@ class Probe:
         """Every option as a JSON-able dict (tuples become lists)."""
         return json_ready(dataclasses.asdict(cast("DataclassInstance", self)))  # every subclass is a @dataclass
 
+    @classmethod
+    def for_records(cls, options: dict) -> Probe:
+        """The probe of a run's recorded options (its manifest's), to summarize and draw its records
+        (``eventkv report``); a probe whose inputs are files overrides it so that a copied run folder
+        reports without them."""
+        return cls(**options)
+
     def validate(self) -> None:
         """Raise EventKVError on an impossible option combination (names the option and the fix)."""
 

@@ -402,7 +402,7 @@ def render(directory: str | Path, figure: bool = True) -> Summary:
         )
     manifest = json.loads((d / RUN_MANIFEST).read_text())
     ident = manifest["identity"]
-    probe = get_probe(ident["probe"])(**ident["options"])
+    probe = get_probe(ident["probe"]).for_records(ident["options"])
     records = sorted(load_records(d), key=lambda r: r["index"])
     if not records:
         raise EventKVError(f"{str(d)!r} has no records yet: run the probe into it first.")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from importlib.resources import files
 from pathlib import Path
 from typing import Any, ClassVar, Sequence, cast
@@ -137,8 +137,11 @@ class MemoryEval(DialogueData, Probe):
     batch_arms: bool = True
     max_padding: float = 0.5
     timing: bool = True
+    #: built to read records only (:meth:`for_records`): the data file is not opened
+    records_only: InitVar[bool] = False
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, records_only: bool = False) -> None:
+        self._records_only = records_only
         self.arm_names = tuple(self.arm_names)
         self.budgets = tuple(float(b) if is_int(b) or isinstance(b, float) else b for b in self.budgets)
         if not self.selectors:
@@ -159,14 +162,18 @@ class MemoryEval(DialogueData, Probe):
         self._row_bytes: int | None = None
         self.validate()
 
+    @classmethod
+    def for_records(cls, options: dict) -> MemoryEval:
+        """The probe of a run's recorded options, to summarize and draw its records without the LoCoMo file
+        (its summary reads the records alone): a redacted or copied run folder reports anywhere."""
+        return cls(**options, records_only=True)
+
     # ------------------------------------------------------------------ options
     def validate(self) -> None:
         if not self.data:
             raise OptionError("data", self.data, "give the LoCoMo JSON file (e.g. locomo10.json).", flag="--data")
-        path = Path(self.data)
-        if not path.is_file():
-            raise OptionError("data", self.data, "no such file: give the path of a LoCoMo JSON file.", flag="--data")
-        self.pin_data_digest(path)
+        if not self._records_only:
+            self._check_data()
         check_int("conversations", self.conversations, "evaluate at least 1 conversation.")
         check_int("questions_per_conversation", self.questions_per_conversation, "ask at least 1 question.")
         if not is_int(self.max_tokens) or 0 < self.max_tokens < 16 or self.max_tokens < 0:
@@ -218,6 +225,13 @@ class MemoryEval(DialogueData, Probe):
         check_choices("arm_names", self.arm_names, ARM_KINDS, required=("rows",), flag="--arms", what="arms")
         if not 0 <= self.max_padding <= 1 or isinstance(self.max_padding, bool):
             raise OptionError("max_padding", self.max_padding, "give a fraction in [0, 1].")
+
+    def _check_data(self) -> None:
+        """The data file exists, its digest is pinned, and it holds the conversations asked for."""
+        path = Path(self.data)
+        if not path.is_file():
+            raise OptionError("data", self.data, "no such file: give the path of a LoCoMo JSON file.", flag="--data")
+        self.pin_data_digest(path)
         n = len(self._conversations())
         if self.conversations > n:
             raise OptionError(

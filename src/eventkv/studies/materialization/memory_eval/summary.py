@@ -242,7 +242,7 @@ def summarize_memory_eval(records: Sequence[dict], probe: _Ordered | None = None
         frac = [r["selection"][key]["rows"] / r["history_rows"] for r in got]
         data["recall"][key] = {**b.__dict__, "fraction": float(np.mean(frac))}
         turns = [(r, _served_turns(r["selection"][key]["ids"])) for r in got]
-        served = [(r, t) for r, t in turns if t]  # precision of an empty set is undefined: left out
+        served = [(r, t) for r, t in turns if t]  # precision of a set without a turn is undefined: left out
         prec = [len(set(t) & set(r["evidence"])) / len(t) for r, t in served]
         bp = cluster_bootstrap(prec, [r["conversation"] for r, _ in served]) if prec else None
         data["precision"][key] = bp.__dict__ if bp else None
@@ -410,7 +410,11 @@ def summarize_memory_eval(records: Sequence[dict], probe: _Ordered | None = None
                 "selector and budget"
                 + (" and both positions modes" if len(modes) == 2 else "")
                 + " pooled, one value per question and arm (categories 1-4)"
-                + (f"; {_count(n_empty, 'empty served set')} left out" if n_empty else "")
+                + (
+                    f"; {_count(n_empty, 'served set')} without a turn (empty, or session headers alone) left out"
+                    if n_empty
+                    else ""
+                )
                 + ("; gold: the evidence turns as text, for reference" if data["f1_by_turns"]["gold"] else ""),
                 ["served turns", "F1 (mean)", "n"],
                 turns_rows,
