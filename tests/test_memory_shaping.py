@@ -21,8 +21,13 @@ from eventkv.testing import tiny_lm
 # ====================================================================== the fill, alone
 
 
-def unit_of(i: int, n: int, neighbours: int, headers) -> set[int]:
-    """Event ``i`` with its neighbours and (given ``headers``) every member's group header."""
+def unit_of(i: int, n: int, neighbours: int, headers, ranked=None) -> set[int]:
+    """Event ``i`` with its neighbours and (given ``headers``) every member's group header; given ``ranked``
+    (``i`` a ranked event), a group header's unit is that of its group's best-ranked event (else its first)."""
+    if ranked is not None and headers is not None and headers[i] == i:
+        group = [j for j in range(i + 1, n) if headers[j] == i]
+        ranked_group = [j for j in ranked if j in group]
+        i = ranked_group[0] if ranked_group else (group[0] if group else i)
     members = set(range(max(0, i - neighbours), min(n, i + neighbours + 1)))
     if headers is not None:
         members |= {headers[j] for j in members if headers[j] is not None}
@@ -38,7 +43,7 @@ def check_served(served, ranked, rows, k, budget, pinned, neighbours, headers) -
     left = math.inf if budget is None else budget - used
     assert left >= 0
     assert set(pinned) <= served
-    units = [unit_of(i, n, neighbours, headers) for i in ranked]
+    units = [unit_of(i, n, neighbours, headers, ranked) for i in ranked]
     pin_units = [unit_of(i, n, neighbours, headers) for i in pinned]
     assert served <= set().union(set(pinned), *units, *pin_units)
     for u in pin_units:
@@ -102,6 +107,16 @@ def test_shape_by_hand():
     assert shape([4], rows, budget=4, headers=headers) == []  # 4 and its header take 5 rows
     # 2's unit {0, 2} (5 rows) fits 9; 1's rest {1} (5 rows) does not
     assert shape([2, 1], rows, budget=9, headers=headers) == [0, 2]
+    # a ranked header stands for its group: 3 is served with 4 (its group's only event), 0 with 2 (its
+    # group's best-ranked) or 1 (its group's first, when none of its events is ranked)
+    assert shape([3, 0, 1], rows, k=1, headers=headers) == [3, 4]
+    assert shape([0, 2, 1], rows, k=1, headers=headers) == [0, 2]
+    assert shape([0], rows, k=1, headers=headers) == [0, 1]
+    assert shape([0], rows, k=1, neighbours=1, headers=headers) == [0, 1, 2]  # the stand-in's neighbours
+    assert shape([3, 0], rows, budget=5, headers=headers) == [3, 4]  # {3, 4}: 5 rows; {0, 1} does not fit
+    assert shape([3], rows, k=1) == [3]  # without headers served a header is an event like any
+    assert shape([2], [1, 1, 1], k=1, headers=group_headers([False, False, True])) == [2]  # a group of none
+    assert shape([4], rows, k=1, pinned=[3], headers=headers) == [3, 4]  # a pinned header is served
     with pytest.raises(EventKVError, match="pinned events need 8 rows, over the budget of 7 rows"):
         shape([], rows, budget=7, pinned=[1, 0])
 
@@ -155,8 +170,9 @@ def test_neighbours_and_headers_by_hand(dialogue):
     # c +-2 reaches b, whose group header is h1
     assert mem.select(QUESTION, k=1, neighbours=2, with_headers=False) == ["b", "h2", "c", "d"]
     assert mem.select(QUESTION, k=1, neighbours=2, with_headers=True) == ["h1", "b", "h2", "c", "d"]
-    # a header ranked for itself is its own header
-    assert mem.select("session June", k=1, with_headers=True) == ["h2"]
+    # a header ranked for itself stands for its session: served with the session's best-ranked turn
+    assert mem.select("session June", k=1, with_headers=False) == ["h2"]
+    assert mem.select("session June", k=1, with_headers=True) == ["h2", "c"]
     q = mem.query(QUESTION, k=1, with_headers=True, max_new_tokens=1)
     assert q.served_ids == ["h2", "c"]
     batch = mem.query_batch(QUESTION, [(None, "compact"), (None, "text"), ("view", "compact")], k=1, neighbours=1)
@@ -182,11 +198,11 @@ def test_budgets_by_hand(dialogue):
         assert mem.select(QUESTION, k=None, budget=fraction, with_headers=False) == mem.select(
             QUESTION, k=None, budget_rows=n, with_headers=False
         )
-    # with headers, the units are {h2, c}, {h1, a}, {h1}, {h1, b}, {h2}, {h2, d}: of these only the
-    # headers themselves fit rows(c) + rows(d) (checked: h1 + h2 do, and no unit with a turn does)
-    assert rows["h1"] + rows["h2"] <= budget < rows["h1"] + rows["h2"] + rows["d"]
-    assert rows["h2"] + rows["c"] > budget
-    assert mem.select(QUESTION, k=None, budget_rows=budget, with_headers=True) == ["h1", "h2"]
+    # with headers, the units in rank order are {h2, c}, {h1, a}, {h1, a} (h1 stands for its session, whose
+    # best-ranked turn is a), {h1, b}, {h2, c} (h2's), {h2, d}: only {h2, d} fits rows(c) + rows(d)
+    assert rows["h2"] + rows["c"] > budget and rows["h1"] + min(rows["a"], rows["b"]) > budget
+    assert rows["h2"] + rows["d"] <= budget
+    assert mem.select(QUESTION, k=None, budget_rows=budget, with_headers=True) == ["h2", "d"]
     smallest = min(rows.values())
     assert mem.select(QUESTION, k=None, budget_rows=smallest - 1, with_headers=False) == []
     with pytest.raises(EventKVError, match="no event fits the budget"):

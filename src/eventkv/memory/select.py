@@ -210,7 +210,10 @@ def shape_units(
 
     1. every pinned event is served; pinned events alone over ``budget`` raise EventKVError;
     2. candidates, in order: the units of the pinned events (history order), then the unit of each
-       ranked event (rank order). A candidate whose rows not yet served fit what is left of
+       ranked event (rank order) — given ``headers``, a ranked group header stands for its group: its
+       unit is the unit of the group's best-ranked event (its first event when none of them is ranked),
+       which holds the header (a date line served for itself, without any of its turns, answers nothing;
+       a header with no event after it is served alone). A candidate whose rows not yet served fit what is left of
        ``budget`` is taken; one that does not is skipped and the next tried. Stop after ``k`` ranked
        units are taken (pinned units do not count; a ranked event already served, e.g. a pin, counts
        when its unit's rest fits).
@@ -250,12 +253,20 @@ def shape_units(
             members |= {h for h in (headers[j] for j in members) if h is not None}
         return members
 
+    def stand_in(i: int) -> int:
+        """A ranked group header's best-ranked event of its group, else the group's first; else itself."""
+        if headers is None or headers[i] != i:
+            return i
+        group = [j for j in range(i + 1, n) if headers[j] == i]
+        order = {j: r for r, j in enumerate(ranked)}
+        return min(group, key=lambda j: (order.get(j, len(order)), j), default=i)
+
     served, used, count = set(pinned), need, 0
     taken: list[tuple[int, list[int]]] = []
     for i, counts in [(i, False) for i in sorted(set(pinned))] + [(i, True) for i in ranked]:
         if counts and k is not None and count >= k:
             break
-        whole = unit(i)
+        whole = unit(stand_in(i) if counts else i)
         rest = whole - served
         cost = sum(rows[j] for j in rest)
         if budget is None or used + cost <= budget:
