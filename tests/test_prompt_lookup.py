@@ -208,6 +208,9 @@ def test_a_control_drafts_the_same_tokens_in_both_variants():
     assert len(sources) == 5  # kv's two variants, isolated's one cache for both, text-all's two
     text_all = sorted(sources, key=len)[-2:]
     assert text_all[0] != text_all[1]  # the whole histories differ by the source event
+    # the token ids the rows hold: each event tokenized on its own, as its prefill was
+    held = [[t for e in events for t in rt.encode(e)] for events in item["events"]]
+    assert sorted(v for s in text_all for v in (0, 1) if s[: len(held[v])] == held[v]) == [0, 1]
     served = sorted(sources, key=len)[:-2]
     assert all(len(s) < len(text_all[0]) for s in served)
     assert len({tuple(s) for s in served}) <= 2  # kv's and isolated's served text: the same in both variants

@@ -218,7 +218,9 @@ def run_pairs(
                 rt, item, arm, logs[i][arm.history], ekvs[i][arm.history], common, memo
             )
             entries += [(i, arm.name, vs, sc) for vs, sc in caches_i]
-    results = _read_out_entries(rt, items, arms, entries, readouts, max_new_tokens, answer_prefix, prompt_lookup)
+    results = _read_out_entries(
+        rt, items, arms, entries, readouts, max_new_tokens, answer_prefix, logs if prompt_lookup else None
+    )
     # every arm serves both variants of its item (one cache each, or one for both): no None is left
     answers = cast("list[dict[str, list[dict]]]", _answers(items, arms, entries, results, parses, record_stopped))
     runs = []
@@ -355,11 +357,12 @@ def _read_out_entries(
     readouts: Sequence[str],
     max_new_tokens: int,
     answer_prefix: str,
-    prompt_lookup: bool = False,
+    lookup_logs: Sequence[dict[str, list[TokenizedLog]]] | None = None,
 ) -> list:
     """The readout of every served cache, in ``entries`` order: one :func:`read_out` per question,
-    query length and candidate list over all items; with ``prompt_lookup``, each cache's greedy
-    answer drafts from the text of the events its arm serves (every event for text) and its question.
+    query length and candidate list over all items; given ``lookup_logs`` (per item, the histories'
+    TokenizedLogs), each cache's greedy answer drafts from the token ids of the events its arm serves (every
+    event for text), as its rows hold them, and its question.
 
     Raises:
         EventKVError: an arm's question the item does not have.
@@ -376,20 +379,21 @@ def _read_out_entries(
             queries[i, q] = tokenize_query(rt.tokenizer, rt.profile, items[i]["questions"][q])
         key = (q, len(queries[i, q]), tuple(cand_texts[i]), tuple(map(tuple, cands[i])))
         groups.setdefault(key, []).append(k)
-    sources: dict[tuple[int, str, int], list[int]] = {}  # (item, arm, variant) -> its served text's token ids
+    sources: dict[tuple[int, str, int], list[int]] = {}  # (item, arm, variant) -> its served events' token ids
 
     def source(k: int, q: str) -> list[int]:
-        """The served events' text (in history order) and the question: an arm that serves the same events
-        in both variants drafts the same tokens in both, so a control stays bitwise the same across them."""
+        """The served events' token ids (in history order) and the question's: an arm that serves the same
+        events in both variants drafts the same tokens in both, so a control stays bitwise the same across them."""
+        assert lookup_logs is not None
         i, name, vs, _ = entries[k]
         if (i, name, vs[0]) not in sources:
             arm = next(a for a in arms if a.name == name)
-            events = items[i]["histories"][arm.history][vs[0]]
+            log = lookup_logs[i][arm.history][vs[0]]
             if arm.served == "all" or arm.encoding == "prefill":
-                slots = list(range(len(events)))
+                slots = list(range(len(log.event_tokens)))
             else:
                 slots = sorted(items[i]["roles"][arm.history][r] for r in arm.served)
-            sources[i, name, vs[0]] = rt.encode("".join(events[s] for s in slots))
+            sources[i, name, vs[0]] = [t for s in slots for t in log.event_tokens[s]]
         return sources[i, name, vs[0]] + queries[i, q]
 
     results: list = [None] * len(entries)
@@ -407,7 +411,7 @@ def _read_out_entries(
             stop_token_ids=rt.stop_token_ids,
             tokenizer=rt.tokenizer,
             max_context=rt.max_context,
-            lookup=[source(k, q) for k in ks] if prompt_lookup else None,
+            lookup=[source(k, q) for k in ks] if lookup_logs is not None else None,
         )
         for k, x in zip(ks, res):
             results[k] = x
