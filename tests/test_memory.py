@@ -312,7 +312,7 @@ def test_select_bm25_patches_pins_budget(llama, tmp_path):
         with pytest.raises(EventKVError, match=r"pinned events need \d+ rows, over the budget of 1 rows"):
             mem.select("Ravi", k=3, budget_rows=1)  # a budget is never exceeded, and a pin never dropped
         ans = mem.query("What does Ravi drink?", k=1)  # select=None: BM25 + pins
-        assert ans.served_ids == ["ravi", "rule"]
+        assert ans.served_ids == ["rule", "ravi"]  # the default at contiguous positions: the best-ranked last
         with pytest.raises(OptionError, match="k 0"):
             mem.select("x", k=0)
         with pytest.raises(OptionError, match="budget_rows"):

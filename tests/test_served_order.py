@@ -1,7 +1,8 @@
 """EventMemory.query(..., order="relevance"): under contiguous positions the served events' rows are laid
 out in increasing selector score, the most relevant event last before the question (Liu et al. 2023, "Lost
 in the Middle", arXiv 2307.03172, sections 2-3); each shaping unit stays one block in history order; the
-option is refused at the original positions; the default (``order="log"``) serves as before."""
+option is refused at the original positions; the default (``order=None``) serves a selector's choice at
+contiguous positions in relevance order and every other plan in history order (``"log"``)."""
 
 from __future__ import annotations
 
@@ -205,7 +206,8 @@ def test_neighbours_headers_and_pins_in_a_memory(llama, tmp_path):
         assert [x.id for x in mem.search(QUESTION, k=2)] == ["x2", "x5"]
         # each event with its neighbours on either side, the best-ranked unit last
         assert mem.query(QUESTION, k=2, neighbours=1, **kw).served_ids == ["x4", "x5", "x6", "x1", "x2", "x3"]
-        assert mem.query(QUESTION, k=2, neighbours=1, max_new_tokens=1).served_ids == [t.id for t in turns]
+        log = mem.query(QUESTION, k=2, neighbours=1, order="log", max_new_tokens=1)
+        assert log.served_ids == [t.id for t in turns] and log.plan["order"] == "log"
         mem.pin("x3")  # no shared word: ranked after x2 and x5, so its block comes first
         assert mem.query(QUESTION, k=2, **kw).served_ids == ["x3", "x5", "x2"]
         # units {x2, x3, x4} (the pin's, taken first) and {x1, x2, x3} (x2's) share x2 and x3: they go with
@@ -218,19 +220,33 @@ def test_neighbours_headers_and_pins_in_a_memory(llama, tmp_path):
         assert mem.query(QUESTION, k=2, with_headers=True, **kw).served_ids == ["h2", "b2", "h1", "a1"]
 
 
-def test_the_default_serves_in_log_order_as_before(llama, tmp_path):
+def test_the_default_order_is_relevance_for_a_selectors_choice_at_contiguous_positions(llama, tmp_path):
     q = tokenize_query(llama.tokenizer, llama.profile, QUESTION)
     with EventMemory.create(tmp_path / "m", llama, namespace="t") as mem:
         mem.add(EVENTS, prefill=True)
         stored, _ = stored_rows(mem)
         ekv = EventKV(tokenize(mem.event_log("all"), llama.tokenizer, llama.profile), *stored_tensors(stored))
+        kw = dict(k=3, max_new_tokens=5, keep_logits=True)
+        # contiguous positions (the default here): a selector's choice in relevance order, listed ids in log order
+        default, rel = mem.query(QUESTION, **kw), mem.query(QUESTION, order="relevance", **kw)
+        assert default.served_ids == rel.served_ids == ["c", "a", "b"] and default.plan["order"] == "relevance"
+        assert default.plan["positions"] == "contiguous" and default.generation.tokens == rel.generation.tokens
+        assert all(torch.equal(x, y) for x, y in zip(default.generation.logits, rel.generation.logits))
+        listed = mem.query(QUESTION, select=["c", "a", "b"], **kw)
+        assert listed.served_ids == ["a", "b", "c"] and listed.plan["order"] == "log"
+        batch = mem.query_batch(QUESTION, [(None, "compact"), ("view", "compact")], k=3, max_new_tokens=1)
+        assert [a.plan["order"] for a in batch] == ["relevance", "log"]
+        assert batch[0].served_ids == ["c", "a", "b"] and batch[1].served_ids == [e.id for e in EVENTS]
         for positions in ("original", "contiguous"):
             kw = dict(k=3, positions=positions, max_new_tokens=5, keep_logits=True)
-            default, log = mem.query(QUESTION, **kw), mem.query(QUESTION, order="log", **kw)
-            assert default.served_ids == log.served_ids == mem.select(QUESTION, 3) == ["a", "b", "c"]
-            assert default.generation.tokens == log.generation.tokens and default.positions == log.positions
-            assert all(torch.equal(x, y) for x, y in zip(default.generation.logits, log.generation.logits))
-            # the data path without an order: the rows in log order, as served before the option existed
+            log = mem.query(QUESTION, order="log", **kw)
+            if positions == "original":  # the default at the original positions: history order
+                default = mem.query(QUESTION, **kw)
+                assert default.served_ids == log.served_ids and default.plan["order"] == "log"
+                assert default.generation.tokens == log.generation.tokens and default.positions == log.positions
+                assert all(torch.equal(x, y) for x, y in zip(default.generation.logits, log.generation.logits))
+            assert log.served_ids == mem.select(QUESTION, 3) == ["a", "b", "c"]
+            # the data path without an order: the rows in log order
             sc = serve(ekv, ["a", "b", "c"], "compact", llama.model, positions=positions)
             [(gen, _)] = answer_served(
                 llama.model,
@@ -242,8 +258,8 @@ def test_the_default_serves_in_log_order_as_before(llama, tmp_path):
                 max_context=llama.profile.max_context,
                 keep_logits=True,
             )
-            assert gen.tokens == default.generation.tokens
-            assert (torch.stack(gen.logits) - torch.stack(default.generation.logits)).abs().max().item() <= LOGIT_TOL
+            assert gen.tokens == log.generation.tokens
+            assert (torch.stack(gen.logits) - torch.stack(log.generation.logits)).abs().max().item() <= LOGIT_TOL
 
 
 def test_order_over_http_and_in_the_client(llama, tmp_path):
@@ -290,11 +306,14 @@ def test_order_over_http_and_in_the_client(llama, tmp_path):
         }
         # no positions given: the default (contiguous here), recorded in the answer's plan, the client's and the
         # chat's; original only when asked
-        for positions, want in ((None, "contiguous"), ("original", "original")):
+        for positions, want, order in ((None, "contiguous", "relevance"), ("original", "original", "log")):
             r = httpx.post(url, json={"question": QUESTION, "positions": positions, "max_new_tokens": 1}, timeout=60)
             assert r.status_code == 200 and r.json()["plan"]["positions"] == want, r.text
+            assert r.json()["plan"]["order"] == order, r.text
         with Client(live.url, "m") as client:
-            assert client.query(QUESTION, max_new_tokens=1).plan["positions"] == "contiguous"
+            plan = client.query(QUESTION, max_new_tokens=1).plan
+            assert (plan["positions"], plan["order"]) == ("contiguous", "relevance")
         chat = {"model": "tiny-llama", "memory": {"id": "m"}, "messages": [{"role": "user", "content": QUESTION}]}
         r = httpx.post(f"{live.url}/v1/chat/completions", json={**chat, "max_tokens": 1}, timeout=60)
         assert r.status_code == 200 and r.json()["eventkv"]["plan"]["positions"] == "contiguous", r.text
+        assert r.json()["eventkv"]["plan"]["order"] == "relevance", r.text

@@ -449,7 +449,7 @@ class Client:
         with_headers: bool = True,
         # serving positions and the served rows' order under contiguous positions
         positions: PositionMode | None = None,
-        order: ServeOrder = "log",
+        order: ServeOrder | None = None,
         # selective recompute (mode "blend")
         recompute: float | None = None,
         blend_schedule: BlendSchedule | None = None,

@@ -99,7 +99,8 @@ QUERY_FIELDS = {
     "max_new_tokens": "greedy decoding budget, in tokens",
     "positions": "where served rows sit: 'contiguous' (after the header; the default, null, where the model allows) "
     "or 'original' (where they were computed)",
-    "order": "with positions 'contiguous': 'log' (history order) or 'relevance' (the most relevant event last)",
+    "order": "with positions 'contiguous': 'log' (history order) or 'relevance' (the most relevant event last); "
+    "null: relevance for a selector's choice at contiguous positions, else log",
 }
 
 

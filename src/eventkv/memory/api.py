@@ -126,7 +126,7 @@ class MemoryAPI(Protocol):
         with_headers: bool = True,
         # serving positions and the served rows' order under contiguous positions
         positions: PositionMode | None = None,
-        order: ServeOrder = "log",
+        order: ServeOrder | None = None,
         # selective recompute (mode "blend")
         recompute: float | None = None,
         blend_schedule: BlendSchedule | None = None,

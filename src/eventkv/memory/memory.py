@@ -448,7 +448,7 @@ class EventMemory(MemoryUpkeep):
         with_headers: bool = True,
         keep_logits: bool = False,
         positions: PositionMode | None = None,
-        order: ServeOrder = "log",
+        order: ServeOrder | None = None,
         recompute: float | None = None,
         blend_schedule: BlendSchedule | None = None,
         messages: Sequence[Mapping] | None = None,

@@ -99,7 +99,10 @@ class QueryOptions:
             the served events in increasing selector score, the most relevant last before the question (Liu
             et al. 2023, "Lost in the Middle", arXiv 2307.03172, sections 2-3); each shaping unit stays one
             block in history order, a pin at its own rank, an event the selector does not rank first
-            (:func:`eventkv.memory.select.relevance_order`).
+            (:func:`eventkv.memory.select.relevance_order`). None (the default): ``"relevance"`` for a
+            selector's choice at contiguous positions, else ``"log"`` (:meth:`order_for`; on LoCoMo the
+            best-ranked turn last answered better, docs/memory.md "Served order"); the answer's ``plan``
+            records the one used.
         recompute: mode ``blend`` only: the fraction of served event tokens recomputed, in [0, 1]; None: 0.15
             (:data:`eventkv.kv.blend.DEFAULT_RECOMPUTE`).
         blend_schedule: mode ``blend`` only: ``once`` (None), ``layerwise`` (CacheBlend's gradual filtering) or
@@ -114,7 +117,7 @@ class QueryOptions:
     with_headers: bool = True
     mode: ServeMode = "compact"
     positions: PositionMode | None = None
-    order: ServeOrder = "log"
+    order: ServeOrder | None = None
     recompute: float | None = None
     blend_schedule: BlendSchedule | None = None
 
@@ -136,9 +139,18 @@ class QueryOptions:
         """
         for mode in modes:
             check_position_mode(self.positions, mode)
-        check_order(self.order, self.positions)
+        if self.order is not None:
+            check_order(self.order, self.positions)
         check_recompute(self.recompute, "blend" if "blend" in modes else modes[0])
         check_schedule(self.blend_schedule, "blend" if "blend" in modes else modes[0])
+
+    def order_for(self, select: SelectSpec) -> ServeOrder:
+        """The order a plan serving ``select`` lays its rows out in: :attr:`order` when given, else
+        ``"relevance"`` for a selector's choice (``select`` None) at contiguous positions (``positions``
+        resolved) and ``"log"`` for listed ids, ``"view"``, ``"all"`` and original positions."""
+        if self.order is not None:
+            return self.order
+        return "relevance" if select is None and self.positions == "contiguous" else "log"
 
     def shaping(self) -> dict[str, Any]:
         """``select``'s keywords besides ``k``: :data:`SHAPING` by name."""
@@ -165,14 +177,14 @@ class QueryOptions:
         """The plan one answer was served by, as plain values (``MemoryAnswer.plan``; the HTTP, chat and MCP
         answers carry it): ``select`` (None: the selector's choice; ``"view"``, ``"all"`` or the listed ids),
         ``mode``, ``positions`` (resolved; ``contiguous`` for ``text``, which re-prefills the served events right
-        after the header whatever ``positions`` says), ``order``; for a selector's choice also ``selector`` (its name),
+        after the header whatever ``positions`` says), ``order`` (resolved, :meth:`order_for`); for a selector's choice also ``selector`` (its name),
         ``k``, ``budget``, ``budget_rows``, ``neighbours``, ``with_headers``; for ``blend`` ``recompute`` and
         ``blend_schedule`` (resolved to their defaults). The memory adds ``rows``, its store's row format."""
         plan: dict[str, Any] = {
             "select": list(select) if isinstance(select, (list, tuple)) else select,
             "mode": mode,
             "positions": served_positions(mode, cast(PositionMode, self.positions)),
-            "order": self.order,
+            "order": self.order_for(select),
         }
         if select is None:
             chosen = self.selector or default_selector
@@ -395,7 +407,8 @@ class Selection:
                 within the budget, an empty list). OptionError: as :meth:`choose` and :meth:`listed`.
         """
         sequence = None
-        if select is None and options.order == "relevance":
+        order = options.order_for(select)
+        if select is None and order == "relevance":
             units, ranking, kept, taken = self.choose(question, options, rank_all=True)
             where = {cur.id: i for i, (_, cur) in enumerate(units)}
             rank = {where[r.id]: n for n, r in enumerate(ranking) if r.id in where}
@@ -405,7 +418,7 @@ class Selection:
             ids = self.select(question, options)
         else:
             ids = self.listed(select)
-            if options.order == "relevance":
+            if order == "relevance":
                 view = [cur for _, cur in self.table.units()]
                 ranking = self.rank(self.chosen(options), question, view, None) if view else []
                 seq = {r.id: r.seq for r in self.table.records}

@@ -179,8 +179,9 @@ class QueryIn(Shaping):
     # serving positions (eventkv.kv.serve): "contiguous" re-rotates the served rows right after the header;
     # null: the memory's default (eventkv.kv.serve.default_positions), recorded in the answer's plan
     positions: Literal["original", "contiguous"] | None = None
-    # the served rows' order under contiguous positions: "relevance" puts the most relevant event last
-    order: Literal["log", "relevance"] = "log"
+    # the served rows' order under contiguous positions: "relevance" puts the most relevant event last; null:
+    # relevance for a selector's choice at contiguous positions, else log, recorded in the answer's plan
+    order: Literal["log", "relevance"] | None = None
     # selective recompute (mode "blend")
     recompute: float | None = Field(
         None, ge=0.0, le=1.0, description="mode 'blend': the fraction of served tokens recomputed (None: 0.15)"

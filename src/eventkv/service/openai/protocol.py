@@ -123,7 +123,11 @@ class MemoryOptions(Shaping):
     positions: Literal["original", "contiguous"] | None = Field(
         None, description="null: the memory's default (contiguous where the model's RoPE re-rotates exactly)"
     )
-    order: Literal["log", "relevance"] = "log"
+    order: Literal["log", "relevance"] | None = Field(
+        None,
+        description="null: relevance (the most relevant event last) for a selector's choice at contiguous "
+        "positions, else log (history order)",
+    )
     remember: bool = Field(
         False, description="append the last user message and the reply as events (acknowledged once stored)"
     )
