@@ -257,8 +257,10 @@ def latest_selector():
 
 
 def _probe(**kw):
+    """A probe on the demo data, at the original positions and in history order unless ``kw`` says otherwise
+    (relevance order reads the prompt as a chat message, which needs a whole profile: see its own test)."""
     opts = dict(data=DEMO_DATA, conversations=1, questions_per_conversation=8, max_tokens=600, max_new_tokens=2)
-    return MemoryEval(**{**opts, "positions": "original", **kw})
+    return MemoryEval(**{**opts, "positions": "original", "order": "log", **kw})
 
 
 def test_a_registered_selector_just_works(latest_selector):
@@ -598,7 +600,7 @@ def test_order_is_checked_and_recorded(tmp_path, monkeypatch, capsys, tiny_dir):
     of order log, and the text and /contiguous arms record the order they were served in."""
     with pytest.raises(OptionError, match="order 'score'"):
         MemoryEval(data=DEMO_DATA, order="score")
-    assert MemoryEval(data=DEMO_DATA).order == "log"
+    assert MemoryEval(data=DEMO_DATA).order == "relevance"  # as the memory serves a selector's choice by default
     # the rows are served at contiguous positions unless asked otherwise, as the memory serves them by default
     default = MemoryEval(data=DEMO_DATA, selectors=("bm25",), arm_names=("rows", "text", "full", "gold"))
     assert default.positions == "contiguous"

@@ -47,9 +47,10 @@ def memory_eval(
         "contiguous", "--positions", help="contiguous | original | both (positions the served rows are read at)"
     ),
     order: str = typer.Option(
-        "log",
+        "relevance",
         "--order",
-        help="log | relevance (the text and contiguous arms' turns in history order, or the best-ranked last)",
+        help="relevance | log (the text and contiguous arms' turns with the best-ranked last, as the memory's "
+        "default plan serves them, or in history order)",
     ),
     neighbours: int = typer.Option(0, "--neighbours", help="also serve the W turns either side of each selected one"),
     with_headers: bool = typer.Option(

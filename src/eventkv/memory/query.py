@@ -177,9 +177,10 @@ class QueryOptions:
         """The plan one answer was served by, as plain values (``MemoryAnswer.plan``; the HTTP, chat and MCP
         answers carry it): ``select`` (None: the selector's choice; ``"view"``, ``"all"`` or the listed ids),
         ``mode``, ``positions`` (resolved; ``contiguous`` for ``text``, which re-prefills the served events right
-        after the header whatever ``positions`` says), ``order`` (resolved, :meth:`order_for`); for a selector's choice also ``selector`` (its name),
-        ``k``, ``budget``, ``budget_rows``, ``neighbours``, ``with_headers``; for ``blend`` ``recompute`` and
-        ``blend_schedule`` (resolved to their defaults). The memory adds ``rows``, its store's row format."""
+        after the header whatever ``positions`` says), ``order`` (resolved, :meth:`order_for`); for a selector's
+        choice also ``selector`` (its name), ``k``, ``budget``, ``budget_rows``, ``neighbours``, ``with_headers``;
+        for ``blend`` ``recompute`` and ``blend_schedule`` (resolved to their defaults). The memory adds ``rows``,
+        its store's row format."""
         plan: dict[str, Any] = {
             "select": list(select) if isinstance(select, (list, tuple)) else select,
             "mode": mode,

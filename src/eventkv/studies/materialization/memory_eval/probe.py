@@ -78,8 +78,9 @@ class MemoryEval(DialogueData, Probe):
     per conversation; 0 = the whole conversation), ``selectors`` (names in :data:`eventkv.options.SELECTORS`; empty =
     every registered one), ``budgets`` (fractions of the history's rows, header excluded), ``controls`` (the selectors
     whose served sets also get the text / isolated / blend arms; empty = ``"hybrid"`` when listed, else the first
-    selector), ``positions`` (``contiguous`` (default) | ``original`` | ``both``), ``order`` (``log`` | ``relevance``:
-    the order the text arms and the ``/contiguous`` arms serve their sets in; the package docstring), ``neighbours``,
+    selector), ``positions`` (``contiguous`` (default) | ``original`` | ``both``), ``order`` (``relevance``
+    (default) | ``log``: the order the text arms and the ``/contiguous`` arms serve their sets in; the package
+    docstring), ``neighbours``,
     ``with_headers`` (default on, the memory's default plan: a header event before each session, the turns undated; off:
     the date in every turn), ``resolve_dates`` (each relative date expression of a turn followed by the date it means
     against its session's date: :func:`eventkv.memory.dates.resolve_relative_dates`; the turns kept by ``max_tokens``
@@ -124,7 +125,7 @@ class MemoryEval(DialogueData, Probe):
     budgets: tuple[float, ...] = DEFAULT_BUDGETS
     controls: tuple[str, ...] = ()
     positions: str = "contiguous"
-    order: str = "log"
+    order: str = "relevance"
     neighbours: int = 0
     with_headers: bool = True
     resolve_dates: bool = False
