@@ -116,6 +116,9 @@ class MemoryEval(DialogueData, Probe):
         "budgets": (0.5,),
         "max_new_tokens": 3,
         "timing": False,
+        # relevance order reads the prompt as a chat message, which the registry test's stand-in profile (no chat
+        # scaffold) cannot render; tests/test_memory_eval.py runs it on a whole profile
+        "order": "log",
     }
 
     conversations: int = 2
