@@ -8,29 +8,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from served_fixtures import sharp_served
 
 from eventkv.errors import EventKVError
-from eventkv.kv.log import Event, EventLog, tokenize, tokenize_query
-from eventkv.kv.prefill import prefill
 from eventkv.kv.readout import generate_from, read_out
 from eventkv.kv.rows import cache_kv
-from eventkv.kv.serve import serve
 from eventkv.kv.stacked import stack
-from eventkv.testing import assert_same_greedy, tiny_lm
+from eventkv.testing import assert_same_greedy
 
 TOL = 1e-4
-EVENTS = [Event("a", "register A set to ON"), Event("b", "register B mirrors A"), Event("c", "register C is OFF")]
 
 
 @pytest.fixture(scope="module")
 def setting():
-    lm = tiny_lm("llama")
-    with torch.no_grad():
-        lm.model.lm_head.weight.mul_(30.0)
-    log = tokenize(EventLog(EVENTS), lm.tokenizer, lm.profile)
-    ekv = prefill(lm.model, log)
-    caches = [serve(ekv, "all", "compact"), serve(ekv, ["a"], "compact"), serve(ekv, ["b", "c"], "native")]
-    return lm, caches, tokenize_query(lm.tokenizer, lm.profile, "What is register A?")
+    lm, _, caches, query = sharp_served("llama", [("all", "compact"), (["a"], "compact"), (["b", "c"], "native")])
+    return lm, caches, query
 
 
 def test_generate_from_answers_as_read_out(setting):

@@ -8,20 +8,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from served_fixtures import sharp_served
 
 from eventkv.errors import EventKVError, OptionError
 from eventkv.kv.decoding import DRAFT_TOKENS, PromptLookup
-from eventkv.kv.log import Event, EventLog, tokenize, tokenize_query
-from eventkv.kv.prefill import prefill
 from eventkv.kv.readout import generate_from, read_out
 from eventkv.kv.rows import cache_kv
-from eventkv.kv.serve import serve
 from eventkv.kv.stacked import Batch
-from eventkv.testing import assert_same_greedy, tiny_lm, tiny_model
+from eventkv.testing import assert_same_greedy, tiny_model
 
 TOL = 1e-4
 BUDGET = 24
-EVENTS = [Event("a", "register A set to ON"), Event("b", "register B mirrors A"), Event("c", "register C is OFF")]
 
 
 def sharp(family: str):
@@ -105,13 +102,7 @@ def test_drafts_end_at_a_stop_token_and_at_decided(model):
 
 
 def test_read_out_drafts_from_served_caches():
-    lm = tiny_lm("qwen2")
-    with torch.no_grad():
-        lm.model.lm_head.weight.mul_(30.0)
-    log = tokenize(EventLog(EVENTS), lm.tokenizer, lm.profile)
-    ekv = prefill(lm.model, log)
-    caches = [serve(ekv, "all", "compact"), serve(ekv, ["b", "c"], "native"), serve(ekv, ["a"], "compact")]
-    query = tokenize_query(lm.tokenizer, lm.profile, "What is register A?")
+    lm, log, caches, query = sharp_served("qwen2", [("all", "compact"), (["b", "c"], "native"), (["a"], "compact")])
     opts = dict(generate=[True] * 3, score=[False] * 3, max_new_tokens=12, keep_logits=True)
     plain = read_out(lm.model, caches, query, **opts)
     # the first answer drafts from itself, the second from the events' text, the third not at all
