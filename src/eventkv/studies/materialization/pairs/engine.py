@@ -16,7 +16,7 @@ from eventkv.kv.readout import read_out
 from eventkv.kv.rows import EventKV
 from eventkv.kv.serve import ServedCache
 from eventkv.probes.base import Runtime
-from eventkv.studies.materialization.pairs.arms import PairArm, events_read
+from eventkv.studies.materialization.pairs.arms import PairArm, events_read, served_ids
 from eventkv.studies.materialization.pairs.prefill import PrefillCache, leading_log, shared_log, tokenize_pair
 from eventkv.studies.materialization.pairs.scoring import donor_d, outcome
 from eventkv.studies.materialization.pairs.serve import encode_isolated, isolated_events, leading_rows, serve_arm
@@ -389,11 +389,8 @@ def _read_out_entries(
         if (i, name, vs[0]) not in sources:
             arm = next(a for a in arms if a.name == name)
             log = lookup_logs[i][arm.history][vs[0]]
-            if arm.served == "all" or arm.encoding == "prefill":
-                slots = list(range(len(log.event_tokens)))
-            else:
-                slots = sorted(items[i]["roles"][arm.history][r] for r in arm.served)
-            sources[i, name, vs[0]] = [t for s in slots for t in log.event_tokens[s]]
+            ids = set(log.event_ids if arm.encoding == "prefill" else served_ids(items[i], arm, log))
+            sources[i, name, vs[0]] = [t for e, toks in zip(log.event_ids, log.event_tokens) if e in ids for t in toks]
         return sources[i, name, vs[0]] + queries[i, q]
 
     results: list = [None] * len(entries)
