@@ -253,12 +253,13 @@ def shape_units(
             members |= {h for h in (headers[j] for j in members) if h is not None}
         return members
 
+    order = {j: r for r, j in enumerate(ranked)}
+
     def stand_in(i: int) -> int:
         """A ranked group header's best-ranked event of its group, else the group's first; else itself."""
         if headers is None or headers[i] != i:
             return i
         group = [j for j in range(i + 1, n) if headers[j] == i]
-        order = {j: r for r, j in enumerate(ranked)}
         return min(group, key=lambda j: (order.get(j, len(order)), j), default=i)
 
     served, used, count = set(pinned), need, 0
