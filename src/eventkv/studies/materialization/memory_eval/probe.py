@@ -73,23 +73,23 @@ class _History:
 
 @dataclass
 class MemoryEval(DialogueData, Probe):
-    """Options (all part of a run's identity): ``data`` (LoCoMo JSON path) and its ``data_digest``
-    (sha256, filled in when empty), ``conversations``, ``questions_per_conversation``, ``max_tokens`` (history tokens
-    per conversation; 0 = the whole conversation), ``selectors`` (names in :data:`eventkv.options.SELECTORS`; empty =
-    every registered one), ``budgets`` (fractions of the history's rows, header excluded), ``controls`` (the selectors
-    whose served sets also get the text / isolated / blend arms; empty = ``"hybrid"`` when listed, else the first
-    selector), ``positions`` (``contiguous`` (default) | ``original`` | ``both``), ``order`` (``relevance``
-    (default) | ``log``: the order the text arms and the ``/contiguous`` arms serve their sets in; the package
-    docstring), ``neighbours``,
-    ``with_headers`` (default on, the memory's default plan: a header event before each session, the turns undated; off:
-    the date in every turn), ``resolve_dates`` (each relative date expression of a turn followed by the date it means
-    against its session's date: :func:`eventkv.memory.dates.resolve_relative_dates`; the turns kept by ``max_tokens``
-    are the same either way), ``categories`` (LoCoMo categories the questions are drawn from; empty = every category),
-    ``rows`` (the memories' row format, :data:`eventkv.kv.quant.ROW_FORMATS`; ``kv_bytes`` stays the served rows' native
-    bytes), ``k`` (at most ``k`` events ranked per served set besides the budget; None = fill to the budget),
-    ``recompute`` (the blend arm's fraction; None = the serve mode's default), ``max_new_tokens``, ``arm_names`` (the
-    arm kinds, :data:`ARM_KINDS`), ``batch_arms``, ``max_padding`` (:func:`length_groups`), ``timing`` (record
-    wall-clock latencies; off, records depend only on the seed and index).
+    """Options (all part of a run's identity): ``data`` (LoCoMo JSON path) and its ``data_digest`` (sha256, filled
+    in when empty), ``conversations``, ``questions_per_conversation``, ``max_tokens`` (history tokens per
+    conversation; 0 = the whole conversation), ``selectors`` (names in :data:`eventkv.options.SELECTORS`; empty =
+    every registered one), ``budgets`` (fractions of the history's rows, header excluded), ``controls`` (the
+    selectors whose served sets also get the text / isolated / blend arms; empty = ``"hybrid"`` when listed, else
+    the first selector), ``positions`` (``contiguous`` (default) | ``original`` | ``both``), ``order``
+    (``relevance`` (default) | ``log``: the order the text arms and the ``/contiguous`` arms serve their sets in;
+    the package docstring), ``neighbours``, ``with_headers`` (default on, the memory's default plan: a header event
+    before each session, the turns undated; off: the date in every turn), ``resolve_dates`` (each relative date
+    expression of a turn followed by the date it means against its session's date:
+    :func:`eventkv.memory.dates.resolve_relative_dates`; the turns kept by ``max_tokens`` are the same either way),
+    ``categories`` (LoCoMo categories the questions are drawn from; empty = every category), ``rows`` (the memories'
+    row format, :data:`eventkv.kv.quant.ROW_FORMATS`; ``kv_bytes`` stays the served rows' native bytes), ``k`` (at
+    most ``k`` events ranked per served set besides the budget; None = fill to the budget), ``recompute`` (the blend
+    arm's fraction; None = the serve mode's default), ``max_new_tokens``, ``arm_names`` (the arm kinds,
+    :data:`ARM_KINDS`), ``batch_arms``, ``max_padding`` (:func:`length_groups`), ``timing`` (record wall-clock
+    latencies; off, records depend only on the seed and index).
 
     Record (version 4), one per question: ``index``, ``conversation``, ``slot``, ``question``,
     ``gold``, ``category``, ``evidence``, ``history_rows`` (header excluded), ``choice`` (category 5),
