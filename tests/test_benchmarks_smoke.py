@@ -3,12 +3,14 @@ known to work before it first meets a GPU."""
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -343,3 +345,55 @@ def test_question_budgets_smoke():
     cut = r"\| \d+ \| [\d.]+ \| [\d.]+ \| [\d.]+%: \d+, [\d.]+ \| [+-][\d.]+ \[[+-][\d.]+, [+-][\d.]+\] \|$"
     one(r"\| bm25 >= 0.5 x best " + cut)
     one(r"\| dense >= best - 0.1 " + cut)
+
+
+def _draft_benchmark():
+    """``benchmarks/draft_model.py`` as a module (its counting functions)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("draft_model_benchmark", BENCHMARKS / "draft_model.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_draft_benchmark_counts_prompt_lookup_forwards_by_hand():
+    """Source 1..7, answer 3 4 5 6 7 then the stop token 0: the question's forward gives 3; the draft of `3`'s
+    match is 4 5 (both kept, 6 the model's own); the bigram 5 6 drafts 7 3 (7 kept, the stop the model's own)."""
+    bench = _draft_benchmark()
+    assert bench.lookup_rounds([1, 2, 3, 4, 5, 6, 7], [3, 4, 5, 6, 7, 0], {0}, 64) == [1, 3, 3]
+    assert bench.lookup_rounds([1, 2], [3, 4, 0], {0}, 64) == [1, 1, 1]  # nothing to copy: one token a forward
+
+
+def test_draft_benchmark_counts_a_draft_model_that_is_always_right():
+    """A draft model drafting its own greedy continuation of the source: every round keeps its k tokens and one
+    of the model's, so T tokens take 1 + ceil((T - 1) / (k + 1)) forwards, and k forwards of the draft a round
+    plus one catch-up after each round whose draft was kept whole."""
+    from eventkv.testing import tiny_model
+
+    bench = _draft_benchmark()
+    model = tiny_model("llama").eval()
+    source = [5, 17, 42, 8, 99, 23, 61]
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([source]), max_new_tokens=10, do_sample=False, eos_token_id=None)
+    answer = out[0, len(source) :].tolist()
+    assert len(answer) == 10
+    for k in (1, 2, 4):
+        rounds, steps = bench.draft_rounds(model, source, answer, k, set(), 64)
+        n = 1 + math.ceil((len(answer) - 1) / (k + 1))
+        assert len(rounds) == n and rounds[0] == 1
+        assert steps == (n - 1) * k + (n - 2)
+
+
+def test_draft_benchmark_smoke(tiny_dir):
+    """The draft benchmark end to end on the tiny model, drafting for itself: per answer its forwards each
+    way (none more than plain decoding's, a token a forward), and the totals with their ratio."""
+    args = ["--model", str(tiny_dir), "--dtype", "float32", "--draft", str(tiny_dir), "--draft-dtype", "float32"]
+    one, lines = run_benchmark("draft_model.py", [*args, "--pairs", "1", "--min-tokens", "1", "--repeats", "1"], 300)
+    one(r"model .* \(float32\), draft .* \(float32\); 2 threads, ")
+    rows = [re.search(r"forwards plain (\d+), lookup (\d+), draft (\d+) ", ln) for ln in lines]
+    counts = [tuple(map(int, m.groups())) for m in rows if m]
+    assert counts and all(lk <= plain and dr <= plain for plain, lk, dr in counts)
+    total = one(r"total over (\d+) answers: plain [\d.]+ s, prompt lookup [\d.]+ s, draft model [\d.]+ s; .* ([\d.]+)x")
+    assert int(total.group(1)) == len(counts) and float(total.group(2)) > 0
