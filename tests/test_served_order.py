@@ -183,6 +183,26 @@ def test_units_stay_whole_and_shared_members_go_with_the_best_ranked_unit():
     assert relevance_order(units, {2: 0, 4: 1}) == [3, 4, 0, 2]
 
 
+def test_a_group_is_one_block_at_its_best_units_rank():
+    """Groups 0 (events 1-3) and 4 (5-6); ranked 5, 2, 3. By units alone turn 3 (ranked last) leads, apart from
+    its header 0, which went with turn 2; with the groups given, 0 2 3 are one block at turn 2's rank, before
+    group 4's block (turn 5 the best)."""
+    headers = [0, 0, 0, 0, 4, 4, 4]
+    units = shape_units([5, 2, 3], [1] * 7, headers=headers)
+    assert units == [(5, [4, 5]), (2, [0, 2]), (3, [0, 3])]
+    rank = {5: 0, 2: 1, 3: 2}
+    assert relevance_order(units, rank) == [3, 0, 2, 4, 5]
+    assert relevance_order(units, rank, headers) == [0, 2, 3, 4, 5]
+    # a neighbour across a session's end goes to its own group's block; indices before the first header keep
+    # their unit's block, ahead of a group block at the same rank
+    headers = [None, None, 2, 2, 4, 4]
+    units = shape_units([3, 1], [1] * 6, neighbours=1, headers=headers)
+    assert units == [(3, [2, 3, 4]), (1, [0, 1, 2])]
+    assert relevance_order(units, {3: 0, 1: 1}) == [0, 1, 2, 3, 4]
+    assert relevance_order(units, {3: 0, 1: 1}, headers) == [0, 1, 2, 3, 4]
+    assert relevance_order(units, {1: 0, 3: 1}, headers) == [4, 0, 1, 2, 3]
+
+
 def test_neighbours_headers_and_pins_in_a_memory(llama, tmp_path):
     turns = [
         MemoryEvent("Ravi walked to the harbour.", id="x1"),
@@ -218,6 +238,10 @@ def test_neighbours_headers_and_pins_in_a_memory(llama, tmp_path):
         assert [x.id for x in mem.search(QUESTION, k=2, with_headers=False)] == ["a1", "b2"]
         # each event after its group header
         assert mem.query(QUESTION, k=2, with_headers=True, **kw).served_ids == ["h2", "b2", "h1", "a1"]
+        # a worse-ranked event of a group joins its group's block, after the header
+        q = "Where does Dana live in Lisbon, and did Dana call Mei?"
+        assert [x.id for x in mem.search(q, k=3, with_headers=False)] == ["a1", "b2", "a2"]
+        assert mem.query(q, k=3, with_headers=True, **kw).served_ids == ["h2", "b2", "h1", "a1", "a2"]
 
 
 def test_the_default_order_is_relevance_for_a_selectors_choice_at_contiguous_positions(llama, tmp_path):

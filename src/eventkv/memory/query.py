@@ -399,8 +399,9 @@ class Selection:
     def served(self, question: str, select: SelectSpec, options: QueryOptions) -> tuple[list[str], list[str] | None]:
         """The ids a plan serves, in history order, and under ``order="relevance"`` the same ids in the order
         their rows are served (:func:`eventkv.memory.select.relevance_order`: the shaping units in increasing
-        rank, the best-ranked last; an explicitly listed event is a unit of its own, one the selector does not
-        rank goes first); None under ``"log"``.
+        rank, the best-ranked last, and with ``with_headers`` each header's group one block at its best unit's
+        rank; an explicitly listed event is a unit of its own, one the selector does not rank goes first); None
+        under ``"log"``.
 
         Raises:
             Conflict: nothing to serve (the memory has no live events, and ``"all"`` no stored ones).
@@ -414,7 +415,8 @@ class Selection:
             where = {cur.id: i for i, (_, cur) in enumerate(units)}
             rank = {where[r.id]: n for n, r in enumerate(ranking) if r.id in where}
             ids = [units[i][1].id for i in kept]
-            sequence = [units[i][1].id for i in relevance_order(taken, rank)]
+            groups = group_headers([HEADER_TAG in cur.tags for _, cur in units]) if options.with_headers else None
+            sequence = [units[i][1].id for i in relevance_order(taken, rank, groups)]
         elif select is None:
             ids = self.select(question, options)
         else:

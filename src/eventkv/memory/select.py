@@ -304,7 +304,11 @@ def shape(
     return sorted({j for _, members in taken for j in members})
 
 
-def relevance_order(units: Sequence[tuple[int, Sequence[int]]], rank: Mapping[int, int]) -> list[int]:
+def relevance_order(
+    units: Sequence[tuple[int, Sequence[int]]],
+    rank: Mapping[int, int],
+    headers: Sequence[int | None] | None = None,
+) -> list[int]:
     """The served indices of ``units`` (``(anchor, members)``, e.g. :func:`shape_units`) in relevance order:
     the order ``order="relevance"`` serves them in (``EventMemory.query``; Liu et al. 2023, "Lost in the
     Middle", arXiv 2307.03172, sections 2-3: accuracy is highest when the relevant document is nearest the
@@ -325,10 +329,17 @@ def relevance_order(units: Sequence[tuple[int, Sequence[int]]], rank: Mapping[in
        block sits at its own rank.
     4. A block whose anchor has no rank (an event the selector did not rank, e.g. one outside the view)
        goes first, in history order: the place farthest from the question.
+    5. Given ``headers`` (:func:`group_headers`: the served set's group headers, e.g. LoCoMo's session
+       dates), a group is one block: every served index of a group goes to its group's block, placed at
+       the best place any of its indices has by rule 2, so each served event follows its own group's header
+       however its units rank (by rules 2-3 alone a worse-ranked turn of a session would sit apart from
+       the date line, which went with the session's best-ranked turn). Indices before the first header
+       keep rules 2-4.
 
     Args:
         units: ``(anchor, members)`` per unit (members may be shared between units).
         rank: place of each ranked index in the ranking (0 = best).
+        headers: the group header of every index (None: no groups), as :func:`shape_units` takes it.
 
     Returns:
         every member once, blocks by decreasing rank number (unranked first), each block ascending.
@@ -347,7 +358,12 @@ def relevance_order(units: Sequence[tuple[int, Sequence[int]]], rank: Mapping[in
         for j in members:
             if j not in best or place(anchor) > place(best[j]):
                 best[j] = anchor
-    return sorted(best, key=lambda j: (place(best[j]), j))
+    # the block of every served index (rule 3: its best anchor; rule 5: its group) and each block's place
+    block = {j: ("anchor", best[j]) if headers is None or headers[j] is None else ("group", headers[j]) for j in best}
+    at: dict[tuple[str, int], tuple[int, int]] = {}
+    for j, b in block.items():
+        at[b] = max(at.get(b, place(best[j])), place(best[j]))
+    return sorted(best, key=lambda j: (at[block[j]], block[j], j))
 
 
 @dataclass(frozen=True)
