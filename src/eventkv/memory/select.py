@@ -359,7 +359,10 @@ def relevance_order(
             if j not in best or place(anchor) > place(best[j]):
                 best[j] = anchor
     # the block of every served index (rule 3: its best anchor; rule 5: its group) and each block's place
-    block = {j: ("anchor", best[j]) if headers is None or headers[j] is None else ("group", headers[j]) for j in best}
+    block: dict[int, tuple[str, int]] = {}
+    for j in best:
+        group = None if headers is None else headers[j]
+        block[j] = ("anchor", best[j]) if group is None else ("group", group)
     at: dict[tuple[str, int], tuple[int, int]] = {}
     for j, b in block.items():
         at[b] = max(at.get(b, place(best[j])), place(best[j]))
