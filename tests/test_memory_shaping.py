@@ -15,7 +15,15 @@ from hypothesis import strategies as st
 from eventkv.errors import EventKVError, OptionError
 from eventkv.memory import EventMemory, MemoryEvent
 from eventkv.memory.query import DEFAULT_BUDGET_ROWS, QueryOptions, default_budget_rows
-from eventkv.memory.select import HEADER_TAG, Ranked, fraction_of, group_headers, shape
+from eventkv.memory.select import (
+    HEADER_TAG,
+    Ranked,
+    fraction_of,
+    group_headers,
+    relevance_order,
+    shape,
+    shape_units,
+)
 from eventkv.testing import tiny_lm
 
 # ====================================================================== the fill, alone
@@ -81,6 +89,33 @@ def test_shape_never_exceeds_the_budget_serves_every_pin_and_is_maximal(view):
     served = shape(ranked, rows, k=k, budget=budget, pinned=pinned, neighbours=neighbours, headers=headers)
     assert served == sorted(set(served))
     check_served(served, ranked, rows, k, budget, pinned, neighbours, headers)
+
+
+@settings(max_examples=400, deadline=None)
+@given(views())
+def test_relevance_order_keeps_each_group_one_block_in_history_order(view):
+    """Relevance order with the groups given: every served index once; each group's served indices one stretch,
+    ascending (its header, when served, first); groups by the best rank of the anchors whose units hold their
+    indices, worst first; with the groups not given the order is the units' (the same served indices)."""
+    ranked, rows, k, budget, pinned, neighbours, headers = view
+    if headers is None or (budget is not None and sum(rows[i] for i in pinned) > budget):
+        return
+    units = shape_units(ranked, rows, k=k, budget=budget, pinned=pinned, neighbours=neighbours, headers=headers)
+    rank = {j: r for r, j in enumerate(ranked)}
+    out = relevance_order(units, rank, headers)
+    served = {j for _, members in units for j in members}
+    assert sorted(out) == sorted(served) and sorted(relevance_order(units, rank)) == sorted(served)
+    groups = [headers[j] for j in out]
+    for g in {x for x in groups if x is not None}:
+        at = [n for n, x in enumerate(groups) if x == g]
+        assert at == list(range(at[0], at[-1] + 1)) and [out[n] for n in at] == sorted(out[n] for n in at)
+
+    def place(anchor):  # lower: farther from the question
+        return (0, anchor) if anchor not in rank else (1, -rank[anchor])
+
+    best = {g: max(place(a) for a, ms in units for j in ms if headers[j] == g) for g in set(groups) - {None}}
+    firsts = [g for n, g in enumerate(groups) if g is not None and (n == 0 or groups[n - 1] != g)]
+    assert [best[g] for g in firsts] == sorted(best[g] for g in firsts)
 
 
 def test_shape_by_hand():
