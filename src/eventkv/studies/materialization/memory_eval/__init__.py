@@ -34,7 +34,8 @@ A positioned arm (rows, isolated, blend) served in contiguous positions carries 
 ``/contiguous`` (``rows:bm25@5%/contiguous``). With ``order="relevance"`` the text arms and the
 ``/contiguous`` arms serve their set as :meth:`EventMemory.query` with ``order="relevance"`` serves
 it (selected again by the arm's selector at its budget, each shaping unit one block at its event's
-rank, the best-ranked last before the question); ``full``, ``gold`` and arms at original positions
+rank, with session headers each session's served turns one block after its header, the best-ranked
+last before the question); ``full``, ``gold`` and arms at original positions
 keep history order, and the arm names stay the same (the run's options record the order). The
 question is asked as LoCoMo's ``task_eval`` scripts ask it: a category-2 (temporal) question gets
 :data:`TEMPORAL_SUFFIX`; a category-5 (adversarial) question also scores the forced choice

@@ -485,9 +485,10 @@ class MemoryEval(DialogueData, Probe):
         question, selects, messages = prompt, [plans[a].served for a in group], None
         if first.relevance is not None:
             # the memory selects the set again, as served_set did (same question, selector and shaping), so
-            # each shaping unit (a turn with its neighbours and session header) is laid out as one block at
-            # its turn's rank (relevance_order); the question selects and ranks, the prompt is read as the
-            # one user message (the same token ids as question=prompt: eventkv.memory.chat.chat_tail_ids)
+            # each shaping unit (a turn with its neighbours), or with headers each session's served turns, is
+            # laid out as one block at its best turn's rank (relevance_order); the question selects and ranks,
+            # the prompt is read as the one user message (the same token ids as question=prompt:
+            # eventkv.memory.chat.chat_tail_ids)
             selector, budget = first.relevance
             options = options.with_(
                 order="relevance",

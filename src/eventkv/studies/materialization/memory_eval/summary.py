@@ -452,8 +452,9 @@ def summarize_memory_eval(records: Sequence[dict], probe: _Ordered | None = None
     if probe is not None and probe.order == "relevance":
         notes.append(
             "Order relevance: the text and /contiguous arms serve their turns in increasing selector score (each "
-            "turn's unit, its neighbours and session header, one block; the best-ranked last before the question); "
-            "full, gold and the arms at original positions in history order."
+            "turn with its neighbours one block; with session headers, each session's served turns one block after "
+            "its header, at its best turn's rank; the best-ranked last before the question); full, gold and the "
+            "arms at original positions in history order."
         )
     empty = {a: n for a, n in data["n_empty"].items() if n}
     if empty:
