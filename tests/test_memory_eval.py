@@ -171,6 +171,7 @@ def test_arm_grid_names_and_budgets():
     default = MemoryEval(data=DEMO_DATA)  # every registered selector, the fused one as the control when registered
     assert default.selectors[0] == "bm25" and set(default.selectors) == set(SELECTORS.names())
     assert default.controls == (("hybrid",) if "hybrid" in SELECTORS.names() else ("bm25",))
+    assert default.with_headers and default.resolve_dates  # the histories as the memory stores dated sessions
     probe = MemoryEval(
         data=DEMO_DATA,
         selectors=("bm25",),
@@ -701,12 +702,12 @@ def test_eval_rows_format_and_categories(tiny_dir, tmp_path, monkeypatch, capsys
     out = tmp_path / "run"
     args = ["memory", "eval", "--data", DEMO_DATA, "--model", str(tiny_dir), *BASE, "--out", str(out)]
     code, out_text, err = run_cli(
-        monkeypatch, capsys, *args, "--rows", "int8", "--categories", "2,4", "--resolve-dates"
+        monkeypatch, capsys, *args, "--rows", "int8", "--categories", "2,4", "--no-resolve-dates"
     )
     assert code == 0, out_text + err
     manifest = json.loads((out / "manifest.json").read_text())
     options = manifest["identity"]["options"]
-    assert options["rows"] == "int8" and options["categories"] == [2, 4] and options["resolve_dates"] is True
+    assert options["rows"] == "int8" and options["categories"] == [2, 4] and options["resolve_dates"] is False
     assert all(json.loads((m / "manifest.json").read_text())["rows"] == "int8" for m in (out / "memories").iterdir())
     assert {r["category"] for r in _records(out) if "arms" in r} <= {2, 4}
     code, _, err = run_cli(monkeypatch, capsys, "memory", "eval", "--data", DEMO_DATA, "--categories", "2,x")

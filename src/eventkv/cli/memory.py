@@ -60,9 +60,10 @@ def memory_eval(
         "memory's default plan serves them; --no-headers: the date written in every turn",
     ),
     resolve_dates: bool = typer.Option(
-        False,
+        True,
         "--resolve-dates/--no-resolve-dates",
-        help="write the date each relative expression of a turn means after it ('yesterday [7 May 2023]')",
+        help="write the date each relative expression of a turn means after it ('yesterday [7 May 2023]'), as the "
+        "memory stores a dated event; --no-resolve-dates: the turns as said",
     ),
     rows: str = typer.Option(
         "native", "--rows", help="native | int8 | int4: the format the memories store their rows in"
@@ -170,7 +171,10 @@ def memory_import(
         False, "--with-headers/--no-headers", help="a session header event carrying the date before each session"
     ),
     resolve_dates: bool = typer.Option(
-        False, "--resolve-dates/--no-resolve-dates", help="follow relative dates with the date they mean"
+        True,
+        "--resolve-dates/--no-resolve-dates",
+        help="follow relative dates with the date they mean, as the memory stores a dated event and `memory eval` "
+        "builds its histories; --no-resolve-dates: the turns as said",
     ),
     rows: Optional[str] = typer.Option(
         None,

@@ -81,9 +81,10 @@ class MemoryEval(DialogueData, Probe):
     the first selector), ``positions`` (``contiguous`` (default) | ``original`` | ``both``), ``order``
     (``relevance`` (default) | ``log``: the order the text arms and the ``/contiguous`` arms serve their sets in;
     the package docstring), ``neighbours``, ``with_headers`` (default on, the memory's default plan: a header event
-    before each session, the turns undated; off: the date in every turn), ``resolve_dates`` (each relative date
-    expression of a turn followed by the date it means against its session's date:
-    :func:`eventkv.memory.dates.resolve_relative_dates`; the turns kept by ``max_tokens`` are the same either way),
+    before each session, the turns undated; off: the date in every turn), ``resolve_dates`` (default on, as the
+    memory stores a dated event: each relative date expression of a turn followed by the date it means against its
+    session's date, :func:`eventkv.memory.dates.resolve_relative_dates`; the turns kept by ``max_tokens`` are the
+    same either way),
     ``categories`` (LoCoMo categories the questions are drawn from; empty = every category), ``rows`` (the memories'
     row format, :data:`eventkv.kv.quant.ROW_FORMATS`; ``kv_bytes`` stays the served rows' native bytes), ``k`` (at
     most ``k`` events ranked per served set besides the budget; None = fill to the budget), ``recompute`` (the blend
@@ -131,7 +132,7 @@ class MemoryEval(DialogueData, Probe):
     order: str = "relevance"
     neighbours: int = 0
     with_headers: bool = True
-    resolve_dates: bool = False
+    resolve_dates: bool = True
     categories: tuple[int, ...] = ()
     rows: str = "native"
     k: int | None = None
