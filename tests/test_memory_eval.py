@@ -522,9 +522,9 @@ def test_adversarial_question_gets_the_forced_choice(batch_arms):
 def test_relevance_order_serves_each_contiguous_arm_as_the_memory_query_does():
     """order="relevance": every text and /contiguous arm answers as ``EventMemory.query`` with
     ``order="relevance"`` on the same question, selector, budget and shaping (the same served order and
-    greedy answer), its set the recorded selection's; with session headers each header stays before its
-    turns and the best-ranked turn is served last. Arms at original positions, full and gold answer as
-    under order="log" and record no served order."""
+    greedy answer), its set the recorded selection's; with session headers each session's served turns follow
+    its header in history order, and the best-ranked turn's session is served last. Arms at original positions,
+    full and gold answer as under order="log" and record no served order."""
     from probe_fixtures import tiny_runtime
 
     from eventkv.models.introspect import profile_for
@@ -532,15 +532,15 @@ def test_relevance_order_serves_each_contiguous_arm_as_the_memory_query_does():
 
     rt = tiny_runtime("llama")
     rt.profile = profile_for(rt.model, rt.tokenizer, "tiny")  # a whole profile: the prompt is read as a message
-    opts = dict(selectors=("bm25",), budgets=(0.3,), positions="both", with_headers=True, timing=False)
+    opts = dict(selectors=("bm25",), budgets=(0.6,), positions="both", with_headers=True, timing=False)
     relevance, log = _probe(order="relevance", **opts), _probe(**opts)
     _, mem, questions = relevance._memory(rt, 0, 0)
     qa = questions[0]
     rec = relevance.run_item(rt, relevance.items(0, [0])[0])
-    ids = rec["selection"]["bm25@30%"]["ids"]
-    ordered = ["rows:bm25@30%/contiguous", "text:bm25@30%", "isolated:bm25@30%/contiguous"]
+    ids = rec["selection"]["bm25@60%"]["ids"]
+    ordered = ["rows:bm25@60%/contiguous", "text:bm25@60%", "isolated:bm25@60%/contiguous"]
     assert sorted(n for n, arm in rec["arms"].items() if "served_order" in arm) == sorted(ordered)
-    hits = mem.search(qa.question, k=None, selector="bm25", budget=0.3, with_headers=True)
+    hits = mem.search(qa.question, k=None, selector="bm25", budget=0.6, with_headers=True)
     for name in ordered:
         mode = {"rows": "compact", "text": "text", "isolated": "isolated"}[name.partition(":")[0]]
         ans = mem.query(
@@ -550,7 +550,7 @@ def test_relevance_order_serves_each_contiguous_arm_as_the_memory_query_does():
             mode,
             max_new_tokens=2,
             selector="bm25",
-            budget=0.3,
+            budget=0.6,
             with_headers=True,
             positions="contiguous",
             order="relevance",
@@ -559,16 +559,21 @@ def test_relevance_order_serves_each_contiguous_arm_as_the_memory_query_does():
         served = rec["arms"][name]["served_order"]
         assert served == ans.served_ids and sorted(served) == sorted(ids)
         assert rec["arms"][name]["answer"] == first_line(ans.text)
-        assert served[-1] == hits[0].id and served != ids  # the best-ranked turn last, not history order
-        for i, e in enumerate(served):
-            if e.startswith("session-"):  # a header heads its turns: the next event is of its session
-                assert served[i + 1].startswith(f"D{e.removeprefix('session-')}:")
+        last = max(i for i, e in enumerate(served) if e.startswith("session-"))
+        assert hits[0].id in served[last:] and served != ids  # the best turn's session last, not history order
+        session = None
+        for e in served:  # each header heads its session's served turns, in history order
+            if e.startswith("session-"):
+                session, turn = e.removeprefix("session-"), 0
+            else:
+                assert session is not None and e.startswith(f"D{session}:") and int(e.split(":")[1]) > turn
+                turn = int(e.split(":")[1])
     mem.close()
     assert {rec["arms"][n]["positions"] for n in rec["arms"] if n.endswith("/contiguous")} == {"contiguous"}
-    assert rec["arms"]["rows:bm25@30%"]["positions"] == rec["arms"]["full"]["positions"] == "original"
+    assert rec["arms"]["rows:bm25@60%"]["positions"] == rec["arms"]["full"]["positions"] == "original"
     plain = log.run_item(rt, log.items(0, [0])[0])
     assert not [a for a in plain["arms"].values() if "served_order" in a]
-    for name in ("rows:bm25@30%", "isolated:bm25@30%", "full", "gold"):  # batched apart: the same answers
+    for name in ("rows:bm25@60%", "isolated:bm25@60%", "full", "gold"):  # batched apart: the same answers
         x, y = rec["arms"][name], plain["arms"][name]
         assert (x["answer"], x["n_tokens"], x["rows"]) == (y["answer"], y["n_tokens"], y["rows"])
 
