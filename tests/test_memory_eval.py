@@ -767,3 +767,50 @@ def test_memory_compare_command(tmp_path, monkeypatch, capsys):
     )
     code, out, err = run_cli(monkeypatch, capsys, "memory", "compare", str(tmp_path / "a"), str(tmp_path / "nope"))
     assert code == 2 and "holds no records.jsonl" in err and "Traceback" not in out + err
+
+
+def test_prefill_window_computes_late_rows_with_a_short_past(tmp_path):
+    """``window``: the events within the window are prefilled as in one global pass (float32, within 1e-5); a
+    row past it is computed with only the header and the rows just before it in view, so it differs."""
+    import torch
+    from probe_fixtures import tiny_runtime
+
+    from eventkv.models import LoadedModel
+    from eventkv.models.introspect import profile_for
+    from eventkv.studies.materialization.memory_eval import INSTRUCTION, open_history
+
+    probe = MemoryEval(data=DEMO_DATA, conversations=1, max_tokens=0)
+    rt = tiny_runtime("llama")
+    sessions = probe._history(rt, 0).sessions
+    lm = LoadedModel(rt.model, rt.tokenizer, profile_for(rt.model, rt.tokenizer, "tiny"))
+    whole = open_history(tmp_path / "a", lm, INSTRUCTION, sessions)
+    short = open_history(tmp_path / "b", lm, INSTRUCTION, sessions, window=96)
+    n = whole._ekv.keys[0].shape[-2]
+    assert short._ekv.keys[0].shape[-2] == n > 96
+    for k1, k2 in zip(whole._ekv.keys, short._ekv.keys):
+        torch.testing.assert_close(k1[..., :48, :], k2[..., :48, :], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(whole._ekv.values[-1][..., -8:, :], short._ekv.values[-1][..., -8:, :], atol=1e-3)
+    with pytest.raises(OptionError, match="window"):
+        open_history(tmp_path / "c", lm, INSTRUCTION, sessions, window=1)
+
+
+def test_prefill_window_option_is_checked_and_kept_out_of_the_identity_at_its_default():
+    assert "prefill_window" not in MemoryEval(data=DEMO_DATA).options()
+    assert MemoryEval(data=DEMO_DATA, prefill_window=2048).options()["prefill_window"] == 2048
+    with pytest.raises(OptionError, match="prefill_window"):
+        MemoryEval(data=DEMO_DATA, prefill_window=1).validate()
+    with pytest.raises(OptionError, match="prefill_window"):
+        MemoryEval(data=DEMO_DATA, prefill_window=True).validate()
+
+
+def test_eval_with_a_prefill_window_records_it(tiny_dir, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    args = ["memory", "eval", "--data", DEMO_DATA, "--model", str(tiny_dir), *BASE, "--out", str(out)]
+    args[args.index("--conversations") + 1] = "1"
+    code, text, err = run_cli(monkeypatch, capsys, *args, "--prefill-window", "400")
+    assert code == 0, text + err
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["identity"]["options"]["prefill_window"] == 400
+    assert any("arms" in x for x in _records(out))
+    code, text, err = run_cli(monkeypatch, capsys, *args, "--prefill-window", "1", "--out", str(tmp_path / "bad"))
+    assert code == 2 and "prefill" in text + err and "Traceback" not in text + err

@@ -65,6 +65,12 @@ def memory_eval(
         help="write the date each relative expression of a turn means after it ('yesterday [7 May 2023]'), as the "
         "memory stores a dated event; --no-resolve-dates: the turns as said",
     ),
+    prefill_window: Optional[int] = typer.Option(
+        None,
+        "--prefill-window",
+        help="positions each prefill forward of a memory spans at most (header + recent rows + new tokens): a row past "
+        "it is computed with only the header and the rows just before it in view (default: the model's context)",
+    ),
     rows: str = typer.Option(
         "native", "--rows", help="native | int8 | int4: the format the memories store their rows in"
     ),
@@ -117,6 +123,7 @@ def memory_eval(
         neighbours=neighbours,
         with_headers=with_headers,
         resolve_dates=resolve_dates,
+        prefill_window=prefill_window,
         rows=rows,
         categories=int_list(categories, "--categories", "2,4") if categories.strip() else (),
         k=k,

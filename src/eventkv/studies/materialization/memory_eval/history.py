@@ -90,22 +90,31 @@ def history_events(conv, with_headers: bool, resolve_dates: bool = False) -> lis
 _OPEN: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def open_history(directory: Path, lm, instruction: str, sessions: list, rows: str = "native") -> Any:
+def open_history(
+    directory: Path, lm, instruction: str, sessions: list, rows: str = "native", window: int | None = None
+) -> Any:
     """The memory of one history in ``directory``, its rows stored in format ``rows``: reopened when it holds a
     prefix of these events (the same ids and texts, in order; the missing sessions are then added), else built
     afresh (a store made by another model, header or row format, or for another history, is removed); every
     session is added with its rows prefilled and committed, so a kill loses at most the session in flight. A handle this
-    process opened on ``directory`` before is closed first.
+    process opened on ``directory`` before is closed first. ``window``: the positions each prefill forward spans at
+    most (header + recent rows + new tokens, :class:`eventkv.kv.windowed.PrefillWindow`), so a row past it is computed
+    with only the header and the rows just before it in view; None: the model's context. A store does not record
+    its window: give one directory per window.
 
     Raises:
         StoreDamaged: the store is damaged (:meth:`EventMemory.open`).
+        OptionError: ``window`` not a whole number in [2, the model's context].
         EventKVError: another process holds the store; as :meth:`EventMemory.create` and
             :meth:`EventMemory.add`.
     """
     import json
 
+    from eventkv.kv.windowed import PrefillWindow
     from eventkv.memory import EventMemory
     from eventkv.memory.identity import model_identity
+
+    span = None if window is None else PrefillWindow.for_context(lm.profile.max_context, size=window)
 
     key = str(directory.resolve())
     if key in _OPEN:
@@ -121,7 +130,7 @@ def open_history(directory: Path, lm, instruction: str, sessions: list, rows: st
             and made.get("rows", "native") == rows
         )
         if same:  # a store of this model and header: any other error (damage, a live writer) is raised
-            mem = EventMemory.open(directory, lm)
+            mem = EventMemory.open(directory, lm, window=span)
             have = [(r.id, r.text) for r in mem.list()]
             if have != want[: len(have)]:
                 mem.close()
@@ -130,7 +139,7 @@ def open_history(directory: Path, lm, instruction: str, sessions: list, rows: st
             shutil.rmtree(directory)
     if mem is None:
         directory.parent.mkdir(parents=True, exist_ok=True)
-        mem = EventMemory.create(directory, lm, namespace="eval", instruction=instruction, rows=rows)
+        mem = EventMemory.create(directory, lm, namespace="eval", instruction=instruction, rows=rows, window=span)
     _OPEN[key] = mem
     done = len(mem.list())
     seen = 0

@@ -84,7 +84,10 @@ class MemoryEval(DialogueData, Probe):
     before each session, the turns undated; off: the date in every turn), ``resolve_dates`` (default on, as the
     memory stores a dated event: each relative date expression of a turn followed by the date it means against its
     session's date, :func:`eventkv.memory.dates.resolve_relative_dates`; the turns kept by ``max_tokens`` are the
-    same either way),
+    same either way), ``prefill_window`` (the positions each prefill forward of a memory spans at most: header +
+    recent rows + new tokens, so a row past it is computed with only the header and the rows just before it in
+    view, :class:`eventkv.kv.windowed.PrefillWindow`; None, the default: the model's context, one global prefill
+    where the history fits; left out of the run's identity when None),
     ``categories`` (LoCoMo categories the questions are drawn from; empty = every category), ``rows`` (the memories'
     row format, :data:`eventkv.kv.quant.ROW_FORMATS`; ``kv_bytes`` stays the served rows' native bytes), ``k`` (at
     most ``k`` events ranked per served set besides the budget; None = fill to the budget), ``recompute`` (the blend
@@ -133,6 +136,7 @@ class MemoryEval(DialogueData, Probe):
     neighbours: int = 0
     with_headers: bool = True
     resolve_dates: bool = True
+    prefill_window: int | None = None
     categories: tuple[int, ...] = ()
     rows: str = "native"
     k: int | None = None
@@ -209,6 +213,13 @@ class MemoryEval(DialogueData, Probe):
         check_row_format(self.rows)
         if not isinstance(self.resolve_dates, bool):
             raise OptionError("resolve_dates", self.resolve_dates, "give true or false.")
+        check_optional_int(
+            "prefill_window",
+            self.prefill_window,
+            "give the prefill window as a whole number of positions >= 2, or leave it out (the model's context).",
+            minimum=2,
+            flag="--prefill-window",
+        )
         if len(set(self.categories)) != len(self.categories) or not all(
             is_int(c) and c in CATEGORIES for c in self.categories
         ):
@@ -283,6 +294,13 @@ class MemoryEval(DialogueData, Probe):
         ctx = rt.max_context
         if ctx is None:
             return
+        if self.prefill_window is not None and self.prefill_window > ctx:
+            raise OptionError(
+                "prefill_window",
+                self.prefill_window,
+                f"the model's context is {ctx} positions: give a prefill window of at most {ctx}.",
+                flag="--prefill-window",
+            )
         header = len(rt.header_ids(self.instruction()))
         for c in range(self.conversations):
             h = self._history(rt, c)
@@ -305,6 +323,10 @@ class MemoryEval(DialogueData, Probe):
                     "out of --arms (or lower --max-tokens).",
                     flag="--arms",
                 )
+
+    def options(self) -> dict:
+        # an option at its default of None stays out of the identity, so folders made before it existed resume
+        return {k: v for k, v in super().options().items() if not (k == "prefill_window" and v is None)}
 
     def use_run_directory(self, directory) -> None:
         self._run_dir = Path(directory)
@@ -356,7 +378,14 @@ class MemoryEval(DialogueData, Probe):
                 self._open = None
             h = self._history(rt, c)
             lm = LoadedModel(rt.model, rt.tokenizer, rt.profile)
-            mem = open_history(self._store_root() / f"c{c}", lm, self.instruction(), h.sessions, rows=self.rows)
+            mem = open_history(
+                self._store_root() / f"c{c}",
+                lm,
+                self.instruction(),
+                h.sessions,
+                rows=self.rows,
+                window=self.prefill_window,
+            )
             questions = [q for q in h.conv.questions if not self.categories or q.category in self.categories]
             random.Random(f"memory-eval:{seed}:{c}").shuffle(questions)
             self._open = (c, (h, mem, questions[: self.questions_per_conversation]))
