@@ -397,3 +397,41 @@ def test_draft_benchmark_smoke(tiny_dir):
     assert counts and all(lk <= plain and dr <= plain for plain, lk, dr in counts)
     total = one(r"total over (\d+) answers: plain [\d.]+ s, prompt lookup [\d.]+ s, draft model [\d.]+ s; .* ([\d.]+)x")
     assert int(total.group(1)) == len(counts) and float(total.group(2)) > 0
+
+
+@pytest.mark.slow
+def test_evidence_rows_smoke(tiny_dir, tmp_path, monkeypatch, capsys):
+    """The evidence-rows benchmark on a tiny memory eval run: every way on every question, and its reproduction of
+    the run's own rows arm scores each question as the run did."""
+    import json
+
+    from cli_fixtures import run_cli
+
+    from eventkv.studies.materialization.memory_eval import DEMO_DATA
+
+    out = tmp_path / "run"
+    args = ["memory", "eval", "--data", DEMO_DATA, "--model", str(tiny_dir), "--conversations", "1"]
+    args += ["--questions-per-conversation", "3", "--max-tokens", "600", "--budgets", "50%", "--selectors", "bm25"]
+    args += ["--arms", "rows,gold", "--max-new-tokens", "3", "--dtype", "float32", "--no-progress", "--out", str(out)]
+    code, text, err = run_cli(monkeypatch, capsys, *args)
+    assert code == 0, text + err
+    records = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()]
+    done = [r for r in records if "arms" in r]
+    one, lines = run_benchmark(
+        "evidence_rows.py", [str(out), "--window", "400", "--threads", "1", "--max-new-tokens", "3"], 300
+    )
+    one(rf".* \(float32\), conversation {done[0]['conversation']}, {len(done)} questions$")
+    ways = ["evidence: rows", "evidence: text", "header + evidence: rows", "header + evidence: text"]
+    ways += ["served set (run): rows", "evidence: rows (window 400)", "header + evidence: rows (window 400)"]
+    ways += ["served set (run): rows (window 400)"]
+    for way in ways:
+        mean = float(one(rf"{re.escape(way)} +([\d.]+) +{len(done)}$").group(1))
+        assert 0 <= mean <= 1
+    served = [re.search(r"served set \(run\): rows ([\d.]+);", ln) for ln in lines]
+    run_f1 = [round(r["arms"]["rows:bm25@50%/contiguous"]["f1"], 2) for r in done]
+    assert [float(m.group(1)) for m in served if m] == run_f1
+    one(r"header \+ evidence: rows - text: [+-][\d.]+ \(\d+:\d+, Wilcoxon p .*, n \d+\)$")
+    bad = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "evidence_rows.py"), str(tmp_path / "none")], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "error:" in bad.stderr and "Traceback" not in bad.stderr
