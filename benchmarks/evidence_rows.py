@@ -1,6 +1,7 @@
 """Are a memory's rows as readable as their text? Per question of a ``memory eval`` run, the question's evidence
 served from the memory's stored rows (compact, each row re-rotated to contiguous positions) against the same
-events re-prefilled as text, with and without their session headers; then, with ``--window N``, the same
+events re-prefilled as text, with and without their session headers (``--original``: the rows also read at the
+positions they were computed at); then, with ``--window N``, the same
 history prefilled again in windows of N positions (each row computed with only the header and the rows just
 before it in view, :class:`eventkv.kv.windowed.PrefillWindow`) and the evidence and the run's own served set
 (its first selector and budget, in the run's order) served from those rows.
@@ -46,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run", help="a memory eval run folder with its memories and unredacted records")
     parser.add_argument("--conversation", type=int, default=0, help="the conversation's index in the run (cK)")
     parser.add_argument("--window", type=int, default=None, help="also prefill the history in windows of N positions")
+    parser.add_argument(
+        "--original", action="store_true", help="also serve the evidence's rows at their original positions"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own count)")
     parser.add_argument("--max-new-tokens", type=int, default=24, help="greedy answer length limit")
     args = parser.parse_args(argv)
@@ -97,14 +101,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{ident['model']} ({ident['dtype']}), conversation {conv_id}, {len(records)} questions")
     for r in records:
         prompt = question_prompt(r["question"], r["category"])
-        line = []
         for suffix, mem in mems.items():
             for name, ids in _evidence_sets(r["evidence"], opts.get("with_headers", False)).items():
-                for mode, label in (("compact", "rows"), ("text", "text")):
-                    if suffix and mode == "text":
+                ways = [("compact", "contiguous", "rows"), ("text", "contiguous", "text")]
+                if args.original:
+                    ways.append(("compact", "original", "rows at original positions"))
+                for mode, positions, label in ways:
+                    if suffix and label != "rows":
                         continue  # text does not depend on how the rows were prefilled
                     ans = mem.query(
-                        prompt, select=ids, mode=mode, positions="contiguous", max_new_tokens=args.max_new_tokens
+                        prompt, select=ids, mode=mode, positions=positions, max_new_tokens=args.max_new_tokens
                     )
                     f1s.setdefault(f"{name}: {label}{suffix}", []).append(
                         score_answer(first_line(ans.text), r["gold"], r["category"]).f1
@@ -134,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{k:<42} {sum(v) / len(v):>8.3f} {len(v):>5}")
     for k, v in f1s.items():
         base = k.split(": ")[0] + ": text"
-        if "rows" not in k or base not in f1s:
+        if ": rows" not in k or base not in f1s:
             continue
         d = [a - b for a, b in zip(v, f1s[base])]
         nz = [x for x in d if x]

@@ -418,12 +418,13 @@ def test_evidence_rows_smoke(tiny_dir, tmp_path, monkeypatch, capsys):
     records = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()]
     done = [r for r in records if "arms" in r]
     one, lines = run_benchmark(
-        "evidence_rows.py", [str(out), "--window", "400", "--threads", "1", "--max-new-tokens", "3"], 300
+        "evidence_rows.py", [str(out), "--window", "400", "--original", "--threads", "1", "--max-new-tokens", "3"], 300
     )
     one(rf".* \(float32\), conversation {done[0]['conversation']}, {len(done)} questions$")
     ways = ["evidence: rows", "evidence: text", "header + evidence: rows", "header + evidence: text"]
     ways += ["served set (run): rows", "evidence: rows (window 400)", "header + evidence: rows (window 400)"]
     ways += ["served set (run): rows (window 400)"]
+    ways += ["evidence: rows at original positions", "header + evidence: rows at original positions"]
     for way in ways:
         mean = float(one(rf"{re.escape(way)} +([\d.]+) +{len(done)}$").group(1))
         assert 0 <= mean <= 1
