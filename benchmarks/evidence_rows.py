@@ -43,15 +43,20 @@ def _evidence_sets(evidence: list[str], with_headers: bool) -> dict[str, list[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.replace("``", "`"),
+        formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, max_help_position=32),
+    )
     parser.add_argument("run", help="a memory eval run folder with its memories and unredacted records")
-    parser.add_argument("--conversation", type=int, default=0, help="the conversation's index in the run (cK)")
+    parser.add_argument(
+        "--conversation", type=int, default=0, help="the conversation's index in the run (cK; default 0)"
+    )
     parser.add_argument("--window", type=int, default=None, help="also prefill the history in windows of N positions")
     parser.add_argument(
         "--original", action="store_true", help="also serve the evidence's rows at their original positions"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own count)")
-    parser.add_argument("--max-new-tokens", type=int, default=24, help="greedy answer length limit")
+    parser.add_argument("--max-new-tokens", type=int, default=24, help="greedy answer length limit (default 24)")
     args = parser.parse_args(argv)
 
     import scipy.stats
@@ -68,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     run = Path(args.run)
     try:
+        if not (run / "manifest.json").is_file():
+            raise EventKVError(
+                f"{str(run)!r} is not a memory eval run folder (no manifest.json): give the --out of an eventkv "
+                "memory eval run."
+            )
         manifest = json.loads((run / "manifest.json").read_text())
         ident = manifest["identity"]
         opts = ident["options"]
