@@ -26,20 +26,17 @@ import tempfile
 from pathlib import Path
 
 
-def _evidence_sets(evidence: list[str], with_headers: bool) -> dict[str, list[str]]:
-    """The evidence ids in history order, alone and (with headers) each session's after its header event."""
-
-    def session(turn: str) -> int:  # LoCoMo turn ids: "D<session>:<turn>"
-        return int(turn[1:].split(":")[0])
-
-    turns = sorted(evidence, key=lambda t: (session(t), int(t.split(":")[1])))
-    sets = {"evidence": turns}
-    if with_headers:
-        sessions = sorted({session(t) for t in turns})
-        sets["header + evidence"] = [
-            x for s in sessions for x in [f"session-{s}"] + [t for t in turns if session(t) == s]
-        ]
-    return sets
+def _evidence_sets(events, evidence: list[str]) -> dict[str, list[str]]:
+    """The evidence ids in the memory's (history) order, alone and each after its session's header event: the
+    header events (tag ``"header"``) the run's gold arm serves with them, none where the run has no headers."""
+    want, header, alone, headed = set(evidence), None, [], []
+    for e in events:
+        if "header" in e.tags:
+            header = e.id
+        elif e.id in want:
+            alone.append(e.id)
+            headed += [header, e.id] if header is not None and header not in headed else [e.id]
+    return {"evidence": alone, "header + evidence": headed} if headed != alone else {"evidence": alone}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,12 +91,11 @@ def main(argv: list[str] | None = None) -> int:
             raise EventKVError(f"{str(run)!r} has no unredacted question of conversation {args.conversation}.")
         tmp = None
         if args.window:
-            events = mems[""].list()
             tmp = Path(tempfile.mkdtemp(prefix="evidence-rows-"))
             header = json.loads((store / "manifest.json").read_text()).get("instruction")
             win = PrefillWindow.for_context(lm.profile.max_context, size=args.window)
             mem = EventMemory.create(tmp / "m", lm, namespace="eval", instruction=header, window=win)
-            mem.add([MemoryEvent(e.text, id=e.id, tags=tuple(e.tags)) for e in events], prefill=True)
+            mem.add([MemoryEvent(e.text, id=e.id, tags=tuple(e.tags)) for e in mems[""].list()], prefill=True)
             mems[f" (window {args.window})"] = mem
     except (EventKVError, OSError, KeyError, json.JSONDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -109,13 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     order = opts.get("order", "log")
     f1s: dict[str, list[float]] = {}
     print(f"{ident['model']} ({ident['dtype']}), conversation {conv_id}, {len(records)} questions")
+    ways = [("compact", "contiguous", "rows"), ("text", "contiguous", "text")]
+    if args.original:
+        ways.append(("compact", "original", "rows at original positions"))
+    events = mems[""].list()
     for r in records:
         prompt = question_prompt(r["question"], r["category"])
         for suffix, mem in mems.items():
-            for name, ids in _evidence_sets(r["evidence"], opts.get("with_headers", False)).items():
-                ways = [("compact", "contiguous", "rows"), ("text", "contiguous", "text")]
-                if args.original:
-                    ways.append(("compact", "original", "rows at original positions"))
+            for name, ids in _evidence_sets(events, r["evidence"]).items():
                 for mode, positions, label in ways:
                     if suffix and label != "rows":
                         continue  # text does not depend on how the rows were prefilled
