@@ -344,6 +344,35 @@ def test_epic_recomputes_the_first_tokens_of_each_served_event(setup, monkeypatc
     assert _gap([k[:, :, at] for k in b.keys], [k[:, :, at] for k in compact.keys]) > 1e-3
 
 
+@pytest.mark.parametrize("sequence", [None, ["d", "b"]])
+def test_suffix_prefills_the_last_served_tokens_over_the_rows_before_them(setup, monkeypatch, sequence):
+    """``suffix`` recomputes the last ``ceil(recompute x n)`` tokens in serving order: at contiguous positions
+    they equal a fresh forward of those tokens over the contiguous compact rows before them (text read after
+    rows), every other row is the compact one, and no deviation forward runs."""
+    lm, ekv = setup
+    kw = {"positions": "contiguous", "sequence": sequence}
+    compact = serve(ekv, SERVED, "compact", lm.model, **kw)
+    h = ekv.log.span("<header>").n_tokens
+    n = compact.n_rows - h
+    c = n_recomputed(0.4, n)
+    monkeypatch.setattr(blend_module, "kv_deviation", None)
+    got = blend(lm.model, ekv, SERVED, 0.4, schedule="suffix", **kw)
+    assert got.chosen.tolist() == list(range(n - c, n)) and got.deviation is None
+    order = compact.served  # the events in the order of their rows
+    rows = torch.cat([ekv.rows_of([], include_header=True)] + [ekv.rows_of([e], include_header=False) for e in order])
+    assert torch.equal(got.rows, rows)
+    toks = torch.tensor([[ekv.log.input_ids[r] for r in rows[h + n - c :].tolist()]])
+    cache = cache_from_rows(
+        [k[:, :, : h + n - c] for k in compact.keys], [v[:, :, : h + n - c] for v in compact.values]
+    )
+    with torch.inference_mode():
+        model_forward(lm.model, toks, compact.positions[h + n - c :].unsqueeze(0), cache)
+    ref_k, ref_v = cache_kv(cache)
+    assert _gap(got.keys, ref_k) <= TOL and _gap(got.values, ref_v) <= TOL
+    assert all(torch.equal(x[:, :, : h + n - c], y[:, :, : h + n - c]) for x, y in zip(got.values, compact.values))
+    assert _gap([k[:, :, h + n - c :] for k in got.keys], [k[:, :, h + n - c :] for k in compact.keys]) > 1e-3
+
+
 @pytest.mark.parametrize("bad", ["gradual", "", 1, True])
 def test_a_bad_schedule_is_an_option_error(bad):
     with pytest.raises(OptionError, match="blend_schedule"):
@@ -355,7 +384,7 @@ def test_a_schedule_belongs_to_blend_only(setup):
     assert check_schedule(None) == "once" and check_schedule(None, "compact") is None
     with pytest.raises(OptionError, match="mode 'blend' only"):
         serve(ekv, SERVED, "compact", lm.model, blend_schedule="layerwise")
-    with pytest.raises(OptionError, match="once, layerwise, epic"):
+    with pytest.raises(OptionError, match="once, layerwise, epic, suffix"):
         serve(ekv, SERVED, "blend", lm.model, blend_schedule="gradual")
 
 
@@ -433,17 +462,18 @@ def test_a_memory_serves_blend_with_its_schedule(memory, monkeypatch):
     )
     assert layerwise.served_ids == compact.served_ids == ids  # a plan that is not blend gets no schedule
     memory.query("Where?", ids, mode="blend", max_new_tokens=2, blend_schedule="epic")
+    memory.query("Where?", ids, mode="blend", max_new_tokens=2, blend_schedule="suffix")
     memory.query("Where?", ids, mode="blend", max_new_tokens=2)
-    assert seen == ["layerwise", "epic", "once"]
+    assert seen == ["layerwise", "epic", "suffix", "once"]
     with pytest.raises(OptionError, match="blend_schedule"):
         memory.query("Where?", ids, mode="compact", max_new_tokens=2, blend_schedule="layerwise")
-    with pytest.raises(OptionError, match="once, layerwise, epic"):
+    with pytest.raises(OptionError, match="once, layerwise, epic, suffix"):
         memory.query("Where?", ids, mode="blend", max_new_tokens=2, blend_schedule="gradual")
 
 
 def test_the_memory_eval_reads_out_each_schedule_as_its_own_arm(tiny_dir, tmp_path, monkeypatch, capsys):
-    """``eventkv memory eval --arms rows,blend,blend-layerwise,blend-epic``: one arm per schedule, each served
-    with its own schedule (readout batches keep schedules apart)."""
+    """``eventkv memory eval --arms rows,blend,blend-layerwise,blend-epic,blend-suffix``: one arm per schedule, each
+    served with its own schedule (readout batches keep schedules apart)."""
     import json
 
     from cli_fixtures import run_cli
@@ -457,14 +487,16 @@ def test_the_memory_eval_reads_out_each_schedule_as_its_own_arm(tiny_dir, tmp_pa
     args = ["memory", "eval", "--data", DEMO_DATA, "--model", str(tiny_dir), "--conversations", "1"]
     args += ["--questions-per-conversation", "2", "--max-tokens", "600", "--budgets", "50%", "--selectors", "bm25"]
     args += ["--positions", "original"]
-    args += ["--arms", "rows,blend,blend-layerwise,blend-epic", "--recompute", "0.3", "--max-new-tokens", "2"]
+    args += ["--arms", "rows,blend,blend-layerwise,blend-epic,blend-suffix", "--recompute", "0.3"]
+    args += ["--max-new-tokens", "2"]
     code, text, err = run_cli(monkeypatch, capsys, *args, "--dtype", "float32", "--no-progress", "--out", str(out))
     assert code == 0, text + err
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     done = [r for r in records if "arms" in r]
     names = ["rows:bm25@50%", "blend:bm25@50%", "blend-layerwise:bm25@50%", "blend-epic:bm25@50%"]
+    names.append("blend-suffix:bm25@50%")
     assert done and all(list(r["arms"]) == names for r in done)
-    assert sorted(seen) == sorted(["epic", "layerwise", "once"] * len(done))
+    assert sorted(seen) == sorted(["epic", "layerwise", "once", "suffix"] * len(done))
 
 
 def test_the_http_body_carries_the_fraction():

@@ -51,6 +51,14 @@ The algorithm here, hand-written from the papers' method sections (no code from 
   served event of ``t`` tokens, chosen by position (no deviation forward), recomputed on every layer as
   in step 3. EPIC recomputes a fixed number of tokens per chunk; a fraction of each event keeps
   ``recompute`` one budget across schedules.
+* ``suffix`` — the last ``ceil(recompute x n)`` served tokens in serving order, recomputed on every layer as in
+  step 3 (no deviation forward): the rows before them serve as they are and the suffix is prefilled fresh over
+  them, as text would be. Which tokens those are is the serving order's choice: in log order the latest
+  events; under ``positions="contiguous"`` with a ``sequence`` in relevance order (the memory's default plan,
+  the best-ranked event last) the best-ranked events, re-read in full where their own rows answer worse
+  than their text (``docs/memory.md``, "Where rows trail text"). Not a method of either paper: the
+  question's nearest served tokens recomputed, where CacheBlend recomputes the most deviating ones and EPIC
+  the first of each chunk.
 
 Why not a library: LMCache's blending is tied to vLLM's paged-attention kernels (no transformers path), and
 kvpress pins transformers < 5.3 (eventkv runs on 5.2x).
@@ -104,10 +112,11 @@ DEFAULT_RECOMPUTE = 0.15
 """The fraction of served event tokens recomputed when none is given (CacheBlend's operating point, §6)."""
 SELECT_LAYER = 1
 """The decoder layer (0-based) whose K/V deviation chooses the tokens: the first one whose K/V depend on context."""
-BlendSchedule = Literal["once", "layerwise", "epic"]
+BlendSchedule = Literal["once", "layerwise", "epic", "suffix"]
 """Which served tokens are recomputed on which layer (see the module docstring): ``once`` (chosen on
 ``select_layer``, recomputed on every layer), ``layerwise`` (CacheBlend's gradual filtering, §4.3), ``epic``
-(the first tokens of each served event: EPIC's LegoLink)."""
+(the first tokens of each served event: EPIC's LegoLink), ``suffix`` (the last served tokens, nearest the
+query)."""
 BlendPositions = Literal["original", "contiguous"]
 """Where a blend runs: at the rows' original positions, or re-rotated to contiguous positions after the header."""
 BLEND_SCHEDULES: tuple[BlendSchedule, ...] = get_args(BlendSchedule)
@@ -185,7 +194,7 @@ class Blend:
             the header not counted).
         deviation: ``[n_tokens]`` float32 on the CPU, each served event token's deviation on the selection
             layer, or None when no deviation forward ran (``recompute`` 0, an initial set of every token,
-            schedule ``epic``).
+            schedules ``epic`` and ``suffix``).
         layer_chosen: per layer ``[c_layer]`` int64 on the CPU, ascending: the tokens whose rows on that layer are
             recomputed ones (the others keep their stored rows); ``chosen`` on every layer but for ``layerwise``.
     """
@@ -443,7 +452,7 @@ def blend(
         recompute: fraction of the served event tokens recomputed, in [0, 1] (0: the stored rows, no forward;
             1: every token, no deviation forward); for ``layerwise``, the fraction on the last layer.
         select_layer: the decoder layer whose deviation chooses the tokens (``once``, ``layerwise``).
-        schedule: ``once`` | ``layerwise`` | ``epic`` (:data:`BlendSchedule`, the module docstring).
+        schedule: ``once`` | ``layerwise`` | ``epic`` | ``suffix`` (:data:`BlendSchedule`, the module docstring).
         positions: ``original`` (every step at the positions the rows were prefilled at) or ``contiguous`` (the
             stored keys re-rotated to the positions right after the header first, then every step at those
             positions, as CacheBlend places its chunks: ``recompute=1`` is then a fresh prefill of header +
@@ -478,6 +487,8 @@ def blend(
         chosen = torch.arange(n, device="cpu")
     elif schedule == "epic":
         chosen = choose_first(lay.widths, recompute)
+    elif schedule == "suffix":
+        chosen = torch.arange(n - c, n, device="cpu")  # bookkeeping: row ranks
     else:
         deviation = _deviation(model, lay, select_layer)
         chosen = choose(deviation, c / n if schedule == "layerwise" else recompute)

@@ -22,9 +22,10 @@ Modes:
   on an early layer, once the served events see only each other, re-prefilled through every layer
   at their original positions; the rest reused (:mod:`eventkv.kv.blend`). ``blend_schedule`` picks
   which tokens are recomputed on which layer: ``once`` (the default: the above), ``layerwise``
-  (CacheBlend's gradual filtering, a set narrowing layer by layer) or ``epic`` (the first tokens of
-  each served event, EPIC's LegoLink). ``recompute=0`` is ``compact``; ``recompute=1`` equals a
-  fresh prefill of header + served events at their original positions. Compact layout.
+  (CacheBlend's gradual filtering, a set narrowing layer by layer), ``epic`` (the first tokens of
+  each served event, EPIC's LegoLink) or ``suffix`` (the last served tokens, nearest the query).
+  ``recompute=0`` is ``compact``; ``recompute=1`` equals a fresh prefill of header + served events at
+  their original positions. Compact layout.
 
 In compact, native, isolated and blend modes the query starts at the first position after the
 *full* history (``log.history_end``).
@@ -309,7 +310,7 @@ def serve(
         recompute: mode ``blend`` only: the fraction of served event tokens recomputed, in [0, 1]
             (None: :data:`eventkv.kv.blend.DEFAULT_RECOMPUTE`, 0.15).
         blend_schedule: mode ``blend`` only: which tokens are recomputed on which layer, ``once`` | ``layerwise`` |
-            ``epic`` (:data:`eventkv.kv.blend.BlendSchedule`; None: ``once``).
+            ``epic`` | ``suffix`` (:data:`eventkv.kv.blend.BlendSchedule`; None: ``once``).
 
     Returns:
         ServedCache with header + served rows (compact/isolated/text/blend) or all rows (native); its

@@ -105,8 +105,9 @@ class QueryOptions:
             records the one used.
         recompute: mode ``blend`` only: the fraction of served event tokens recomputed, in [0, 1]; None: 0.15
             (:data:`eventkv.kv.blend.DEFAULT_RECOMPUTE`).
-        blend_schedule: mode ``blend`` only: ``once`` (None), ``layerwise`` (CacheBlend's gradual filtering) or
-            ``epic`` (the first tokens of each served event) (:data:`eventkv.kv.blend.BlendSchedule`).
+        blend_schedule: mode ``blend`` only: ``once`` (None), ``layerwise`` (CacheBlend's gradual filtering),
+            ``epic`` (the first tokens of each served event) or ``suffix`` (the last served tokens: in the
+            relevance order, the best-ranked) (:data:`eventkv.kv.blend.BlendSchedule`).
     """
 
     k: int | None = None

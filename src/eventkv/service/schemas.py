@@ -186,10 +186,11 @@ class QueryIn(Shaping):
     recompute: float | None = Field(
         None, ge=0.0, le=1.0, description="mode 'blend': the fraction of served tokens recomputed (None: 0.15)"
     )
-    blend_schedule: Literal["once", "layerwise", "epic"] | None = Field(
+    blend_schedule: Literal["once", "layerwise", "epic", "suffix"] | None = Field(
         None,
         description="mode 'blend': which tokens are recomputed on which layer: once (None: the default), layerwise "
-        "(CacheBlend's gradual filtering) or epic (the first tokens of each served event)",
+        "(CacheBlend's gradual filtering), epic (the first tokens of each served event) or suffix (the last served "
+        "tokens, nearest the query)",
     )
 
     def query(self) -> MemoryQuery:

@@ -26,8 +26,9 @@ excluded) and each positions mode (``positions``: ``contiguous``, the default, `
 * ``text:<control>@<b>`` — a control selector's same served set re-prefilled as text (RAG);
 * ``isolated:<control>@<b>`` — the same set, each event encoded alone (chunk-wise precomputed KV);
 * ``blend:<control>@<b>`` — the same set's rows with a fraction recomputed (serve mode ``blend``,
-  ``recompute``), when ``arm_names`` includes ``blend``; ``blend-layerwise`` and ``blend-epic`` the same
-  under the ``layerwise`` and ``epic`` recompute schedules (``blend_schedule``, :mod:`eventkv.kv.blend`);
+  ``recompute``), when ``arm_names`` includes ``blend``; ``blend-layerwise``, ``blend-epic`` and ``blend-suffix``
+  the same under the ``layerwise``, ``epic`` and ``suffix`` recompute schedules (``blend_schedule``,
+  :mod:`eventkv.kv.blend`);
 * ``full`` — every stored row; ``gold`` — the evidence turns (and their session headers) as text.
 
 A positioned arm (rows, isolated, blend) served in contiguous positions carries the suffix
