@@ -84,7 +84,8 @@ def memory_eval(
     arms: str = typer.Option(
         "rows,text,isolated,full,gold",
         "--arms",
-        help="arm kinds: rows,text,isolated,blend,blend-layerwise,blend-epic,blend-suffix,full,gold (rows required)",
+        help="arm kinds, comma-separated, among: rows, text, isolated, blend, blend-layerwise, blend-epic, "
+        "blend-suffix, full, gold (rows required)",
     ),
     max_new_tokens: int = typer.Option(24, "--max-new-tokens", help="greedy answer length limit"),
     batch_arms: bool = typer.Option(
