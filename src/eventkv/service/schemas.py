@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
+from eventkv.kv.blend import BlendSchedule
 from eventkv.kv.quant import RowFormat
 from eventkv.memory.query import MemoryQuery, QueryOptions
 from eventkv.memory.records import Added, Hit, MemoryAnswer, MemoryRecord, MemoryStats
@@ -186,7 +187,7 @@ class QueryIn(Shaping):
     recompute: float | None = Field(
         None, ge=0.0, le=1.0, description="mode 'blend': the fraction of served tokens recomputed (None: 0.15)"
     )
-    blend_schedule: Literal["once", "layerwise", "epic", "suffix"] | None = Field(
+    blend_schedule: BlendSchedule | None = Field(
         None,
         description="mode 'blend': which tokens are recomputed on which layer: once (None: the default), layerwise "
         "(CacheBlend's gradual filtering), epic (the first tokens of each served event) or suffix (the last served "

@@ -10,27 +10,24 @@ from typing import NamedTuple, Sequence
 
 from eventkv.errors import OptionError
 
+#: the recompute schedule (``blend_schedule``) of each blend kind; None: the serve mode's default
+BLEND_SCHEDULE = {"blend": None, "blend-layerwise": "layerwise", "blend-epic": "epic", "blend-suffix": "suffix"}
 #: the kinds of arm; ``arm_names`` picks among them (``rows`` required)
-ARM_KINDS = ("rows", "text", "isolated", "blend", "blend-layerwise", "blend-epic", "blend-suffix", "full", "gold")
+ARM_KINDS = ("rows", "text", "isolated", *BLEND_SCHEDULE, "full", "gold")
 DEFAULT_KINDS = ("rows", "text", "isolated", "full", "gold")
 #: kinds served from the control selectors' sets besides their rows
-CONTROL_KINDS = ("text", "isolated", "blend", "blend-layerwise", "blend-epic", "blend-suffix")
+CONTROL_KINDS = ("text", "isolated", *BLEND_SCHEDULE)
 #: kinds whose served cache depends on the positions mode
-POSITIONED = ("rows", "isolated", "blend", "blend-layerwise", "blend-epic", "blend-suffix")
+POSITIONED = ("rows", "isolated", *BLEND_SCHEDULE)
 #: the serve mode of each kind
 SERVE_MODE = {
     "rows": "compact",
     "text": "text",
     "isolated": "isolated",
-    "blend": "blend",
-    "blend-layerwise": "blend",
-    "blend-epic": "blend",
-    "blend-suffix": "blend",
+    **dict.fromkeys(BLEND_SCHEDULE, "blend"),
     "full": "compact",
     "gold": "text",
 }
-#: the recompute schedule (``blend_schedule``) of each blend kind; None: the serve mode's default
-BLEND_SCHEDULE = {"blend": None, "blend-layerwise": "layerwise", "blend-epic": "epic", "blend-suffix": "suffix"}
 #: the order selectors are listed in (others follow, by name); the fused one is the default control
 SELECTOR_ORDER = ("bm25", "dense", "attention", "hybrid", "rerank")
 FUSED = "hybrid"
