@@ -44,9 +44,11 @@ def layer_types(model: PreTrainedModel) -> tuple[list[str], int | None]:
 
 
 def takes_4d_masks(model: PreTrainedModel) -> bool:
-    """Whether the model's attention implementation takes a prepared 4D mask (``sdpa``, ``eager``;
-    flash attention takes none)."""
-    return model.config.get_text_config(decoder=True)._attn_implementation in ("sdpa", "eager")
+    """Whether the model's attention implementation takes a prepared 4D mask (``sdpa``, ``eager``,
+    eventkv's matmul attention; flash attention takes none)."""
+    from eventkv.models.attention import MATMUL_ATTENTION
+
+    return model.config.get_text_config(decoder=True)._attn_implementation in ("sdpa", "eager", MATMUL_ATTENTION)
 
 
 def attention_masks(

@@ -22,6 +22,7 @@ import torch
 
 from eventkv.errors import EventKVError
 from eventkv.models.aliases import ALIASES
+from eventkv.models.attention import resolve_attention, use_attention
 from eventkv.models.devices import resolve_device
 from eventkv.models.digest import directory_digest, file_digest
 from eventkv.models.dtypes import resolve_dtype, torch_dtype
@@ -42,6 +43,7 @@ def load(
     device: str = "auto",
     attn_implementation: str = "sdpa",
     linear: str | None = None,
+    attention: str | None = None,
 ) -> LoadedModel:
     """Load a model and tokenizer, in eval mode, and read its `ModelProfile`.
 
@@ -89,16 +91,21 @@ def load(
         linear: the kernel of the linear layers (`eventkv.models.kernels`): ``"auto"`` (oneDNN for a float32
             model on a CPU, torch's own elsewhere), ``"onednn"`` or ``"torch"``; None reads ``EVENTKV_LINEAR``
             (default ``"auto"``). The kernel and why are in ``profile.linear_kernel`` and ``profile.linear_reason``.
+        attention: the kernel of an SDPA model's attention (`eventkv.models.attention`): ``"auto"`` (matmul
+            attention for short queries of a bfloat16 or float16 model on a CPU, SDPA elsewhere), ``"matmul"`` or
+            ``"sdpa"``; None reads ``EVENTKV_ATTENTION`` (default ``"auto"``). The kernel and why are in
+            ``profile.attention_kernel`` and ``profile.attention_reason``.
 
     Raises:
-        OptionError: a bad dtype, device or linear kernel, or a CUDA device this machine does not have (checked
-            before anything is read or fetched).
+        OptionError: a bad dtype, device, linear or attention kernel, or a CUDA device this machine does not
+            have (checked before anything is read or fetched).
         EventKVError: unknown alias; a model that cannot be found or read; a shard index (or the
             config's ``transformers_weights``) naming a file outside the model directory or a missing
             one; a pip failure or checksum mismatch while fetching an alias; a model with attention
             layer kinds other than full/sliding; a model that does not fit on the device.
     """
     resolve_linear(linear)  # a bad choice or EVENTKV_LINEAR is refused before anything is read
+    resolve_attention(attention)  # and EVENTKV_ATTENTION
     device, device_reason = resolve_device(device)
     dev = torch.device(device)
     dtype, dtype_reason = resolve_dtype(dtype, dev)
@@ -127,12 +134,15 @@ def load(
             "another GPU (cuda:N)"
         ) from e
     kernel, kernel_reason = use_linear(model, linear)
+    attention_kernel, attention_reason = use_attention(model, attention)
     profile = replace(
         profile_for(model, tokenizer, name_or_path, digest),
         dtype_reason=dtype_reason,
         device_reason=device_reason,
         linear_kernel=kernel,
         linear_reason=kernel_reason,
+        attention_kernel=attention_kernel,
+        attention_reason=attention_reason,
     )
     return LoadedModel(model=model, tokenizer=tokenizer, profile=profile)
 

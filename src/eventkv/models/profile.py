@@ -58,6 +58,9 @@ class ModelProfile:
             or what `resolve_device` found for ``device="auto"``); empty for profiles not made by `load`.
         linear_kernel: what the linear layers run on, ``"onednn"`` or ``"torch"`` (`eventkv.models.kernels`).
         linear_reason: why; empty for profiles not made by `load`.
+        attention_kernel: what the attention runs on, ``"matmul"`` (short queries; SDPA above) or ``"sdpa"``
+            (`eventkv.models.attention`), or the implementation the model was loaded with.
+        attention_reason: why; empty for profiles not made by `load`.
     """
 
     name: str
@@ -79,6 +82,8 @@ class ModelProfile:
     device_reason: str = ""
     linear_kernel: str = "torch"
     linear_reason: str = ""
+    attention_kernel: str = "sdpa"
+    attention_reason: str = ""
 
     @property
     def kv_row_bytes(self) -> int:

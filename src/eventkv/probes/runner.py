@@ -383,6 +383,8 @@ def run_items(
         device_reason=getattr(rt.profile, "device_reason", ""),
         # the linear kernel orders float32 sums as the thread count does: provenance of each invocation
         linear_kernel=getattr(rt.profile, "linear_kernel", "torch"),
+        # and the attention kernel rounds half-precision scores: the same provenance
+        attention_kernel=getattr(rt.profile, "attention_kernel", "sdpa"),
         batch_pairs=batch,
     )
 
