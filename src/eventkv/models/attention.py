@@ -5,13 +5,13 @@ On a CPU, torch's ``scaled_dot_product_attention`` in bfloat16 is slow where few
 cache. On a 2-core AMD EPYC with AVX512-BF16 (2 threads, qwen2.5-coder-1.5b's 12 query and 2 KV heads
 of 128 channels), one layer's attention as transformers calls SDPA against the matmul path: a one-token
 decode step over 700 rows 0.71 against 0.10 ms, over 16,000 rows 17 against 1.4 ms; 5 sequences of 3
-tokens (a decode step with its draft) over 640 rows 7.7 against 0.6 ms; a 40-token question over
+tokens (a decode step with its draft) over 640 rows 2.1-7.7 (across runs) against 0.6 ms; a 40-token question over
 16,000 rows 60 against 31 ms; 128 tokens over 4,000 rows 22 against 19 ms; 229 tokens over 596 rows
 10.5 against 10.5 ms, and 512 over 512 9.8 against 10.0 ms. So the matmul path takes a call of at most
 :data:`MATMUL_QUERY` query tokens, SDPA the longer ones (``benchmarks/cpu_attention.py``; the table is
 in ``docs/devices.md``, "CPU attention kernels"). On a whole model at 8,000 cached rows a one-token
-decode step took 160 instead of 378 ms. In float32 the studies' faithfulness gates run on SDPA, which
-keeps them.
+decode step took 160 instead of 378 ms. A float32 model keeps SDPA for every call: the studies'
+faithfulness gates and float32 tables are made on it.
 
 The matmul path is the formula of transformers' eager attention (scores, softmax, weighted values)
 computed in float32 — as SDPA's kernel computes inside — rather than eager's bfloat16 scores, whose
@@ -24,9 +24,10 @@ bias, a longer query, more than :data:`MATMUL_SCORES` scores — goes to transfo
 ``sdpa_attention_forward`` unchanged.
 
 A model gets the matmul path from :func:`eventkv.models.load` where it computes in bfloat16 or float16
-on a CPU with SDPA attention; ``attention="sdpa"`` (or ``EVENTKV_ATTENTION=sdpa``) keeps SDPA for every
-call. The attention function is registered with transformers (``AttentionInterface``) under
-:data:`MATMUL_ATTENTION`, with SDPA's mask builder, so any model transformers builds with SDPA can use it.
+on a CPU with SDPA attention (``attention="auto"``, the default, or ``"matmul"``, which says why where it
+cannot apply); ``attention="sdpa"`` (or ``EVENTKV_ATTENTION=sdpa``) keeps SDPA for every call. The
+attention function is registered with transformers (``AttentionInterface``) under :data:`MATMUL_ATTENTION`,
+with SDPA's mask builder, so any model transformers builds with SDPA can use it.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ MATMUL_ATTENTION = "eventkv_matmul"
 
 MATMUL_QUERY = 128
 """The longest query (new tokens of a forward) the matmul path takes: on the AMD EPYC above it was
-1.15-2x faster than SDPA from 40 to 138 tokens, even at 229 and slower at 512."""
+1.2-2x faster than SDPA from 40 to 138 tokens, even at 229 and slower at 512."""
 
 MATMUL_SCORES = 1 << 26
 """The most float32 scores (batch x query heads x query tokens x keys: 256 MiB) one call of the matmul
