@@ -35,7 +35,10 @@ SEED_MIN, SEED_END = -(2**63), 2**64
 #: fastest with 2 in float32 (2: 18.4-18.9 s, 3: 18.9-20.3 s, 4: 19.3-19.4 s, none: 20.8-21.1 s a pair) and
 #: with 2-3 in bfloat16 (none 10.3 s, 1: 9.1 s, 2: 7.8 s, 3: 7.4 s) on an Intel Xeon with AMX; on an AMD EPYC
 #: with avx512_bf16 and no AMX, 3 in bfloat16 took the same decode forwards as 2 on the benchmark's two sentence
-#: answers and more time (benchmarks/donor_pair_throughput.py, all arms: decode 1.28 s a pair against 1.17 s)
+#: answers and more time (benchmarks/donor_pair_throughput.py, all arms: decode 1.28 s a pair against 1.17 s).
+#: Those bfloat16 figures were made with the attention on SDPA, slow for 2-128 query tokens on a CPU; with the
+#: matmul attention (eventkv.models.attention) a one-sequence forward of 3, 4 and 5 tokens over 700 rows took
+#: 1.05x, 1.03x and 1.08x one of 1 token on that EPYC, so longer drafts may pay there: not yet re-measured
 DRAFT_TOKENS = 2
 #: the longest n-gram a prompt-lookup draft matches (transformers' ``max_matching_ngram_size`` default)
 DRAFT_NGRAM = 2
