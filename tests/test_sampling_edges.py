@@ -230,6 +230,7 @@ def test_sampling_probs_are_a_distribution_at_every_temperature(logits, t):
 @example(t=2.0, p=1 / 320, s=SEED_END - 1)
 @example(t=FLOAT_MAX, p=1.0, s=0)
 @example(t=math.nan, p=1.0, s=0)
+@example(t=1.0, p=1.0, s=-2023110040)  # draws a stop token first: an empty answer
 def test_decoding_over_the_float_range_answers_or_refuses(lm, greedy, t, p, s):
     """A decoding the rule accepts answers valid token ids, the greedy tokens below the threshold or
     with top_p <= 1 / vocab (the nucleus is then the most probable token alone); any other is refused."""
@@ -239,9 +240,10 @@ def test_decoding_over_the_float_range_answers_or_refuses(lm, greedy, t, p, s):
             chat_reply(lm, QUESTION, max_new_tokens=NEW_TOKENS, decoding=d)
         assert e.value.field in {"temperature", "top_p", "seed"}
         return
-    tokens = chat_reply(lm, QUESTION, max_new_tokens=NEW_TOKENS, decoding=d).generation.tokens
-    vocab = lm.model.config.vocab_size
-    assert 1 <= len(tokens) <= NEW_TOKENS and all(0 <= x < vocab for x in tokens)
+    gen = chat_reply(lm, QUESTION, max_new_tokens=NEW_TOKENS, decoding=d).generation
+    tokens, vocab = gen.tokens, lm.model.config.vocab_size
+    assert len(tokens) <= NEW_TOKENS and all(0 <= x < vocab for x in tokens)
+    assert tokens or gen.finish_reason == "stop"  # empty only where the first token drawn is a stop token
     if t < 1e-5 or p <= 1 / vocab:
         assert tokens == greedy
 
