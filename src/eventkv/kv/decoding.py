@@ -38,7 +38,7 @@ SEED_MIN, SEED_END = -(2**63), 2**64
 #: answers and more time (benchmarks/donor_pair_throughput.py, all arms: decode 1.28 s a pair against 1.17 s).
 #: Those bfloat16 figures were made with the attention on SDPA, slow for 2-128 query tokens on a CPU; with the
 #: matmul attention (eventkv.models.attention) a one-sequence forward of 3, 4 and 5 tokens over 700 rows took
-#: 1.05x, 1.03x and 1.08x one of 1 token on that EPYC, so longer drafts may pay there: not yet re-measured
+#: 1.05x, 1.03x and 1.08x one of 1 token on that EPYC, so the best draft length there may be longer than 2
 DRAFT_TOKENS = 2
 #: the longest n-gram a prompt-lookup draft matches (transformers' ``max_matching_ngram_size`` default)
 DRAFT_NGRAM = 2
