@@ -139,6 +139,28 @@ def check_choices(
 # (checked together by eventkv.probes.run_options.RunOptions.validate)
 
 
+def env_value(env: str) -> str:
+    """Environment variable ``env``'s value without surrounding space; ``""`` when unset or blank."""
+    return os.environ.get(env, "").strip()
+
+
+def check_choice_or_env(field: str, choice: str | None, env: str, choices: Sequence[str]) -> str:
+    """``choice``, or environment variable ``env``'s value when ``choice`` is None (``"auto"`` when that is
+    unset too), checked against ``choices`` (a kernel switch of ``models.load``: ``linear``, ``attention``).
+
+    Raises:
+        OptionError: ``choice`` (named ``field``) or the environment value (named ``env``) not in ``choices``.
+    """
+    if choice is None:
+        value = env_value(env)
+        if value and value not in choices:
+            raise OptionError(env, value, f"set it to one of {', '.join(choices)}, or unset it.", flag=env)
+        choice = value or "auto"
+    if choice not in choices:
+        raise OptionError(field, choice, f"use one of {', '.join(choices)}.")
+    return choice
+
+
 def check_items(items) -> int:
     """``--items``: at least one item."""
     return check_int("items", items, "run at least one item.")

@@ -32,7 +32,6 @@ with SDPA's mask builder, so any model transformers builds with SDPA can use it.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,7 +39,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from eventkv.errors import OptionError
+from eventkv.options import check_choice_or_env, env_value
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -151,16 +150,7 @@ def resolve_attention(choice: str | None) -> str:
     Raises:
         OptionError: a choice (or environment value) not in :data:`ATTENTION_CHOICES`.
     """
-    if choice is None:
-        env = os.environ.get(ATTENTION_ENV, "").strip()
-        if env and env not in ATTENTION_CHOICES:
-            raise OptionError(
-                ATTENTION_ENV, env, f"set it to one of {', '.join(ATTENTION_CHOICES)}, or unset it.", flag=ATTENTION_ENV
-            )
-        choice = env or "auto"
-    if choice not in ATTENTION_CHOICES:
-        raise OptionError("attention", choice, f"use one of {', '.join(ATTENTION_CHOICES)}.")
-    return choice
+    return check_choice_or_env("attention", choice, ATTENTION_ENV, ATTENTION_CHOICES)
 
 
 def attention_kernel(model: PreTrainedModel, choice: str = "auto") -> tuple[str, str]:
@@ -196,7 +186,7 @@ def use_attention(model: PreTrainedModel, choice: str | None = None) -> tuple[st
     Raises:
         OptionError: a choice (or environment value) not in :data:`ATTENTION_CHOICES`.
     """
-    from_env = choice is None and bool(os.environ.get(ATTENTION_ENV, "").strip())
+    from_env = choice is None and bool(env_value(ATTENTION_ENV))
     kernel, reason = attention_kernel(model, resolve_attention(choice))
     if from_env:
         reason = f"{reason} ({ATTENTION_ENV})"

@@ -20,13 +20,12 @@ are); a call that needs gradients, or gets another dtype or device, goes through
 
 from __future__ import annotations
 
-import os
 import types
 from typing import TYPE_CHECKING
 
 import torch
 
-from eventkv.errors import OptionError
+from eventkv.options import check_choice_or_env, env_value
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -108,16 +107,7 @@ def resolve_linear(choice: str | None) -> str:
     Raises:
         OptionError: a choice (or environment value) not in :data:`LINEAR_CHOICES`.
     """
-    if choice is None:
-        env = os.environ.get(LINEAR_ENV, "").strip()
-        if env and env not in LINEAR_CHOICES:
-            raise OptionError(
-                LINEAR_ENV, env, f"set it to one of {', '.join(LINEAR_CHOICES)}, or unset it.", flag=LINEAR_ENV
-            )
-        choice = env or "auto"
-    if choice not in LINEAR_CHOICES:
-        raise OptionError("linear", choice, f"use one of {', '.join(LINEAR_CHOICES)}.")
-    return choice
+    return check_choice_or_env("linear", choice, LINEAR_ENV, LINEAR_CHOICES)
 
 
 def use_linear(model: PreTrainedModel, choice: str | None = None) -> tuple[str, str]:
@@ -127,7 +117,7 @@ def use_linear(model: PreTrainedModel, choice: str | None = None) -> tuple[str, 
     Raises:
         OptionError: a choice (or environment value) not in :data:`LINEAR_CHOICES`.
     """
-    from_env = choice is None and bool(os.environ.get(LINEAR_ENV, "").strip())
+    from_env = choice is None and bool(env_value(LINEAR_ENV))
     kernel, reason = linear_kernel(model, resolve_linear(choice))
     if from_env:
         reason = f"{reason} ({LINEAR_ENV})"
