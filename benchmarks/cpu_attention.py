@@ -22,7 +22,7 @@ import time
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from eventkv.models.attention import MATMUL_QUERY, matmul_attention
+from eventkv.models.attention import MATMUL_QUERY, float32_attention, matmul_attention
 
 # (sequences, query tokens, rows before and including the query)
 SHAPES = (
@@ -107,8 +107,8 @@ def _shape(layer, query, key, value, scale: float, repeats: int) -> tuple[float,
         return sdpa_attention_forward(layer, query, key, value, mask, scaling=scale)[0]
 
     def mm():
-        if q > MATMUL_QUERY:  # the path itself, past the length it hands to SDPA
-            return _unbounded(layer, query, key, value, mask, scale)
+        if q > MATMUL_QUERY:  # the path's computation itself, past the length it hands to SDPA
+            return float32_attention(query, key, value, mask, scale, causal=True)
         return matmul_attention(layer, query, key, value, mask, scaling=scale)[0]
 
     groups = heads // key.shape[1]
@@ -121,17 +121,6 @@ def _shape(layer, query, key, value, scale: float, repeats: int) -> tuple[float,
     top = ref.abs().max().item()
     errs = [(f().double() - ref).abs().max().item() / top for f in (sdpa, mm)]
     return _best(sdpa, repeats), _best(mm, repeats), errs
-
-
-def _unbounded(layer, query, key, value, mask, scale):
-    import eventkv.models.attention as attention
-
-    saved = attention.MATMUL_QUERY
-    attention.MATMUL_QUERY = query.shape[2]
-    try:
-        return matmul_attention(layer, query, key, value, mask, scaling=scale)[0]
-    finally:
-        attention.MATMUL_QUERY = saved
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ __all__ = [
     "MATMUL_QUERY",
     "MATMUL_SCORES",
     "attention_kernel",
+    "float32_attention",
     "matmul_attention",
     "resolve_attention",
     "use_attention",
@@ -120,14 +121,40 @@ def matmul_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    group = heads // kv_heads
+    flag = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if flag is None else bool(flag)
     scale = d**-0.5 if scaling is None else scaling
+    return float32_attention(query, key, value, attention_mask, scale, causal), None
+
+
+def float32_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    """The matmul path's computation, at any length: scores, softmax and weighted values in float32, the
+    query heads of each KV head stacked into one matrix (:func:`matmul_attention` bounds where it is used).
+
+    Args:
+        query: ``[batch, q_heads, q, head_dim]``; key, value: ``[batch, kv_heads, kv, head_dim]``.
+        attention_mask: as :func:`matmul_attention`'s; None hides the later keys when ``causal`` and
+            ``q`` > 1 (the query's tokens being the last ``q`` of ``kv`` = ``q`` keys).
+        scale: the score scale.
+
+    Returns:
+        ``[batch, q, q_heads, head_dim]``, contiguous, in the query's dtype.
+    """
+    b, heads, q, d = query.shape
+    kv_heads, kv = key.shape[1], key.shape[2]
+    group = heads // kv_heads
     # query heads h*group .. h*group+group-1 read KV head h (transformers' repeat_kv order): stack them
     stacked = query.reshape(b, kv_heads, group * q, d).float()
     scores = torch.matmul(stacked, key.float().transpose(-1, -2)).view(b, heads, q, kv).mul_(scale)
     if attention_mask is None:
-        causal = kwargs.get("is_causal")
-        if q > 1 and (getattr(module, "is_causal", True) if causal is None else causal):
+        if q > 1 and causal:
             later = torch.ones(q, kv, dtype=torch.bool, device=query.device).triu_(1)
             scores.masked_fill_(later, torch.finfo(torch.float32).min)
     elif attention_mask.dtype == torch.bool:
@@ -137,7 +164,7 @@ def matmul_attention(
         scores.add_(attention_mask)
     probs = torch.softmax(scores, dim=-1).view(b, kv_heads, group * q, kv)
     out = torch.matmul(probs, value.float()).view(b, heads, q, d)
-    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+    return out.to(query.dtype).transpose(1, 2).contiguous()
 
 
 AttentionInterface.register(MATMUL_ATTENTION, matmul_attention)
