@@ -516,6 +516,9 @@ def test_adversarial_question_gets_the_forced_choice(batch_arms):
     assert (max(rec["timing"]["batch"].values()) > 1) == batch_arms
     assert question_prompt("When?", 2).startswith("Question: When? Use DATE of CONVERSATION")
     assert "DATE" not in question_prompt("When?", 4)
+    assert question_prompt("When?", 4).endswith(
+        "Answer in a few words, not a complete sentence, using the conversation's own words where possible."
+    )
 
 
 @pytest.mark.slow

@@ -22,7 +22,13 @@ HEADED_INSTRUCTION = (
     "The events below are the turns of a conversation, in order, each session opened by a header with its "
     "date; each turn names its speaker. Answer questions about the conversation."
 )
-QUESTION = "Question: {question}\nAnswer in a few words, using the conversation's own words where possible."
+#: LoCoMo's evaluation scripts for open models ask for a short answer in a few words, not a complete or lengthy
+#: sentence, in the conversation's own words where possible (task_eval/evaluate_llama2.py); token F1 counts every
+#: extra word of a sentence answer against it
+QUESTION = (
+    "Question: {question}\nAnswer in a few words, not a complete sentence, using the conversation's own words where "
+    "possible."
+)
 #: LoCoMo's evaluation scripts (task_eval) append this to category-2 (temporal) questions
 TEMPORAL_SUFFIX = " Use DATE of CONVERSATION to answer with an approximate date."
 #: LoCoMo's category-5 forced choice: this abstention against the question's adversarial answer

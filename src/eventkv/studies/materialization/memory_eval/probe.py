@@ -108,10 +108,11 @@ class MemoryEval(DialogueData, Probe):
     batch's size, per arm); a skipped slot: ``skipped`` with the reason."""
 
     name: ClassVar[str] = "memory-eval"
-    #: 7: a question's arms that need different serving keywords (positions, blend's schedule) share one batched
+    #: 8: the question asks for a few words, not a complete sentence (:data:`QUESTION`), as LoCoMo's own evaluation
+    #: does; 7: a question's arms that need different serving keywords (positions, blend's schedule) share one batched
     #: readout (6 read each key's arms out apart), so greedy answers move by float rounding; 6: an int8/int4 memory
     #: quantizes the values of every row after the header. A folder of another version does not resume
-    record_version: ClassVar[int] = 7
+    record_version: ClassVar[int] = 8
     smoke_options: ClassVar[dict] = {
         "data": DEMO_DATA,
         "conversations": 1,
