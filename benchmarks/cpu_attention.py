@@ -2,6 +2,7 @@
 layer's attention per call shape, measured in one run.
 
     python benchmarks/cpu_attention.py --dtype bfloat16 --threads 2
+    python benchmarks/cpu_attention.py --smoke    # four small shapes, one timed call each: that it runs
 
 The heads default to qwen2.5-coder-1.5b's (12 query heads, 2 KV heads, 128 channels). The shapes are the
 calls a donor pair and a served memory query make: decode steps (one token, or a token and its two-token
@@ -41,6 +42,8 @@ SHAPES = (
     (2, 229, 596),
     (1, 512, 512),
 )
+#: ``--smoke``: a decode step, a draft step, a question and a prefill past ``MATMUL_QUERY``, on few rows
+SMOKE_SHAPES = ((1, 1, 64), (2, 3, 64), (1, 40, 96), (1, MATMUL_QUERY + 8, MATMUL_QUERY + 8))
 
 
 class _Layer(torch.nn.Module):
@@ -69,7 +72,9 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=2, help="KV heads")
     ap.add_argument("--head-dim", type=int, default=128, help="channels per head")
     ap.add_argument("--repeats", type=int, default=5, help="timed calls per kernel and shape (the best is kept)")
+    ap.add_argument("--smoke", action="store_true", help="four small shapes, one timed call each (that it runs)")
     args = ap.parse_args()
+    shapes, repeats = (SMOKE_SHAPES, 1) if args.smoke else (SHAPES, args.repeats)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -85,10 +90,10 @@ def main() -> None:
     print(f"{'[seqs, q, rows]':<18} {head[0]:>9} {head[1]:>10} {head[2]:>12} {head[3]:>9} {head[4]:>11}")
     total = [0.0, 0.0]
     g = torch.Generator().manual_seed(0)
-    for b, q, kv in SHAPES:
+    for b, q, kv in shapes:
         query = torch.randn(b, args.heads, q, args.head_dim, generator=g).to(dtype)
         key, value = (torch.randn(b, args.kv_heads, kv, args.head_dim, generator=g).to(dtype) for _ in range(2))
-        a, m, errs = _shape(layer, query, key, value, scale, args.repeats)
+        a, m, errs = _shape(layer, query, key, value, scale, repeats)
         total[0] += a
         total[1] += m
         print(f"{str([b, q, kv]):<18} {a:9.2f} {m:10.2f} {a / m:11.2f}x {errs[0]:9.1e} {errs[1]:11.1e}")

@@ -53,6 +53,24 @@ def test_gpu_throughput_smoke():
     one(r"donor pairs speed-up over the study's way: batch 1 [\d.]+x")
 
 
+def test_cpu_attention_smoke():
+    """The CPU attention benchmark's small mode: its header, one line per shape with both kernels' times, their
+    ratio and each one's error against float64 within a few bfloat16 roundings, and the summed line."""
+    one, lines = run_benchmark("cpu_attention.py", ["--smoke", "--threads", "1"], 300)
+    assert one(r"bfloat16, 12 query / 2 KV heads of 128; torch .*; matmul path up to \d+ query tokens$")
+    rows = [
+        re.match(r"(\[\d+, \d+, \d+\]) +([\d.]+) +([\d.]+) +([\d.]+)x +([\d.e+-]+) +([\d.e+-]+)$", ln) for ln in lines
+    ]
+    rows = [m for m in rows if m]
+    assert [m.group(1) for m in rows] == ["[1, 1, 64]", "[2, 3, 64]", "[1, 40, 96]", "[1, 136, 136]"]
+    for m in rows:
+        sdpa_ms, matmul_ms, ratio, sdpa_err, matmul_err = map(float, m.groups()[1:])
+        assert sdpa_ms > 0 and matmul_ms > 0 and ratio > 0
+        # a bfloat16 output rounds at 2**-8 of its largest value: both kernels within four roundings of float64
+        assert sdpa_err < 4 * 2**-8 and matmul_err < 4 * 2**-8
+    assert one(r"summed +[\d.]+ +[\d.]+ +[\d.]+x$")
+
+
 @pytest.mark.slow
 def test_service_load_smoke(tmp_path):
     """The service load benchmark end to end on the tiny model: one client count, batching off and on,
