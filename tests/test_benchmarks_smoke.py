@@ -56,16 +56,18 @@ def test_gpu_throughput_smoke():
 def test_cpu_attention_smoke():
     """The CPU attention benchmark's small mode: its header, one line per shape with both kernels' times, their
     ratio and each one's error against float64 within a few bfloat16 roundings, and the summed line."""
+    from eventkv.models.attention import MATMUL_QUERY
+
     one, lines = run_benchmark("cpu_attention.py", ["--smoke", "--threads", "1"], 300)
     assert one(r"bfloat16, 12 query / 2 KV heads of 128; torch .*; matmul path up to \d+ query tokens$")
     rows = [
         re.match(r"(\[\d+, \d+, \d+\]) +([\d.]+) +([\d.]+) +([\d.]+)x +([\d.e+-]+) +([\d.e+-]+)$", ln) for ln in lines
     ]
     rows = [m for m in rows if m]
-    assert [m.group(1) for m in rows] == ["[1, 1, 64]", "[2, 3, 64]", "[1, 40, 96]", "[1, 136, 136]"]
-    for m in rows:
-        sdpa_ms, matmul_ms, ratio, sdpa_err, matmul_err = map(float, m.groups()[1:])
-        assert sdpa_ms > 0 and matmul_ms > 0 and ratio > 0
+    long = MATMUL_QUERY + 8  # a prefill past the matmul path's length
+    assert [m.group(1) for m in rows] == ["[1, 1, 64]", "[2, 3, 64]", "[1, 40, 96]", f"[1, {long}, {long}]"]
+    for m in rows:  # times are printed, not checked: one call each on a machine that may be busy
+        sdpa_err, matmul_err = float(m.group(5)), float(m.group(6))
         # a bfloat16 output rounds at 2**-8 of its largest value: both kernels within four roundings of float64
         assert sdpa_err < 4 * 2**-8 and matmul_err < 4 * 2**-8
     assert one(r"summed +[\d.]+ +[\d.]+ +[\d.]+x$")
